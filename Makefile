@@ -1,0 +1,38 @@
+# Set-up and the two front-door commands. Both create or reuse the virtualenv at .venv and are
+# safe to run again. torch is installed first and pinned: a bare `torch` requirement would let
+# pip fetch a multi-GB CUDA build.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: quickstart test lint format venv clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt setup.py pyproject.toml csrc/dataset_helpers.cpp
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	# Megatron-LM's own dataset reader, an independent reference in the tests (its deps are
+	# torch, numpy and packaging, all installed above).
+	$(BIN)/python -m pip install --quiet --no-deps megatron-core==0.16.1
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+quickstart: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/quickstart.sh
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf build *.egg-info engine/data/_helpers*.so .pytest_cache .ruff_cache

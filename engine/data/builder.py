@@ -1,0 +1,49 @@
+"""From --data-path / --split / sample counts to the train, valid and test datasets."""
+
+from __future__ import annotations
+
+from engine.data.blended import BlendedDataset, blend_counts, parse_data_path
+from engine.data.gpt_dataset import SPLIT_NAMES, GPTDataset, GPTDatasetSpec, parse_split, split_ranges
+from engine.data.indexed import IndexedDataset
+
+
+def build_gpt_datasets(
+    data_path: list[str],
+    split: str,
+    seq_length: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+    cache_dir: str | None = None,
+) -> list[BlendedDataset | None]:
+    """[train, valid, test]: each a blend (a single prefix is a blend of one) of exactly
+    num_samples[k] samples, or None where a split is asked for no samples or its share of
+    the documents rounds to none in every dataset (e.g. a 0.1% test split of a small corpus)."""
+    weights, prefixes = parse_data_path(data_path)
+    split_weights = parse_split(split)
+    indexed = [IndexedDataset(prefix) for prefix in prefixes]
+    result: list[BlendedDataset | None] = []
+    for k, name in enumerate(SPLIT_NAMES):
+        if num_samples[k] <= 0 or split_weights[k] == 0:
+            result.append(None)
+            continue
+        ranges = [split_ranges(d.num_documents, split_weights)[k] for d in indexed]
+        if all(end <= start for start, end in ranges):
+            result.append(None)
+            continue
+        which, nth, counts = blend_counts(weights, num_samples[k])
+        parts = []
+        for prefix, dataset, count, document_range in zip(prefixes, indexed, counts, ranges):
+            spec = GPTDatasetSpec(prefix, name, document_range, int(count), seq_length, seed)
+            parts.append(GPTDataset(dataset, spec, cache_dir) if count else _Empty())
+        result.append(BlendedDataset(parts, weights, num_samples[k], which, nth))
+    return result
+
+
+class _Empty:
+    """Stands for a dataset whose weight yields no samples in a small blend."""
+
+    def __len__(self) -> int:
+        return 0
+
+    def __getitem__(self, i: int):
+        raise IndexError(i)

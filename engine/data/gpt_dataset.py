@@ -1,0 +1,191 @@
+"""GPT training samples: documents packed into fixed-length samples, shuffled and split.
+
+For one split (a contiguous range of documents) and a requested number of samples:
+
+- doc_index: the split's documents, shuffled anew for every epoch (seed, epoch), one epoch
+  after another until enough tokens exist;
+- sample_index: where each sample of seq_length + 1 tokens starts in that stream (built by the
+  C++ helper in csrc/, see engine/data/helpers.py); consecutive samples overlap by one token, so
+  each token is predicted exactly once per epoch;
+- shuffle_index: a seeded permutation of all samples.
+
+The three arrays are cached as .npy files beside the data under a name that hashes every
+parameter they depend on, so a second start loads them instantly and a changed parameter
+(or re-tokenized data) never reuses a stale cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.data.helpers import build_sample_index
+from engine.data.indexed import IndexedDataset, index_file
+from engine.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SPLIT_NAMES = ("train", "valid", "test")
+CACHE_VERSION = 1
+
+
+def parse_split(split: str) -> list[float]:
+    """'969,30,1' -> normalised weights for train/valid/test (missing trailing parts are 0)."""
+    try:
+        parts = [float(p) for p in split.replace("/", ",").split(",") if p.strip()]
+    except ValueError:
+        raise ConfigError(f"--split {split!r}: expected numbers like 969,30,1") from None
+    if not parts or len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ConfigError(f"--split {split!r}: expected up to 3 non-negative weights, not all 0")
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return [p / total for p in parts]
+
+
+def split_ranges(num_documents: int, weights: list[float]) -> list[tuple[int, int]]:
+    """Contiguous [start, end) document ranges for train/valid/test."""
+    bounds = [0]
+    for weight in weights:
+        bounds.append(bounds[-1] + int(round(weight * num_documents)))
+    excess = bounds[-1] - num_documents
+    bounds = [max(0, b - excess) if i else 0 for i, b in enumerate(bounds)]
+    bounds[-1] = num_documents
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+@dataclass(frozen=True)
+class GPTDatasetSpec:
+    """Everything a split's index arrays depend on (hashed into the cache name)."""
+
+    prefix: str
+    split_name: str
+    document_range: tuple[int, int]
+    num_samples: int | None
+    seq_length: int
+    seed: int
+
+
+class GPTDataset:
+    """Packed, shuffled samples of seq_length + 1 token ids from one split of a dataset."""
+
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        spec: GPTDatasetSpec,
+        cache_dir: str | None = None,
+    ):
+        self.indexed = indexed
+        self.spec = spec
+        start, end = spec.document_range
+        if end <= start:
+            raise ConfigError(f"{spec.prefix}: the {spec.split_name} split holds no documents")
+        docs = indexed.document_indices
+        # One sequence per document in preprocess_data.py output; take every sequence of the
+        # split's documents in any case.
+        self.sequences = np.arange(docs[start], docs[end], dtype=np.int64)
+        self.tokens_per_epoch = int(indexed.sequence_lengths[self.sequences].sum(dtype=np.int64))
+        if self.tokens_per_epoch < spec.seq_length + 1:
+            raise ConfigError(
+                f"{spec.prefix}: the {spec.split_name} split has {self.tokens_per_epoch} tokens, "
+                f"fewer than seq-length + 1 = {spec.seq_length + 1}; give it more documents "
+                "(--split) or lower --seq-length"
+            )
+        self.num_epochs = self._epochs_needed()
+        self.doc_index, self.sample_index, self.shuffle_index = self._load_or_build(cache_dir)
+        self._lengths = indexed.sequence_lengths
+
+    def _epochs_needed(self) -> int:
+        wanted, seq = self.spec.num_samples, self.spec.seq_length
+        if wanted is None:
+            return 1
+        epochs = 1
+        while (epochs * self.tokens_per_epoch - 1) // seq < wanted:
+            epochs += 1
+        return epochs
+
+    def __len__(self) -> int:
+        return len(self.shuffle_index)
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        """Sample idx: seq_length + 1 token ids (int64)."""
+        i = int(self.shuffle_index[idx])
+        (first, offset), (last, end_offset) = self.sample_index[i : i + 2].tolist()
+        get, doc_index = self.indexed.get, self.doc_index
+        if first == last:
+            return get(int(doc_index[first]), offset, end_offset - offset + 1).astype(np.int64)
+        parts = [get(int(doc_index[first]), offset)]
+        parts.extend(get(int(doc_index[k])) for k in range(first + 1, last))
+        parts.append(get(int(doc_index[last]), 0, end_offset + 1))
+        return np.concatenate(parts).astype(np.int64, copy=False)
+
+    # --- index arrays -------------------------------------------------------------------
+
+    def _description(self) -> dict:
+        lengths = self.indexed.sequence_lengths
+        return {
+            "class": "GPTDataset",
+            "cache_version": CACHE_VERSION,
+            "prefix": os.path.abspath(self.spec.prefix),
+            "split": self.spec.split_name,
+            "document_range": list(self.spec.document_range),
+            "num_samples": self.spec.num_samples,
+            "seq_length": self.spec.seq_length,
+            "seed": self.spec.seed,
+            "num_epochs": self.num_epochs,
+            "num_sequences": len(lengths),
+            "sequence_lengths_sha1": hashlib.sha1(lengths.tobytes()).hexdigest(),
+        }
+
+    def _build(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        seed, seq = self.spec.seed, self.spec.seq_length
+        doc_index = np.concatenate(
+            [
+                np.random.default_rng([seed, epoch, 0]).permutation(self.sequences)
+                for epoch in range(self.num_epochs)
+            ]
+        )
+        num_samples = (self.num_epochs * self.tokens_per_epoch - 1) // seq
+        sample_index = build_sample_index(self.indexed.sequence_lengths, doc_index, seq, num_samples)
+        dtype = np.int32 if num_samples < 2**31 else np.int64
+        shuffle_index = np.random.default_rng([seed, 1]).permutation(num_samples).astype(dtype)
+        return doc_index, sample_index, shuffle_index
+
+    def cache_paths(self, cache_dir: str | None) -> dict[str, str]:
+        description = json.dumps(self._description(), sort_keys=True)
+        digest = hashlib.md5(description.encode()).hexdigest()
+        directory = cache_dir or os.path.join(os.path.dirname(index_file(self.spec.prefix)), "cache")
+        stem = os.path.join(
+            directory, f"{os.path.basename(self.spec.prefix)}-{self.spec.split_name}-{digest}"
+        )
+        names = ("description", "doc_index", "sample_index", "shuffle_index")
+        return {n: f"{stem}-{n}.{'json' if n == 'description' else 'npy'}" for n in names}
+
+    def _load_or_build(self, cache_dir: str | None):
+        paths = self.cache_paths(cache_dir)
+        arrays = ("doc_index", "sample_index", "shuffle_index")
+        if all(os.path.isfile(paths[n]) for n in arrays):
+            return tuple(np.load(paths[n], mmap_mode="r") for n in arrays)
+        built = self._build()
+        try:
+            os.makedirs(os.path.dirname(paths["doc_index"]), exist_ok=True)
+            for name, array in zip(arrays, built):
+                _save_atomically(paths[name], array)
+            tmp = f"{paths['description']}.tmp.{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(self._description(), f, indent=1, sort_keys=True)
+            os.replace(tmp, paths["description"])
+        except OSError as err:
+            log.warning("could not cache dataset indices in %s (%s); keeping them in memory",
+                        os.path.dirname(paths["doc_index"]), err)
+        return built
+
+
+def _save_atomically(path: str, array: np.ndarray) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}.npy"
+    np.save(tmp, array, allow_pickle=False)
+    os.replace(tmp, path)

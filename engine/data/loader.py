@@ -1,0 +1,76 @@
+"""Resumable, data-parallel-aware micro-batch iteration over a global sample order.
+
+Global batch g holds samples [g * G, (g + 1) * G) of the dataset, G the global batch size. It
+is consumed in micro-steps of micro_batch_size * dp samples; DP rank r takes the r-th slice of
+each. Sample k is therefore the same whatever the DP size, and a run resumes (under any DP
+size) from the count of samples consumed so far.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from engine.errors import ConfigError
+
+
+class PretrainingSampler:
+    """Yields, for one DP rank, the sample indices of each of its micro-batches."""
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+    ):
+        if not 0 <= dp_rank < dp_size:
+            raise ConfigError(f"data-parallel rank {dp_rank} is outside size {dp_size}")
+        if consumed_samples > total_samples:
+            raise ConfigError(
+                f"{consumed_samples} samples were consumed but the dataset has {total_samples}"
+            )
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.micro_batch_size * self.dp_size
+        first = self.dp_rank * self.micro_batch_size
+        for start in range(self.consumed_samples, self.total_samples - step + 1, step):
+            yield list(range(start + first, start + first + self.micro_batch_size))
+
+    def __len__(self) -> int:
+        step = self.micro_batch_size * self.dp_size
+        return max(0, (self.total_samples - self.consumed_samples) // step)
+
+
+def collate_samples(samples: list[np.ndarray]) -> dict[str, torch.Tensor]:
+    """Stack samples of seq_length + 1 ids into inputs `tokens` and shifted `labels`."""
+    batch = torch.from_numpy(np.stack(samples))
+    return {"tokens": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous()}
+
+
+def build_data_iterator(
+    dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int = 0,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Micro-batches for this DP rank from consumed_samples on."""
+    sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=collate_samples,
+        persistent_workers=num_workers > 0,
+    )
+    return iter(loader)

@@ -1,0 +1,196 @@
+"""Streaming readers of raw text inputs: JSONL (plain, .gz, .zst), Parquet and plain-text files.
+
+Readers yield `Record`s one by one and never hold a whole file: JSONL line by line, Parquet in
+record batches of only the wanted columns. Parsing and validation of a record (JSON, UTF-8,
+keys) happens in `decode_record`, which the tokenizing workers call, so a bad record is
+reported with its file and line or row wherever it is processed.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import InputError
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
+PARQUET_SUFFIXES = (".parquet",)
+TEXT_SUFFIXES = (".txt",)
+SUPPORTED = JSONL_SUFFIXES + PARQUET_SUFFIXES + TEXT_SUFFIXES
+
+
+@dataclass(frozen=True)
+class Record:
+    """One raw document before decoding.
+
+    kind: "json" (payload = the bytes of one JSONL line), "text" (payload = bytes of a whole
+    plain-text file) or "columns" (payload = dict of column name -> str from Parquet).
+    where: "path:line N", "path:row N" or "path", used in error messages.
+    """
+
+    kind: str
+    where: str
+    payload: object
+    size: int
+
+
+def _suffix_of(path: str) -> str | None:
+    lower = path.lower()
+    for suffix in sorted(SUPPORTED, key=len, reverse=True):
+        if lower.endswith(suffix):
+            return suffix
+    return None
+
+
+def expand_inputs(spec: str | list[str]) -> list[str]:
+    """Files named by --input: a file, a glob, a folder (searched recursively), or a list."""
+    specs = [spec] if isinstance(spec, str | os.PathLike) else list(spec)
+    files: list[str] = []
+    for item in specs:
+        item = os.fspath(item)
+        if os.path.isdir(item):
+            found = sorted(
+                str(p) for p in Path(item).rglob("*") if p.is_file() and _suffix_of(str(p))
+            )
+            if not found:
+                raise InputError(
+                    f"{item}: folder holds no {', '.join(SUPPORTED)} files; point --input at "
+                    "the data files"
+                )
+            files.extend(found)
+        elif os.path.isfile(item):
+            files.append(item)
+        else:
+            matches = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
+            if not matches:
+                raise InputError(f"{item}: no such file, folder or glob match; check --input")
+            files.extend(matches)
+    for path in files:
+        if _suffix_of(path) is None:
+            raise InputError(
+                f"{path}: unsupported file type; --input takes {', '.join(SUPPORTED)}"
+            )
+    return files
+
+
+def _open_binary(path: str):
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.endswith(".zst"):
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))
+    return open(path, "rb")  # noqa: SIM115 - returned to the caller's with-block
+
+
+def _read_jsonl(path: str) -> Iterator[Record]:
+    with _open_binary(path) as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                yield Record("json", f"{path}:line {number}", line, len(line))
+
+
+def _read_parquet(path: str, keys: list[str], skip_bad: bool, stats: dict) -> Iterator[Record]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    names = parquet.schema_arrow.names
+    missing = [k for k in keys if k not in names]
+    if missing:
+        message = (
+            f"{path}: no column {missing[0]!r} (columns: {', '.join(names)}); "
+            "pick the text column with --json-keys"
+        )
+        if not skip_bad:
+            raise InputError(message)
+        stats["skipped"] = stats.get("skipped", 0) + parquet.metadata.num_rows
+        stats.setdefault("skip_messages", []).append(message)
+        return
+    row = 0
+    for batch in parquet.iter_batches(batch_size=1024, columns=keys):
+        columns = [batch.column(k).to_pylist() for k in keys]
+        for values in zip(*columns):
+            row += 1
+            payload = dict(zip(keys, values))
+            size = sum(len(v) for v in values if isinstance(v, str | bytes))
+            yield Record("columns", f"{path}:row {row}", payload, size)
+
+
+def _read_text(path: str) -> Iterator[Record]:
+    with open(path, "rb") as f:
+        data = f.read()
+    yield Record("text", path, data, len(data))
+
+
+def iter_records(
+    files: list[str], keys: list[str], skip_bad: bool = False, stats: dict | None = None
+) -> Iterator[Record]:
+    """Records of every file in order. `stats` collects file-level skips (missing columns)."""
+    stats = {} if stats is None else stats
+    for path in files:
+        suffix = _suffix_of(path)
+        if suffix in JSONL_SUFFIXES:
+            yield from _read_jsonl(path)
+        elif suffix in PARQUET_SUFFIXES:
+            yield from _read_parquet(path, keys, skip_bad, stats)
+        else:
+            if keys != ["text"]:
+                raise InputError(
+                    f"{path}: plain-text files have only the key 'text', not {keys}; "
+                    "drop --json-keys or use JSONL/Parquet input"
+                )
+            yield from _read_text(path)
+
+
+def _utf8(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(
+            f"{where}: bytes that are not UTF-8 at byte {err.start}; fix the encoding or "
+            "pass --skip-bad-records"
+        ) from None
+
+
+def decode_record(record: Record, keys: list[str]) -> dict[str, str]:
+    """The text of each key, or InputError naming the record and the problem."""
+    if record.kind == "text":
+        return {"text": _utf8(record.payload, record.where)}
+    if record.kind == "columns":
+        values = record.payload
+    else:
+        line = _utf8(record.payload, record.where)
+        try:
+            values = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InputError(
+                f"{record.where}: malformed JSON ({err.msg} at column {err.colno}); fix the "
+                "line or pass --skip-bad-records"
+            ) from None
+        if not isinstance(values, dict):
+            raise InputError(f"{record.where}: a JSON object was expected, found {values!r:.40}")
+    texts = {}
+    for key in keys:
+        if key not in values:
+            present = ", ".join(map(str, values)) or "none"
+            raise InputError(
+                f"{record.where}: no key {key!r} (keys: {present}); pick the field with "
+                "--json-keys or pass --skip-bad-records"
+            )
+        value = values[key]
+        if isinstance(value, bytes):
+            value = _utf8(value, record.where)
+        if value is None:
+            value = ""
+        if not isinstance(value, str):
+            raise InputError(
+                f"{record.where}: key {key!r} holds {type(value).__name__}, not text"
+            )
+        texts[key] = value
+    return texts

@@ -1,0 +1,34 @@
+"""Shared fixtures: the built-in corpus, a small tokenizer trained on it, and its dataset."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine.data.corpus import write_corpus
+from engine.data.preprocess import preprocess
+from engine.data.tokenizer_training import train_tokenizer
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> dict[str, str]:
+    """The built-in corpus (about 1 MB of it): {'jsonl': path, 'parquet': path}."""
+    return write_corpus(tmp_path_factory.mktemp("corpus"), max_bytes=1_000_000)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_model(corpus, tmp_path_factory) -> str:
+    prefix = tmp_path_factory.mktemp("tokenizer") / "tok"
+    train_tokenizer([corpus["jsonl"]], str(prefix), vocab_size=2000)
+    return f"{prefix}.model"
+
+
+@pytest.fixture(scope="session")
+def dataset_prefix(corpus, tokenizer_model, tmp_path_factory) -> str:
+    """The corpus preprocessed with --append-eod: <dir>/data_text_document."""
+    out = tmp_path_factory.mktemp("dataset") / "data"
+    preprocess(corpus["jsonl"], str(out), tokenizer_model, append_eod=True, progress=False)
+    return f"{out}_text_document"

@@ -1,0 +1,250 @@
+"""preprocess_data.py: every input format, identical output for any worker count, and bad input
+that stops with a one-line error naming file and line/row, leaving nothing behind."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from engine.data.indexed import IndexedDataset
+from engine.data.preprocess import preprocess
+from engine.data.tokenizer import SentencePieceTokenizer
+from engine.errors import InputError
+
+TOOL = "tools/preprocess_data.py"
+
+
+def _docs(corpus, n=20):
+    with open(corpus["jsonl"]) as f:
+        return [json.loads(line)["text"] for _, line in zip(range(n), f)]
+
+
+def _read(prefix):
+    ds = IndexedDataset(prefix)
+    return [ds[i].tolist() for i in range(len(ds))]
+
+
+def test_tokens_match_the_tokenizer(corpus, tokenizer_model, tmp_path):
+    docs = _docs(corpus)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    stats = preprocess(
+        str(src), str(tmp_path / "out"), tokenizer_model, append_eod=True, progress=False
+    )
+    tok = SentencePieceTokenizer(tokenizer_model)
+    expected = [tok.tokenize(d) + [tok.eod] for d in docs]
+    assert _read(tmp_path / "out_text_document") == expected
+    assert stats.documents == len(docs) and stats.tokens == sum(map(len, expected))
+    assert tok.detokenize(expected[0][:-1]) == docs[0]
+
+
+def test_all_formats_give_the_same_dataset(corpus, tokenizer_model, tmp_path):
+    docs = _docs(corpus, 12)
+    lines = "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs))
+    (tmp_path / "a.jsonl").write_text(lines)
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    pq.write_table(
+        pa.table({"id": list(range(len(docs))), "text": docs}),
+        tmp_path / "a.parquet",
+        row_group_size=5,
+    )
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    for i, d in enumerate(docs):
+        (folder / f"doc{i:03d}.txt").write_text(d)
+    outputs = {}
+    for name in ("a.jsonl", "a.jsonl.gz", "a.jsonl.zst", "a.parquet", "txt"):
+        prefix = tmp_path / f"out-{name}"
+        preprocess(str(tmp_path / name), str(prefix), tokenizer_model, progress=False)
+        outputs[name] = _read(f"{prefix}_text_document")
+    first = outputs.pop("a.jsonl")
+    assert len(first) == len(docs)
+    for name, tokens in outputs.items():
+        assert tokens == first, name
+
+
+def test_worker_count_does_not_change_the_bytes(corpus, tokenizer_model, tmp_path):
+    for workers in (1, 2, 3):
+        preprocess(
+            corpus["jsonl"],
+            str(tmp_path / f"w{workers}"),
+            tokenizer_model,
+            append_eod=True,
+            workers=workers,
+            progress=False,
+        )
+    for suffix in (".bin", ".idx"):
+        ref = (tmp_path / f"w1_text_document{suffix}").read_bytes()
+        for workers in (2, 3):
+            assert (tmp_path / f"w{workers}_text_document{suffix}").read_bytes() == ref
+
+
+def test_several_json_keys_and_glob(tokenizer_model, tmp_path):
+    for part in range(2):
+        rows = [{"title": f"t{part}{i}", "body": f"def f{part}{i}(): pass"} for i in range(3)]
+        (tmp_path / f"p{part}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    preprocess(
+        str(tmp_path / "p*.jsonl"),
+        str(tmp_path / "o"),
+        tokenizer_model,
+        json_keys=["title", "body"],
+        progress=False,
+    )
+    tok = SentencePieceTokenizer(tokenizer_model)
+    assert _read(tmp_path / "o_title_document")[4] == tok.tokenize("t11")
+    assert _read(tmp_path / "o_body_document")[0] == tok.tokenize("def f00(): pass")
+
+
+def test_empty_documents_are_skipped_and_counted(tokenizer_model, tmp_path):
+    rows = [{"text": "a = 1"}, {"text": ""}, {"text": "b = 2"}, {"text": None}]
+    (tmp_path / "e.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stats = preprocess(
+        str(tmp_path / "e.jsonl"),
+        str(tmp_path / "o"),
+        tokenizer_model,
+        append_eod=True,
+        progress=False,
+    )
+    assert stats.documents == 2 and stats.empty == 2
+    assert len(_read(tmp_path / "o_text_document")) == 2
+
+
+BAD_JSONL = [
+    ('{"text": "fine"}\n{"text": "broken\n', "line 2: malformed JSON"),
+    ('{"text": "fine"}\n{"body": "x"}\n', "line 2: no key 'text' (keys: body)"),
+    (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', "line 2: bytes that are not UTF-8"),
+    ('{"text": "fine"}\n[1, 2]\n', "line 2: a JSON object was expected"),
+    ('{"text": 5}\n', "line 1: key 'text' holds int"),
+]
+
+
+@pytest.mark.parametrize("content, message", BAD_JSONL)
+def test_bad_jsonl_stops_with_location_and_leaves_nothing(
+    tokenizer_model, tmp_path, content, message
+):
+    src = tmp_path / "bad.jsonl"
+    src.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(InputError, match=re.escape(message)) as info:
+        preprocess(str(src), str(tmp_path / "out"), tokenizer_model, workers=2, progress=False)
+    assert str(src) in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+@pytest.mark.parametrize("content, message", BAD_JSONL)
+def test_skip_bad_records_counts_them(tokenizer_model, tmp_path, content, message):
+    src = tmp_path / "bad.jsonl"
+    src.write_bytes(content if isinstance(content, bytes) else content.encode())
+    good = content.count("fine" if isinstance(content, str) else b"fine")
+    stats = preprocess(
+        str(src), str(tmp_path / "out"), tokenizer_model, skip_bad_records=True, progress=False
+    )
+    assert stats.skipped == 1 and stats.documents == good
+    assert len(_read(tmp_path / "out_text_document")) == good
+
+
+def test_parquet_without_the_column(tokenizer_model, tmp_path):
+    pq.write_table(pa.table({"content": ["x = 1", "y = 2"]}), tmp_path / "p.parquet")
+    with pytest.raises(InputError, match=r"p.parquet: no column 'text' \(columns: content\)"):
+        preprocess(
+            str(tmp_path / "p.parquet"), str(tmp_path / "out"), tokenizer_model, progress=False
+        )
+    assert not list(tmp_path.glob("out*"))
+    stats = preprocess(
+        str(tmp_path / "p.parquet"),
+        str(tmp_path / "out"),
+        tokenizer_model,
+        skip_bad_records=True,
+        progress=False,
+    )
+    assert stats.skipped == 2 and stats.documents == 0
+
+
+def test_bad_row_in_parquet_names_the_row(tokenizer_model, tmp_path):
+    table = pa.table({"text": pa.array([b"ok", b"\xff\xfe"], type=pa.binary())})
+    pq.write_table(table, tmp_path / "b.parquet")
+    with pytest.raises(InputError, match=r"b.parquet:row 2: bytes that are not UTF-8"):
+        preprocess(
+            str(tmp_path / "b.parquet"), str(tmp_path / "o"), tokenizer_model, progress=False
+        )
+
+
+def test_cli_error_is_one_line_exit_2_and_earlier_output_untouched(tokenizer_model, tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "x = 1"}\n')
+    out = str(tmp_path / "out")
+    args = [
+        sys.executable,
+        TOOL,
+        "--tokenizer-model",
+        tokenizer_model,
+        "--output-prefix",
+        out,
+        "--no-progress",
+    ]
+    subprocess.run(args + ["--input", str(good)], check=True, capture_output=True)
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("out*")}
+    assert set(before) == {"out_text_document.bin", "out_text_document.idx"}
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x = 1"}\n{"text": \n')
+    result = subprocess.run(args + ["--input", str(bad)], capture_output=True, text=True)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "bad.jsonl:line 2" in lines[0]
+    after = {p.name: p.read_bytes() for p in tmp_path.glob("out*")}
+    assert after == before
+
+
+def test_cli_missing_input_and_progress_summary(tokenizer_model, tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            TOOL,
+            "--input",
+            str(tmp_path / "none.jsonl"),
+            "--tokenizer-model",
+            tokenizer_model,
+            "--output-prefix",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and "none.jsonl: no such file" in result.stderr
+    src = tmp_path / "s.jsonl"
+    src.write_text("".join(json.dumps({"text": f"v{i} = {i}"}) + "\n" for i in range(30)))
+    result = subprocess.run(
+        [
+            sys.executable,
+            TOOL,
+            "--input",
+            str(src),
+            "--tokenizer-model",
+            tokenizer_model,
+            "--output-prefix",
+            str(tmp_path / "o"),
+            "--log-interval",
+            "10",
+            "--workers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "documents: 30" in result.stdout and "skipped (bad): 0" in result.stdout
+    assert "docs/s" in result.stderr and "tokens/s" in result.stderr
+
+
+def test_dtype_follows_vocabulary(dataset_prefix):
+    assert IndexedDataset(dataset_prefix).dtype == np.uint16

@@ -1,0 +1,1 @@
+"""Command-line front doors: each parses arguments, calls the engine and prints results."""

@@ -1,0 +1,103 @@
+"""Benchmark GPTDataset random access: samples/s on one core, and the index build time.
+
+Uses an existing dataset prefix (default: the quickstart's) or builds one from the built-in
+corpus with a freshly trained tokenizer. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from engine.data.gpt_dataset import GPTDataset, GPTDatasetSpec
+from engine.data.helpers import build_sample_index, build_sample_index_numpy
+from engine.data.indexed import IndexedDataset
+from tools._cli import run
+
+
+def _prefix(tmp: str) -> str:
+    from engine.data.corpus import write_corpus
+    from engine.data.preprocess import preprocess
+    from engine.data.tokenizer_training import train_tokenizer
+
+    corpus = write_corpus(os.path.join(tmp, "corpus"))["jsonl"]
+    train_tokenizer([corpus], os.path.join(tmp, "tok"), vocab_size=8000)
+    preprocess(
+        corpus,
+        os.path.join(tmp, "data"),
+        os.path.join(tmp, "tok.model"),
+        append_eod=True,
+        progress=False,
+    )
+    return os.path.join(tmp, "data_text_document")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--data-prefix", help="an existing .bin/.idx prefix")
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--num-samples", type=int, default=200_000)
+    parser.add_argument("--reads", type=int, default=200_000)
+    parser.add_argument("--json", default="bench_dataset.json")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = args.data_prefix or _prefix(tmp)
+        indexed = IndexedDataset(prefix)
+        spec = GPTDatasetSpec(
+            prefix, "train", (0, indexed.num_documents), args.num_samples, args.seq_length, 1234
+        )
+        start = time.perf_counter()
+        dataset = GPTDataset(indexed, spec, cache_dir=os.path.join(tmp, "cache"))
+        build = time.perf_counter() - start
+        start = time.perf_counter()
+        GPTDataset(indexed, spec, cache_dir=os.path.join(tmp, "cache"))
+        cached = time.perf_counter() - start
+
+        num = len(dataset.sample_index) - 1
+        timings = {}
+        for name, fn in (("C++", build_sample_index), ("numpy", build_sample_index_numpy)):
+            start = time.perf_counter()
+            fn(indexed.sequence_lengths, dataset.doc_index, args.seq_length, num)
+            timings[name] = time.perf_counter() - start
+
+        order = np.random.default_rng(0).integers(0, len(dataset), args.reads)
+        start = time.perf_counter()
+        for i in order:
+            dataset[i]
+        seconds = time.perf_counter() - start
+
+    rate = args.reads / seconds
+    print(
+        f"dataset: {indexed.num_documents:,} documents, {indexed.num_tokens:,} tokens; "
+        f"seq_length {args.seq_length}; {len(dataset):,} samples over {dataset.num_epochs} epochs"
+    )
+    print(f"{'measure':40s} {'value':>14s}")
+    print(f"{'random access, samples/s (one core)':40s} {rate:14,.0f}")
+    print(f"{'index build, first start (s)':40s} {build:14.3f}")
+    print(f"{'index load from cache, second start (s)':40s} {cached:14.3f}")
+    print(f"{'sample index, C++ helper (s)':40s} {timings['C++']:14.4f}")
+    print(f"{'sample index, numpy reference (s)':40s} {timings['numpy']:14.4f}")
+    with open(args.json, "w") as f:
+        json.dump(
+            {
+                "samples_per_s": rate,
+                "seq_length": args.seq_length,
+                "build_s": build,
+                "cached_s": cached,
+                "sample_index_s": timings,
+            },
+            f,
+            indent=1,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,59 @@
+"""Tokenize raw text into Megatron-LM indexed datasets: <prefix>_<key>_document.bin / .idx.
+
+Inputs: .jsonl (.gz, .zst), .parquet, or folders of .txt; a file, a glob or a folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.data.preprocess import preprocess
+from engine.data.tokenizer import TOKENIZER_TYPES
+from tools._cli import run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", nargs="+", required=True, help="file, glob or folder")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize")
+    group.add_argument(
+        "--skip-bad-records",
+        action="store_true",
+        help="skip and count malformed records instead of stopping at the first",
+    )
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument(
+        "--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES
+    )
+    group.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+    group.add_argument("--append-eod", action="store_true", help="end each document with eos")
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", required=True)
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    group.add_argument("--log-interval", type=int, default=10000, help="documents between logs")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar or log lines")
+    args = parser.parse_args(argv)
+    stats = preprocess(
+        args.input,
+        args.output_prefix,
+        args.tokenizer_model,
+        json_keys=args.json_keys,
+        append_eod=args.append_eod,
+        workers=args.workers,
+        skip_bad_records=args.skip_bad_records,
+        log_interval=args.log_interval,
+        progress=not args.no_progress,
+    )
+    for message in stats.skip_messages:
+        print(f"skipped: {message}", file=sys.stderr)
+    print(stats.summary())
+    for prefix in stats.outputs:
+        print(f"wrote {prefix}.bin and {prefix}.idx")
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,62 @@
+"""Train a SentencePiece tokenizer (BPE or unigram) from .jsonl / .parquet / folders of text.
+
+Special tokens have fixed ids: <unk>=0, <s>=1, </s>=2 (end of document), <pad>=3. Prints
+tokens per word (fertility) and bytes per token on held-out documents.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.data.tokenizer_training import train_tokenizer
+from tools._cli import run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--input", nargs="+", required=True, help="files, globs or folders")
+    parser.add_argument("--model-prefix", required=True, help="writes PREFIX.model and .vocab")
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    parser.add_argument("--character-coverage", type=float, default=0.9999)
+    parser.add_argument(
+        "--byte-fallback",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="encode characters outside the vocabulary as bytes instead of <unk>",
+    )
+    parser.add_argument(
+        "--input-sentence-size",
+        type=int,
+        default=1_000_000,
+        help="train on a random sample of this many lines (0: all)",
+    )
+    parser.add_argument(
+        "--max-sentence-length",
+        type=int,
+        default=16384,
+        help="lines longer than this many bytes are split into chunks, never dropped",
+    )
+    parser.add_argument("--json-keys", nargs="+", default=["text"])
+    parser.add_argument("--user-defined-symbols", nargs="*", default=[])
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args(argv)
+    report = train_tokenizer(
+        args.input,
+        args.model_prefix,
+        vocab_size=args.vocab_size,
+        model_type=args.model_type,
+        character_coverage=args.character_coverage,
+        byte_fallback=args.byte_fallback,
+        input_sentence_size=args.input_sentence_size,
+        max_sentence_length=args.max_sentence_length,
+        json_keys=args.json_keys,
+        user_defined_symbols=args.user_defined_symbols,
+        seed=args.seed,
+    )
+    print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
