@@ -1,0 +1,87 @@
+"""Command line -> config dataclasses, with Megatron-LM's flag names.
+
+Flags are generated from the fields of the dataclasses in engine/config.py (a field `hidden_size`
+becomes `--hidden-size`, unless its metadata names another flag), one argparse group per
+dataclass, so `--help` lists them grouped and the configs stay the single source of truth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+from engine.errors import ConfigError
+
+
+def _flag(field: dataclasses.Field) -> str:
+    return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+
+
+def _base_type(annotation) -> tuple[type, bool]:
+    """(element type, is_list) of int / float / str / bool / X | None / list[X]."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _base_type(args[0])
+    if origin is list:
+        return typing.get_args(annotation)[0], True
+    return annotation, False
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, title: str) -> None:
+    """One argparse group holding a flag for every field of dataclass `cls`."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if "help" not in field.metadata:
+            continue
+        meta = dict(field.metadata)
+        flag = _flag(field)
+        kwargs = {"dest": f"{cls.__name__}.{field.name}", "help": meta.pop("help")}
+        meta.pop("flag", None)
+        element, is_list = _base_type(hints[field.name])
+        if element is bool:
+            kwargs["action"] = meta.pop("action", "store_true")
+        else:
+            kwargs["type"] = element
+            if is_list:
+                kwargs["nargs"] = meta.pop("nargs", "+")
+        kwargs.update(meta)
+        kwargs["default"] = argparse.SUPPRESS
+        group.add_argument(flag, **kwargs)
+
+
+def build_configs(namespace: argparse.Namespace, classes: list[type]) -> dict[type, object]:
+    """Instantiate each dataclass from the parsed flags (unset flags keep field defaults)."""
+    values: dict[str, dict] = {cls.__name__: {} for cls in classes}
+    for key, value in vars(namespace).items():
+        owner, _, name = key.partition(".")
+        if owner in values:
+            values[owner][name] = value
+    return {cls: cls(**values[cls.__name__]) for cls in classes}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line (exit code 2) naming the fix."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(2, f"error: {message}; see --help\n")
+
+
+def make_parser(classes: list[tuple[type, str]], description: str | None = None) -> _Parser:
+    parser = _Parser(description=description, allow_abbrev=False)
+    for cls, title in classes:
+        add_dataclass_arguments(parser, cls, title)
+    return parser
+
+
+def parse_configs(argv: list[str] | None, classes: list[tuple[type, str]], description=None):
+    """Parse argv into {class: instance}; later repetitions of a flag override earlier ones."""
+    parser = make_parser(classes, description)
+    namespace = parser.parse_args(argv)
+    try:
+        return build_configs(namespace, [cls for cls, _ in classes])
+    except TypeError as err:
+        raise ConfigError(str(err)) from None

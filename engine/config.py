@@ -1,0 +1,160 @@
+"""Typed configuration: dataclasses whose fields carry Megatron-LM's flag names and help.
+
+`engine/arguments.py` generates the command line from these fields. Each config validates
+itself once, at start, with messages that say which flag to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from engine.errors import ConfigError
+
+
+def option(default, help: str, flag: str | None = None, **argparse_kwargs):
+    """A dataclass field with command-line metadata (flag defaults to --field-name)."""
+    metadata = {"help": help, "flag": flag, **argparse_kwargs}
+    if isinstance(default, list | dict):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclass
+class ModelConfig:
+    """The decoder's shape and style (GPT-2 or Llama-like are combinations of these)."""
+
+    num_layers: int = option(2, "number of transformer layers")
+    hidden_size: int = option(128, "transformer hidden size")
+    num_attention_heads: int = option(4, "number of attention heads")
+    num_query_groups: int | None = option(
+        None, "key/value head groups for grouped-query attention (default: one per head)"
+    )
+    ffn_hidden_size: int | None = option(
+        None, "MLP hidden size (default 4 x hidden; with --swiglu 2/3 of that, rounded to 64)"
+    )
+    kv_channels: int | None = option(None, "per-head size (default hidden / heads)")
+    seq_length: int = option(128, "tokens per training sample")
+    max_position_embeddings: int | None = option(
+        None, "positions the learned position table holds (default: --seq-length)"
+    )
+    vocab_size: int | None = option(None, "vocabulary size (default: the tokenizer's)")
+    make_vocab_size_divisible_by: int = option(
+        128, "pad the vocabulary to a multiple of this times the tensor-parallel size"
+    )
+    position_embedding_type: str = option(
+        "learned_absolute", "position encoding", choices=["learned_absolute", "rope"]
+    )
+    rotary_base: int = option(10000, "RoPE base (theta)")
+    normalization: str = option("LayerNorm", "norm type", choices=["LayerNorm", "RMSNorm"])
+    norm_epsilon: float = option(1e-5, "epsilon of the norms")
+    swiglu: bool = option(False, "SwiGLU MLP instead of GELU")
+    add_bias_linear: bool = option(
+        True, "no biases in linear layers", flag="--disable-bias-linear", action="store_false"
+    )
+    untie_embeddings_and_output_weights: bool = option(
+        False, "separate output layer instead of reusing the input embedding"
+    )
+    qk_layernorm: bool = option(False, "normalise queries and keys per head")
+    hidden_dropout: float = option(0.1, "dropout on the residual branches and embeddings")
+    attention_dropout: float = option(0.1, "dropout on the attention probabilities")
+    init_method_std: float = option(0.02, "std of the normal weight initialisation")
+    recompute_granularity: str | None = option(
+        None, "activation recomputation", choices=["full", "selective"]
+    )
+    recompute_method: str | None = option(
+        None,
+        "with full recomputation: uniform chunks or the first N layers",
+        choices=["uniform", "block"],
+    )
+    recompute_num_layers: int | None = option(
+        None, "layers per recomputed chunk (uniform) or layers recomputed per stage (block)"
+    )
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.query_groups
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return int(4 * self.hidden_size * 2 / 3 / 64) * 64 or 4 * self.hidden_size
+        return 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    def padded_vocab_size(self, tp: int) -> int:
+        if self.vocab_size is None:
+            raise ConfigError(
+                "the vocabulary size is unknown; give --tokenizer-model or --vocab-size"
+            )
+        multiple = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def validate(self, tp: int = 1, sequence_parallel: bool = False) -> None:
+        """Raise ConfigError naming the flag to change for any impossible shape."""
+        h, n, g = self.hidden_size, self.num_attention_heads, self.query_groups
+        positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.kv_channels is None and h % n:
+            raise ConfigError(
+                f"hidden-size {h} is not divisible by num-attention-heads {n}; change one of "
+                "them or set --kv-channels"
+            )
+        if n % tp:
+            raise ConfigError(
+                f"num-attention-heads {n} is not divisible by tensor-model-parallel-size {tp}"
+            )
+        if n % g:
+            raise ConfigError(f"num-attention-heads {n} is not divisible by num-query-groups {g}")
+        if g % tp:
+            raise ConfigError(
+                f"num-query-groups {g} is not divisible by tensor-model-parallel-size {tp}"
+            )
+        if self.ffn_size % tp:
+            raise ConfigError(
+                f"ffn-hidden-size {self.ffn_size} is not divisible by "
+                f"tensor-model-parallel-size {tp}"
+            )
+        if sequence_parallel and self.seq_length % tp:
+            raise ConfigError(
+                f"seq-length {self.seq_length} is not divisible by tensor-model-parallel-size "
+                f"{tp}, which --sequence-parallel needs"
+            )
+        if (
+            self.position_embedding_type == "learned_absolute"
+            and self.max_positions < self.seq_length
+        ):
+            raise ConfigError(
+                f"max-position-embeddings {self.max_positions} < seq-length {self.seq_length}"
+            )
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ConfigError(f"RoPE needs an even head size, got {self.head_dim}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1)")
+        if self.recompute_granularity == "full":
+            if self.recompute_method is None or not self.recompute_num_layers:
+                raise ConfigError(
+                    "--recompute-granularity full needs --recompute-method uniform|block and "
+                    "--recompute-num-layers N"
+                )
+        elif self.recompute_method is not None:
+            raise ConfigError("--recompute-method needs --recompute-granularity full")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ConfigError("--make-vocab-size-divisible-by must be at least 1")

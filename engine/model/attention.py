@@ -1,0 +1,91 @@
+"""Causal self-attention with tensor-parallel heads and grouped-query attention.
+
+The fused QKV projection is column-parallel with three logical parts (q: heads x d, k and v:
+groups x d each), so every TP rank holds whole heads and whole key/value groups. The output
+projection is row-parallel. Attention itself is torch's scaled_dot_product_attention (flash or
+memory-efficient kernels on GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.context import BuildContext
+from engine.model.norm import Norm
+from engine.model.rope import apply_rotary
+from parallel.random import checkpoint
+from parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, ctx: BuildContext, layer_number: int):
+        super().__init__()
+        cfg = ctx.config
+        self.ctx = ctx
+        d, n, g = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
+        self.head_dim = d
+        self.local_heads = n // ctx.tp_size
+        self.local_groups = g // ctx.tp_size
+        prefix = f"layers.{layer_number}.self_attention"
+        self.linear_qkv = ColumnParallelLinear(
+            cfg.hidden_size,
+            (n + 2 * g) * d,
+            tp_group=ctx.tp_group,
+            init_method=ctx.init_method,
+            init_seed=ctx.param_seed(f"{prefix}.linear_qkv.weight"),
+            bias=cfg.add_bias_linear,
+            sequence_parallel=ctx.sequence_parallel,
+            partition_sizes=[n * d, g * d, g * d],
+            partition_names=[".q", ".k", ".v"],
+            params_dtype=ctx.params_dtype,
+            device=ctx.device,
+        )
+        self.linear_proj = RowParallelLinear(
+            n * d,
+            cfg.hidden_size,
+            tp_group=ctx.tp_group,
+            init_method=ctx.output_init_method,
+            init_seed=ctx.param_seed(f"{prefix}.linear_proj.weight"),
+            bias=cfg.add_bias_linear,
+            sequence_parallel=ctx.sequence_parallel,
+            params_dtype=ctx.params_dtype,
+            device=ctx.device,
+        )
+        if cfg.qk_layernorm:
+            partial = ctx.tp_size > 1  # each TP rank normalises different heads
+            kwargs = {"params_dtype": ctx.params_dtype, "device": ctx.device}
+            self.q_layernorm = Norm(cfg.normalization, d, cfg.norm_epsilon, partial, **kwargs)
+            self.k_layernorm = Norm(cfg.normalization, d, cfg.norm_epsilon, partial, **kwargs)
+        else:
+            self.q_layernorm = self.k_layernorm = None
+        self.selective_recompute = cfg.recompute_granularity == "selective"
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v over [b, heads, s, d], causal, with dropout drawn from
+        the per-TP-rank stream (heads are split over TP)."""
+        p = self.ctx.config.attention_dropout if self.training else 0.0
+        gqa = {"enable_gqa": True} if self.local_heads != self.local_groups else {}
+        if p > 0.0 and self.ctx.tracker is not None:
+            with self.ctx.tracker.fork():
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None):
+        qkv = self.linear_qkv(x)  # [s, b, (heads + 2 groups) * d / tp]
+        s, b = qkv.shape[:2]
+        d, nh, ng = self.head_dim, self.local_heads, self.local_groups
+        q, k, v = qkv.split([nh * d, ng * d, ng * d], dim=-1)
+        q, k, v = q.view(s, b, nh, d), k.view(s, b, ng, d), v.view(s, b, ng, d)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if self.selective_recompute and self.training:
+            out = checkpoint(self._core, self.ctx.tracker, q, k, v)
+        else:
+            out = self._core(q, k, v)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, nh * d)
+        return self.linear_proj(out)

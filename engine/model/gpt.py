@@ -1,0 +1,250 @@
+"""The GPT / Llama-style decoder, or the part of it one pipeline stage holds.
+
+GPTModel(pre_process, post_process, layer_numbers) holds the embedding only on the first
+stage (pre_process), the final norm, output layer and loss only on the last (post_process), and
+the transformer layers whose global numbers it is given. Layers are kept under their global
+numbers ("layers.7...."), so parameter names, initialisation seeds and checkpoints do not
+depend on how the model is cut. Activations between layers are [s, b, h] ([s/tp, b, h] under
+sequence parallelism).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.model.context import BuildContext
+from engine.model.layer import TransformerLayer
+from engine.model.norm import Norm
+from engine.model.rope import RotaryEmbedding
+from parallel.comm import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
+from parallel.random import checkpoint
+from parallel.sharding import mark_tp_partial_grad
+from parallel.tensor import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    draw_full,
+    gather_logits,
+    vocab_parallel_cross_entropy,
+)
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+
+
+class Embedding(nn.Module):
+    """Vocab-parallel word embedding, plus learned absolute positions for GPT-2 style."""
+
+    def __init__(self, ctx: BuildContext, tp_rank: int):
+        super().__init__()
+        cfg = ctx.config
+        self.ctx, self.tp_rank = ctx, tp_rank
+        self.word_embeddings = VocabParallelEmbedding(
+            cfg.padded_vocab_size(ctx.tp_size),
+            cfg.hidden_size,
+            tp_group=ctx.tp_group,
+            init_method=ctx.init_method,
+            init_seed=ctx.param_seed(WORD_EMBEDDINGS),
+            vocab_size=cfg.vocab_size,
+            sequence_parallel=ctx.sequence_parallel,
+            params_dtype=ctx.params_dtype,
+            device=ctx.device,
+        )
+        if cfg.position_embedding_type == "learned_absolute":
+            weight = draw_full(
+                (cfg.max_positions, cfg.hidden_size),
+                ctx.init_method,
+                ctx.param_seed("embedding.position_embeddings.weight"),
+            )
+            self.position_embeddings = nn.Embedding(
+                cfg.max_positions, cfg.hidden_size, _weight=weight.to(ctx.device, ctx.params_dtype)
+            )
+            if ctx.sequence_parallel:
+                mark_tp_partial_grad(self.position_embeddings.weight)
+        else:
+            self.position_embeddings = None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(tokens.t())  # [s(/tp), b, h]
+        if self.position_embeddings is not None:
+            s = x.shape[0]
+            start = self.tp_rank * s if self.ctx.sequence_parallel else 0
+            positions = torch.arange(start, start + s, device=x.device)
+            x = x + self.position_embeddings(positions).unsqueeze(1)
+        p = self.ctx.config.hidden_dropout
+        if self.training and p > 0.0:
+            with self.ctx.dropout_stream():
+                x = F.dropout(x, p, training=True)
+        return x
+
+
+class GPTModel(nn.Module):
+    """Decoder-only language model (or one pipeline stage of it).
+
+    forward(tokens=[b, s] on the first stage, or hidden=[s(/tp), b, h] from the previous
+    stage; labels=[b, s] on the last stage) returns the per-token loss [b, s] (fp32) when
+    labels are given on the last stage, the TP-local logits [s, b, V/tp] without labels, and
+    the hidden states on other stages.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ctx: BuildContext,
+        *,
+        tp_rank: int = 0,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_numbers: list[int] | range | None = None,
+    ):
+        super().__init__()
+        if ctx.config is not config:
+            raise ValueError("ctx.config must be the model's config")
+        config.validate(ctx.tp_size, ctx.sequence_parallel)
+        self.config, self.ctx = config, ctx
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_numbers = list(
+            range(config.num_layers) if layer_numbers is None else layer_numbers
+        )
+        self.tied = not config.untie_embeddings_and_output_weights
+        self.embedding = Embedding(ctx, tp_rank) if pre_process else None
+        self.rotary = (
+            RotaryEmbedding(config.head_dim, config.rotary_base)
+            if config.position_embedding_type == "rope"
+            else None
+        )
+        self.layers = nn.ModuleDict({str(n): TransformerLayer(ctx, n) for n in self.layer_numbers})
+        self.final_layernorm = self.output_layer = self.word_embeddings_for_head = None
+        if post_process:
+            self.final_layernorm = Norm(
+                config.normalization,
+                config.hidden_size,
+                config.norm_epsilon,
+                partial_grad=ctx.sequence_parallel,
+                params_dtype=ctx.params_dtype,
+                device=ctx.device,
+            )
+            padded = config.padded_vocab_size(ctx.tp_size)
+            if not self.tied:
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size,
+                    padded,
+                    tp_group=ctx.tp_group,
+                    init_method=ctx.init_method,
+                    init_seed=ctx.param_seed("output_layer.weight"),
+                    bias=False,
+                    sequence_parallel=ctx.sequence_parallel,
+                    initialized_rows=config.vocab_size,
+                    params_dtype=ctx.params_dtype,
+                    device=ctx.device,
+                )
+            elif not pre_process:
+                # The last stage keeps its own copy of the tied embedding, drawn from the same
+                # seed; the pipeline keeps the copies equal by all-reducing their gradients.
+                self.word_embeddings_for_head = VocabParallelEmbedding(
+                    padded,
+                    config.hidden_size,
+                    tp_group=ctx.tp_group,
+                    init_method=ctx.init_method,
+                    init_seed=ctx.param_seed(WORD_EMBEDDINGS),
+                    vocab_size=config.vocab_size,
+                    params_dtype=ctx.params_dtype,
+                    device=ctx.device,
+                )
+                weight = self.word_embeddings_for_head.weight
+                weight.shared_embedding = True
+                weight.checkpoint_name = WORD_EMBEDDINGS
+
+    # --- pieces ------------------------------------------------------------------------
+
+    def shared_embedding_weight(self) -> nn.Parameter | None:
+        """The tied word-embedding weight this stage holds (first or last stage), if any."""
+        if not self.tied:
+            return None
+        if self.embedding is not None:
+            return self.embedding.word_embeddings.weight
+        if self.word_embeddings_for_head is not None:
+            return self.word_embeddings_for_head.weight
+        return None
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.output_layer is not None:
+            return self.output_layer(x)
+        weight = self.shared_embedding_weight()
+        if self.ctx.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.ctx.tp_group)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.ctx.tp_group)
+        return F.linear(x, weight)
+
+    def _run_layers(self, x: torch.Tensor, rotary) -> torch.Tensor:
+        cfg = self.config
+        layers = list(self.layers.values())
+        full = cfg.recompute_granularity == "full" and self.training
+        if full and cfg.recompute_method == "uniform":
+            chunk = cfg.recompute_num_layers
+            for start in range(0, len(layers), chunk):
+                group = layers[start : start + chunk]
+                x = checkpoint(_run_group(group), self.ctx.tracker, x, *(rotary or ()))
+            return x
+        for index, layer in enumerate(layers):
+            if full and index < cfg.recompute_num_layers:  # block: the first N of this stage
+                x = checkpoint(_run_group([layer]), self.ctx.tracker, x, *(rotary or ()))
+            else:
+                x = layer(x, rotary)
+        return x
+
+    def forward(
+        self,
+        tokens: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.pre_process:
+            x = self.embedding(tokens)
+        else:
+            if hidden is None:
+                raise ValueError("a stage without the embedding needs the previous stage's hidden")
+            x = hidden
+        rotary = None
+        if self.rotary is not None:
+            seq = x.shape[0] * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
+            rotary = self.rotary(seq, x.device)
+        x = self._run_layers(x, rotary)
+        if not self.post_process:
+            return x
+        logits = self._logits(self.final_layernorm(x))  # [s, b, V/tp]
+        if labels is None:
+            return logits
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.t(), self.ctx.tp_group, self.config.vocab_size
+        )
+        return loss.t()  # [b, s]
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[b, s, V] logits over the real vocabulary, gathered over TP (inference, tests)."""
+        return gather_logits(logits, self.ctx.tp_group, self.config.vocab_size).transpose(0, 1)
+
+
+def _run_group(layers: list[TransformerLayer]):
+    def run(x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = layer(x, rotary or None)
+        return x
+
+    return run
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """Parameters this rank holds: 'local' = 'tp_split' (its share of TP-split tensors) +
+    'replicated' (norms, biases after row-parallel, positions: whole on every TP rank)."""
+    from parallel.sharding import tp_sharding_of
+
+    split = replicated = 0
+    for param in model.parameters():
+        if tp_sharding_of(param).replicated:
+            replicated += param.numel()
+        else:
+            split += param.numel()
+    return {"local": split + replicated, "tp_split": split, "replicated": replicated}

@@ -1,0 +1,40 @@
+"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.attention import SelfAttention
+from engine.model.context import BuildContext
+from engine.model.mlp import MLP
+from engine.model.norm import Norm
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, ctx: BuildContext, layer_number: int):
+        super().__init__()
+        cfg = ctx.config
+        self.ctx = ctx
+        self.layer_number = layer_number
+        norm = {
+            "partial_grad": ctx.sequence_parallel,
+            "params_dtype": ctx.params_dtype,
+            "device": ctx.device,
+        }
+        self.input_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, **norm)
+        self.self_attention = SelfAttention(ctx, layer_number)
+        self.pre_mlp_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, **norm)
+        self.mlp = MLP(ctx, layer_number)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.ctx.config.hidden_dropout
+        if not self.training or p == 0.0:
+            return x
+        with self.ctx.dropout_stream():
+            return F.dropout(x, p, training=True)
+
+    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))

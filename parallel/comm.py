@@ -1,0 +1,225 @@
+"""Collectives for tensor and sequence parallelism, as autograd functions.
+
+Tensor parallel (TP) region helpers (Megatron-LM's names):
+  copy_to_tensor_parallel_region       forward identity,         backward all-reduce
+  reduce_from_tensor_parallel_region   forward all-reduce,       backward identity
+  scatter_to_tensor_parallel_region    forward split last dim,   backward all-gather last dim
+  gather_from_tensor_parallel_region   forward all-gather last,  backward split last dim
+Sequence parallel (SP) helpers, along dim 0 (activations are [sequence, batch, hidden]):
+  scatter_to_sequence_parallel_region      forward split,          backward all-gather
+  gather_from_sequence_parallel_region     forward all-gather,     backward reduce-scatter
+  reduce_scatter_to_sequence_parallel_region forward reduce-scatter, backward all-gather
+
+A group of None means "no parallelism here": every helper is then the identity. The flat
+`all_gather_into` / `reduce_scatter_into` are the only callers of torch's tensor-level gather
+and reduce-scatter (their names differ between torch 2.11 and 2.13; the choice is made here).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of the
+# *_single names, which torch 2.11 does not have yet.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_gather_into(output: torch.Tensor, input_: torch.Tensor, group, async_op: bool = False):
+    """output (size * n along dim 0) <- every rank's input, concatenated in rank order."""
+    return _ALL_GATHER(output, input_, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(output: torch.Tensor, input_: torch.Tensor, group, async_op: bool = False):
+    """output <- this rank's 1/size slice (dim 0) of the sum of every rank's input."""
+    return _REDUCE_SCATTER(output, input_, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce; a no-op without a group."""
+    if group is None:
+        return None
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+# --- raw operations ----------------------------------------------------------------------
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group is None:
+        return x
+    x = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    size = group_size(group)
+    if size == 1:
+        return x
+    return x.chunk(size, dim=-1)[group_rank(group)].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    size = group_size(group)
+    if size == 1:
+        return x
+    moved = x.movedim(-1, 0).contiguous()
+    out = torch.empty((size * moved.shape[0],) + moved.shape[1:], dtype=x.dtype, device=x.device)
+    all_gather_into(out, moved, group)
+    return out.movedim(0, -1).contiguous()
+
+
+def _split_first(x: torch.Tensor, group) -> torch.Tensor:
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[0] % size:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by TP size {size}")
+    return x.chunk(size, dim=0)[group_rank(group)].contiguous()
+
+
+def _gather_first(x: torch.Tensor, group) -> torch.Tensor:
+    size = group_size(group)
+    if size == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((size * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
+    all_gather_into(out, x, group)
+    return out
+
+
+def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[0] % size:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by TP size {size}")
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // size,) + x.shape[1:], dtype=x.dtype, device=x.device)
+    reduce_scatter_into(out, x, group)
+    return out
+
+
+# --- autograd functions ------------------------------------------------------------------
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.group), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, reduce_grads):
+        ctx.group, ctx.reduce_grads = group, reduce_grads
+        return _gather_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_grads:
+            return _reduce_scatter_first(grad, ctx.group), None, None
+        return _split_first(grad, ctx.group), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.group), None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group is None else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group is None else _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group is None else _ScatterToRegion.apply(x, group)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group is None else _GatherFromRegion.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group is None else _ScatterToSequence.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
+    """All-gather along the sequence. Backward reduce-scatters when the gathered tensor feeds
+    TP-split computation (each rank's gradient is partial), else just splits."""
+    if group is None:
+        return x
+    return _GatherFromSequence.apply(x, group, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group is None else _ReduceScatterToSequence.apply(x, group)

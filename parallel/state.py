@@ -1,0 +1,210 @@
+"""Process groups for tensor (TP), pipeline (PP) and data (DP) parallelism.
+
+Global rank layout, TP innermost, then DP, then PP (Megatron-LM's default order, so the ranks
+of a TP group are neighbours and stay inside one node):
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+Every group is created by every rank in the same order (torch.distributed requires it). A
+`ParallelState` is a plain object passed to whatever needs it: several can live in one process,
+and `ParallelState.local()` describes a single process with no groups at all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from engine.errors import ConfigError
+
+
+def check_layout(world_size: int, tp: int, pp: int, dp: int | None = None) -> int:
+    """Validate tp * pp * dp == world_size and return dp (derived when None)."""
+    for name, value in (("tensor-model-parallel-size", tp), ("pipeline-model-parallel-size", pp)):
+        if value < 1:
+            raise ConfigError(f"--{name} {value}: must be at least 1")
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
+            f"pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes"
+        )
+    derived = world_size // (tp * pp)
+    if dp is not None and dp != derived:
+        raise ConfigError(
+            f"world size {world_size} != tensor {tp} x pipeline {pp} x data {dp}; "
+            f"with {world_size} processes the data-parallel size is {derived}"
+        )
+    return derived
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass
+class ParallelState:
+    """Ranks and process groups of one (tp, pp, dp) layout.
+
+    Groups are None where this process is alone in them, and collectives treat a None group
+    as a no-op, so the same layer code runs with or without parallelism.
+    """
+
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    tp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    model_parallel_group: dist.ProcessGroup | None = None  # TP x PP: one model replica
+    embedding_group: dist.ProcessGroup | None = None  # first and last PP stage (tied embeddings)
+    world_group: dist.ProcessGroup | None = None
+    pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, stage by stage
+    tp_ranks: tuple[int, ...] = (0,)
+    dp_ranks: tuple[int, ...] = (0,)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return (self.rank // self.tp_size) % self.dp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp_size * self.dp_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size * self.dp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next pipeline stage (wraps around)."""
+        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def prev_rank(self) -> int:
+        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
+
+    @classmethod
+    def local(cls, device: torch.device | str = "cpu") -> ParallelState:
+        """One process, no parallelism, no process groups (references, converters)."""
+        return cls(device=torch.device(device))
+
+    @classmethod
+    def build(
+        cls,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int | None = None,
+        device: torch.device | str | None = None,
+        backend: str | None = None,
+        timeout_minutes: float | None = None,
+    ) -> ParallelState:
+        """Create every group of the (tp, pp, dp) layout; torch.distributed must be initialised."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised; call init_process_group first"
+            )
+        world, rank = dist.get_world_size(), dist.get_rank()
+        dp = check_layout(world, tp, pp, dp)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        backend = backend or default_backend(device)
+        timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
+
+        state = cls(tp_size=tp, pp_size=pp, dp_size=dp, rank=rank, device=device)
+
+        def new_group(ranks: list[int]) -> dist.ProcessGroup | None:
+            """Create the group on every rank; return it where this rank is a member.
+
+            A group of one rank is not created at all (the decision is the same on every
+            rank, so the collective new_group calls stay in step)."""
+            if len(ranks) == 1:
+                return None
+            options = {"backend": backend}
+            if timeout is not None:
+                options["timeout"] = timeout
+            group = dist.new_group(ranks, **options)
+            return group if rank in ranks else None
+
+        def rank_of(p: int, d: int, t: int) -> int:
+            return p * dp * tp + d * tp + t
+
+        for p in range(pp):
+            for d in range(dp):
+                ranks = [rank_of(p, d, t) for t in range(tp)]
+                group = new_group(ranks)
+                if rank in ranks:
+                    state.tp_group, state.tp_ranks = group, tuple(ranks)
+        for p in range(pp):
+            for t in range(tp):
+                ranks = [rank_of(p, d, t) for d in range(dp)]
+                group = new_group(ranks)
+                if rank in ranks:
+                    state.dp_group, state.dp_ranks = group, tuple(ranks)
+        for d in range(dp):
+            for t in range(tp):
+                ranks = [rank_of(p, d, t) for p in range(pp)]
+                group = new_group(ranks)
+                embedding = new_group([ranks[0], ranks[-1]]) if pp > 1 else None
+                if rank in ranks:
+                    state.pp_group, state.pp_ranks = group, tuple(ranks)
+                    state.embedding_group = embedding
+        for d in range(dp):
+            ranks = [rank_of(p, d, t) for p in range(pp) for t in range(tp)]
+            group = new_group(ranks)
+            if rank in ranks:
+                state.model_parallel_group = group
+        state.world_group = new_group(list(range(world)))
+        return state
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size} pp {self.pp_rank}/{self.pp_size} "
+            f"dp {self.dp_rank}/{self.dp_size} on {self.device}"
+        )
+
+
+def init_distributed(
+    device: torch.device | None = None, timeout_minutes: float = 10.0
+) -> tuple[int, int, torch.device]:
+    """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, ...).
+
+    Picks cuda:LOCAL_RANK and nccl when GPUs are present, else CPU and gloo. Returns
+    (rank, world_size, device).
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        if torch.cuda.is_available():
+            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        else:
+            device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(
+            default_backend(device),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    return rank, world, device
