@@ -158,3 +158,46 @@ class ModelConfig:
             raise ConfigError("--recompute-method needs --recompute-granularity full")
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError("--make-vocab-size-divisible-by must be at least 1")
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer, learning-rate schedule, clipping and loss scaling."""
+
+    optimizer: str = option(
+        "adam", "optimizer (AdamW-style decoupled decay)", choices=["adam", "sgd"]
+    )
+    lr: float = option(3e-4, "peak learning rate")
+    min_lr: float = option(0.0, "learning rate at the end of the decay")
+    lr_decay_style: str = option(
+        "cosine", "decay after warm-up", choices=["cosine", "linear", "constant", "WSD"]
+    )
+    lr_decay_iters: int | None = option(None, "iterations of warm-up + decay (default: all)")
+    lr_warmup_iters: int = option(0, "iterations of linear warm-up from 0")
+    lr_wsd_decay_style: str = option(
+        "exponential",
+        "WSD: shape of the final decay",
+        choices=["exponential", "linear", "cosine", "minus_sqrt"],
+    )
+    lr_wsd_decay_iters: int | None = option(None, "WSD: iterations of the final decay")
+    weight_decay: float = option(0.01, "decoupled weight decay (not on biases and norms)")
+    adam_beta1: float = option(0.9, "Adam beta1")
+    adam_beta2: float = option(0.999, "Adam beta2")
+    adam_eps: float = option(1e-8, "Adam epsilon")
+    sgd_momentum: float = option(0.9, "SGD momentum")
+    clip_grad: float = option(1.0, "clip the global gradient norm to this (0: off)")
+    apex_fused_adam: bool = option(False, "use apex's FusedAdam (needs apex importable)")
+    initial_loss_scale: float = option(2.0**32, "fp16: initial dynamic loss scale")
+    min_loss_scale: float = option(1.0, "fp16: the loss scale never goes below this")
+    loss_scale_window: int = option(1000, "fp16: clean steps before the scale doubles")
+    hysteresis: int = option(2, "fp16: overflowing steps in a row before the scale halves")
+
+    def validate(self) -> None:
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
+        if self.lr_warmup_iters < 0:
+            raise ConfigError("--lr-warmup-iters must be non-negative")
+        if self.clip_grad < 0:
+            raise ConfigError("--clip-grad must be non-negative (0 turns clipping off)")
+        if self.lr_decay_style == "WSD" and not self.lr_wsd_decay_iters:
+            raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters")

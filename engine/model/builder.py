@@ -1,0 +1,60 @@
+"""Build the model chunks this rank holds for a parallel layout."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.model.context import BuildContext
+from engine.model.gpt import GPTModel
+from parallel.pipeline.layout import stage_layers
+from parallel.random import RNGStatesTracker
+from parallel.state import ParallelState
+
+
+def build_model_chunks(
+    config: ModelConfig,
+    state: ParallelState,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    seed: int = 1234,
+    sequence_parallel: bool = False,
+    tracker: RNGStatesTracker | None = None,
+    virtual_size: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> list[GPTModel]:
+    """One GPTModel per (virtual) pipeline stage of this rank, in execution order."""
+    ctx = BuildContext(
+        config,
+        tp_group=state.tp_group,
+        tp_size=state.tp_size,
+        sequence_parallel=sequence_parallel and state.tp_size > 1,
+        tracker=tracker,
+        params_dtype=params_dtype,
+        device=state.device,
+        seed=seed,
+    )
+    layers = stage_layers(
+        config.num_layers,
+        state.pp_size,
+        state.pp_rank,
+        virtual_size,
+        first_stage_layers,
+        last_stage_layers,
+    )
+    chunks = []
+    for index, numbers in enumerate(layers):
+        pre = state.is_first_stage and index == 0
+        post = state.is_last_stage and index == len(layers) - 1
+        chunks.append(
+            GPTModel(
+                config,
+                ctx,
+                tp_rank=state.tp_rank,
+                pre_process=pre,
+                post_process=post,
+                layer_numbers=numbers,
+            )
+        )
+    return chunks

@@ -1,0 +1,80 @@
+"""One training (or evaluation) step of the GPT model over a global batch.
+
+The engine's side of the pipeline schedules: how a model chunk runs on a micro-batch
+(`forward_step`) and how the last stage turns per-token losses into the scalar to
+differentiate (`make_loss_func`). `train_step` then does: zero grads, the schedule over the
+micro-batches, finalize_model_grads (DP reduction, TP partial grads, tied embeddings across
+pipeline stages), the learning rate, and the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parallel.grads import finalize_model_grads
+from parallel.pipeline.schedules import forward_backward_no_pipelining
+
+
+def forward_step(chunk, batch: dict, input_tensor: torch.Tensor | None) -> torch.Tensor:
+    """Run one model chunk: tokens on the first stage, labels on the last."""
+    module = chunk.module if hasattr(chunk, "module") else chunk
+    tokens = batch["tokens"] if module.pre_process else None
+    labels = batch["labels"] if module.post_process else None
+    return chunk(tokens=tokens, labels=labels, hidden=input_tensor)
+
+
+def make_loss_func(num_microbatches: int, loss_scale: float = 1.0):
+    """Per-token losses [b, s] -> (mean / num_microbatches * loss_scale, detached mean)."""
+
+    def loss_func(per_token: torch.Tensor, batch: dict):
+        mask = batch.get("loss_mask")
+        if mask is None:
+            mean = per_token.mean()
+        else:
+            mask = mask.to(per_token.dtype)
+            mean = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        return mean * (loss_scale / num_microbatches), mean.detach()
+
+    return loss_func
+
+
+@dataclass
+class StepOutput:
+    loss: float | None  # mean over micro-batches and DP ranks (last stage), else None
+    grad_norm: float
+    lr: float
+    updated: bool
+    loss_scale: float | None
+
+
+def run_schedule(chunks, batches, schedule, forward_only=False, loss_scale=1.0):
+    loss_func = make_loss_func(len(batches), loss_scale)
+    schedule = schedule or forward_backward_no_pipelining
+    return schedule(chunks, batches, forward_step, loss_func, forward_only=forward_only)
+
+
+def train_step(chunks, optimizer, scheduler, batches, state, schedule=None) -> StepOutput:
+    """Zero grads, forward/backward every micro-batch, reduce, step. Collective on all ranks."""
+    optimizer.zero_grad()
+    scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else 1.0
+    losses = run_schedule(chunks, batches, schedule, loss_scale=scale)
+    shared = [w for c in chunks if (w := c.module.shared_embedding_weight()) is not None]
+    finalize_model_grads(chunks, state.tp_group, state.embedding_group, shared)
+    lr = scheduler.step(optimizer)
+    result = optimizer.step()
+    return StepOutput(
+        _dp_mean(losses, state), result.grad_norm, lr, result.updated, result.loss_scale
+    )
+
+
+def _dp_mean(losses: list[torch.Tensor], state) -> float | None:
+    """Mean loss over the micro-batches of every DP rank (last pipeline stage only)."""
+    if not losses:
+        return None
+    mean = torch.stack(losses).float().mean().reshape(1)
+    if state.dp_group is not None:
+        torch.distributed.all_reduce(mean, group=state.dp_group)
+        mean /= state.dp_size
+    return mean.item()

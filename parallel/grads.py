@@ -1,0 +1,55 @@
+"""What happens to gradients between the last backward and the optimizer step.
+
+finalize_model_grads: (1) finish the data-parallel bucket reductions, (2) sum the partial
+gradients of TP-replicated parameters over the TP group (see parallel.sharding), (3) with
+pipeline parallelism and tied embeddings, all-reduce the word-embedding gradient between the
+first and last stage so both copies take the same step.
+
+Global gradient norm: every parameter counted once across TP, PP and DP: replicated
+parameters only on TP rank 0, the last stage's copy of a tied embedding not at all, and (with
+the distributed optimizer) each DP rank only its own shard.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel.comm import all_reduce
+from parallel.tensor import all_reduce_partial_grads
+
+
+def finalize_model_grads(ddps, tp_group, embedding_group=None, shared_embeddings=()) -> None:
+    """Make main_grad final on every rank (see module docstring)."""
+    for ddp in ddps:
+        ddp.finish_grad_sync()
+    params = [p for ddp in ddps for p in ddp.params]
+    all_reduce_partial_grads(params, tp_group, grad_attr="main_grad")
+    if embedding_group is not None:
+        for weight in shared_embeddings:
+            all_reduce(weight.main_grad, embedding_group)
+
+
+def counts_toward_norm(param, tp_rank: int) -> bool:
+    from parallel.sharding import is_tp_duplicate
+
+    if getattr(param, "shared_embedding", False):
+        return False
+    return not is_tp_duplicate(param, tp_rank)
+
+
+def global_grad_norm(grads_counted: list[torch.Tensor], norm_group) -> float:
+    """sqrt of the sum of squares of the given gradients, summed over norm_group (which must
+    make every element counted exactly once). inf/NaN anywhere gives a non-finite norm."""
+    device = grads_counted[0].device if grads_counted else torch.device("cpu")
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    if grads_counted:
+        total += torch.nn.utils.get_total_norm(grads_counted, 2.0).double() ** 2
+    all_reduce(total, norm_group)
+    return total.sqrt().item()
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """Factor that scales gradients to max_norm (1.0 when already below, or clipping off)."""
+    if max_norm <= 0.0:
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))

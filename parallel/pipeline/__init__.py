@@ -1,0 +1,1 @@
+"""Pipeline parallelism: point-to-point transfers and the micro-batch schedules."""

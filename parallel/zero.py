@@ -1,0 +1,179 @@
+"""The mixed-precision optimizer, optionally sharded over data parallelism (ZeRO-1/2).
+
+The optimizer works on fp32 "pieces" of the parameters:
+
+- without sharding, a piece is a whole parameter, on every DP rank;
+- with `shard=True` (--use-distributed-optimizer), each DP rank owns a 1/DP slice of every
+  gradient bucket (parallel/ddp.py) and its pieces are the parts of parameters inside that
+  slice. fp32 master weights and the Adam moments exist only for those pieces, the bucket
+  gradients arrive reduce-scattered (each rank keeps the reduced gradient of its slice), and
+  after the step the updated slices are all-gathered back into every rank's parameters.
+
+A piece's master weight is a view of the parameter itself when parameters are fp32, else an
+fp32 copy (bf16/fp16 training) that is cast back after the step. Its gradient is a view of
+the fp32 main-grad buffer. Memory per parameter with bf16 parameters: 2 (param) + 4 (main
+grad) + 12 (master + two moments) / DP bytes.
+
+step(): unscale (fp16), global gradient norm across TP, PP and DP (each element counted once),
+skip the step if the norm is not finite (the loss scaler backs off), clip, update, copy back,
+all-gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from parallel.ddp import DistributedDataParallel
+from parallel.grad_scaler import DynamicGradScaler
+from parallel.grads import clip_coefficient, counts_toward_norm, global_grad_norm
+
+
+@dataclass(eq=False)
+class Piece:
+    """The part [offset, offset + numel) of a flattened parameter that this rank updates."""
+
+    param: nn.Parameter
+    ddp: DistributedDataParallel
+    offset: int
+    numel: int
+    master: torch.Tensor  # fp32, what the inner optimizer updates
+    grad: torch.Tensor  # fp32 view of the main-grad buffer
+    data: torch.Tensor  # view of the parameter (its dtype)
+    group: int
+
+
+@dataclass
+class StepResult:
+    updated: bool
+    grad_norm: float
+    loss_scale: float | None
+
+
+class DistributedOptimizer:
+    """Wraps an inner torch optimizer built over the pieces' fp32 masters.
+
+    make_optimizer(param_groups) builds it; group_of(param) picks the index into
+    group_options (e.g. with or without weight decay) for each parameter.
+    """
+
+    def __init__(
+        self,
+        ddps: list[DistributedDataParallel],
+        make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+        group_options: list[dict],
+        group_of: Callable[[nn.Parameter], int],
+        *,
+        shard: bool,
+        clip_grad: float = 0.0,
+        grad_scaler: DynamicGradScaler | None = None,
+        tp_rank: int = 0,
+        model_parallel_group=None,
+        world_group=None,
+    ):
+        self.ddps = ddps
+        self.shard = shard
+        self.clip_grad = clip_grad
+        self.grad_scaler = grad_scaler
+        self.tp_rank = tp_rank
+        for ddp in ddps:
+            if shard != ddp.use_distributed_optimizer:
+                raise ValueError("DDP and optimizer disagree about the distributed optimizer")
+        # Norm group: every element counted once. Sharded: pieces partition DP, so sum over
+        # DP x TP x PP (the world). Replicated: every DP rank holds the same, sum over TP x PP.
+        self.norm_group = world_group if shard else model_parallel_group
+        self.pieces = [piece for ddp in ddps for piece in self._pieces_of(ddp, group_of)]
+        groups = [dict(options, params=[]) for options in group_options]
+        for piece in self.pieces:
+            groups[piece.group]["params"].append(piece.master)
+        self.optimizer = make_optimizer([g for g in groups if g["params"]])
+        self._counted = [p.grad for p in self.pieces if counts_toward_norm(p.param, tp_rank)]
+
+    def _pieces_of(self, ddp: DistributedDataParallel, group_of) -> list[Piece]:
+        pieces = []
+        for bucket in ddp.buckets:
+            if self.shard:
+                lo, hi = ddp.shard_range(bucket)
+            else:
+                lo, hi = bucket.start, bucket.end
+            for param in bucket.params:
+                start, end = ddp.param_range[param]
+                a, b = max(start, lo), min(end, hi)
+                if a >= b:
+                    continue
+                data = ddp.param_buffer[a:b]
+                master = data if data.dtype == torch.float32 else data.float().clone()
+                pieces.append(
+                    Piece(
+                        param,
+                        ddp,
+                        a - start,
+                        b - a,
+                        master,
+                        ddp.grad_buffer[a:b],
+                        data,
+                        group_of(param),
+                    )
+                )
+        return pieces
+
+    # --- the step -------------------------------------------------------------------------
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def zero_grad(self) -> None:
+        for ddp in self.ddps:
+            ddp.zero_grad_buffer()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.grad_scaler.scale if self.grad_scaler is not None else loss
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """One update from the (already reduced, see parallel.grads) main grads."""
+        if self.grad_scaler is not None:
+            torch._foreach_mul_([p.grad for p in self.pieces], self.grad_scaler.inv_scale)
+        norm = global_grad_norm(self._counted, self.norm_group)
+        finite = norm == norm and norm != float("inf")
+        scale = self.grad_scaler.scale if self.grad_scaler is not None else None
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(not finite)
+        if not finite:
+            return StepResult(False, norm, scale)
+        coefficient = clip_coefficient(norm, self.clip_grad)
+        if coefficient < 1.0:
+            torch._foreach_mul_([p.grad for p in self.pieces], coefficient)
+        for piece in self.pieces:
+            piece.master.grad = piece.grad
+        self.optimizer.step()
+        for piece in self.pieces:
+            if piece.master is not piece.data:
+                piece.data.copy_(piece.master)
+        for ddp in self.ddps:
+            ddp.start_param_sync()
+        return StepResult(True, norm, scale)
+
+    def finish_param_sync(self) -> None:
+        for ddp in self.ddps:
+            ddp.finish_param_sync()
+
+    # --- introspection ------------------------------------------------------------------
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: fp32 masters that are copies, plus every
+        tensor in the inner optimizer's per-parameter state."""
+        total = sum(p.master.numel() * 4 for p in self.pieces if p.master is not p.data)
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.numel() > 1:
+                    total += value.numel() * value.element_size()
+        return total

@@ -1,0 +1,209 @@
+"""Shared pieces for the training-parity tests: a tiny model, deterministic global batches,
+a single-process reference run, and the same run through the parallel engine."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig, OptimizerConfig
+from engine.model import BuildContext, GPTModel
+from engine.model.builder import build_model_chunks
+from engine.optim import LRScheduler, build_optimizer, no_weight_decay
+from engine.step import train_step
+from parallel.ddp import DistributedDataParallel
+from parallel.sharding import full_from_local, tp_sharding_of
+
+VOCAB = 300
+
+
+def tiny_config(style: str = "gpt2", **overrides) -> ModelConfig:
+    common = dict(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        vocab_size=VOCAB,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    if style == "llama":
+        common.update(
+            num_query_groups=2,
+            position_embedding_type="rope",
+            normalization="RMSNorm",
+            swiglu=True,
+            add_bias_linear=False,
+            untie_embeddings_and_output_weights=True,
+        )
+    common.update(overrides)
+    return ModelConfig(**common)
+
+
+def opt_config(**overrides) -> OptimizerConfig:
+    # adam_eps 1e-6: the attention key bias has an exactly-zero true gradient (softmax ignores
+    # a shift shared by all keys); with eps 1e-8 Adam turns its ~1e-10 rounding noise into
+    # lr-sized steps, which no two summation orders reproduce.
+    base = dict(lr=1e-3, lr_decay_style="constant", weight_decay=0.1, clip_grad=0.5, adam_eps=1e-6)
+    base.update(overrides)
+    return OptimizerConfig(**base)
+
+
+def global_batch(step: int, size: int, seq: int) -> torch.Tensor:
+    """The global batch of a step: [size, seq + 1] token ids, the same on every rank."""
+    return torch.randint(0, VOCAB, (size, seq + 1), generator=torch.Generator().manual_seed(step))
+
+
+def micro_batches(tokens: torch.Tensor, mbs: int, dp_rank: int, dp_size: int) -> list[dict]:
+    """This DP rank's micro-batches, as PretrainingSampler hands them out."""
+    out = []
+    for start in range(0, tokens.shape[0], mbs * dp_size):
+        piece = tokens[start + dp_rank * mbs : start + (dp_rank + 1) * mbs]
+        out.append({"tokens": piece[:, :-1], "labels": piece[:, 1:]})
+    return out
+
+
+def reference_run(
+    cfg: ModelConfig,
+    ocfg: OptimizerConfig,
+    steps: int,
+    gbs: int,
+    dtype=torch.float32,
+    seed: int = 1234,
+):
+    """Single process, plain torch: one forward over the global batch, AdamW, clipping."""
+    model = GPTModel(cfg, BuildContext(cfg, params_dtype=dtype, seed=seed))
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = list(model.parameters())
+    groups = [
+        {
+            "params": [p for p in params if not no_weight_decay(p)],
+            "weight_decay": ocfg.weight_decay,
+        },
+        {"params": [p for p in params if no_weight_decay(p)], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(
+        groups, lr=ocfg.lr, betas=(ocfg.adam_beta1, ocfg.adam_beta2), eps=ocfg.adam_eps
+    )
+    scheduler = LRScheduler(ocfg, steps)
+    losses, norms = [], []
+    for step in range(steps):
+        tokens = global_batch(step, gbs, cfg.seq_length)
+        optimizer.zero_grad()
+        loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, ocfg.clip_grad).item())
+        for group in optimizer.param_groups:
+            group["lr"] = scheduler.lr_at(step)
+        optimizer.step()
+        losses.append(loss.item())
+    final = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, norms, final, initial
+
+
+def engine_run(
+    state,
+    cfg,
+    ocfg,
+    steps,
+    gbs,
+    mbs,
+    *,
+    zero=False,
+    overlap=False,
+    overlap_param_gather=False,
+    bucket_size=2000,
+    sequence_parallel=False,
+    dtype=torch.float32,
+    fp16=False,
+    schedule=None,
+    virtual_size=1,
+    hook=None,
+    seed: int = 1234,
+    first_stage_layers=None,
+    last_stage_layers=None,
+    repeat_batch: bool = False,
+):
+    """The same run through DDP + DistributedOptimizer + the pipeline schedule.
+    repeat_batch: train on one batch over and over (a loss that can fall)."""
+    chunks = build_model_chunks(
+        cfg,
+        state,
+        params_dtype=dtype,
+        seed=seed,
+        sequence_parallel=sequence_parallel,
+        virtual_size=virtual_size,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+    )
+    ddps = [
+        DistributedDataParallel(
+            c,
+            state.dp_group,
+            bucket_size=bucket_size,
+            overlap_grad_reduce=overlap,
+            use_distributed_optimizer=zero,
+            overlap_param_gather=overlap_param_gather,
+        )
+        for c in chunks
+    ]
+    optimizer = build_optimizer(
+        ddps,
+        ocfg,
+        use_distributed_optimizer=zero,
+        fp16=fp16,
+        tp_rank=state.tp_rank,
+        model_parallel_group=state.model_parallel_group,
+        world_group=state.world_group,
+        device=state.device,
+    )
+    scheduler = LRScheduler(ocfg, steps)
+    outputs = []
+    for step in range(steps):
+        tokens = global_batch(0 if repeat_batch else step, gbs, cfg.seq_length)
+        batches = micro_batches(tokens, mbs, state.dp_rank, state.dp_size)
+        if hook is not None:
+            hook(step, ddps, optimizer)
+        outputs.append(train_step(ddps, optimizer, scheduler, batches, state, schedule))
+    optimizer.finish_param_sync()
+    return outputs, ddps, optimizer
+
+
+def full_params(ddps, state) -> dict[str, torch.Tensor]:
+    """Every parameter this rank holds, gathered back to its full (TP=1) shape."""
+    out = {}
+    for ddp in ddps:
+        for name, param in ddp.module.named_parameters():
+            name = getattr(param, "checkpoint_name", name)
+            out[name] = full_from_local(param.data, tp_sharding_of(param), state.tp_group)
+    return out
+
+
+def _aligned(value: torch.Tensor, ref: torch.Tensor):
+    if value.shape != ref.shape:  # the padded vocabulary differs between layouts
+        return value[:VOCAB].float(), ref[:VOCAB].float()
+    return value.float(), ref.float()
+
+
+def compare_params(got: dict, expected: dict) -> dict[str, float]:
+    """Relative error ||got - expected|| / ||expected|| of each parameter."""
+    from tests.distributed import rel_err
+
+    return {name: rel_err(*_aligned(value, expected[name])) for name, value in got.items()}
+
+
+def model_error(got: dict, expected: dict, initial: dict) -> dict[str, float]:
+    """Over the parameters in `got` (a stage's, or all): the relative error of the parameter
+    vector, the worst single tensor, and how far training moved the reference (so a match
+    cannot come from nothing having changed)."""
+    from tests.distributed import rel_err
+
+    pairs = [_aligned(value, expected[name]) for name, value in sorted(got.items())]
+    start = [_aligned(value, initial[name])[1] for name, value in sorted(got.items())]
+    a = torch.cat([p[0].reshape(-1) for p in pairs])
+    b = torch.cat([p[1].reshape(-1) for p in pairs])
+    b0 = torch.cat([s.reshape(-1) for s in start])
+    return {
+        "model": rel_err(a, b),
+        "worst_tensor": max(compare_params(got, expected).values()),
+        "moved": rel_err(b, b0),
+    }

@@ -1,0 +1,184 @@
+"""Data parallelism and the distributed optimizer against a single-process run on the same
+global batch: parameters after 5 steps, DP 2 and 4, ZeRO on and off, overlap on and off,
+TP2 x DP2; optimizer-state memory per rank; fp16 loss scaling; bf16 tracking fp32."""
+
+from __future__ import annotations
+
+import torch
+
+from parallel.state import ParallelState
+from tests.distributed import run_ranks
+from tests.harness import (
+    engine_run,
+    full_params,
+    model_error,
+    opt_config,
+    reference_run,
+    tiny_config,
+)
+
+STEPS, GBS, MBS = 5, 8, 2
+
+
+def _dp_parity(rank, world, tp):
+    state = ParallelState.build(tp=tp)
+    results = []
+    for style in ("gpt2", "llama"):
+        cfg, ocfg = tiny_config(style), opt_config()
+        ref_losses, ref_norms, ref_params, initial = reference_run(cfg, ocfg, STEPS, GBS)
+        for zero in (False, True):
+            for overlap in (False, True):
+                outputs, ddps, optimizer = engine_run(
+                    state,
+                    cfg,
+                    ocfg,
+                    STEPS,
+                    GBS,
+                    MBS,
+                    zero=zero,
+                    overlap=overlap,
+                    overlap_param_gather=overlap,
+                )
+                errors = model_error(full_params(ddps, state), ref_params, initial)
+                results.append(
+                    {
+                        "case": (style, zero, overlap),
+                        "buckets": len(ddps[0].buckets),
+                        **errors,
+                        "loss_err": max(abs(o.loss - r) / r for o, r in zip(outputs, ref_losses)),
+                        "norm_err": max(
+                            abs(o.grad_norm - r) / r for o, r in zip(outputs, ref_norms)
+                        ),
+                    }
+                )
+    return results
+
+
+def _check(results):
+    for rank_results in results:
+        for r in rank_results:
+            assert r["buckets"] > 1, r  # several buckets, so bucketing is exercised
+            assert r["moved"] > 0.02, r  # five steps changed the parameters by more than 2%
+            assert r["model"] < 1e-6 and r["worst_tensor"] < 1e-5, r
+            assert r["loss_err"] < 1e-6 and r["norm_err"] < 1e-6, r
+
+
+def test_dp2_matches_single_process():
+    _check(run_ranks(_dp_parity, 2, 1))
+
+
+def test_dp4_and_tp2_dp2_match_single_process():
+    _check(run_ranks(_dp_parity, 4, 1))
+    _check(run_ranks(_dp_parity, 4, 2))
+
+
+def _memory(rank, world):
+    state = ParallelState.build(tp=1)
+    cfg = tiny_config("gpt2", hidden_size=64, num_layers=2)
+    out = {}
+    for zero in (False, True):
+        _, ddps, optimizer = engine_run(
+            state, cfg, opt_config(), 1, 8, 2, zero=zero, dtype=torch.bfloat16, bucket_size=5000
+        )
+        ddp = ddps[0]
+        params = sum(p.numel() for p in ddp.params)
+        out[zero] = {
+            "params": params,
+            "padding": ddp.padding(),
+            "state_bytes": optimizer.state_bytes(),
+            "buffer_bytes": ddp.param_buffer.numel() * ddp.param_buffer.element_size()
+            + ddp.grad_buffer.numel() * ddp.grad_buffer.element_size(),
+        }
+    return out
+
+
+def test_optimizer_state_is_sharded_over_dp():
+    results = run_ranks(_memory, 4)
+    params = results[0][True]["params"]
+    padding = results[0][True]["padding"]
+    for r in results:
+        assert r[False]["state_bytes"] == 12 * params  # fp32 master + two moments, replicated
+        sharded = r[True]["state_bytes"]
+        assert abs(sharded - 12 * params / 4) <= 12 * padding, (sharded, params, padding)
+        per_param = (r[True]["buffer_bytes"] + sharded) / params
+        assert abs(per_param - (6 + 12 / 4)) < 0.1 * (1 + padding), per_param  # 6 + 12/DP
+    assert sum(r[True]["state_bytes"] for r in results) == 12 * params  # a partition
+
+
+def _fp16_inf(rank, world):
+    state = ParallelState.build(tp=1)
+    cfg = tiny_config("gpt2")
+    ocfg = opt_config(initial_loss_scale=2.0**10, hysteresis=1, loss_scale_window=1000)
+    snapshots = []
+
+    def hook(step, ddps, optimizer):
+        snapshots.append(torch.cat([p.detach().float().reshape(-1) for p in ddps[0].params]))
+        if step == 2 and rank == 1:  # poison one rank's gradient: every rank must skip
+            ddps[0].params[0].register_hook(lambda g: torch.full_like(g, float("inf")))
+
+    outputs, ddps, _ = engine_run(
+        state, cfg, ocfg, 5, 8, 2, zero=True, dtype=torch.float16, fp16=True, hook=hook
+    )
+    snapshots.append(torch.cat([p.detach().float().reshape(-1) for p in ddps[0].params]))
+    changed = [not torch.equal(a, b) for a, b in zip(snapshots, snapshots[1:])]
+    return [o.updated for o in outputs], [o.loss_scale for o in outputs], changed
+
+
+def test_fp16_inf_skips_exactly_that_step_and_backs_off():
+    for updated, scales, changed in run_ranks(_fp16_inf, 2):
+        # the hook installed before step 2 fires in step 2 and every later step
+        assert updated == [True, True, False, False, False]
+        assert changed == [True, True, False, False, False]
+        assert scales == [1024.0, 1024.0, 1024.0, 512.0, 256.0]
+
+
+def _bf16_tracks_fp32(rank, world):
+    state = ParallelState.build(tp=2)
+    cfg, ocfg = tiny_config("llama"), opt_config(lr=3e-3)
+    fp32, _, _ = engine_run(state, cfg, ocfg, 20, 8, 2, zero=True, repeat_batch=True)
+    bf16, _, _ = engine_run(
+        state, cfg, ocfg, 20, 8, 2, zero=True, dtype=torch.bfloat16, repeat_batch=True
+    )
+    return [o.loss for o in fp32], [o.loss for o in bf16]
+
+
+def test_bf16_tracks_fp32_loss():
+    fp32, bf16 = run_ranks(_bf16_tracks_fp32, 4)[0]
+    assert fp32[-1] < fp32[0] - 1.0  # it learns (memorises the batch)
+    for a, b in zip(fp32, bf16):
+        assert abs(a - b) / a < 0.02, (a, b)
+
+
+def _overlap_launch_points(rank, world):
+    from engine.model.builder import build_model_chunks
+    from engine.step import forward_step, make_loss_func
+    from parallel.ddp import DistributedDataParallel
+    from tests.harness import global_batch, micro_batches
+
+    state = ParallelState.build(tp=1)
+    cfg = tiny_config("gpt2")
+    ddp = DistributedDataParallel(
+        build_model_chunks(cfg, state)[0],
+        state.dp_group,
+        bucket_size=2000,
+        overlap_grad_reduce=True,
+    )
+    batches = micro_batches(global_batch(0, 8, cfg.seq_length), 2, state.dp_rank, 2)
+    loss_func = make_loss_func(len(batches))
+    launched = []
+    for index, batch in enumerate(batches):
+        last = index == len(batches) - 1
+        if not last:
+            with ddp.no_sync():
+                loss_func(forward_step(ddp, batch, None), batch)[0].backward()
+        else:
+            loss_func(forward_step(ddp, batch, None), batch)[0].backward()
+        launched.append(sum(b.grad_work is not None for b in ddp.buckets))
+    ddp.finish_grad_sync()
+    return launched, len(ddp.buckets)
+
+
+def test_overlap_launches_each_bucket_in_the_last_backward_only():
+    for launched, buckets in run_ranks(_overlap_launch_points, 2):
+        assert buckets > 1
+        assert launched == [0, buckets], launched  # nothing during the no_sync micro-batch

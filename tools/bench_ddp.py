@@ -1,0 +1,123 @@
+"""Weak-scaling efficiency of data parallelism on CPU gloo.
+
+The per-rank batch stays fixed; efficiency = time per step at DP=1 / time per step at DP=N
+(1.0 means the gradient reduction costs nothing). Measured with the reduction overlapped with
+backward (--overlap-grad-reduce) and without, one thread per rank, all in one run. Prints a
+table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ModelConfig, OptimizerConfig
+from engine.model.builder import build_model_chunks
+from engine.optim import LRScheduler, build_optimizer
+from engine.step import train_step
+from parallel.ddp import DistributedDataParallel
+from parallel.launch import run_local
+from parallel.state import ParallelState
+from tools._cli import run
+
+
+def _bench(rank, world, args, overlap):
+    state = ParallelState.build(tp=1)
+    cfg = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.hidden_size // 64,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    chunks = build_model_chunks(cfg, state)
+    ddps = [
+        DistributedDataParallel(
+            c, state.dp_group, bucket_size=args.bucket_size, overlap_grad_reduce=overlap
+        )
+        for c in chunks
+    ]
+    ocfg = OptimizerConfig(lr=1e-4, lr_decay_style="constant")
+    optimizer = build_optimizer(
+        ddps,
+        ocfg,
+        use_distributed_optimizer=False,
+        fp16=False,
+        tp_rank=0,
+        model_parallel_group=None,
+        world_group=state.world_group,
+        device=state.device,
+    )
+    scheduler = LRScheduler(ocfg, 10**6)
+    generator = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(args.warmup + args.steps):
+        batches = []
+        for _ in range(args.accumulation):
+            tokens = torch.randint(
+                0,
+                args.vocab_size,
+                (args.micro_batch_size, args.seq_length + 1),
+                generator=generator,
+            )
+            batches.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
+        if world > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        train_step(ddps, optimizer, scheduler, batches, state)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    params = sum(p.numel() for p in ddps[0].params)
+    return statistics.median(times), params, len(ddps[0].buckets)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dp", type=int, default=2, help="data-parallel size to compare with 1")
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--bucket-size", type=int, default=1_000_000, help="elements per bucket")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--json", default="bench_ddp.json")
+    args = parser.parse_args(argv)
+
+    base, params, buckets = run_local(_bench, 1, args, False, timeout=1800)[0]
+    rows = [("DP=1 (baseline)", base, 1.0)]
+    for overlap in (False, True):
+        times = run_local(_bench, args.dp, args, overlap, timeout=1800)
+        step = max(t for t, _, _ in times)
+        rows.append((f"DP={args.dp}, overlap {'on' if overlap else 'off'}", step, base / step))
+    print(
+        f"model: {params / 1e6:.1f}M parameters in {buckets} buckets; per-rank batch "
+        f"{args.micro_batch_size} x {args.accumulation} x {args.seq_length} tokens; gloo, "
+        "one thread per rank"
+    )
+    print(f"{'run':28s} {'s/step':>8s} {'efficiency':>10s}")
+    for name, seconds, efficiency in rows:
+        print(f"{name:28s} {seconds:8.3f} {efficiency:10.1%}")
+    with open(args.json, "w") as f:
+        json.dump(
+            {
+                "params": params,
+                "rows": [{"run": n, "seconds_per_step": s, "efficiency": e} for n, s, e in rows],
+            },
+            f,
+            indent=1,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
