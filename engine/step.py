@@ -55,6 +55,19 @@ def run_schedule(chunks, batches, schedule, forward_only=False, loss_scale=1.0):
     return schedule(chunks, batches, forward_step, loss_func, forward_only=forward_only)
 
 
+def eval_step(chunks, batches, state, schedule=None) -> float | None:
+    """Mean loss over the micro-batches (and DP ranks) without gradients; None off the last
+    pipeline stage. Collective on all ranks."""
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        losses = run_schedule(chunks, batches, schedule, forward_only=True)
+    finally:
+        for chunk in chunks:
+            chunk.train()
+    return _dp_mean(losses, state)
+
+
 def train_step(chunks, optimizer, scheduler, batches, state, schedule=None) -> StepOutput:
     """Zero grads, forward/backward every micro-batch, reduce, step. Collective on all ranks."""
     optimizer.zero_grad()

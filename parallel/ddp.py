@@ -13,6 +13,10 @@ gradient. With `overlap_grad_reduce` a bucket's reduction starts inside backward
 its last gradient is ready; `finish_grad_sync()` waits for all of them. Gradients are
 pre-scaled by 1/DP, so the result is the average over data-parallel ranks.
 
+A bucket holding a weight shared between pipeline stages (a tied embedding) is not reduced
+inside backward: its gradient must first be summed with the other stage's copy (see
+parallel/grads.py), so it waits for `finish_grad_sync()`.
+
 With the distributed optimizer, buckets are padded to a multiple of 16 x DP elements so each
 rank's shard has the same size, and after the optimizer step `start_param_sync()` all-gathers
 the updated parameter shards; with `overlap_param_gather` the wait happens per module, in a
@@ -44,6 +48,7 @@ class Bucket:
     grad: torch.Tensor  # view of the grad buffer
     data: torch.Tensor  # view of the parameter buffer
     pending: set = field(default_factory=set)
+    delayed: bool = False  # holds a pipeline-shared weight: reduce in finish_grad_sync only
     grad_work: object = None
     grad_shard_tmp: torch.Tensor | None = None
     param_work: object = None
@@ -100,6 +105,7 @@ class DistributedDataParallel(nn.Module):
             bucket.grad = self.grad_buffer[bucket.start : bucket.end]
             bucket.data = self.param_buffer[bucket.start : bucket.end]
             bucket.pending = set(bucket.params)
+            bucket.delayed = any(getattr(p, "pipeline_shared", False) for p in bucket.params)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
         if self.overlap_param_gather:
@@ -151,7 +157,7 @@ class DistributedDataParallel(nn.Module):
         if self.overlap_grad_reduce and self.is_last_microbatch and self.dp_group is not None:
             bucket = self.bucket_of[param]
             bucket.pending.discard(param)
-            if not bucket.pending and bucket.grad_work is None:
+            if not bucket.pending and bucket.grad_work is None and not bucket.delayed:
                 self._start_bucket_reduce(bucket, async_op=True)
 
     def _start_bucket_reduce(self, bucket: Bucket, async_op: bool) -> None:

@@ -1,9 +1,13 @@
 """What happens to gradients between the last backward and the optimizer step.
 
-finalize_model_grads: (1) finish the data-parallel bucket reductions, (2) sum the partial
-gradients of TP-replicated parameters over the TP group (see parallel.sharding), (3) with
-pipeline parallelism and tied embeddings, all-reduce the word-embedding gradient between the
-first and last stage so both copies take the same step.
+finalize_model_grads: (1) with pipeline parallelism and tied embeddings, all-reduce the
+word-embedding gradient between the first and last stage so both copies take the same step;
+(2) finish the data-parallel bucket reductions; (3) sum the partial gradients of
+TP-replicated parameters over the TP group (see parallel.sharding). Every step is a sum, so
+the order is free mathematically, but (1) must come before (2): with the distributed optimizer
+a rank's main_grad is only valid inside its own shard after (2), and the two stages shard
+their copies of the embedding differently. (3) is safe after (2) because the TP ranks of one
+DP rank lay out their buffers identically.
 
 Global gradient norm: every parameter counted once across TP, PP and DP: replicated
 parameters only on TP rank 0, the last stage's copy of a tied embedding not at all, and (with
@@ -20,13 +24,13 @@ from parallel.tensor import all_reduce_partial_grads
 
 def finalize_model_grads(ddps, tp_group, embedding_group=None, shared_embeddings=()) -> None:
     """Make main_grad final on every rank (see module docstring)."""
+    if embedding_group is not None:
+        for weight in shared_embeddings:
+            all_reduce(weight.main_grad, embedding_group)
     for ddp in ddps:
         ddp.finish_grad_sync()
     params = [p for ddp in ddps for p in ddp.params]
     all_reduce_partial_grads(params, tp_group, grad_attr="main_grad")
-    if embedding_group is not None:
-        for weight in shared_embeddings:
-            all_reduce(weight.main_grad, embedding_group)
 
 
 def counts_toward_norm(param, tp_rank: int) -> bool:

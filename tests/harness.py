@@ -9,8 +9,10 @@ from engine.config import ModelConfig, OptimizerConfig
 from engine.model import BuildContext, GPTModel
 from engine.model.builder import build_model_chunks
 from engine.optim import LRScheduler, build_optimizer, no_weight_decay
-from engine.step import train_step
+from engine.step import run_schedule, train_step
 from parallel.ddp import DistributedDataParallel
+from parallel.grads import finalize_model_grads
+from parallel.pipeline.schedules import get_schedule
 from parallel.sharding import full_from_local, tp_sharding_of
 
 VOCAB = 300
@@ -115,7 +117,7 @@ def engine_run(
     sequence_parallel=False,
     dtype=torch.float32,
     fp16=False,
-    schedule=None,
+    schedule_kind=None,
     virtual_size=1,
     hook=None,
     seed: int = 1234,
@@ -157,6 +159,7 @@ def engine_run(
         device=state.device,
     )
     scheduler = LRScheduler(ocfg, steps)
+    schedule = make_schedule(state, cfg, mbs, sequence_parallel, dtype, virtual_size, schedule_kind)
     outputs = []
     for step in range(steps):
         tokens = global_batch(0 if repeat_batch else step, gbs, cfg.seq_length)
@@ -166,6 +169,71 @@ def engine_run(
         outputs.append(train_step(ddps, optimizer, scheduler, batches, state, schedule))
     optimizer.finish_param_sync()
     return outputs, ddps, optimizer
+
+
+def make_schedule(
+    state,
+    cfg,
+    mbs,
+    sequence_parallel=False,
+    dtype=torch.float32,
+    virtual_size=1,
+    kind=None,
+    stats=None,
+):
+    seq = (
+        cfg.seq_length // state.tp_size
+        if sequence_parallel and state.tp_size > 1
+        else cfg.seq_length
+    )
+    return get_schedule(
+        state,
+        virtual_size=virtual_size,
+        kind=kind,
+        tensor_shape=(seq, mbs, cfg.hidden_size),
+        dtype=dtype,
+        stats=stats,
+    )
+
+
+def engine_grads(
+    state,
+    cfg,
+    tokens,
+    mbs,
+    *,
+    schedule_kind=None,
+    virtual_size=1,
+    sequence_parallel=False,
+    stats=None,
+):
+    """One forward/backward of the global batch through the engine: (losses, full grads)."""
+    chunks = build_model_chunks(
+        cfg, state, sequence_parallel=sequence_parallel, virtual_size=virtual_size
+    )
+    ddps = [DistributedDataParallel(c, state.dp_group, bucket_size=2000) for c in chunks]
+    schedule = make_schedule(
+        state, cfg, mbs, sequence_parallel, torch.float32, virtual_size, schedule_kind, stats
+    )
+    batches = micro_batches(tokens, mbs, state.dp_rank, state.dp_size)
+    for ddp in ddps:
+        ddp.zero_grad_buffer()
+    losses = run_schedule(ddps, batches, schedule)
+    shared = [w for d in ddps if (w := d.module.shared_embedding_weight()) is not None]
+    finalize_model_grads(ddps, state.tp_group, state.embedding_group, shared)
+    grads = {}
+    for ddp in ddps:
+        for name, param in ddp.module.named_parameters():
+            name = getattr(param, "checkpoint_name", name)
+            grads[name] = full_from_local(param.main_grad, tp_sharding_of(param), state.tp_group)
+    return losses, grads
+
+
+def reference_grads(cfg, tokens, seed: int = 1234):
+    model = GPTModel(cfg, BuildContext(cfg, seed=seed))
+    loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
 def full_params(ddps, state) -> dict[str, torch.Tensor]:

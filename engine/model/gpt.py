@@ -153,8 +153,12 @@ class GPTModel(nn.Module):
                     device=ctx.device,
                 )
                 weight = self.word_embeddings_for_head.weight
-                weight.shared_embedding = True
+                weight.shared_embedding = True  # a duplicate: not counted in the grad norm
                 weight.checkpoint_name = WORD_EMBEDDINGS
+        shared = self.shared_embedding_weight()
+        if shared is not None and not (pre_process and post_process):
+            # Its gradient is summed with the other stage's copy before the DP reduction.
+            shared.pipeline_shared = True
 
     # --- pieces ------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ stage's micro-batches (an empty list on other stages).
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -51,3 +52,275 @@ def forward_backward_no_pipelining(
             loss.backward()
             losses.append(reported)
     return losses
+
+
+# --- pipelined schedules -------------------------------------------------------------------
+
+
+class _Stage:
+    """One rank's bookkeeping: running chunks forward and backward. `stats` (optional) gets
+    'peak_held', the most micro-batches whose activations were held at once (forward done,
+    backward not yet), and 'compute_s', the time spent in forward and backward."""
+
+    def __init__(self, chunks, batches, forward_step, loss_func, forward_only, stats):
+        self.chunks, self.batches = chunks, batches
+        self.forward_step, self.loss_func = forward_step, loss_func
+        self.forward_only = forward_only
+        self.losses: list[torch.Tensor] = []
+        self.held = 0
+        self.stats = stats if stats is not None else {}
+        self.stats["peak_held"] = 0
+        self.stats["compute_s"] = 0.0
+
+    def forward(self, chunk_index: int, microbatch: int, input_tensor, is_last_stage: bool):
+        chunk, batch = self.chunks[chunk_index], self.batches[microbatch]
+        start = time.perf_counter()
+        with torch.set_grad_enabled(not self.forward_only):
+            output = self.forward_step(chunk, batch, input_tensor)
+            if is_last_stage:
+                loss, reported = self.loss_func(output, batch)
+                self.losses.append(reported)
+                output = loss
+        self.stats["compute_s"] += time.perf_counter() - start
+        if not self.forward_only:
+            self.held += 1
+            self.stats["peak_held"] = max(self.stats["peak_held"], self.held)
+        return output
+
+    def backward(self, chunk_index: int, last_microbatch: bool, input_tensor, output, output_grad):
+        """Backward of one micro-batch through one chunk; returns the gradient of its input.
+        The chunk's DP reduction may start only in its last micro-batch's backward."""
+        ddp = self.chunks[chunk_index]
+        if hasattr(ddp, "is_last_microbatch"):
+            ddp.is_last_microbatch = last_microbatch
+        if input_tensor is not None:
+            input_tensor.retain_grad()
+        start = time.perf_counter()
+        if output_grad is None:
+            torch.autograd.backward(output)
+        else:
+            torch.autograd.backward(output, grad_tensors=output_grad)
+        self.stats["compute_s"] += time.perf_counter() - start
+        if hasattr(ddp, "is_last_microbatch"):
+            ddp.is_last_microbatch = True
+        self.held -= 1
+        return input_tensor.grad if input_tensor is not None else None
+
+
+def forward_backward_gpipe(
+    chunks, batches, forward_step, loss_func, *, p2p, forward_only=False, stats=None
+):
+    """All forwards, then all backwards (the baseline: a stage holds all m micro-batches)."""
+    stage = _Stage(chunks, batches, forward_step, loss_func, forward_only, stats)
+    state, m = p2p.state, len(batches)
+    saved = []
+    for k in range(m):
+        input_tensor = p2p.recv_forward(not state.is_first_stage)
+        output = stage.forward(0, k, input_tensor, state.is_last_stage)
+        p2p.send_forward(None if state.is_last_stage else output)
+        if not forward_only:
+            saved.append((input_tensor, output))
+    if forward_only:
+        return stage.losses
+    for k in range(m):
+        output_grad = p2p.recv_backward(not state.is_last_stage)
+        input_tensor, output = saved.pop(0)
+        grad = stage.backward(0, k == m - 1, input_tensor, output, output_grad)
+        p2p.send_backward(None if state.is_first_stage else grad)
+    return stage.losses
+
+
+def forward_backward_1f1b(
+    chunks, batches, forward_step, loss_func, *, p2p, forward_only=False, stats=None
+):
+    """One-forward-one-backward: p - rank - 1 warm-up forwards, then alternate, then drain.
+    A stage never holds more than p - rank micro-batches of activations."""
+    if forward_only:
+        return forward_backward_gpipe(
+            chunks, batches, forward_step, loss_func, p2p=p2p, forward_only=True, stats=stats
+        )
+    stage = _Stage(chunks, batches, forward_step, loss_func, forward_only, stats)
+    state, m = p2p.state, len(batches)
+    first, last = state.is_first_stage, state.is_last_stage
+    warmup = min(state.pp_size - state.pp_rank - 1, m)
+    steady = m - warmup
+    saved = []
+    for k in range(warmup):
+        input_tensor = p2p.recv_forward(not first)
+        output = stage.forward(0, k, input_tensor, last)
+        p2p.send_forward(None if last else output)
+        saved.append((input_tensor, output))
+    input_tensor = p2p.recv_forward(not first) if steady else None
+    for k in range(steady):
+        output = stage.forward(0, warmup + k, input_tensor, last)
+        output_grad = p2p.exchange(send_next=None if last else output, recv_next=not last)[1]
+        saved.append((input_tensor, output))
+        held_input, held_output = saved.pop(0)
+        grad = stage.backward(0, k == m - 1, held_input, held_output, output_grad)
+        if k == steady - 1:
+            p2p.send_backward(None if first else grad)
+        else:
+            input_tensor = p2p.exchange(send_prev=None if first else grad, recv_prev=not first)[0]
+    for k in range(warmup):
+        output_grad = p2p.recv_backward(not last)
+        held_input, held_output = saved.pop(0)
+        grad = stage.backward(0, steady + k == m - 1, held_input, held_output, output_grad)
+        p2p.send_backward(None if first else grad)
+    return stage.losses
+
+
+def forward_backward_interleaved(
+    chunks, batches, forward_step, loss_func, *, p2p, forward_only=False, stats=None
+):
+    """Interleaved 1F1B: each rank holds v model chunks (virtual stages); global chunk order is
+    chunk 0 of every rank, then chunk 1 of every rank, ... Micro-batches go through in groups
+    of p; the bubble shrinks to (p - 1) / v of a chunk's time. Needs m divisible by p."""
+    state, p, v, m = p2p.state, p2p.state.pp_size, len(chunks), len(batches)
+    if m % p:
+        raise ValueError(
+            f"interleaved pipelining needs the micro-batches per step ({m}) to be a multiple of "
+            f"pipeline-model-parallel-size {p}"
+        )
+    stage = _Stage(chunks, batches, forward_step, loss_func, forward_only, stats)
+    rank, total = state.pp_rank, m * v
+
+    def chunk_of(k: int, forward: bool) -> int:
+        c = (k % (p * v)) // p
+        return c if forward else v - 1 - c
+
+    def microbatch_of(k: int) -> int:
+        return (k // (p * v)) * p + k % p
+
+    def first_virtual(c: int) -> bool:
+        return state.is_first_stage and c == 0
+
+    def last_virtual(c: int) -> bool:
+        return state.is_last_stage and c == v - 1
+
+    inputs = [[] for _ in range(v)]
+    outputs = [[] for _ in range(v)]
+    output_grads = [[] for _ in range(v)]
+
+    def forward(k: int):
+        c = chunk_of(k, True)
+        if first_virtual(c) and len(inputs[c]) == len(outputs[c]):
+            inputs[c].append(None)  # the first virtual stage starts from the embedding
+        output = stage.forward(c, microbatch_of(k), inputs[c][-1], last_virtual(c))
+        if forward_only:
+            inputs[c].pop()
+        else:
+            outputs[c].append(output)
+        return output
+
+    def backward(k: int):
+        c = chunk_of(k, False)
+        if last_virtual(c) and not output_grads[c]:
+            output_grads[c].append(None)  # the loss is differentiated directly
+        last_mb = microbatch_of(k) == m - 1
+        return stage.backward(
+            c, last_mb, inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0)
+        )
+
+    if forward_only:
+        warmup = total
+    elif m == p:
+        warmup = total  # all forwards, then all backwards
+    else:
+        warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    steady = total - warmup
+
+    inputs[0].append(p2p.recv_forward(not state.is_first_stage))
+    for k in range(warmup):
+        output = forward(k)
+        next_chunk = chunk_of(k + 1, True)
+        recv_prev = not (state.is_first_stage and next_chunk == 0) and k < total - 1
+        send = None if last_virtual(chunk_of(k, True)) else output
+        if k == warmup - 1 and not forward_only and steady > 0:
+            received, grad = p2p.exchange(
+                send_next=send, recv_prev=recv_prev, recv_next=not state.is_last_stage
+            )
+            output_grads[v - 1].append(grad)
+        else:
+            received = p2p.exchange(send_next=send, recv_prev=recv_prev)[0]
+        if recv_prev:
+            inputs[next_chunk].append(received)
+
+    for k in range(steady):
+        forward_k, backward_k = warmup + k, k
+        output = forward(forward_k)
+        input_grad = backward(backward_k)
+        if last_virtual(chunk_of(forward_k, True)):
+            output = None
+        if first_virtual(chunk_of(backward_k, False)):
+            input_grad = None
+        # The first stage runs p - 1 steps ahead of the last, and vice versa for backward,
+        # so what arrives next belongs to the chunk those neighbours are working on.
+        recv_prev = True
+        if state.is_first_stage:
+            next_forward = chunk_of(forward_k - (p - 1), True)
+            recv_prev = next_forward != v - 1
+            next_forward += 1
+        else:
+            next_forward = chunk_of(forward_k + 1, True)
+        recv_next = True
+        if state.is_last_stage:
+            next_backward = chunk_of(backward_k - (p - 1), False)
+            recv_next = next_backward != 0
+            next_backward -= 1
+        else:
+            next_backward = chunk_of(backward_k + 1, False)
+        if k == steady - 1:
+            recv_prev = False
+        received, grad = p2p.exchange(
+            send_next=output, send_prev=input_grad, recv_prev=recv_prev, recv_next=recv_next
+        )
+        if recv_prev:
+            inputs[next_forward].append(received)
+        if recv_next:
+            output_grads[next_backward].append(grad)
+
+    if forward_only:
+        return stage.losses
+    if steady == 0:
+        output_grads[v - 1].append(p2p.recv_backward(not state.is_last_stage))
+    for k in range(steady, total):
+        input_grad = backward(k)
+        if first_virtual(chunk_of(k, False)):
+            input_grad = None
+        next_backward = chunk_of(k + 1, False)
+        recv_next = not (state.is_last_stage and next_backward == v - 1) and k < total - 1
+        grad = p2p.exchange(send_prev=input_grad, recv_next=recv_next)[1]
+        if recv_next:
+            output_grads[next_backward].append(grad)
+    return stage.losses
+
+
+SCHEDULES = {
+    "gpipe": forward_backward_gpipe,
+    "1f1b": forward_backward_1f1b,
+    "interleaved": forward_backward_interleaved,
+}
+
+
+def get_schedule(
+    state,
+    *,
+    virtual_size: int = 1,
+    kind: str | None = None,
+    tensor_shape=None,
+    dtype=None,
+    stats: dict | None = None,
+):
+    """The schedule for a layout: no pipelining for PP=1, else 1F1B (interleaved when the
+    model has virtual stages), or `kind` ('gpipe', '1f1b', 'interleaved') explicitly."""
+    import functools
+
+    from parallel.pipeline.p2p import P2P
+
+    if state.pp_size == 1 and virtual_size == 1:
+        return forward_backward_no_pipelining
+    kind = kind or ("interleaved" if virtual_size > 1 else "1f1b")
+    if (kind == "interleaved") != (virtual_size > 1):
+        raise ValueError(f"schedule {kind} does not fit {virtual_size} model chunks per rank")
+    p2p = P2P(state, tuple(tensor_shape), dtype)
+    return functools.partial(SCHEDULES[kind], p2p=p2p, stats=stats)

@@ -1,0 +1,167 @@
+"""Pipeline bubble on CPU gloo: GPipe, 1F1B and interleaved 1F1B against their ideal times.
+
+For p stages and m micro-batches, the single-stage time t (forward + backward of one stage on
+one micro-batch) gives the ideal step time m * t / e, with ideal efficiency e = m / (m + p - 1)
+for GPipe and 1F1B and m / (m + (p - 1) / v) for interleaved 1F1B with v virtual stages.
+t is measured inside each run (the slowest stage's compute time / m, so it sees the same
+caches, clocks and core sharing as the step), and also alone beforehand for reference.
+Measured bubble = 1 - m * t / measured step time. Stages are balanced (a small vocabulary keeps
+embedding and output cheap). One thread per rank; with fewer cores than stages the ranks share
+cores and idle stages lend theirs to busy ones, so such runs understate the bubble.
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ModelConfig
+from engine.model import BuildContext, GPTModel
+from engine.model.builder import build_model_chunks
+from engine.step import run_schedule
+from parallel.ddp import DistributedDataParallel
+from parallel.launch import run_local
+from parallel.pipeline.schedules import get_schedule
+from parallel.state import ParallelState
+from tools._cli import run
+
+
+def _config(args) -> ModelConfig:
+    return ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.hidden_size // 64,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+
+
+def _stage_time(rank, world, args):
+    """Forward + backward of num_layers / p layers on one micro-batch, alone on one thread."""
+    cfg = _config(args)
+    layers = range(args.num_layers // args.pp)
+    model = GPTModel(
+        cfg, BuildContext(cfg), pre_process=False, post_process=False, layer_numbers=layers
+    )
+    x = torch.randn(args.seq_length, args.micro_batch_size, args.hidden_size)
+    times = []
+    for i in range(args.warmup + 3 * args.steps):
+        hidden = x.clone().requires_grad_(True)
+        start = time.perf_counter()
+        model(hidden=hidden).square().mean().backward()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _pipeline_time(rank, world, args, kind, m):
+    state = ParallelState.build(tp=1, pp=world)
+    cfg = _config(args)
+    v = 2 if kind == "interleaved" else 1
+    chunks = build_model_chunks(cfg, state, virtual_size=v)
+    ddps = [DistributedDataParallel(c, None) for c in chunks]
+    stats: dict = {}
+    schedule = get_schedule(
+        state,
+        virtual_size=v,
+        kind=kind,
+        tensor_shape=(args.seq_length, args.micro_batch_size, args.hidden_size),
+        dtype=torch.float32,
+        stats=stats,
+    )
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(
+        0, args.vocab_size, (m * args.micro_batch_size, args.seq_length + 1), generator=generator
+    )
+    batches = [
+        {
+            "tokens": tokens[i : i + args.micro_batch_size, :-1],
+            "labels": tokens[i : i + args.micro_batch_size, 1:],
+        }
+        for i in range(0, len(tokens), args.micro_batch_size)
+    ]
+    times, computes = [], []
+    for step in range(args.warmup + args.steps):
+        for ddp in ddps:
+            ddp.zero_grad_buffer()
+        dist.barrier()
+        start = time.perf_counter()
+        run_schedule(ddps, batches, schedule)
+        measured = torch.tensor([time.perf_counter() - start, stats["compute_s"]])
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        if step >= args.warmup:
+            times.append(measured[0].item())
+            computes.append(measured[1].item())
+    return statistics.median(times), statistics.median(computes) / m
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--pp", type=int, default=4, help="pipeline stages")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--vocab-size", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", default="bench_pipeline.json")
+    args = parser.parse_args(argv)
+    p, v = args.pp, 2
+    alone = run_local(_stage_time, 1, args, timeout=3600)[0]
+    rows = []
+    for m in args.microbatches:
+        for kind in ("gpipe", "1f1b", "interleaved"):
+            if kind == "interleaved" and m % p:
+                continue
+            measured, stage = run_local(_pipeline_time, p, args, kind, m, timeout=3600)[0]
+            ideal_efficiency = m / (m + (p - 1) / (v if kind == "interleaved" else 1))
+            ideal = m * stage / ideal_efficiency
+            rows.append(
+                {
+                    "m": m,
+                    "schedule": kind,
+                    "measured_s": measured,
+                    "stage_s": stage,
+                    "ideal_s": ideal,
+                    "measured_bubble": 1 - m * stage / measured,
+                    "ideal_bubble": 1 - ideal_efficiency,
+                }
+            )
+    print(
+        f"p={p} stages, v={v} for interleaved; {os.cpu_count()} CPU cores; single-stage time "
+        f"alone: {alone * 1e3:.1f} ms per micro-batch (forward + backward, one thread)"
+    )
+    print(
+        f"{'m':>3s} {'schedule':12s} {'t (ms)':>7s} {'measured s':>10s} {'ideal s':>8s} "
+        f"{'bubble':>7s} {'ideal':>7s} {'gap (pp)':>8s}"
+    )
+    for r in rows:
+        gap = 100 * (r["measured_bubble"] - r["ideal_bubble"])
+        print(
+            f"{r['m']:3d} {r['schedule']:12s} {r['stage_s'] * 1e3:7.1f} "
+            f"{r['measured_s']:10.3f} {r['ideal_s']:8.3f} {r['measured_bubble']:7.1%} "
+            f"{r['ideal_bubble']:7.1%} {gap:8.1f}"
+        )
+    with open(args.json, "w") as f:
+        json.dump(
+            {"pp": p, "stage_alone_s": alone, "cpu_cores": os.cpu_count(), "rows": rows},
+            f,
+            indent=1,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
