@@ -39,7 +39,10 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, title: str) ->
             continue
         meta = dict(field.metadata)
         flag = _flag(field)
-        kwargs = {"dest": f"{cls.__name__}.{field.name}", "help": meta.pop("help")}
+        kwargs = {
+            "dest": f"{cls.__name__}.{field.name}",
+            "help": meta.pop("help").replace("%", "%%"),
+        }
         meta.pop("flag", None)
         element, is_list = _base_type(hints[field.name])
         if element is bool:

@@ -50,6 +50,7 @@ class ModelConfig:
     normalization: str = option("LayerNorm", "norm type", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = option(1e-5, "epsilon of the norms")
     swiglu: bool = option(False, "SwiGLU MLP instead of GELU")
+    openai_gelu: bool = option(False, "GELU's tanh approximation, as OpenAI's GPT-2 uses")
     add_bias_linear: bool = option(
         True, "no biases in linear layers", flag="--disable-bias-linear", action="store_false"
     )
@@ -70,6 +71,9 @@ class ModelConfig:
     )
     recompute_num_layers: int | None = option(
         None, "layers per recomputed chunk (uniform) or layers recomputed per stage (block)"
+    )
+    z_loss_coeff: float = option(
+        0.0, "add this times logsumexp(logits)^2 to the loss (keeps logits from drifting)"
     )
 
     @property
@@ -192,7 +196,13 @@ class OptimizerConfig:
     loss_scale_window: int = option(1000, "fp16: clean steps before the scale doubles")
     hysteresis: int = option(2, "fp16: overflowing steps in a row before the scale halves")
 
-    def validate(self) -> None:
+    def validate(self, train_iters: int | None = None) -> None:
+        decay = self.lr_decay_iters or train_iters
+        if decay is not None and self.lr_warmup_iters > decay:
+            raise ConfigError(
+                f"--lr-warmup-iters {self.lr_warmup_iters} exceeds the decay length {decay} "
+                "(--lr-decay-iters, default --train-iters); lower it or raise the decay length"
+            )
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
         if self.lr_warmup_iters < 0:
@@ -201,3 +211,161 @@ class OptimizerConfig:
             raise ConfigError("--clip-grad must be non-negative (0 turns clipping off)")
         if self.lr_decay_style == "WSD" and not self.lr_wsd_decay_iters:
             raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model and the data are split over processes."""
+
+    tensor_model_parallel_size: int = option(1, "tensor-parallel size (TP)")
+    pipeline_model_parallel_size: int = option(1, "pipeline-parallel size (PP)")
+    num_layers_per_virtual_pipeline_stage: int | None = option(
+        None, "layers per virtual stage: interleaved 1F1B with num_layers / (PP x this) chunks"
+    )
+    decoder_first_pipeline_num_layers: int | None = option(
+        None, "layers on the first pipeline stage (the rest split evenly)"
+    )
+    decoder_last_pipeline_num_layers: int | None = option(
+        None, "layers on the last pipeline stage (the rest split evenly)"
+    )
+    pipeline_schedule: str | None = option(
+        None,
+        "force a schedule (default: 1F1B, interleaved with virtual stages)",
+        choices=["gpipe", "1f1b", "interleaved"],
+    )
+    sequence_parallel: bool = option(False, "split norms/dropout/residuals along the sequence")
+    use_distributed_optimizer: bool = option(False, "shard optimizer state over DP (ZeRO)")
+    overlap_grad_reduce: bool = option(False, "reduce gradient buckets during backward")
+    overlap_param_gather: bool = option(
+        False, "with the distributed optimizer: gather parameters during the next forward"
+    )
+    ddp_bucket_size: int | None = option(None, "elements per gradient bucket")
+    distributed_timeout_minutes: float = option(
+        10.0, "a collective waiting longer than this fails the run (e.g. a dead rank)"
+    )
+
+    def virtual_size(self, num_layers: int) -> int:
+        if not self.num_layers_per_virtual_pipeline_stage:
+            return 1
+        per_stage = num_layers // self.pipeline_model_parallel_size
+        return per_stage // self.num_layers_per_virtual_pipeline_stage
+
+    def validate(self, num_layers: int) -> None:
+        pp = self.pipeline_model_parallel_size
+        layers_per_virtual = self.num_layers_per_virtual_pipeline_stage
+        if layers_per_virtual:
+            if pp < 2:
+                raise ConfigError(
+                    "--num-layers-per-virtual-pipeline-stage needs "
+                    "--pipeline-model-parallel-size of 2 or more"
+                )
+            if num_layers % (pp * layers_per_virtual):
+                raise ConfigError(
+                    f"num-layers {num_layers} is not divisible by pipeline-model-parallel-size "
+                    f"{pp} x num-layers-per-virtual-pipeline-stage {layers_per_virtual}"
+                )
+            if self.virtual_size(num_layers) < 2:
+                raise ConfigError(
+                    f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual} leaves one "
+                    f"chunk per stage; use fewer layers per virtual stage or drop the flag"
+                )
+        if self.pipeline_schedule == "interleaved" and not layers_per_virtual:
+            raise ConfigError(
+                "--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage"
+            )
+        if self.pipeline_schedule in ("gpipe", "1f1b") and layers_per_virtual:
+            raise ConfigError(
+                f"--pipeline-schedule {self.pipeline_schedule} cannot run virtual stages; "
+                "drop --num-layers-per-virtual-pipeline-stage"
+            )
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
+        if (
+            self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers
+        ) and pp < 2:
+            raise ConfigError(
+                "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size >= 2"
+            )
+        if self.distributed_timeout_minutes <= 0:
+            raise ConfigError("--distributed-timeout-minutes must be positive")
+
+
+@dataclass
+class DataConfig:
+    """Where training data comes from and how it is cut into samples."""
+
+    data_path: list[str] = option([], "dataset prefix, or weight/prefix pairs to blend")
+    split: str = option("969,30,1", "train/valid/test proportions, by documents")
+    tokenizer_type: str = option(
+        "SentencePieceTokenizer",
+        "tokenizer",
+        choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer"],
+    )
+    tokenizer_model: str | None = option(None, "SentencePiece .model file")
+    data_cache_path: str | None = option(
+        None, "where dataset index caches go (default: a cache/ folder beside the data)"
+    )
+    num_workers: int = option(0, "data-loader worker processes per rank")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop: batch sizes, length, precision, evaluation, logging, checkpoints."""
+
+    micro_batch_size: int = option(4, "samples per micro-batch per data-parallel rank")
+    global_batch_size: int | None = option(
+        None, "samples per optimizer step (default: micro-batch x data-parallel size)"
+    )
+    train_iters: int = option(100, "optimizer steps to train for")
+    seed: int = option(1234, "random seed (initialisation, data order, dropout)")
+    bf16: bool = option(False, "bf16 parameters and activations, fp32 master weights and grads")
+    fp16: bool = option(False, "fp16 with dynamic loss scaling, fp32 master weights and grads")
+    eval_interval: int = option(1000, "evaluate on the valid split every this many steps")
+    eval_iters: int = option(10, "global batches per evaluation")
+    log_interval: int = option(10, "steps between log lines")
+    log_jsonl: str | None = option(None, "append one JSON object per log line to this file")
+    tensorboard_dir: str | None = option(None, "write TensorBoard scalars here")
+    save: str | None = option(None, "checkpoint directory to save to")
+    load: str | None = option(None, "checkpoint directory to resume from (its latest)")
+    use_checkpoint_args: bool = option(
+        False, "take the model's shape and style from the --load checkpoint, not the flags"
+    )
+    save_interval: int | None = option(None, "steps between checkpoints")
+    keep_last_n: int | None = option(None, "keep only the newest N checkpoints")
+    async_save: bool = option(False, "write checkpoints in the background")
+    exit_on_nan_count: int | None = option(
+        None, "stop after this many steps with a NaN/Inf loss or gradient"
+    )
+    spike_zscore: float = option(6.0, "a loss this many std devs above the recent mean is a spike")
+    spike_window: int = option(50, "steps of loss history for spike detection")
+    skip_spike_batches: bool = option(False, "skip the update of a step whose loss spikes")
+    exit_interval: int | None = option(None, "stop (after saving) when iteration % this == 0")
+    device: str | None = option(None, "cpu or cuda (default: cuda when available)")
+
+    def validate(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ConfigError("--bf16 and --fp16 contradict each other; pick one")
+        for name in ("micro_batch_size", "train_iters", "eval_interval", "log_interval"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ConfigError("--save-interval must be at least 1")
+        if self.save_interval and not self.save:
+            raise ConfigError("--save-interval needs --save DIR")
+        if self.keep_last_n is not None and self.keep_last_n < 1:
+            raise ConfigError("--keep-last-n must be at least 1")
+        if self.eval_iters < 0:
+            raise ConfigError("--eval-iters must be non-negative")
+
+    def num_microbatches(self, dp: int) -> int:
+        """Micro-batches per step per DP rank; ConfigError if the global batch does not split."""
+        global_batch = self.global_batch_size or self.micro_batch_size * dp
+        if global_batch % (self.micro_batch_size * dp):
+            raise ConfigError(
+                f"global-batch-size {global_batch} is not divisible by micro-batch-size "
+                f"{self.micro_batch_size} x data-parallel size {dp}"
+            )
+        return global_batch // (self.micro_batch_size * dp)
+
+    def global_batch(self, dp: int) -> int:
+        return self.global_batch_size or self.micro_batch_size * dp

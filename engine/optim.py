@@ -56,6 +56,7 @@ def build_optimizer(
     model_parallel_group,
     world_group,
     device: torch.device,
+    dp_group=None,
 ) -> DistributedOptimizer:
     """The training optimizer over the DDP-wrapped model chunks."""
     scaler = None
@@ -87,12 +88,8 @@ class LRScheduler:
 
     def __init__(self, cfg: OptimizerConfig, train_iters: int):
         self.cfg = cfg
+        cfg.validate(train_iters)
         self.decay_iters = cfg.lr_decay_iters or train_iters
-        if cfg.lr_warmup_iters > self.decay_iters:
-            raise ConfigError(
-                f"--lr-warmup-iters {cfg.lr_warmup_iters} exceeds the decay length "
-                f"{self.decay_iters}; lower it or raise --lr-decay-iters"
-            )
         self.num_steps = 0
 
     def lr_at(self, step: int) -> float:

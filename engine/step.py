@@ -26,16 +26,22 @@ def forward_step(chunk, batch: dict, input_tensor: torch.Tensor | None) -> torch
 
 
 def make_loss_func(num_microbatches: int, loss_scale: float = 1.0):
-    """Per-token losses [b, s] -> (mean / num_microbatches * loss_scale, detached mean)."""
+    """Per-token losses [b, s] -> (mean / num_microbatches * loss_scale, detached mean).
+    A (loss, z-loss) pair from the model adds the z-loss to what is differentiated only."""
 
-    def loss_func(per_token: torch.Tensor, batch: dict):
+    def loss_func(output, batch: dict):
+        per_token, z_term = output if isinstance(output, tuple) else (output, None)
         mask = batch.get("loss_mask")
-        if mask is None:
-            mean = per_token.mean()
-        else:
-            mask = mask.to(per_token.dtype)
-            mean = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-        return mean * (loss_scale / num_microbatches), mean.detach()
+
+        def mean_of(values):
+            if mask is None:
+                return values.mean()
+            weights = mask.to(values.dtype)
+            return (values * weights).sum() / weights.sum().clamp(min=1.0)
+
+        mean = mean_of(per_token)
+        total = mean if z_term is None else mean + mean_of(z_term)
+        return total * (loss_scale / num_microbatches), mean.detach()
 
     return loss_func
 

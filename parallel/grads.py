@@ -41,14 +41,21 @@ def counts_toward_norm(param, tp_rank: int) -> bool:
     return not is_tp_duplicate(param, tp_rank)
 
 
-def global_grad_norm(grads_counted: list[torch.Tensor], norm_group) -> float:
+def global_grad_norm(grads_counted: list[torch.Tensor], norm_group, consensus_group=None) -> float:
     """sqrt of the sum of squares of the given gradients, summed over norm_group (which must
-    make every element counted exactly once). inf/NaN anywhere gives a non-finite norm."""
+    make every element counted exactly once). inf/NaN anywhere gives a non-finite norm.
+
+    consensus_group: ranks that hold the same gradients (DP replicas without the distributed
+    optimizer) take the maximum, so whether a step is skipped is decided identically on every
+    rank even if one replica's gradient went bad on its own."""
     device = grads_counted[0].device if grads_counted else torch.device("cpu")
     total = torch.zeros(1, dtype=torch.float64, device=device)
     if grads_counted:
         total += torch.nn.utils.get_total_norm(grads_counted, 2.0).double() ** 2
     all_reduce(total, norm_group)
+    if consensus_group is not None:
+        total = torch.where(torch.isfinite(total), total, torch.full_like(total, float("inf")))
+        all_reduce(total, consensus_group, op=torch.distributed.ReduceOp.MAX)
     return total.sqrt().item()
 
 

@@ -1,20 +1,36 @@
-"""Run a function on N local gloo ranks: forked processes, a free port, one thread per rank,
-a timeout, and the traceback of the first rank that fails. Used by the tests and the CPU
-benchmarks; real jobs launch through torchrun (examples/pretrain_gpt.sh).
+"""Run a function on N local gloo ranks: a free port, one thread per rank, a timeout, and the
+traceback of the rank that failed first. Used by the tests and the CPU benchmarks; real jobs
+launch through torchrun (examples/pretrain_gpt.sh).
+
+Ranks are forked from a forkserver: a freshly started process that has imported torch and run
+nothing, so they start in milliseconds and never inherit the caller's thread pools. (A plain
+fork of a process whose OpenMP pool is running, e.g. after SentencePiece trained a unigram
+model, deadlocks the child's first multi-threaded torch op.) `fn` and its arguments must
+therefore be picklable: a module-level function and plain data.
+
+Each rank's stdout and stderr go to a file that the caller's own stdout/stderr receive when the
+ranks are done, rank by rank; a rank that hangs past the timeout first dumps its stacks there.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing
 import os
 import pickle
+import shutil
+import signal
 import socket
+import sys
+import tempfile
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
+
+_PRELOAD = ["torch", "torch.distributed", "numpy"]
 
 
 def free_port() -> int:
@@ -23,7 +39,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, conn, threads, args, kwargs):
+def _entry(fn, rank, world_size, port, conn, threads, log_paths, args, kwargs):
+    for fd, path in zip((1, 2), log_paths):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(target, fd)
+        os.close(target)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stack dump when stuck
     status, payload = "error", None
     try:
         os.environ.update(
@@ -46,26 +67,58 @@ def _entry(fn, rank, world_size, port, conn, threads, args, kwargs):
         status = "ok"
     except BaseException:  # noqa: BLE001 - every failure is reported to the parent
         payload = traceback.format_exc()
+    failed_at = time.time()
     try:
-        conn.send_bytes(pickle.dumps((status, payload)))
+        conn.send_bytes(pickle.dumps((status, payload, failed_at)))
     except Exception:  # noqa: BLE001 - an unpicklable result: report that instead
-        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc(), failed_at)))
     finally:
         conn.close()
-        os._exit(0)  # skip the parent's atexit handlers in the forked child
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _context():
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
+def _echo_logs(logs: list[tuple[str, str]]) -> None:
+    """Each rank's captured output, in rank order, to our own stdout and stderr."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for rank, (out_path, err_path) in enumerate(logs):
+        for fd, path in ((1, out_path), (2, err_path)):
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            if data:
+                if fd == 2:
+                    data = f"[rank {rank} stderr]\n".encode() + data
+                os.write(fd, data)
 
 
 def run_local(fn, world_size: int, *args, timeout: float = 240.0, threads: int = 1, **kwargs):
-    """fn(rank, world_size, *args, **kwargs) on world_size forked gloo ranks; returns each
-    rank's result, or raises AssertionError carrying the first failing rank's traceback."""
-    context = multiprocessing.get_context("fork")
+    """fn(rank, world_size, *args, **kwargs) on world_size local gloo ranks; returns each
+    rank's result, or raises AssertionError carrying the traceback of the rank that failed
+    first (the others usually fail only because it went away)."""
+    context = _context()
     port = free_port()
+    folder = tempfile.mkdtemp(prefix="ranks-")
+    logs = [
+        (os.path.join(folder, f"{r}.out"), os.path.join(folder, f"{r}.err"))
+        for r in range(world_size)
+    ]
     pipes, processes = [], []
     for rank in range(world_size):
         receiver, sender = context.Pipe(duplex=False)
         process = context.Process(
             target=_entry,
-            args=(fn, rank, world_size, port, sender, threads, args, kwargs),
+            args=(fn, rank, world_size, port, sender, threads, logs[rank], args, kwargs),
             daemon=True,
         )
         process.start()
@@ -73,30 +126,48 @@ def run_local(fn, world_size: int, *args, timeout: float = 240.0, threads: int =
         pipes.append(receiver)
         processes.append(process)
     results: list = [None] * world_size
+    failures: list[tuple[float, int, str]] = []
     pending = set(range(world_size))
     deadline = time.monotonic() + timeout
+    grace_until = None
     try:
         while pending:
             for rank in sorted(pending):
                 if pipes[rank].poll(0.01):
                     try:
-                        status, payload = pickle.loads(pipes[rank].recv_bytes())
+                        status, payload, when = pickle.loads(pipes[rank].recv_bytes())
                     except EOFError:
-                        status, payload = "error", "the process died without reporting"
-                    if status != "ok":
-                        raise AssertionError(f"rank {rank} of {world_size} failed:\n{payload}")
-                    results[rank] = payload
+                        status, payload, when = "error", "the process died", time.time()
                     pending.discard(rank)
+                    if status == "ok":
+                        results[rank] = payload
+                    else:
+                        failures.append((when, rank, payload))
                 elif not processes[rank].is_alive() and not pipes[rank].poll(0):
                     code = processes[rank].exitcode
-                    raise AssertionError(f"rank {rank} of {world_size} died (exit code {code})")
+                    pending.discard(rank)
+                    failures.append((time.time(), rank, f"died with exit code {code}"))
+            if failures and grace_until is None:
+                grace_until = time.monotonic() + 2.0  # let the first failure's report arrive
+            if grace_until is not None and time.monotonic() > grace_until:
+                break
             if time.monotonic() > deadline:
+                for rank in pending:  # each stuck rank writes its stacks to its log
+                    if processes[rank].is_alive():
+                        os.kill(processes[rank].pid, signal.SIGUSR1)
+                time.sleep(1.0)
                 raise AssertionError(
-                    f"timed out after {timeout:.0f}s; ranks {sorted(pending)} did not finish"
+                    f"timed out after {timeout:.0f}s; ranks {sorted(pending)} did not finish "
+                    "(their stacks are in the rank output above)"
                 )
+        if failures:
+            _, rank, payload = min(failures)
+            raise AssertionError(f"rank {rank} of {world_size} failed:\n{payload}")
     finally:
         for process in processes:
             if process.is_alive():
                 process.kill()
             process.join(timeout=5)
+        _echo_logs(logs)
+        shutil.rmtree(folder, ignore_errors=True)
     return results

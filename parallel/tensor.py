@@ -113,6 +113,8 @@ class ColumnParallelLinear(nn.Module):
         full[:rows] = draw_full((rows, input_size), init_method, init_seed)
         self.weight = _param(local_from_full(full, sharding), device, params_dtype)
         set_tp_sharding(self.weight, sharding)
+        if rows != output_size:
+            self.weight.real_rows = rows  # rows past it are padding, not part of the model
         if bias:
             self.bias = _param(torch.zeros(self.output_size_per_partition), device, params_dtype)
             set_tp_sharding(self.bias, sharding)
@@ -219,6 +221,8 @@ class VocabParallelEmbedding(nn.Module):
         sharding = split_sharding(0, [padded_vocab_size], rank, tp)
         self.weight = _param(local_from_full(full, sharding), device, params_dtype)
         set_tp_sharding(self.weight, sharding)
+        if vocab_size != padded_vocab_size:
+            self.weight.real_rows = vocab_size  # rows past it are padding, not part of the model
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_group is None:
@@ -252,31 +256,39 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = logits.exp()
         sum_exp = exp.sum(dim=-1)
         all_reduce(sum_exp, group)
-        loss = torch.log(sum_exp) - predicted
+        log_sum_exp = torch.log(sum_exp)
+        loss = log_sum_exp - predicted
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, outside, local_target)
-        return loss
+        return loss, log_sum_exp + row_max
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, grad_lse):
+        # d loss / d logits = softmax - onehot(target); d logsumexp / d logits = softmax.
         softmax, outside, local_target = ctx.saved_tensors
         grad = softmax  # used once: modified in place to save a logits-sized copy
-        hit = (~outside).to(grad.dtype)
+        grad.mul_((grad_loss + grad_lse).unsqueeze(-1))
+        hit = (~outside).to(grad.dtype) * grad_loss
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.input_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, tp_group, vocab_size: int | None = None
-) -> torch.Tensor:
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    tp_group,
+    vocab_size: int | None = None,
+    return_logsumexp: bool = False,
+):
     """Per-token cross-entropy (fp32) from vocab-split logits [..., V/tp] and targets [...].
 
     Logits of ids >= vocab_size (vocabulary padding) are excluded from the softmax, so padding
-    never changes the loss. Only [...]-shaped statistics cross the TP group.
+    never changes the loss. Only [...]-shaped statistics cross the TP group. With
+    return_logsumexp, also the (differentiable) log-partition per token, for z-loss.
     """
     vocab_start = group_rank(tp_group) * logits.shape[-1]
-    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, vocab_start, vocab_size)
+    loss, lse = _VocabParallelCrossEntropy.apply(logits, target, tp_group, vocab_start, vocab_size)
+    return (loss, lse) if return_logsumexp else loss
 
 
 def gather_logits(logits: torch.Tensor, tp_group, vocab_size: int | None = None) -> torch.Tensor:

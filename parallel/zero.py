@@ -73,6 +73,7 @@ class DistributedOptimizer:
         tp_rank: int = 0,
         model_parallel_group=None,
         world_group=None,
+        dp_group=None,
     ):
         self.ddps = ddps
         self.shard = shard
@@ -85,6 +86,7 @@ class DistributedOptimizer:
         # Norm group: every element counted once. Sharded: pieces partition DP, so sum over
         # DP x TP x PP (the world). Replicated: every DP rank holds the same, sum over TP x PP.
         self.norm_group = world_group if shard else model_parallel_group
+        self.consensus_group = None if shard else dp_group
         self.pieces = [piece for ddp in ddps for piece in self._pieces_of(ddp, group_of)]
         groups = [dict(options, params=[]) for options in group_options]
         for piece in self.pieces:
@@ -142,7 +144,7 @@ class DistributedOptimizer:
         """One update from the (already reduced, see parallel.grads) main grads."""
         if self.grad_scaler is not None:
             torch._foreach_mul_([p.grad for p in self.pieces], self.grad_scaler.inv_scale)
-        norm = global_grad_norm(self._counted, self.norm_group)
+        norm = global_grad_norm(self._counted, self.norm_group, self.consensus_group)
         finite = norm == norm and norm != float("inf")
         scale = self.grad_scaler.scale if self.grad_scaler is not None else None
         if self.grad_scaler is not None:

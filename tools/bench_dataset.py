@@ -17,24 +17,8 @@ import numpy as np
 from engine.data.gpt_dataset import GPTDataset, GPTDatasetSpec
 from engine.data.helpers import build_sample_index, build_sample_index_numpy
 from engine.data.indexed import IndexedDataset
+from tools._bench_data import corpus_dataset
 from tools._cli import run
-
-
-def _prefix(tmp: str) -> str:
-    from engine.data.corpus import write_corpus
-    from engine.data.preprocess import preprocess
-    from engine.data.tokenizer_training import train_tokenizer
-
-    corpus = write_corpus(os.path.join(tmp, "corpus"))["jsonl"]
-    train_tokenizer([corpus], os.path.join(tmp, "tok"), vocab_size=8000)
-    preprocess(
-        corpus,
-        os.path.join(tmp, "data"),
-        os.path.join(tmp, "tok.model"),
-        append_eod=True,
-        progress=False,
-    )
-    return os.path.join(tmp, "data_text_document")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     with tempfile.TemporaryDirectory() as tmp:
-        prefix = args.data_prefix or _prefix(tmp)
+        prefix = args.data_prefix or corpus_dataset(tmp)[0]
         indexed = IndexedDataset(prefix)
         spec = GPTDatasetSpec(
             prefix, "train", (0, indexed.num_documents), args.num_samples, args.seq_length, 1234

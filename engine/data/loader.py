@@ -72,5 +72,8 @@ def build_data_iterator(
         num_workers=num_workers,
         collate_fn=collate_samples,
         persistent_workers=num_workers > 0,
+        # Its own generator: creating the iterator must not draw from the global one, or a
+        # resumed run's dropout masks would be one draw off the uninterrupted run's.
+        generator=torch.Generator().manual_seed(consumed_samples),
     )
     return iter(loader)

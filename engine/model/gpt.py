@@ -84,8 +84,9 @@ class GPTModel(nn.Module):
 
     forward(tokens=[b, s] on the first stage, or hidden=[s(/tp), b, h] from the previous
     stage; labels=[b, s] on the last stage) returns the per-token loss [b, s] (fp32) when
-    labels are given on the last stage, the TP-local logits [s, b, V/tp] without labels, and
-    the hidden states on other stages.
+    labels are given on the last stage (with --z-loss-coeff, a pair: the loss and the z-loss
+    term), the TP-local logits [s, b, V/tp] without labels, and the hidden states on other
+    stages.
     """
 
     def __init__(
@@ -221,9 +222,12 @@ class GPTModel(nn.Module):
         logits = self._logits(self.final_layernorm(x))  # [s, b, V/tp]
         if labels is None:
             return logits
-        loss = vocab_parallel_cross_entropy(
-            logits, labels.t(), self.ctx.tp_group, self.config.vocab_size
+        coeff = self.config.z_loss_coeff
+        loss, lse = vocab_parallel_cross_entropy(
+            logits, labels.t(), self.ctx.tp_group, self.config.vocab_size, return_logsumexp=True
         )
+        if coeff > 0.0:
+            return loss.t(), (coeff * lse.square()).t()
         return loss.t()  # [b, s]
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ class MLP(nn.Module):
         cfg = ctx.config
         f = cfg.ffn_size
         self.swiglu = cfg.swiglu
+        self.gelu_approximation = "tanh" if cfg.openai_gelu else "none"
         prefix = f"layers.{layer_number}.mlp"
         self.linear_fc1 = ColumnParallelLinear(
             cfg.hidden_size,
@@ -48,5 +49,5 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h)
+            h = F.gelu(h, approximate=self.gelu_approximation)
         return self.linear_fc2(h)

@@ -1,0 +1,1 @@
+"""Conversion between our checkpoints and Hugging Face transformers folders."""

@@ -1,0 +1,196 @@
+"""Our checkpoint (any TP / PP / DP layout) -> a Hugging Face folder that transformers loads.
+
+Tensors are read from the checkpoint one at a time (DCP assembles each logical tensor from
+whatever boxes the ranks wrote) and written into safetensors shards of at most
+--max-shard-size, so peak memory stays near one shard. The folder is written under a temporary
+name and renamed into place when complete. Only JSON and safetensors are read and written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import torch
+
+from engine.checkpointing import find_latest, iteration_dir, read_meta
+from engine.config import ModelConfig
+from engine.errors import CheckpointError, ConfigError
+from engine.hf.architectures import hf_config_dict, hf_tensors, style_of
+from parallel.dcp import SafeFileSystemReader
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_size(text: str) -> int:
+    """'2GB' / '500MB' / '1048576' -> bytes."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    value = text.strip().upper()
+    for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if value.endswith(unit):
+            return int(float(value[: -len(unit)]) * factor)
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"--max-shard-size {text!r}: use a size like 2GB or 500MB") from None
+
+
+def read_tensor(path: str, key: str, shape, dtype: torch.dtype) -> torch.Tensor:
+    """One logical tensor of a checkpoint, assembled from the stored boxes."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {key: torch.empty(tuple(shape), dtype=dtype)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is not initialized": on purpose
+        dcp.load(out, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    return out[key]
+
+
+def checkpoint_path(load: str, iteration: int | None) -> str:
+    if iteration is None:
+        iteration = find_latest(load)
+        if iteration is None:
+            raise CheckpointError(f"{load}: no latest_checkpointed_iteration.txt; pass --iteration")
+    path = iteration_dir(load, iteration)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint")
+    return path
+
+
+def _special_ids(tokenizer_model: str | None) -> dict:
+    if not tokenizer_model:
+        return {}
+    from engine.data.tokenizer import SentencePieceTokenizer
+
+    tok = SentencePieceTokenizer(tokenizer_model)
+    return {"bos": tok.bos, "eos": tok.eos, "pad": tok.pad, "unk": tok.unk}
+
+
+def write_tokenizer(folder: str, tokenizer_model: str) -> None:
+    """The SentencePiece model plus what AutoTokenizer needs to load it as it encodes (no
+    dummy prefix, no extra special tokens added)."""
+    shutil.copyfile(tokenizer_model, os.path.join(folder, "tokenizer.model"))
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "legacy": True,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1_000_000,
+    }
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    with open(os.path.join(folder, "special_tokens_map.json"), "w") as f:
+        json.dump(
+            {k: config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")},
+            f,
+            indent=1,
+        )
+
+
+def export_to_hf(
+    load: str,
+    output: str,
+    iteration: int | None = None,
+    max_shard_size: str = "5GB",
+    dtype: str | None = None,
+    tokenizer_model: str | None = None,
+) -> dict:
+    """Write the HF folder; returns a summary (architecture, tensors, shards, bytes)."""
+    from safetensors.torch import save_file
+
+    path = checkpoint_path(load, iteration)
+    meta = read_meta(path)
+    cfg = ModelConfig(**meta["model"])
+    style = style_of(cfg)
+    dtype = dtype or meta.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    tokenizer_model = tokenizer_model or meta.get("tokenizer_model")
+    if tokenizer_model and not os.path.isfile(tokenizer_model):
+        raise ConfigError(f"{tokenizer_model}: tokenizer model not found; pass --tokenizer-model")
+    stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    plan = []
+    for tensor in hf_tensors(cfg, style):
+        keys = [f"model/{part}" for part in tensor.parts]
+        missing = [k for k in keys if k not in stored]
+        if missing:
+            raise CheckpointError(f"{path}: tensor {missing[0][len('model/') :]} is missing")
+        rows = sum(stored[k].size[0] for k in keys)
+        shape = (rows,) + tuple(stored[keys[0]].size[1:])
+        if tensor.transpose:
+            shape = shape[::-1]
+        plan.append((tensor, keys, shape))
+    limit = parse_size(max_shard_size)
+    element = torch.empty(0, dtype=DTYPES[dtype]).element_size()
+    shards: list[list] = [[]]
+    used = 0
+    for item in plan:
+        size = element * torch.Size(item[2]).numel()
+        if shards[-1] and used + size > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(item)
+        used += size
+
+    tmp = output.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    weight_map, total = {}, 0
+    for number, shard in enumerate(shards, start=1):
+        name = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        )
+        tensors = {}
+        for tensor, keys, _ in shard:
+            parts = [read_tensor(path, k, stored[k].size, stored[k].properties.dtype) for k in keys]
+            value = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+            value = value.t() if tensor.transpose else value
+            tensors[tensor.name] = value.to(DTYPES[dtype]).contiguous()
+            weight_map[tensor.name] = name
+            total += tensors[tensor.name].numel() * element
+        save_file(tensors, os.path.join(tmp, name), metadata={"format": "pt"})
+        del tensors
+    if len(shards) > 1:
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    ids = _special_ids(tokenizer_model)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg, style, ids, dtype), f, indent=1)
+    generation = {
+        "bos_token_id": ids.get("bos"),
+        "eos_token_id": ids.get("eos"),
+        "pad_token_id": ids.get("pad"),
+    }
+    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+        json.dump({k: v for k, v in generation.items() if v is not None}, f, indent=1)
+    if tokenizer_model:
+        write_tokenizer(tmp, tokenizer_model)
+    _replace_folder(tmp, output)
+    return {
+        "architecture": style,
+        "tensors": len(plan),
+        "shards": len(shards),
+        "bytes": total,
+        "checkpoint": path,
+    }
+
+
+def _replace_folder(tmp: str, output: str) -> None:
+    if os.path.exists(output):
+        old = output.rstrip("/") + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(output, old)
+        os.replace(tmp, output)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, output)

@@ -1,0 +1,495 @@
+"""The training run: set-up from the configs, the loop, evaluation, logging, checkpoints.
+
+Each iteration: the pipeline schedule runs the global batch's micro-batches, gradients are
+reduced (finalize_model_grads), the loss is made known to every rank, and the optimizer steps
+unless the loss or the gradient is NaN/Inf (the step is skipped and counted; with
+--exit-on-nan-count the run stops after that many) or, with --skip-spike-batches, the loss is
+a spike (z-score over a window of recent losses).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine import faults
+from engine.checkpointing import (
+    LATEST,
+    Checkpointer,
+    find_latest,
+    iteration_dir,
+    load_checkpoint,
+)
+from engine.config import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
+from engine.data.builder import build_gpt_datasets
+from engine.data.loader import build_data_iterator
+from engine.errors import CheckpointError, ConfigError
+from engine.metrics import (
+    MetricsWriter,
+    SpikeDetector,
+    Throughput,
+    device_peak_tflops,
+    memory_gb,
+    model_flops_per_token,
+)
+from engine.model.builder import build_model_chunks
+from engine.optim import LRScheduler, build_optimizer
+from engine.step import eval_step, run_schedule
+from parallel.ddp import DistributedDataParallel
+from parallel.grads import finalize_model_grads
+from parallel.pipeline.schedules import get_schedule
+from parallel.random import model_parallel_seed
+from parallel.state import ParallelState
+
+
+@dataclass
+class Configs:
+    model: ModelConfig
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    data: DataConfig
+    train: TrainConfig
+
+
+@dataclass
+class Counters:
+    """Run state that is not in the model or optimizer, saved in meta.json."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iters: int = 0
+    nan_iters: int = 0
+    optimizer_step: int = 0
+    spike_history: list = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built once by `setup`."""
+
+    cfg: Configs
+    state: ParallelState
+    chunks: list
+    optimizer: object
+    scheduler: LRScheduler
+    schedule: object
+    tracker: object
+    datasets: list
+    counters: Counters
+    num_microbatches: int
+    global_batch: int
+    dtype: torch.dtype
+    writer: MetricsWriter
+    checkpointer: Checkpointer | None
+    checkpoint_group: object
+    throughput: Throughput
+    spikes: SpikeDetector
+    last_saved: int | None = None
+
+
+def params_dtype(train: TrainConfig) -> torch.dtype:
+    return torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
+
+
+def layout_of(state: ParallelState, cfg: Configs) -> dict:
+    return {
+        "tp": state.tp_size,
+        "pp": state.pp_size,
+        "dp": state.dp_size,
+        "virtual": cfg.parallel.virtual_size(cfg.model.num_layers),
+        "distributed_optimizer": cfg.parallel.use_distributed_optimizer,
+    }
+
+
+def _logging_rank(state: ParallelState) -> bool:
+    return state.is_last_stage and state.tp_rank == 0 and state.dp_rank == 0
+
+
+def setup(cfg: Configs, state: ParallelState) -> Run:
+    """Model, optimizer, data, and (with --load) the state of a checkpoint."""
+    m, par, train = cfg.model, cfg.parallel, cfg.train
+    random.seed(train.seed)
+    np.random.seed(train.seed % 2**32)
+    tracker = model_parallel_seed(train.seed, state.tp_rank, state.pp_rank, state.device)
+    dtype = params_dtype(train)
+    virtual = par.virtual_size(m.num_layers)
+    chunks = build_model_chunks(
+        m,
+        state,
+        params_dtype=dtype,
+        seed=train.seed,
+        sequence_parallel=par.sequence_parallel,
+        tracker=tracker,
+        virtual_size=virtual,
+        first_stage_layers=par.decoder_first_pipeline_num_layers,
+        last_stage_layers=par.decoder_last_pipeline_num_layers,
+    )
+    ddps = [
+        DistributedDataParallel(
+            c,
+            state.dp_group,
+            bucket_size=par.ddp_bucket_size,
+            overlap_grad_reduce=par.overlap_grad_reduce,
+            use_distributed_optimizer=par.use_distributed_optimizer,
+            overlap_param_gather=par.overlap_param_gather,
+        )
+        for c in chunks
+    ]
+    optimizer = build_optimizer(
+        ddps,
+        cfg.optimizer,
+        use_distributed_optimizer=par.use_distributed_optimizer,
+        fp16=train.fp16,
+        tp_rank=state.tp_rank,
+        model_parallel_group=state.model_parallel_group,
+        world_group=state.world_group,
+        device=state.device,
+    )
+    scheduler = LRScheduler(cfg.optimizer, train.train_iters)
+    num_microbatches = train.num_microbatches(state.dp_size)
+    global_batch = train.global_batch(state.dp_size)
+    seq = (
+        m.seq_length // state.tp_size
+        if par.sequence_parallel and state.tp_size > 1
+        else m.seq_length
+    )
+    schedule = get_schedule(
+        state,
+        virtual_size=virtual,
+        kind=par.pipeline_schedule,
+        tensor_shape=(seq, train.micro_batch_size, m.hidden_size),
+        dtype=dtype,
+    )
+    datasets = _datasets(cfg, state, global_batch)
+    flops = model_flops_per_token(m, m.padded_vocab_size(state.tp_size))
+    peak, _ = device_peak_tflops(
+        state.device, "bf16" if train.bf16 else "fp16" if train.fp16 else "fp32"
+    )
+    writer = MetricsWriter(_logging_rank(state), train.log_jsonl, train.tensorboard_dir)
+    # Checkpoints talk over their own gloo group: an async save runs its collectives in a
+    # background thread, which must never interleave with the training's collectives.
+    checkpoint_group = None
+    if state.world_size > 1:
+        checkpoint_group = dist.new_group(list(range(state.world_size)), backend="gloo")
+    checkpointer = None
+    if train.save:
+        checkpointer = Checkpointer(
+            train.save, checkpoint_group, state.rank, train.async_save, train.keep_last_n
+        )
+    run = Run(
+        cfg,
+        state,
+        ddps,
+        optimizer,
+        scheduler,
+        schedule,
+        tracker,
+        datasets,
+        Counters(),
+        num_microbatches,
+        global_batch,
+        dtype,
+        writer,
+        checkpointer,
+        checkpoint_group,
+        Throughput(flops, state.world_size, peak),
+        SpikeDetector(train.spike_window, train.spike_zscore),
+    )
+    if train.load:
+        _resume(run)
+    if checkpointer is not None:
+        checkpointer.prepare(ddps, optimizer, run.tracker)
+    return run
+
+
+def _datasets(cfg: Configs, state: ParallelState, global_batch: int) -> list:
+    train = cfg.train
+    evals = train.eval_iters * global_batch
+    samples = (train.train_iters * global_batch, evals, evals)
+    data = cfg.data
+
+    def build():
+        return build_gpt_datasets(
+            data.data_path,
+            data.split,
+            cfg.model.seq_length,
+            train.seed,
+            samples,
+            data.data_cache_path,
+        )
+
+    # Rank 0 builds the index caches; the others then load them.
+    if state.rank == 0:
+        datasets = build()
+    if state.world_group is not None:
+        dist.barrier(group=state.world_group)
+    if state.rank != 0:
+        datasets = build()
+    if datasets[0] is None:
+        raise ConfigError(f"--split {data.split} leaves no training documents")
+    return datasets
+
+
+def _resume(run: Run) -> None:
+    train = run.cfg.train
+    iteration = find_latest(train.load)
+    if iteration is None:
+        if os.path.isdir(train.load) and any(n.startswith("iter_") for n in os.listdir(train.load)):
+            raise CheckpointError(
+                f"{train.load} holds checkpoint folders but no {LATEST}; remove the incomplete "
+                "ones or point --load at a complete checkpoint"
+            )
+        run.writer.print(f"no checkpoint in {train.load}; starting from scratch")
+        return
+    path = iteration_dir(train.load, iteration)
+    meta = load_checkpoint(
+        path,
+        run.chunks,
+        run.optimizer,
+        run.state.rank,
+        layout_of(run.state, run.cfg),
+        run.tracker,
+        group=run.checkpoint_group,
+    )
+    counters = meta.get("counters", {})
+    run.counters = Counters(
+        iteration=meta["iteration"],
+        consumed_samples=meta["consumed_samples"],
+        skipped_iters=counters.get("skipped_iters", 0),
+        nan_iters=counters.get("nan_iters", 0),
+        optimizer_step=meta.get("optimizer_step", 0),
+    )
+    run.scheduler.load_state_dict(meta["scheduler"])
+    if run.optimizer.grad_scaler is not None and meta.get("grad_scaler"):
+        run.optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
+    run.spikes.load_state_dict(meta.get("spikes", {}))
+    how = "exactly" if meta["rng_restored"] else "with re-seeded random streams (new layout)"
+    run.writer.print(f"resumed from {path} at iteration {meta['iteration']} ({how})")
+    if not meta["rng_restored"]:
+        _reseed(run, meta["iteration"])
+
+
+def _reseed(run: Run, iteration: int) -> None:
+    seed = run.cfg.train.seed + iteration
+    run.tracker = model_parallel_seed(seed, run.state.tp_rank, run.state.pp_rank, run.state.device)
+    for chunk in run.chunks:
+        for module in chunk.module.modules():
+            if hasattr(module, "ctx"):
+                module.ctx.tracker = run.tracker
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _shared_loss(losses, state: ParallelState) -> float:
+    """Mean loss of the global batch, known on every rank (computed on the last stage)."""
+    value = torch.zeros(1, dtype=torch.float64, device=state.device)
+    if losses:
+        value += torch.stack(losses).double().mean()
+    if state.dp_group is not None:
+        dist.all_reduce(value, group=state.dp_group)
+        value /= state.dp_size
+    if state.pp_group is not None:
+        dist.all_reduce(value, group=state.pp_group)  # only the last stage contributes
+    return value.item()
+
+
+def train_iteration(run: Run, batches: list[dict]) -> dict:
+    """One optimizer step (or a skipped one). Collective on every rank."""
+    optimizer, iteration = run.optimizer, run.counters.iteration + 1
+    faults.before_iteration(run.state.rank, iteration, batches, run.cfg.model.vocab_size)
+    optimizer.zero_grad()
+    scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else 1.0
+    losses = run_schedule(run.chunks, batches, run.schedule, loss_scale=scale)
+    faults.after_backward(run.state.rank, iteration, run.chunks)
+    shared = [w for c in run.chunks if (w := c.module.shared_embedding_weight()) is not None]
+    finalize_model_grads(run.chunks, run.state.tp_group, run.state.embedding_group, shared)
+    loss = _shared_loss(losses, run.state)
+    lr = run.scheduler.step(optimizer)
+    finite = math.isfinite(loss)
+    spike = run.spikes.check(loss) if finite else None
+    record = {"lm_loss": loss, "lr": lr, "spike_z": spike}
+    if not finite or (spike is not None and run.cfg.train.skip_spike_batches):
+        record.update(updated=False, grad_norm=None, nan=not finite)
+    else:
+        result = optimizer.step()
+        grad_ok = math.isfinite(result.grad_norm)
+        record.update(
+            updated=result.updated,
+            grad_norm=result.grad_norm if grad_ok else None,
+            nan=not grad_ok and optimizer.grad_scaler is None,
+        )
+    if optimizer.grad_scaler is not None:
+        record["loss_scale"] = optimizer.grad_scaler.scale
+    return record
+
+
+def evaluate(run: Run, split: int) -> float | None:
+    """Mean loss over --eval-iters global batches of a split (the same ones every time)."""
+    dataset = run.datasets[split]
+    if dataset is None or run.cfg.train.eval_iters == 0:
+        return None
+    run.optimizer.finish_param_sync()
+    state, train = run.state, run.cfg.train
+    iterator = build_data_iterator(dataset, 0, train.micro_batch_size, state.dp_rank, state.dp_size)
+    total = 0.0
+    for _ in range(train.eval_iters):
+        batches = [_to_device(next(iterator), state.device) for _ in range(run.num_microbatches)]
+        losses = eval_step(run.chunks, batches, state, run.schedule)
+        value = torch.tensor([losses or 0.0], dtype=torch.float64, device=state.device)
+        if state.pp_group is not None:
+            dist.all_reduce(value, group=state.pp_group)
+        total += value.item()
+    return total / train.eval_iters
+
+
+def save(run: Run) -> None:
+    c = run.counters
+    meta = {
+        "consumed_samples": c.consumed_samples,
+        "layout": layout_of(run.state, run.cfg),
+        "model": dataclasses.asdict(run.cfg.model),
+        "dtype": str(run.dtype).replace("torch.", ""),
+        "tokenizer_model": run.cfg.data.tokenizer_model,
+        "scheduler": run.scheduler.state_dict(),
+        "grad_scaler": run.optimizer.grad_scaler.state_dict()
+        if run.optimizer.grad_scaler
+        else None,
+        "optimizer_step": c.optimizer_step,
+        "counters": {"skipped_iters": c.skipped_iters, "nan_iters": c.nan_iters},
+        "spikes": run.spikes.state_dict(),
+    }
+    stall = run.checkpointer.save(c.iteration, run.chunks, run.optimizer, meta, run.tracker)
+    run.last_saved = c.iteration
+    kind = "started (async)" if run.cfg.train.async_save else "saved"
+    run.writer.print(
+        f"checkpoint {kind}: {iteration_dir(run.checkpointer.root, c.iteration)} "
+        f"(stalled {stall:.2f}s)"
+    )
+
+
+def _log(run: Run, window: list[dict], tokens: int) -> None:
+    c, train = run.counters, run.cfg.train
+    updated = [r for r in window if r["updated"]]
+    losses = [r["lm_loss"] for r in updated] or [r["lm_loss"] for r in window]
+    loss = sum(losses) / len(losses)
+    last = window[-1]
+    record = {
+        "iteration": c.iteration,
+        "consumed_samples": c.consumed_samples,
+        "lm_loss": loss if math.isfinite(loss) else None,
+        "lr": last["lr"],
+        "grad_norm": last["grad_norm"],
+        "loss_scale": last.get("loss_scale"),
+        "skipped_iters": c.skipped_iters,
+        **run.throughput.rates(tokens),
+        "mem_gb": memory_gb(run.state.device),
+    }
+    run.throughput.reset()
+    run.writer.log(record, c.iteration)
+    mfu = f" | mfu {record['mfu']:.1%}" if "mfu" in record else ""
+    grad = f"{record['grad_norm']:.3f}" if record["grad_norm"] is not None else "skipped"
+    run.writer.print(
+        f"iteration {c.iteration:6d}/{train.train_iters} | consumed {c.consumed_samples} | "
+        f"lm loss {loss:.4f} | lr {record['lr']:.3e} | grad norm {grad} | "
+        f"{record['tokens_per_sec']:,.0f} tokens/s | {record['tflops_per_device']:.3f} "
+        f"TFLOP/s/device{mfu} | skipped {c.skipped_iters} | mem {record['mem_gb']:.2f} GB"
+    )
+
+
+def _log_eval(run: Run, name: str, loss: float | None) -> None:
+    if loss is None:
+        return
+    ppl = math.exp(min(loss, 50.0))
+    run.writer.log(
+        {"iteration": run.counters.iteration, "split": name, "lm_loss": loss, "ppl": ppl},
+        run.counters.iteration,
+        prefix=f"{name}/",
+    )
+    run.writer.print(
+        f"{name} at iteration {run.counters.iteration}: lm loss {loss:.4f} | perplexity {ppl:.2f}"
+    )
+
+
+class NaNLimit(Exception):
+    """--exit-on-nan-count reached."""
+
+
+def train(run: Run) -> Counters:
+    """The loop from the current counters to --train-iters (or --exit-interval)."""
+    state, train_cfg, c = run.state, run.cfg.train, run.counters
+    iterator = build_data_iterator(
+        run.datasets[0],
+        c.consumed_samples,
+        train_cfg.micro_batch_size,
+        state.dp_rank,
+        state.dp_size,
+        run.cfg.data.num_workers,
+    )
+    window: list[dict] = []
+    tokens_since_log = 0
+    run.throughput.reset()
+    while c.iteration < train_cfg.train_iters:
+        batches = [_to_device(next(iterator), state.device) for _ in range(run.num_microbatches)]
+        record = train_iteration(run, batches)
+        c.iteration += 1
+        c.consumed_samples += run.global_batch
+        tokens_since_log += run.global_batch * run.cfg.model.seq_length
+        c.skipped_iters += not record["updated"]
+        c.optimizer_step += record["updated"]
+        c.nan_iters += record["nan"]
+        if record["spike_z"] is not None:
+            action = "update skipped" if train_cfg.skip_spike_batches else "kept"
+            run.writer.print(
+                f"loss spike at iteration {c.iteration}: {record['lm_loss']:.4f} "
+                f"(z = {record['spike_z']:.1f}); {action}"
+            )
+        window.append(record)
+        if c.iteration % train_cfg.log_interval == 0 or c.iteration == train_cfg.train_iters:
+            _log(run, window, tokens_since_log)
+            window, tokens_since_log = [], 0
+        if c.iteration % train_cfg.eval_interval == 0 and c.iteration < train_cfg.train_iters:
+            _log_eval(run, "valid", evaluate(run, 1))
+        if train_cfg.exit_on_nan_count and c.nan_iters >= train_cfg.exit_on_nan_count:
+            raise NaNLimit(
+                f"stopping at iteration {c.iteration}: {c.nan_iters} iterations with a NaN/Inf "
+                f"loss or gradient (--exit-on-nan-count {train_cfg.exit_on_nan_count}); "
+                "checkpoints already saved are kept"
+            )
+        stop = bool(train_cfg.exit_interval) and c.iteration % train_cfg.exit_interval == 0
+        if run.checkpointer is not None and (
+            stop or (train_cfg.save_interval and c.iteration % train_cfg.save_interval == 0)
+        ):
+            save(run)
+        if stop:
+            run.writer.print(f"exiting at iteration {c.iteration} (--exit-interval)")
+            break
+    return c
+
+
+def finish(run: Run) -> None:
+    """End of run: valid and test evaluation, a final checkpoint, peak memory per rank."""
+    c, train_cfg = run.counters, run.cfg.train
+    if c.iteration >= train_cfg.train_iters:
+        _log_eval(run, "valid", evaluate(run, 1))
+        _log_eval(run, "test", evaluate(run, 2))
+        if run.checkpointer is not None and run.last_saved != c.iteration:
+            save(run)
+    if run.checkpointer is not None:
+        run.checkpointer.wait()
+    peaks = torch.zeros(run.state.world_size, dtype=torch.float64, device=run.state.device)
+    peaks[run.state.rank] = memory_gb(run.state.device)
+    if run.state.world_group is not None:
+        dist.all_reduce(peaks, group=run.state.world_group)
+    peaks = peaks.tolist()
+    if run.state.rank == 0:
+        print("peak memory per rank (GB): " + ", ".join(f"{p:.2f}" for p in peaks), flush=True)
+    run.writer.close()

@@ -1,0 +1,192 @@
+"""torch.distributed.checkpoint (DCP) glue for tensors split into arbitrary boxes.
+
+DCP saves and loads tensors whose ranks each hold some rectangular chunks ("boxes") of a
+global tensor, and reshards on load: any layout reads any other. DTensor and ShardedTensor
+describe regular splits; a distributed-optimizer shard cuts a parameter at arbitrary flat
+offsets, so `BoxTensor` implements DCP's checkpointable protocol for a list of boxes directly
+(see parallel.sharding.checkpoint_boxes). `BoxSavePlanner` / `BoxLoadPlanner` teach the default
+planners to look boxes up.
+
+Loading unpickles nothing arbitrary: every value is a tensor (no byte blobs), and DCP's own
+`.metadata` file is read with an unpickler that only accepts DCP's metadata classes and a few
+torch types (`SafeFileSystemReader`).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+
+@dataclass
+class BoxTensor:
+    """The boxes of one global tensor that this rank holds (possibly none).
+
+    boxes: list of (global offset, tensor of the box's size). On save the tensors are read;
+    on load they are written in place (views of live state work)."""
+
+    global_shape: torch.Size
+    dtype: torch.dtype
+    boxes: list[tuple[tuple[int, ...], torch.Tensor]]
+
+    def size(self) -> torch.Size:  # DCP compares it with the stored size on load
+        return self.global_shape
+
+    def tensor_at(self, offsets) -> torch.Tensor:
+        for offset, tensor in self.boxes:
+            if tuple(offset) == tuple(offsets):
+                return tensor
+        raise KeyError(f"no box at {tuple(offsets)}")
+
+    # DCP's checkpointable protocol ------------------------------------------------------
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        items = []
+        for offset, tensor in self.boxes:
+            offsets = torch.Size(offset)
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(fqn, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=tensor.size()),
+                        properties=TensorProperties.create_from_tensor(tensor),
+                        size=self.global_shape,
+                    ),
+                )
+            )
+        return items
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(o), t.size()) for o, t in self.boxes]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.tensor_at(index.offset)
+
+
+@dataclass
+class LazyTensor:
+    """A whole global tensor that is only produced when DCP writes it, so a checkpoint can be
+    written tensor by tensor from another format without holding the model in memory."""
+
+    global_shape: torch.Size
+    dtype: torch.dtype
+    load: Callable[[], torch.Tensor]
+
+    def size(self) -> torch.Size:
+        return self.global_shape
+
+    def tensor_at(self, offsets) -> torch.Tensor:
+        tensor = self.load()
+        if tensor.shape != self.global_shape or tensor.dtype != self.dtype:
+            raise ValueError(
+                f"loaded {tuple(tensor.shape)} {tensor.dtype}, expected "
+                f"{tuple(self.global_shape)} {self.dtype}"
+            )
+        return tensor
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        offsets = torch.Size([0] * len(self.global_shape))
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=self.global_shape),
+                    properties=TensorProperties(dtype=self.dtype),
+                    size=self.global_shape,
+                ),
+            )
+        ]
+
+
+class BoxSavePlanner(DefaultSavePlanner):
+    def lookup_object(self, index: MetadataIndex):
+        value = self.state_dict[index.fqn]
+        if isinstance(value, BoxTensor | LazyTensor):
+            return value.tensor_at(index.offset)
+        return super().lookup_object(index)
+
+
+class BoxLoadPlanner(DefaultLoadPlanner):
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # The default set-up rebuilds every value it does not know as None; keep the boxes
+        # out of it and put them back (the state dict is flat, so keys need no mapping).
+        boxes = {k: v for k, v in state_dict.items() if isinstance(v, BoxTensor)}
+        rest = {k: v for k, v in state_dict.items() if not isinstance(v, BoxTensor)}
+        super().set_up_planner(rest, metadata, is_coordinator)
+        self.state_dict.update(boxes)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        value = self.state_dict[index.fqn]
+        if isinstance(value, BoxTensor):
+            return value.tensor_at(index.offset)
+        return super().lookup_tensor(index)
+
+
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch", "float32"),
+    ("torch", "float16"),
+    ("torch", "bfloat16"),
+    ("torch", "float64"),
+    ("torch", "int64"),
+    ("torch", "int32"),
+    ("torch", "int16"),
+    ("torch", "int8"),
+    ("torch", "uint8"),
+    ("torch", "bool"),
+    ("torch", "strided"),
+    ("torch", "contiguous_format"),
+    ("torch", "preserve_format"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+}
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.",)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED or module.startswith(_ALLOWED_MODULES):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which is not a checkpoint class; "
+            "refusing to load it"
+        )
+
+
+def safe_load_metadata(data: bytes):
+    return _MetadataUnpickler(io.BytesIO(data)).load()
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose metadata unpickling accepts only DCP's own classes."""
+
+    def read_metadata(self, *args, **kwargs):
+        rank = kwargs.get("rank")
+        if hasattr(self, "_get_metadata_path"):
+            path = self._get_metadata_path(rank)
+        else:  # torch versions without per-rank metadata files
+            path = self.fs.concat_path(self.path, ".metadata")
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = safe_load_metadata(stream.read())
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata

@@ -1,0 +1,279 @@
+"""Hugging Face export and import: transformers gives the engine's logits and greedy tokens,
+round trips are bit-identical, and a transformers model imported under TP2 x PP2 gives
+transformers' logits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.checkpointing import find_latest, iteration_dir, load_model_weights, read_meta
+from engine.config import ModelConfig
+from engine.data.tokenizer import SentencePieceTokenizer
+from engine.errors import ConfigError
+from engine.generate import greedy_generate
+from engine.hf.export import export_to_hf, read_tensor
+from engine.hf.import_hf import import_from_hf
+from engine.model import BuildContext, GPTModel
+from parallel.dcp import SafeFileSystemReader
+from tests.distributed import rel_err, run_ranks
+from tests.test_training import base_args, pretrain
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA_FLAGS = {
+    "--position-embedding-type": "rope",
+    "--normalization": "RMSNorm",
+    "--swiglu": True,
+    "--disable-bias-linear": True,
+    "--num-query-groups": "2",
+    "--untie-embeddings-and-output-weights": True,
+}
+GPT2_FLAGS = {"--openai-gelu": True}
+
+
+@pytest.fixture(scope="module")
+def trained(dataset_prefix, tokenizer_model, tmp_path_factory):
+    """Tiny models of both styles trained for a few steps under TP2 x PP2."""
+    out = {}
+    for style, flags in (("gpt2", GPT2_FLAGS), ("llama", LLAMA_FLAGS)):
+        ckpt = str(tmp_path_factory.mktemp(f"trained-{style}") / "ckpt")
+        pretrain(
+            4,
+            base_args(
+                dataset_prefix,
+                tokenizer_model,
+                **flags,
+                **{
+                    "--tensor-model-parallel-size": "2",
+                    "--pipeline-model-parallel-size": "2",
+                    "--train-iters": "8",
+                    "--lr-warmup-iters": "1",
+                    "--save": ckpt,
+                    "--hidden-dropout": "0.0",
+                    "--attention-dropout": "0.0",
+                },
+            ),
+        )
+        out[style] = ckpt
+    return out
+
+
+def engine_model(ckpt: str) -> GPTModel:
+    path = iteration_dir(ckpt, find_latest(ckpt))
+    cfg = ModelConfig(**read_meta(path)["model"])
+    model = GPTModel(cfg, BuildContext(cfg))
+    load_model_weights(path, model)
+    return model.eval()
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_transformers_matches_the_engine(trained, tokenizer_model, tmp_path, style):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "hf"
+    summary = export_to_hf(trained[style], str(out), max_shard_size="100KB")
+    assert summary["shards"] > 1 and (out / "model.safetensors.index.json").exists()
+    assert {p.suffix for p in out.iterdir()} <= {".json", ".safetensors", ".model"}  # no pickle
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[style]
+    ours = engine_model(trained[style])
+    tokens = torch.randint(3, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours.full_logits(ours(tokens=tokens))
+        got = hf(tokens).logits
+    assert got.shape == expected.shape == (2, 24, 2000)
+    assert rel_err(got, expected) < 1e-4 and (got - expected).abs().max() < 1e-4 * 50
+    prompt = tokens[0, :6].tolist()
+    ours_greedy = greedy_generate(ours, prompt, 12)
+    hf.generation_config.eos_token_id = None  # no early stop: compare 12 tokens each
+    hf_greedy = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=3
+    )[0].tolist()
+    assert ours_greedy == hf_greedy
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    text = "def main(argv):\n    return 0\n"
+    assert tokenizer.encode(text, add_special_tokens=False) == SentencePieceTokenizer(
+        tokenizer_model
+    ).tokenize(text)
+    assert tokenizer.eos_token_id == 2 and tokenizer.pad_token_id == 3
+
+
+def _model_tensors(path: str) -> dict[str, torch.Tensor]:
+    stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    return {
+        k: read_tensor(path, k, v.size, v.properties.dtype)
+        for k, v in stored.items()
+        if k.startswith("model/")
+    }
+
+
+def test_ours_to_hf_to_ours_is_bit_identical(trained, tmp_path):
+    for style, ckpt in trained.items():
+        export_to_hf(ckpt, str(tmp_path / f"{style}-hf"))
+        import_from_hf(str(tmp_path / f"{style}-hf"), str(tmp_path / f"{style}-back"), 2, 2)
+        original = _model_tensors(iteration_dir(ckpt, 8))
+        back = _model_tensors(iteration_dir(str(tmp_path / f"{style}-back"), 0))
+        assert original.keys() == back.keys()
+        for key, value in original.items():
+            assert torch.equal(value, back[key]), key
+
+
+def _random_hf_model(style: str, folder):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if style == "gpt2":
+        config = GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=2000, n_positions=64)
+        model = GPT2LMHeadModel(config)
+    else:
+        config = LlamaConfig(
+            hidden_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=2000,
+            max_position_embeddings=64,
+            rope_theta=10000.0,
+        )
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+def test_hf_to_ours_to_hf_is_bit_identical(tmp_path):
+    from safetensors.torch import load_file
+
+    for style in ("gpt2", "llama"):
+        _random_hf_model(style, tmp_path / f"{style}-hf")
+        import_from_hf(str(tmp_path / f"{style}-hf"), str(tmp_path / f"{style}-ours"), 2, 2)
+        export_to_hf(str(tmp_path / f"{style}-ours"), str(tmp_path / f"{style}-again"))
+        original = load_file(tmp_path / f"{style}-hf" / "model.safetensors")
+        again = load_file(tmp_path / f"{style}-again" / "model.safetensors")
+        if style == "gpt2":
+            original.pop("lm_head.weight", None)  # the tied copy, if transformers saved it
+        assert original.keys() == again.keys(), style
+        for key, value in original.items():
+            assert torch.equal(value, again[key]), (style, key)
+
+
+def _tp2_pp2_logits(rank, world, ckpt, tokens):
+    from engine.model.builder import build_model_chunks
+    from parallel.pipeline.p2p import P2P
+    from parallel.state import ParallelState
+
+    state = ParallelState.build(tp=2, pp=2)
+    path = iteration_dir(ckpt, 0)
+    cfg = ModelConfig(**read_meta(path)["model"])
+    model = build_model_chunks(cfg, state)[0].eval()
+    load_model_weights(path, model)
+    p2p = P2P(state, (tokens.shape[1], tokens.shape[0], cfg.hidden_size), torch.float32)
+    with torch.no_grad():
+        if state.is_first_stage:
+            p2p.send_forward(model(tokens=tokens))
+            return None
+        return model.full_logits(model(hidden=p2p.recv_forward()))
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_transformers_model_imported_under_tp2_pp2(tmp_path, style):
+    hf = _random_hf_model(style, tmp_path / "hf")
+    ckpt = str(tmp_path / "ours")
+    import_from_hf(str(tmp_path / "hf"), ckpt, 2, 2)
+    tokens = torch.randint(0, 2000, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    results = run_ranks(_tp2_pp2_logits, 4, ckpt, tokens)
+    for logits in results[2:]:  # the last pipeline stage
+        assert rel_err(logits, expected) < 1e-5
+
+
+def test_training_continues_from_an_imported_model(dataset_prefix, tokenizer_model, tmp_path):
+    _random_hf_model("llama", tmp_path / "hf")
+    ckpt = str(tmp_path / "ours")
+    import_from_hf(str(tmp_path / "hf"), ckpt, 1, 2)
+    log = tmp_path / "log.jsonl"
+    pretrain(
+        2,
+        base_args(
+            dataset_prefix,
+            tokenizer_model,
+            **{
+                "--load": ckpt,
+                "--use-checkpoint-args": True,
+                "--pipeline-model-parallel-size": "2",
+                "--train-iters": "2",
+                "--log-jsonl": str(log),
+                "--num-layers": "2",
+            },
+        ),
+    )
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["iteration"] for r in records if "split" not in r] == [1, 2]
+    assert abs(records[0]["lm_loss"] - torch.log(torch.tensor(2000.0)).item()) < 1.0
+
+
+def test_options_without_an_equivalent_are_errors(trained, tmp_path):
+    cfg = ModelConfig(**read_meta(iteration_dir(trained["llama"], 8))["model"])
+    from engine.hf.architectures import style_of
+
+    cfg.qk_layernorm = True
+    with pytest.raises(ConfigError, match="--qk-layernorm has no equivalent in LlamaForCausalLM"):
+        style_of(cfg)
+    cfg = ModelConfig(**read_meta(iteration_dir(trained["gpt2"], 8))["model"])
+    cfg.untie_embeddings_and_output_weights = True
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel ties them"):
+        style_of(cfg)
+
+
+def test_cli(trained, tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "tools/convert_checkpoint.py",
+            "--load",
+            trained["llama"],
+            "--output",
+            str(tmp_path / "hf"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0 and "exported" in result.stdout, result.stderr
+    result = subprocess.run(
+        [
+            sys.executable,
+            "tools/hf_generate.py",
+            "--model",
+            str(tmp_path / "hf"),
+            "--prompt",
+            "def ",
+            "--max-new-tokens",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0 and "LlamaForCausalLM" in result.stdout, result.stderr
+    result = subprocess.run(
+        [
+            sys.executable,
+            "tools/convert_checkpoint.py",
+            "--load",
+            str(tmp_path / "nothing"),
+            "--output",
+            str(tmp_path / "x"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1

@@ -1,0 +1,500 @@
+"""The training run end to end: exact resume, resharding, crash safety of checkpoints, NaN and
+spike handling, failures on one rank, metrics, and the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.errors import CheckpointError
+from engine.metrics import SpikeDetector
+from tests.distributed import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def base_args(dataset_prefix, tokenizer_model, **overrides) -> list[str]:
+    args = {
+        "--data-path": dataset_prefix,
+        "--tokenizer-model": tokenizer_model,
+        "--split": "90,10,0",
+        "--num-layers": "4",
+        "--hidden-size": "32",
+        "--num-attention-heads": "4",
+        "--seq-length": "32",
+        "--micro-batch-size": "2",
+        "--global-batch-size": "8",
+        "--lr": "3e-3",
+        "--min-lr": "3e-4",
+        "--lr-warmup-iters": "2",
+        "--train-iters": "20",
+        "--log-interval": "1",
+        "--eval-interval": "1000",
+        "--eval-iters": "1",
+        "--hidden-dropout": "0.1",
+        "--attention-dropout": "0.1",
+        "--make-vocab-size-divisible-by": "16",
+    }
+    args.update(overrides)
+    out = []
+    for key, value in args.items():
+        if value is None:
+            continue
+        out.append(key)
+        if value is not True:
+            out.extend(value if isinstance(value, list) else [value])
+    return out
+
+
+def _pretrain(rank, world, argv, env=None):
+    os.environ.update(env or {})
+    from engine.pretrain import main
+
+    return main(argv)
+
+
+def pretrain(world, argv, env=None, timeout=300):
+    return run_ranks(_pretrain, world, argv, env, timeout=timeout)
+
+
+def read(path) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def records(path) -> list[dict]:
+    return [json.loads(line) for line in read(path).splitlines() if line.strip()]
+
+
+def latest(ckpt) -> str:
+    return read(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).strip()
+
+
+def losses(path) -> dict[int, float]:
+    out = {}
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            if "split" not in record:
+                out[record["iteration"]] = record["lm_loss"]
+    return out
+
+
+@pytest.mark.parametrize(
+    "world, layout",
+    [
+        (
+            4,
+            {
+                "--tensor-model-parallel-size": "2",
+                "--pipeline-model-parallel-size": "2",
+                "--sequence-parallel": True,
+            },
+        ),
+        (
+            2,
+            {
+                "--use-distributed-optimizer": True,
+                "--overlap-grad-reduce": True,
+                "--async-save": True,
+            },
+        ),
+    ],
+    ids=["tp2-pp2", "dp2-zero-async"],
+)
+def test_resume_is_bit_exact(dataset_prefix, tokenizer_model, tmp_path, world, layout):
+    def args(**extra):
+        return base_args(dataset_prefix, tokenizer_model, **layout, **extra)
+
+    pretrain(world, args(**{"--log-jsonl": str(tmp_path / "straight.jsonl")}))
+    ckpt = str(tmp_path / "ckpt")
+    pretrain(
+        world,
+        args(**{"--log-jsonl": str(tmp_path / "a.jsonl"), "--save": ckpt, "--exit-interval": "10"}),
+    )
+    assert latest(ckpt) == "10"
+    pretrain(
+        world, args(**{"--log-jsonl": str(tmp_path / "b.jsonl"), "--load": ckpt, "--save": ckpt})
+    )
+    straight = losses(tmp_path / "straight.jsonl")
+    resumed = losses(tmp_path / "a.jsonl") | losses(tmp_path / "b.jsonl")
+    assert sorted(straight) == list(range(1, 21)) == sorted(resumed)
+    assert resumed == straight  # bit for bit: the floats are equal
+    assert straight[20] < straight[1] - 0.5
+
+
+def test_checkpoint_reshards_to_other_layouts(dataset_prefix, tokenizer_model, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    common = {"--hidden-dropout": "0.0", "--attention-dropout": "0.0", "--train-iters": "5"}
+    original = {"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "2"}
+    pretrain(
+        4,
+        base_args(
+            dataset_prefix,
+            tokenizer_model,
+            **common,
+            **original,
+            **{"--save": ckpt, "--exit-interval": "3"},
+        ),
+    )
+    results = {}
+    layouts = {
+        "original": (4, original),
+        "tp1-dp2-zero": (2, {"--use-distributed-optimizer": True}),
+        "tp4": (4, {"--tensor-model-parallel-size": "4"}),
+    }
+    for name, (world, layout) in layouts.items():
+        log = str(tmp_path / f"{name}.jsonl")
+        pretrain(
+            world,
+            base_args(
+                dataset_prefix,
+                tokenizer_model,
+                **common,
+                **layout,
+                **{"--load": ckpt, "--log-jsonl": log},
+            ),
+        )
+        results[name] = losses(log)
+    reference = results.pop("original")
+    assert sorted(reference) == [4, 5]
+    for name, values in results.items():
+        for iteration in (4, 5):  # 5 also depends on the resharded optimizer state
+            assert abs(values[iteration] - reference[iteration]) / reference[iteration] < 1e-5, (
+                name,
+                iteration,
+                values,
+                reference,
+            )
+
+
+def _torchrun(args, env_extra, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    from parallel.launch import free_port
+
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "engine.pretrain",
+        *args,
+    ]
+    return subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT
+    )
+
+
+def test_rank_killed_during_save_keeps_previous_checkpoint(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    ckpt = str(tmp_path / "ckpt")
+    args = base_args(
+        dataset_prefix,
+        tokenizer_model,
+        **{
+            "--train-iters": "12",
+            "--save": ckpt,
+            "--save-interval": "4",
+            "--log-jsonl": str(tmp_path / "first.jsonl"),
+        },
+    )
+    crashed = _torchrun(args, {"TRIPOD_FAULT_KILL_IN_SAVE": "1:8"})
+    assert crashed.returncode != 0
+    assert latest(ckpt) == "4"
+    assert not os.path.exists(os.path.join(ckpt, "iter_0000008"))
+    resumed_args = base_args(
+        dataset_prefix,
+        tokenizer_model,
+        **{
+            "--train-iters": "12",
+            "--save": ckpt,
+            "--save-interval": "4",
+            "--load": ckpt,
+            "--log-jsonl": str(tmp_path / "second.jsonl"),
+        },
+    )
+    resumed = _torchrun(resumed_args, {})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "iter_0000004" in resumed.stdout
+    first, second = losses(tmp_path / "first.jsonl"), losses(tmp_path / "second.jsonl")
+    assert sorted(second) == list(range(5, 13))
+    for iteration in range(5, 9):  # what the crashed run had computed, reproduced exactly
+        assert second[iteration] == first[iteration]
+    assert not any(name.endswith(".tmp") for name in os.listdir(ckpt))
+
+
+@pytest.mark.parametrize("fault", ["TRIPOD_FAULT_RAISE_AT", "TRIPOD_FAULT_KILL_AT"])
+def test_failure_on_one_rank_ends_every_rank(dataset_prefix, tokenizer_model, fault):
+    args = base_args(
+        dataset_prefix,
+        tokenizer_model,
+        **{"--distributed-timeout-minutes": "1", "--train-iters": "50"},
+    )
+    result = _torchrun(args, {fault: "1:3"}, timeout=180)
+    assert result.returncode != 0
+    if fault == "TRIPOD_FAULT_RAISE_AT":
+        assert "rank 1 failed" in result.stderr and "injected failure" in result.stderr
+    else:
+        assert "local_rank: 1" in result.stderr or "rank 1" in result.stderr
+    assert "iteration     50" not in result.stdout
+
+
+def test_nan_gradients_are_skipped_counted_and_stop_the_run(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    log = str(tmp_path / "nan.jsonl")
+    args = base_args(
+        dataset_prefix,
+        tokenizer_model,
+        **{
+            "--log-jsonl": log,
+            "--exit-on-nan-count": "2",
+            "--save": str(tmp_path / "ckpt"),
+            "--save-interval": "2",
+        },
+    )
+    codes = pretrain(2, args, {"TRIPOD_FAULT_NAN_GRAD_AT": "3,5"})
+    assert codes == [1, 1]  # stopped cleanly after the second NaN
+    found = records(log)
+    by_iter = {r["iteration"]: r for r in found if "split" not in r}
+    assert sorted(by_iter) == [1, 2, 3, 4, 5]
+    assert [by_iter[i]["skipped_iters"] for i in range(1, 6)] == [0, 0, 1, 1, 2]
+    assert by_iter[3]["grad_norm"] is None and by_iter[4]["grad_norm"] is not None
+    assert latest(tmp_path / "ckpt") == "4"
+
+
+def test_loss_spike_is_detected_and_its_update_skipped(
+    dataset_prefix, tokenizer_model, tmp_path, capfd
+):
+    log = str(tmp_path / "spike.jsonl")
+    args = base_args(
+        dataset_prefix,
+        tokenizer_model,
+        **{
+            "--log-jsonl": log,
+            "--train-iters": "16",
+            "--spike-window": "10",
+            "--spike-zscore": "3",
+            "--skip-spike-batches": True,
+            "--hidden-dropout": "0.0",
+            "--attention-dropout": "0.0",
+            "--lr": "1e-3",
+            "--lr-warmup-iters": "0",
+            "--vocab-size": "4000",
+        },
+    )
+    pretrain(1, args, {"TRIPOD_FAULT_RANDOM_BATCH_AT": "15"})
+    by_iter = {r["iteration"]: r for r in records(log) if "split" not in r}
+    assert by_iter[14]["skipped_iters"] == 0 and by_iter[15]["skipped_iters"] == 1
+    assert by_iter[15]["lm_loss"] > by_iter[14]["lm_loss"] + 0.2
+    assert "loss spike at iteration 15" in capfd.readouterr().out
+
+
+def test_spike_detector():
+    detector = SpikeDetector(window=20, zscore=4.0)
+    for i in range(30):
+        assert detector.check(5.0 - 0.01 * i + 0.02 * (i % 3)) is None
+    assert detector.check(9.0) is not None
+    assert detector.check(float("nan")) is None
+    assert detector.check(4.7) is None  # back to normal
+
+
+def test_metrics_tensorboard_plot_and_peak_memory(dataset_prefix, tokenizer_model, tmp_path, capfd):
+    log, tb = str(tmp_path / "m.jsonl"), str(tmp_path / "tb")
+    args = base_args(
+        dataset_prefix,
+        tokenizer_model,
+        **{
+            "--log-jsonl": log,
+            "--tensorboard-dir": tb,
+            "--train-iters": "6",
+            "--log-interval": "2",
+            "--eval-interval": "3",
+            "--eval-iters": "2",
+        },
+    )
+    pretrain(2, args)
+    found = records(log)
+    train_records = [r for r in found if "split" not in r]
+    keys = {
+        "iteration",
+        "consumed_samples",
+        "lm_loss",
+        "lr",
+        "grad_norm",
+        "loss_scale",
+        "skipped_iters",
+        "tokens_per_sec",
+        "tflops_per_device",
+        "mem_gb",
+    }
+    assert [r["iteration"] for r in train_records] == [2, 4, 6]
+    assert all(keys <= set(r) for r in train_records)
+    assert train_records[-1]["consumed_samples"] == 48
+    evals = [r for r in found if "split" in r]
+    assert [(r["iteration"], r["split"]) for r in evals] == [(3, "valid"), (6, "valid")]
+    assert all(r["ppl"] > 1 for r in evals)
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb))
+    assert "peak memory per rank (GB): " in capfd.readouterr().out
+    png = tmp_path / "curve.png"
+    subprocess.run(
+        [sys.executable, "tools/plot_metrics.py", "--log-jsonl", log, "--output", str(png)],
+        check=True,
+        cwd=ROOT,
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_checkpoint_of_another_model_names_the_tensor(dataset_prefix, tokenizer_model, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    pretrain(
+        1, base_args(dataset_prefix, tokenizer_model, **{"--train-iters": "2", "--save": ckpt})
+    )
+    with pytest.raises(AssertionError) as info:
+        pretrain(
+            1,
+            base_args(
+                dataset_prefix,
+                tokenizer_model,
+                **{"--train-iters": "3", "--load": ckpt, "--hidden-size": "64"},
+            ),
+        )
+    message = str(info.value)
+    assert CheckpointError.__name__ in message
+    assert (
+        "tensor embedding.position_embeddings.weight has shape [32, 32] there and [32, 64] here"
+        in message
+    )
+
+
+def test_keep_last_n(dataset_prefix, tokenizer_model, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    pretrain(
+        1,
+        base_args(
+            dataset_prefix,
+            tokenizer_model,
+            **{
+                "--train-iters": "6",
+                "--save": str(ckpt),
+                "--save-interval": "1",
+                "--keep-last-n": "2",
+            },
+        ),
+    )
+    assert sorted(n for n in os.listdir(ckpt) if n.startswith("iter_")) == [
+        "iter_0000005",
+        "iter_0000006",
+    ]
+
+
+def _cli(args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "engine.pretrain", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, **(env or {})),
+    )
+
+
+def test_command_line_errors_are_one_line_before_any_process_group(dataset_prefix, tokenizer_model):
+    good = base_args(dataset_prefix, tokenizer_model)
+    cases = [
+        (["--hidden-sise", "8"], {}, "unrecognized arguments: --hidden-sise"),
+        (["--bf16", "--fp16"], {}, "--bf16 and --fp16 contradict each other"),
+        (
+            ["--tensor-model-parallel-size", "2"],
+            {"WORLD_SIZE": "3", "RANK": "0"},
+            "world size 3 is not divisible by tensor-model-parallel-size 2",
+        ),
+        (["--global-batch-size", "7"], {}, "global-batch-size 7 is not divisible"),
+        (["--overlap-param-gather"], {}, "--overlap-param-gather needs --use-distributed"),
+        (["--data-path", "/nonexistent/prefix"], {}, "/nonexistent/prefix.idx: no such file"),
+    ]
+    for extra, env, message in cases:
+        result = _cli(good + extra, env)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2, (extra, result.stderr)
+        assert len(lines) == 1 and message in lines[0], (extra, result.stderr)
+
+
+def test_help_lists_flags_in_groups():
+    result = _cli(["--help"])
+    assert result.returncode == 0
+    for group in (
+        "model:",
+        "parallelism:",
+        "optimizer, learning rate, loss scaling:",
+        "data:",
+        "training, evaluation, logging, checkpoints:",
+    ):
+        assert group in result.stdout
+    for flag in (
+        "--tensor-model-parallel-size",
+        "--num-layers-per-virtual-pipeline-stage",
+        "--use-distributed-optimizer",
+        "--recompute-granularity",
+        "--lr-decay-style",
+        "--tensorboard-dir",
+        "--exit-on-nan-count",
+    ):
+        assert flag in result.stdout
+
+
+def test_end_to_end_through_the_launcher(dataset_prefix, tokenizer_model, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for suffix in (".bin", ".idx"):
+        os.symlink(dataset_prefix + suffix, data / f"stdlib_text_document{suffix}")
+    os.symlink(tokenizer_model, data / "tokenizer.model")
+    from parallel.launch import free_port
+
+    env = dict(os.environ, NPROC_PER_NODE="2", DATA=str(data), MASTER_PORT=str(free_port()))
+    result = subprocess.run(
+        [
+            "bash",
+            "examples/pretrain_gpt.sh",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--seq-length",
+            "64",
+            "--max-position-embeddings",
+            "64",
+            "--train-iters",
+            "6",
+            "--eval-interval",
+            "3",
+            "--eval-iters",
+            "1",
+            "--log-interval",
+            "3",
+            "--split",
+            "90,10,0",
+            "--lr-warmup-iters",
+            "1",
+            "--save",
+            str(tmp_path / "ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "iteration      6/6" in result.stdout and "valid at iteration 6" in result.stdout
+    assert (tmp_path / "ckpt" / "iter_0000006" / "meta.json").exists()

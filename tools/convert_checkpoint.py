@@ -1,0 +1,76 @@
+"""Convert between our checkpoints and Hugging Face folders.
+
+  export:  --load SAVE_DIR [--iteration N] --output HF_DIR [--max-shard-size 5GB] [--dtype ...]
+  import:  --from-hf HF_DIR --output SAVE_DIR --tensor-model-parallel-size N
+           --pipeline-model-parallel-size M
+
+Export writes config.json, generation_config.json, model.safetensors (sharded with an index
+above --max-shard-size) and the SentencePiece tokenizer, loadable offline with transformers'
+AutoModelForCausalLM / AutoTokenizer: Llama-style models as LlamaForCausalLM, GPT-2-style as
+GPT2LMHeadModel. Import writes iteration 0 of our checkpoint with a fresh optimizer; continue
+with `pretrain --load SAVE_DIR --use-checkpoint-args`. Only safetensors and JSON are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.errors import ConfigError
+from tools._cli import run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--load", help="our checkpoint directory (export)")
+    parser.add_argument("--iteration", type=int, help="which iteration (default: the latest)")
+    parser.add_argument("--from-hf", help="a Hugging Face model folder (import)")
+    parser.add_argument("--output", required=True, help="folder to write")
+    parser.add_argument("--max-shard-size", default="5GB", help="export: safetensors shard size")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="export: tensor dtype (default: the training dtype)",
+    )
+    parser.add_argument("--tokenizer-model", help="export: tokenizer (default: the training's)")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    args = parser.parse_args(argv)
+    if bool(args.load) == bool(args.from_hf):
+        raise ConfigError("give exactly one of --load (export to HF) or --from-hf (import)")
+    if args.load:
+        from engine.hf.export import export_to_hf
+
+        summary = export_to_hf(
+            args.load,
+            args.output,
+            args.iteration,
+            args.max_shard_size,
+            args.dtype,
+            args.tokenizer_model,
+        )
+        print(
+            f"exported {summary['checkpoint']} as {summary['architecture']}: "
+            f"{summary['tensors']} tensors, {summary['bytes'] / 1e6:.1f} MB in "
+            f"{summary['shards']} shard(s) -> {args.output}"
+        )
+    else:
+        from engine.hf.import_hf import import_from_hf
+
+        summary = import_from_hf(
+            args.from_hf,
+            args.output,
+            args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size,
+        )
+        print(
+            f"imported {args.from_hf} ({summary['architecture']}, {summary['tensors']} "
+            f"tensors) -> {summary['checkpoint']}; continue with --load {args.output} "
+            "--use-checkpoint-args"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
