@@ -6,6 +6,7 @@ itself once, at start, with messages that say which flag to change.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -341,6 +342,15 @@ class TrainConfig:
     skip_spike_batches: bool = option(False, "skip the update of a step whose loss spikes")
     exit_interval: int | None = option(None, "stop (after saving) when iteration % this == 0")
     device: str | None = option(None, "cpu or cuda (default: cuda when available)")
+    use_fused_kernels: bool | None = option(
+        None,
+        "fused CUDA kernels for norms, RoPE, SwiGLU and cross-entropy (default: on CUDA "
+        "when they build; never on CPU)",
+        action=argparse.BooleanOptionalAction,
+    )
+    transformer_impl: str = option(
+        "local", "layer implementation", choices=["local", "transformer_engine"]
+    )
 
     def validate(self) -> None:
         if self.bf16 and self.fp16:

@@ -113,8 +113,30 @@ def check(cfg: Configs, world_size: int) -> None:
         )
     if train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda, but no CUDA device is available")
+    if train.use_fused_kernels and _device(train).type != "cuda":
+        raise ConfigError(
+            "--use-fused-kernels needs a CUDA device; drop it (the PyTorch ops run on CPU)"
+        )
+    if train.transformer_impl == "transformer_engine":
+        check_transformer_engine()
     if train.load:
         find_latest(train.load)  # a broken latest file is reported now, on one line
+
+
+def check_transformer_engine() -> None:
+    """--transformer-impl transformer_engine: refused with the reason, never half-used."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "--transformer-impl transformer_engine: Transformer Engine is not importable; "
+            "install it (NVIDIA's transformer-engine) or use --transformer-impl local"
+        ) from None
+    raise ConfigError(
+        "--transformer-impl transformer_engine: Transformer Engine is installed, but its layers "
+        "are not wired into this engine yet; use --transformer-impl local (with "
+        "--use-fused-kernels for the fused norms, RoPE, SwiGLU and cross-entropy)"
+    )
 
 
 def _device(train: TrainConfig) -> torch.device:

@@ -40,6 +40,7 @@ from engine.metrics import (
     model_flops_per_token,
 )
 from engine.model.builder import build_model_chunks
+from engine.ops import select_ops
 from engine.optim import LRScheduler, build_optimizer
 from engine.step import eval_step, run_schedule
 from parallel.ddp import DistributedDataParallel
@@ -120,6 +121,9 @@ def setup(cfg: Configs, state: ParallelState) -> Run:
     tracker = model_parallel_seed(train.seed, state.tp_rank, state.pp_rank, state.device)
     dtype = params_dtype(train)
     virtual = par.virtual_size(m.num_layers)
+    ops = select_ops(state.device, train.use_fused_kernels)
+    if state.rank == 0:
+        print(f"ops: {ops.name}", flush=True)
     chunks = build_model_chunks(
         m,
         state,
@@ -130,6 +134,7 @@ def setup(cfg: Configs, state: ParallelState) -> Run:
         virtual_size=virtual,
         first_stage_layers=par.decoder_first_pipeline_num_layers,
         last_stage_layers=par.decoder_last_pipeline_num_layers,
+        ops=ops,
     )
     ddps = [
         DistributedDataParallel(

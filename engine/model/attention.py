@@ -14,7 +14,6 @@ from torch import nn
 
 from engine.model.context import BuildContext
 from engine.model.norm import Norm
-from engine.model.rope import apply_rotary
 from parallel.random import checkpoint
 from parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
@@ -55,7 +54,7 @@ class SelfAttention(nn.Module):
         )
         if cfg.qk_layernorm:
             partial = ctx.tp_size > 1  # each TP rank normalises different heads
-            kwargs = {"params_dtype": ctx.params_dtype, "device": ctx.device}
+            kwargs = {"params_dtype": ctx.params_dtype, "device": ctx.device, "ops": ctx.ops}
             self.q_layernorm = Norm(cfg.normalization, d, cfg.norm_epsilon, partial, **kwargs)
             self.k_layernorm = Norm(cfg.normalization, d, cfg.norm_epsilon, partial, **kwargs)
         else:
@@ -81,7 +80,7 @@ class SelfAttention(nn.Module):
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            q, k = self.ctx.ops.rotary(q, *rotary), self.ctx.ops.rotary(k, *rotary)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.selective_recompute and self.training:
             out = checkpoint(self._core, self.ctx.tracker, q, k, v)

@@ -23,8 +23,10 @@ def build_model_chunks(
     virtual_size: int = 1,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    ops=None,
 ) -> list[GPTModel]:
-    """One GPTModel per (virtual) pipeline stage of this rank, in execution order."""
+    """One GPTModel per (virtual) pipeline stage of this rank, in execution order. `ops` is
+    the op set from engine.ops.select_ops (the PyTorch ops by default)."""
     ctx = BuildContext(
         config,
         tp_group=state.tp_group,
@@ -35,6 +37,8 @@ def build_model_chunks(
         device=state.device,
         seed=seed,
     )
+    if ops is not None:
+        ctx.ops = ops
     layers = stage_layers(
         config.num_layers,
         state.pp_size,

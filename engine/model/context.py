@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import ModelConfig
+from engine.ops.torch_ops import TorchOps
 from parallel.random import RNGStatesTracker
 from parallel.tensor import normal_init, scaled_normal_init
 
@@ -25,6 +26,7 @@ class BuildContext:
     params_dtype: torch.dtype = torch.float32
     device: torch.device | str = "cpu"
     seed: int = 1234
+    ops: object = field(default_factory=TorchOps)  # TorchOps or engine.ops.fused.FusedOps
 
     def param_seed(self, name: str) -> int:
         """Initialisation seed of the parameter with this global name: the same on every rank

@@ -27,7 +27,6 @@ from parallel.tensor import (
     VocabParallelEmbedding,
     draw_full,
     gather_logits,
-    vocab_parallel_cross_entropy,
 )
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
@@ -125,6 +124,7 @@ class GPTModel(nn.Module):
                 partial_grad=ctx.sequence_parallel,
                 params_dtype=ctx.params_dtype,
                 device=ctx.device,
+                ops=ctx.ops,
             )
             padded = config.padded_vocab_size(ctx.tp_size)
             if not self.tied:
@@ -223,7 +223,7 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits
         coeff = self.config.z_loss_coeff
-        loss, lse = vocab_parallel_cross_entropy(
+        loss, lse = self.ctx.ops.cross_entropy(
             logits, labels.t(), self.ctx.tp_group, self.config.vocab_size, return_logsumexp=True
         )
         if coeff > 0.0:

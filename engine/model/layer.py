@@ -22,6 +22,7 @@ class TransformerLayer(nn.Module):
             "partial_grad": ctx.sequence_parallel,
             "params_dtype": ctx.params_dtype,
             "device": ctx.device,
+            "ops": ctx.ops,
         }
         self.input_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, **norm)
         self.self_attention = SelfAttention(ctx, layer_number)

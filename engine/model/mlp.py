@@ -16,6 +16,7 @@ class MLP(nn.Module):
         cfg = ctx.config
         f = cfg.ffn_size
         self.swiglu = cfg.swiglu
+        self.ops = ctx.ops
         self.gelu_approximation = "tanh" if cfg.openai_gelu else "none"
         prefix = f"layers.{layer_number}.mlp"
         self.linear_fc1 = ColumnParallelLinear(
@@ -46,8 +47,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = self.ops.swiglu(h)
         else:
             h = F.gelu(h, approximate=self.gelu_approximation)
         return self.linear_fc2(h)

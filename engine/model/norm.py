@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.ops.torch_ops import TorchOps
 from parallel.sharding import mark_tp_partial_grad
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight, computed in fp32 and cast back (as Llama does)."""
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
 
 
 class Norm(nn.Module):
@@ -31,8 +23,10 @@ class Norm(nn.Module):
         partial_grad: bool = False,
         params_dtype: torch.dtype = torch.float32,
         device=None,
+        ops=None,
     ):
         super().__init__()
+        self.ops = ops or TorchOps()
         if kind not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"unknown normalization {kind}")
         self.kind, self.eps = kind, eps
@@ -47,5 +41,5 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "LayerNorm":
-            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
-        return rms_norm(x, self.weight, self.eps)
+            return self.ops.layer_norm(x, self.weight, self.bias, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)

@@ -1,4 +1,5 @@
-"""Rotary position embedding, in the rotate-half layout (the one Hugging Face Llama uses)."""
+"""Rotary position embedding tables, for the rotate-half layout (the one Hugging Face Llama
+uses); the rotation itself is an op (engine/ops), fused on GPU."""
 
 from __future__ import annotations
 
@@ -19,14 +20,3 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, self.inv_freq.to(device))
         angles = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [s, 1, 1, d]
         return angles.cos(), angles.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [s, b, heads, d] by position."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + rotate_half(x) * sin

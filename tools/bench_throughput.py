@@ -1,0 +1,191 @@
+"""Single-GPU training throughput: tokens/s, TFLOP/s and MFU of a ~1.3B-parameter GPT step.
+
+Default model: 24 layers, hidden 2048, 16 heads, sequence 2048, vocabulary 32000, bf16,
+recompute off, the micro-batch the largest of --micro-batch-sizes that fits in memory. Runs
+the engine's real training step with the fused kernels and with the PyTorch ops, each in a
+fresh process, and measures a large bf16 matmul in the same run as the practical ceiling.
+MFU = model TFLOP/s (engine/metrics.py counts them) / the datasheet dense bf16 peak
+(--peak-tflops, default the device's known peak, e.g. 989 for H100 SXM). Prints a table and
+writes JSON. `--tiny` runs a small model on the CPU, to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from engine.metrics import device_peak_tflops, model_flops_per_token
+from engine.pretrain import check, parse
+from engine.training import setup, train_iteration
+from parallel.launch import run_local
+from parallel.state import ParallelState
+from tools._bench_data import corpus_dataset, engine_flags
+from tools._cli import run
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _matmul_tflops(device: torch.device, size: int) -> float:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times) / 1e12
+
+
+def _try(args, prefix, tokenizer, fused: bool, micro_batch: int, device: str):
+    flags = engine_flags(
+        prefix,
+        tokenizer,
+        args.num_layers,
+        args.hidden_size,
+        args.seq_length,
+        micro_batch,
+        num_attention_heads=str(args.num_attention_heads),
+        vocab_size=str(args.vocab_size),
+        train_iters="1000",
+        lr="1e-4",
+        lr_decay_style="constant",
+        hidden_dropout="0.0",
+        attention_dropout="0.0",
+        device=device,
+        make_vocab_size_divisible_by="128",
+    )
+    flags += ["--bf16"] if device == "cuda" else []
+    flags += ["--use-fused-kernels" if fused else "--no-use-fused-kernels"]
+    cfg = parse(flags)
+    check(cfg, 1)
+    engine = setup(cfg, ParallelState.build(1, 1, device=device))
+    tokens = torch.randint(0, args.vocab_size, (micro_batch, args.seq_length + 1))
+    batch = {"tokens": tokens[:, :-1].to(device), "labels": tokens[:, 1:].to(device)}
+    dev = torch.device(device)
+    times = []
+    for step in range(args.warmup + args.steps):
+        _sync(dev)
+        start = time.perf_counter()
+        train_iteration(engine, [batch])
+        engine.counters.iteration += 1
+        _sync(dev)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    flops = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size(1))
+    params = sum(p.numel() for c in engine.chunks for p in c.params)
+    memory = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
+    return statistics.median(times), flops, params, memory
+
+
+def _bench(rank, world, args, prefix, tokenizer, fused: bool, device: str):
+    for micro_batch in args.micro_batch_sizes:
+        try:
+            seconds, flops, params, memory = _try(
+                args, prefix, tokenizer, fused, micro_batch, device
+            )
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            continue
+        tokens_per_s = micro_batch * args.seq_length / seconds
+        return {
+            "micro_batch": micro_batch,
+            "step_s": seconds,
+            "tokens_per_s": tokens_per_s,
+            "tflops": tokens_per_s * flops / 1e12,
+            "params": params,
+            "mem_gb": memory,
+        }
+    raise RuntimeError(f"no micro-batch size in {args.micro_batch_sizes} fits in memory")
+
+
+def _ceiling(rank, world, device, size):
+    return _matmul_tflops(torch.device(device), size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--num-layers", type=int, default=24)
+    parser.add_argument("--hidden-size", type=int, default=2048)
+    parser.add_argument("--num-attention-heads", type=int, default=16)
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[12, 8, 6, 4, 2, 1])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--matmul-size", type=int, default=8192)
+    parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak (default: known)")
+    parser.add_argument("--tiny", action="store_true", help="a small model on the CPU")
+    parser.add_argument("--json", default="bench_throughput.json")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.num_layers, args.hidden_size, args.num_attention_heads = 2, 128, 2
+        args.seq_length, args.vocab_size, args.micro_batch_sizes = 128, 8192, [2]
+        args.warmup, args.steps, args.matmul_size = 1, 2, 512
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    peak, name = (
+        (args.peak_tflops, "given")
+        if args.peak_tflops
+        else device_peak_tflops(torch.device(device), "bf16")
+    )
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix, tokenizer = corpus_dataset(tmp)
+        ceiling = run_local(_ceiling, 1, device, args.matmul_size, timeout=3600)[0]
+        rows = {}
+        for fused in (True, False) if device == "cuda" else (False,):
+            label = "fused kernels" if fused else "PyTorch ops"
+            rows[label] = run_local(
+                _bench, 1, args, prefix, tokenizer, fused, device, timeout=3600, threads=2
+            )[0]
+    print(
+        f"device: {name}; model {next(iter(rows.values()))['params'] / 1e9:.2f}B parameters, "
+        f"{args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, "
+        f"{'bf16' if device == 'cuda' else 'fp32'}, recompute off"
+    )
+    print(
+        f"matmul ceiling ({args.matmul_size}^3): {ceiling:.1f} TFLOP/s"
+        + (f"; datasheet dense bf16 peak {peak:.0f} TFLOP/s" if peak else "")
+    )
+    print(
+        f"{'ops':16s} {'mbs':>4s} {'step s':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
+        f"{'MFU':>6s} {'of matmul':>9s} {'mem GB':>7s}"
+    )
+    for label, r in rows.items():
+        mfu = f"{r['tflops'] / peak:6.1%}" if peak else "   n/a"
+        mem = f"{r['mem_gb']:7.1f}" if r["mem_gb"] is not None else "    n/a"
+        print(
+            f"{label:16s} {r['micro_batch']:4d} {r['step_s']:8.3f} {r['tokens_per_s']:10,.0f} "
+            f"{r['tflops']:8.1f} {mfu} {r['tflops'] / ceiling:9.1%} {mem}"
+        )
+        r["mfu"] = r["tflops"] / peak if peak else None
+    with open(args.json, "w") as f:
+        json.dump(
+            {
+                "device": name,
+                "peak_tflops": peak,
+                "matmul_tflops": ceiling,
+                "runs": rows,
+                "config": vars(args),
+            },
+            f,
+            indent=1,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
