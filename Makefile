@@ -24,7 +24,7 @@ quickstart: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/quickstart.sh
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

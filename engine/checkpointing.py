@@ -296,20 +296,7 @@ class Checkpointer:
             json.dump(meta, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        final = iteration_dir(self.root, iteration)
-        if os.path.exists(final):
-            old = final + ".old"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        latest_tmp = os.path.join(self.root, LATEST + ".tmp")
-        with open(latest_tmp, "w") as f:
-            f.write(f"{iteration}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, os.path.join(self.root, LATEST))
+        commit(tmp, self.root, iteration)
         if self.keep_last_n:
             committed = sorted(
                 int(n[len("iter_") :])
@@ -332,6 +319,25 @@ class Checkpointer:
             raise CheckpointError(
                 f"saving a checkpoint under {self.root} failed: {error}"
             ) from error
+
+
+def commit(tmp: str, root: str, iteration: int) -> None:
+    """Rename a fully written iteration folder into place, then point the latest file at it
+    (itself written under a temporary name and renamed)."""
+    final = iteration_dir(root, iteration)
+    if os.path.exists(final):
+        old = final + ".old"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    latest_tmp = os.path.join(root, LATEST + ".tmp")
+    with open(latest_tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, os.path.join(root, LATEST))
 
 
 # --- loading ------------------------------------------------------------------------------

@@ -9,9 +9,12 @@ pipeline stages), the learning rate, and the optimizer step.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from parallel.grads import finalize_model_grads
 from parallel.pipeline.schedules import forward_backward_no_pipelining
@@ -48,8 +51,8 @@ def make_loss_func(num_microbatches: int, loss_scale: float = 1.0):
 
 @dataclass
 class StepOutput:
-    loss: float | None  # mean over micro-batches and DP ranks (last stage), else None
-    grad_norm: float
+    loss: float  # mean over the global batch, the same on every rank
+    grad_norm: float | None  # None when the step was not taken
     lr: float
     updated: bool
     loss_scale: float | None
@@ -61,9 +64,22 @@ def run_schedule(chunks, batches, schedule, forward_only=False, loss_scale=1.0):
     return schedule(chunks, batches, forward_step, loss_func, forward_only=forward_only)
 
 
-def eval_step(chunks, batches, state, schedule=None) -> float | None:
-    """Mean loss over the micro-batches (and DP ranks) without gradients; None off the last
-    pipeline stage. Collective on all ranks."""
+def shared_loss(losses: list[torch.Tensor], state) -> float:
+    """Mean of the last stage's micro-batch losses over the DP ranks, made known to every rank
+    (the other pipeline stages contribute nothing to the sum). Collective on all ranks."""
+    value = torch.zeros(1, dtype=torch.float64, device=state.device)
+    if losses:
+        value += torch.stack(losses).double().mean()
+    if state.dp_group is not None:
+        dist.all_reduce(value, group=state.dp_group)
+        value /= state.dp_size
+    if state.pp_group is not None:
+        dist.all_reduce(value, group=state.pp_group)
+    return value.item()
+
+
+def eval_step(chunks, batches, state, schedule=None) -> float:
+    """Mean loss of the batches, without gradients, on every rank."""
     for chunk in chunks:
         chunk.eval()
     try:
@@ -71,29 +87,37 @@ def eval_step(chunks, batches, state, schedule=None) -> float | None:
     finally:
         for chunk in chunks:
             chunk.train()
-    return _dp_mean(losses, state)
+    return shared_loss(losses, state)
 
 
-def train_step(chunks, optimizer, scheduler, batches, state, schedule=None) -> StepOutput:
-    """Zero grads, forward/backward every micro-batch, reduce, step. Collective on all ranks."""
+def train_step(
+    chunks,
+    optimizer,
+    scheduler,
+    batches,
+    state,
+    schedule=None,
+    *,
+    after_backward=None,
+    should_step: Callable[[float], bool] | None = None,
+) -> StepOutput:
+    """Zero grads, forward/backward every micro-batch, reduce, set the learning rate, step.
+    should_step(loss) can decline the update (it must decide the same on every rank; the loss
+    it gets is); after_backward() runs between backward and the gradient reduction.
+    A non-finite gradient norm skips the update inside the optimizer. Collective on all ranks.
+    """
     optimizer.zero_grad()
     scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else 1.0
     losses = run_schedule(chunks, batches, schedule, loss_scale=scale)
+    if after_backward is not None:
+        after_backward()
     shared = [w for c in chunks if (w := c.module.shared_embedding_weight()) is not None]
     finalize_model_grads(chunks, state.tp_group, state.embedding_group, shared)
+    loss = shared_loss(losses, state)
     lr = scheduler.step(optimizer)
+    loss_scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else None
+    if should_step is not None and not should_step(loss):
+        return StepOutput(loss, None, lr, False, loss_scale)
     result = optimizer.step()
-    return StepOutput(
-        _dp_mean(losses, state), result.grad_norm, lr, result.updated, result.loss_scale
-    )
-
-
-def _dp_mean(losses: list[torch.Tensor], state) -> float | None:
-    """Mean loss over the micro-batches of every DP rank (last pipeline stage only)."""
-    if not losses:
-        return None
-    mean = torch.stack(losses).float().mean().reshape(1)
-    if state.dp_group is not None:
-        torch.distributed.all_reduce(mean, group=state.dp_group)
-        mean /= state.dp_size
-    return mean.item()
+    norm = result.grad_norm if math.isfinite(result.grad_norm) else None
+    return StepOutput(loss, norm, lr, result.updated, result.loss_scale)

@@ -42,9 +42,8 @@ from engine.metrics import (
 from engine.model.builder import build_model_chunks
 from engine.ops import select_ops
 from engine.optim import LRScheduler, build_optimizer
-from engine.step import eval_step, run_schedule
+from engine.step import eval_step, train_step
 from parallel.ddp import DistributedDataParallel
-from parallel.grads import finalize_model_grads
 from parallel.pipeline.schedules import get_schedule
 from parallel.random import model_parallel_seed
 from parallel.state import ParallelState
@@ -294,47 +293,42 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _shared_loss(losses, state: ParallelState) -> float:
-    """Mean loss of the global batch, known on every rank (computed on the last stage)."""
-    value = torch.zeros(1, dtype=torch.float64, device=state.device)
-    if losses:
-        value += torch.stack(losses).double().mean()
-    if state.dp_group is not None:
-        dist.all_reduce(value, group=state.dp_group)
-        value /= state.dp_size
-    if state.pp_group is not None:
-        dist.all_reduce(value, group=state.pp_group)  # only the last stage contributes
-    return value.item()
-
-
 def train_iteration(run: Run, batches: list[dict]) -> dict:
-    """One optimizer step (or a skipped one). Collective on every rank."""
-    optimizer, iteration = run.optimizer, run.counters.iteration + 1
-    faults.before_iteration(run.state.rank, iteration, batches, run.cfg.model.vocab_size)
-    optimizer.zero_grad()
-    scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else 1.0
-    losses = run_schedule(run.chunks, batches, run.schedule, loss_scale=scale)
-    faults.after_backward(run.state.rank, iteration, run.chunks)
-    shared = [w for c in run.chunks if (w := c.module.shared_embedding_weight()) is not None]
-    finalize_model_grads(run.chunks, run.state.tp_group, run.state.embedding_group, shared)
-    loss = _shared_loss(losses, run.state)
-    lr = run.scheduler.step(optimizer)
-    finite = math.isfinite(loss)
-    spike = run.spikes.check(loss) if finite else None
-    record = {"lm_loss": loss, "lr": lr, "spike_z": spike}
-    if not finite or (spike is not None and run.cfg.train.skip_spike_batches):
-        record.update(updated=False, grad_norm=None, nan=not finite)
-    else:
-        result = optimizer.step()
-        grad_ok = math.isfinite(result.grad_norm)
-        record.update(
-            updated=result.updated,
-            grad_norm=result.grad_norm if grad_ok else None,
-            nan=not grad_ok and optimizer.grad_scaler is None,
-        )
-    if optimizer.grad_scaler is not None:
-        record["loss_scale"] = optimizer.grad_scaler.scale
-    return record
+    """One optimizer step, or a skipped one (NaN/Inf loss or gradient, or a loss spike with
+    --skip-spike-batches). Collective on every rank; every rank decides the same."""
+    rank, iteration = run.state.rank, run.counters.iteration + 1
+    faults.before_iteration(rank, iteration, batches, run.cfg.model.vocab_size)
+    decision = {"spike_z": None, "attempted": False}
+
+    def should_step(loss: float) -> bool:
+        if not math.isfinite(loss):
+            return False
+        decision["spike_z"] = run.spikes.check(loss)
+        decision["attempted"] = decision["spike_z"] is None or not run.cfg.train.skip_spike_batches
+        return decision["attempted"]
+
+    out = train_step(
+        run.chunks,
+        run.optimizer,
+        run.scheduler,
+        batches,
+        run.state,
+        run.schedule,
+        after_backward=lambda: faults.after_backward(rank, iteration, run.chunks),
+        should_step=should_step,
+    )
+    # An attempted step that did not update had a non-finite gradient (with fp16 that is a
+    # loss-scale overflow, which the scaler handles and is not counted).
+    bad_gradient = decision["attempted"] and not out.updated and run.optimizer.grad_scaler is None
+    return {
+        "lm_loss": out.loss,
+        "lr": out.lr,
+        "spike_z": decision["spike_z"],
+        "updated": out.updated,
+        "grad_norm": out.grad_norm,
+        "loss_scale": out.loss_scale,
+        "nan": not math.isfinite(out.loss) or bad_gradient,
+    }
 
 
 def evaluate(run: Run, split: int) -> float | None:
@@ -348,11 +342,7 @@ def evaluate(run: Run, split: int) -> float | None:
     total = 0.0
     for _ in range(train.eval_iters):
         batches = [_to_device(next(iterator), state.device) for _ in range(run.num_microbatches)]
-        losses = eval_step(run.chunks, batches, state, run.schedule)
-        value = torch.tensor([losses or 0.0], dtype=torch.float64, device=state.device)
-        if state.pp_group is not None:
-            dist.all_reduce(value, group=state.pp_group)
-        total += value.item()
+        total += eval_step(run.chunks, batches, state, run.schedule)
     return total / train.eval_iters
 
 

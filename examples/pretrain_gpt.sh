@@ -5,6 +5,7 @@
 #   NPROC_PER_NODE   processes on this machine (default: the GPU count, or 4 without GPUs)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   for several machines (default: one)
 #   DATA             folder with the quickstart's dataset and tokenizer (default data/quickstart)
+#   PYTHON           the interpreter with the engine installed (default: python on PATH)
 #
 # Without GPUs the ranks use gloo on the CPU with one thread each.
 set -euo pipefail
@@ -24,6 +25,7 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 DATA=${DATA:-data/quickstart}
+PYTHON=${PYTHON:-python}
 
 MODEL_ARGS=(
     --num-layers 4 --hidden-size 256 --num-attention-heads 8
@@ -42,7 +44,9 @@ DATA_ARGS=(
 )
 OUTPUT_ARGS=(--log-interval 10 --eval-interval 100 --eval-iters 4)
 
-exec torchrun --nproc-per-node "$NPROC_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+# torch.distributed.run is torchrun; running it through $PYTHON picks the right environment.
+exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC_PER_NODE" \
+    --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
     -m engine.pretrain "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" \
     "${OUTPUT_ARGS[@]}" "$@"

@@ -1,50 +1,8 @@
 #!/usr/bin/env bash
 # Pretrain a Llama-style model (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases,
-# untied embeddings) with torchrun. Every argument is passed to the engine after the
-# defaults below, so a later flag overrides a default (e.g. --num-layers 24).
-#
-#   NPROC_PER_NODE   processes on this machine (default: the GPU count, or 4 without GPUs)
-#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   for several machines (default: one)
-#   DATA             folder with the quickstart's dataset and tokenizer (default data/quickstart)
-#
-# Without GPUs the ranks use gloo on the CPU with one thread each.
+# untied embeddings) with torchrun: examples/pretrain_gpt.sh with the Llama options layered on
+# its defaults. The same environment variables apply, and later arguments still override.
 set -euo pipefail
-
-gpus=0
-if command -v nvidia-smi >/dev/null 2>&1; then
-    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-fi
-if [ "$gpus" -gt 0 ]; then
-    NPROC_PER_NODE=${NPROC_PER_NODE:-$gpus}
-else
-    NPROC_PER_NODE=${NPROC_PER_NODE:-4}
-    export OMP_NUM_THREADS=1
-fi
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29500}
-DATA=${DATA:-data/quickstart}
-
-MODEL_ARGS=(
-    --num-layers 4 --hidden-size 256 --num-attention-heads 8
-    --seq-length 256
-    --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
-    --num-query-groups 4 --untie-embeddings-and-output-weights
-    --hidden-dropout 0.0 --attention-dropout 0.0
-)
-TRAIN_ARGS=(
-    --micro-batch-size 4 --global-batch-size 16 --train-iters 200
-    --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20
-    --weight-decay 0.1 --clip-grad 1.0 --seed 1234
-)
-DATA_ARGS=(
-    --data-path "$DATA/stdlib_text_document" --split 949,50,1
-    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tokenizer.model"
-)
-OUTPUT_ARGS=(--log-interval 10 --eval-interval 100 --eval-iters 4)
-
-exec torchrun --nproc-per-node "$NPROC_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
-    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-    -m engine.pretrain "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" \
-    "${OUTPUT_ARGS[@]}" "$@"
+exec bash "$(dirname "$0")/pretrain_gpt.sh" \
+    --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
+    --num-query-groups 4 --untie-embeddings-and-output-weights "$@"

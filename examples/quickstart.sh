@@ -39,4 +39,4 @@ echo "checkpoint: $RUN/checkpoints/iter_$(printf %07d "$(cat "$RUN/checkpoints/l
 
 echo "== 7/7 export to Hugging Face and generate with transformers"
 python tools/convert_checkpoint.py --load "$RUN/checkpoints" --output "$RUN/hf"
-python tools/hf_generate.py --model "$RUN/hf" --prompt "def " --max-new-tokens 40
+python tools/hf_generate.py --model "$RUN/hf" --prompt "    def __init__(self" --max-new-tokens 40

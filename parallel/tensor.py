@@ -66,6 +66,13 @@ def _param(tensor: torch.Tensor, device, dtype) -> nn.Parameter:
     return nn.Parameter(tensor.to(device=device, dtype=dtype))
 
 
+def _sharded_param(full: torch.Tensor, sharding, device, dtype) -> nn.Parameter:
+    """This rank's slice of a full tensor, as a parameter that knows its sharding."""
+    param = _param(local_from_full(full, sharding), device, dtype)
+    set_tp_sharding(param, sharding)
+    return param
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by output rows over the TP group.
 
@@ -111,8 +118,7 @@ class ColumnParallelLinear(nn.Module):
         rows = output_size if initialized_rows is None else initialized_rows
         full = torch.zeros(output_size, input_size)
         full[:rows] = draw_full((rows, input_size), init_method, init_seed)
-        self.weight = _param(local_from_full(full, sharding), device, params_dtype)
-        set_tp_sharding(self.weight, sharding)
+        self.weight = _sharded_param(full, sharding, device, params_dtype)
         if rows != output_size:
             self.weight.real_rows = rows  # rows past it are padding, not part of the model
         if bias:
@@ -162,8 +168,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and tp > 1
         sharding = split_sharding(1, [input_size], rank, tp)
         full = draw_full((output_size, input_size), init_method, init_seed)
-        self.weight = _param(local_from_full(full, sharding), device, params_dtype)
-        set_tp_sharding(self.weight, sharding)
+        self.weight = _sharded_param(full, sharding, device, params_dtype)
         if bias:
             self.bias = _param(torch.zeros(output_size), device, params_dtype)
             set_tp_sharding(self.bias, REPLICATED)
@@ -219,8 +224,7 @@ class VocabParallelEmbedding(nn.Module):
         full = torch.zeros(padded_vocab_size, embedding_dim)
         full[:vocab_size] = draw_full((vocab_size, embedding_dim), init_method, init_seed)
         sharding = split_sharding(0, [padded_vocab_size], rank, tp)
-        self.weight = _param(local_from_full(full, sharding), device, params_dtype)
-        set_tp_sharding(self.weight, sharding)
+        self.weight = _sharded_param(full, sharding, device, params_dtype)
         if vocab_size != padded_vocab_size:
             self.weight.real_rows = vocab_size  # rows past it are padding, not part of the model
 

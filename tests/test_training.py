@@ -461,7 +461,13 @@ def test_end_to_end_through_the_launcher(dataset_prefix, tokenizer_model, tmp_pa
     os.symlink(tokenizer_model, data / "tokenizer.model")
     from parallel.launch import free_port
 
-    env = dict(os.environ, NPROC_PER_NODE="2", DATA=str(data), MASTER_PORT=str(free_port()))
+    env = dict(
+        os.environ,
+        NPROC_PER_NODE="2",
+        DATA=str(data),
+        MASTER_PORT=str(free_port()),
+        PYTHON=sys.executable,
+    )
     result = subprocess.run(
         [
             "bash",

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from engine.checkpointing import FORMAT_VERSION, LATEST, iteration_dir
+from engine.checkpointing import FORMAT_VERSION, commit, iteration_dir
 from engine.errors import InputError
 from engine.hf.architectures import hf_tensors, model_config_from_hf
 from parallel.dcp import BoxSavePlanner, LazyTensor
@@ -128,16 +128,10 @@ def import_from_hf(folder: str, output: str, tp: int = 1, pp: int = 1) -> dict:
     }
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1, sort_keys=True)
-    final = iteration_dir(output, 0)
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    with open(os.path.join(output, LATEST + ".tmp"), "w") as f:
-        f.write("0\n")
-    os.replace(os.path.join(output, LATEST + ".tmp"), os.path.join(output, LATEST))
+    commit(tmp, output, 0)
     return {
         "architecture": style,
         "tensors": len(state),
-        "checkpoint": final,
+        "checkpoint": iteration_dir(output, 0),
         "model": dataclasses.asdict(cfg),
     }

@@ -46,32 +46,23 @@ class P2P:
         # Activations first, then gradients, each with its own tag: with two stages the
         # previous and next rank are the same process, and messages between one pair of ranks
         # are matched in posting order (NCCL ignores tags), so both sides must agree on it.
-        ops = []
-        group = state.pp_group
-        if send_next is not None:
-            ops.append(
-                dist.P2POp(
-                    dist.isend,
-                    send_next.detach().contiguous(),
-                    state.next_rank,
-                    group,
-                    ACTIVATION_TAG,
-                )
+        wanted = [
+            (dist.isend, send_next, state.next_rank, ACTIVATION_TAG),
+            (dist.irecv, from_prev, state.prev_rank, ACTIVATION_TAG),
+            (dist.isend, send_prev, state.prev_rank, GRADIENT_TAG),
+            (dist.irecv, from_next, state.next_rank, GRADIENT_TAG),
+        ]
+        ops = [
+            dist.P2POp(
+                op,
+                tensor.detach().contiguous() if op is dist.isend else tensor,
+                peer,
+                state.pp_group,
+                tag,
             )
-        if from_prev is not None:
-            ops.append(dist.P2POp(dist.irecv, from_prev, state.prev_rank, group, ACTIVATION_TAG))
-        if send_prev is not None:
-            ops.append(
-                dist.P2POp(
-                    dist.isend,
-                    send_prev.detach().contiguous(),
-                    state.prev_rank,
-                    group,
-                    GRADIENT_TAG,
-                )
-            )
-        if from_next is not None:
-            ops.append(dist.P2POp(dist.irecv, from_next, state.next_rank, group, GRADIENT_TAG))
+            for op, tensor, peer, tag in wanted
+            if tensor is not None
+        ]
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
