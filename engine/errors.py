@@ -1,21 +1,6 @@
-"""Errors meant for people: each carries one line that names the file or flag and the fix.
+"""The engine's user-facing errors (defined in parallel/errors.py, the lowest layer that raises
+them, so that every import points downward); see there."""
 
-Command-line front doors catch `UserError`, print its message and exit with code 2
-(see `tools/_cli.py`); anything else is a bug and keeps its traceback.
-"""
+from parallel.errors import CheckpointError, ConfigError, InputError, UserError
 
-
-class UserError(Exception):
-    """An expected failure caused by input, configuration or environment."""
-
-
-class InputError(UserError, ValueError):
-    """Bad input data: a malformed record, a missing column, an unreadable file."""
-
-
-class ConfigError(UserError, ValueError):
-    """An invalid or contradictory configuration (flags, model shape, parallel layout)."""
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint that is missing, incomplete or belongs to a different model."""
+__all__ = ["CheckpointError", "ConfigError", "InputError", "UserError"]

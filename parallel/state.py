@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from engine.errors import ConfigError
+from parallel.errors import ConfigError
 
 
 def check_layout(world_size: int, tp: int, pp: int, dp: int | None = None) -> int:

@@ -17,7 +17,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine.errors import ConfigError
 from parallel.comm import (
     all_reduce,
     copy_to_tensor_parallel_region,
@@ -29,6 +28,7 @@ from parallel.comm import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from parallel.errors import ConfigError
 from parallel.sharding import (
     REPLICATED,
     has_tp_partial_grad,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.errors import ConfigError
+from parallel.errors import ConfigError
 
 
 def stage_layers(
