@@ -17,7 +17,8 @@ when the layout is unchanged (exact resume); under a new layout the streams are 
 Atomic: ranks write into iter_N.tmp; once every rank is done, rank 0 adds meta.json, renames
 the folder into place and only then replaces the latest file (itself via a rename). A crash at
 any point leaves the previous checkpoint as the latest. --async-save copies the state to host
-memory (the only stall) and writes it from a background thread over a separate process group.
+memory and writes it from a background thread over a separate process group; the copy overlaps
+the next forward and backward, and the next optimizer update waits for it (wait_for_copy).
 Loading unpickles nothing arbitrary (see parallel/dcp.py).
 """
 
@@ -236,8 +237,12 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._staging: dict | None = None  # host buffers reused by every async save
+        self._staged = threading.Event()  # set once the pending async save has its copy
+        self._staged.set()
+        self.copy_wait_s = 0.0
 
     def _state(self, chunks, optimizer, tracker) -> dict:
+        """Views of the live model and optimizer state, plus copies of the RNG states."""
         state = model_state(chunks, for_save=True)
         state.update(optimizer_state(optimizer, chunks, for_save=True))
         state.update(rng_state(self.rank, tracker))
@@ -268,15 +273,38 @@ class Checkpointer:
         if self.async_save:
             if not _same_layout(self._staging, state):
                 self._staging = _staging_buffers(state)
-            staged = _copy_into(self._staging, state)
+            self._staged.clear()
             self._thread = threading.Thread(
-                target=self._write, args=(staged, tmp, iteration, meta), daemon=True
+                target=self._copy_and_write, args=(state, tmp, iteration, meta), daemon=True
             )
             self._thread.start()
         else:
             self._write(state, tmp, iteration, meta)
             self._raise_pending()
         return time.perf_counter() - start
+
+    def _copy_and_write(self, state, tmp: str, iteration: int, meta: dict) -> None:
+        """Background: copy the live state to host buffers, let training update it again, then
+        write. Nothing changes the saved tensors until the next optimizer update, which waits
+        for the copy (wait_for_copy), so the copy overlaps the next forward and backward."""
+        try:
+            staged = _copy_into(self._staging, state)
+        except BaseException as err:  # noqa: BLE001 - surfaced by wait()
+            self._error = err
+            return
+        finally:
+            self._staged.set()
+        self._write(staged, tmp, iteration, meta)
+
+    def wait_for_copy(self) -> None:
+        """Before the model or optimizer state changes: block until a pending async save has
+        copied it (usually long done: the copy overlaps forward and backward). The time spent
+        blocked is kept in `copy_wait_s`."""
+        import time
+
+        start = time.perf_counter()
+        self._staged.wait()
+        self.copy_wait_s = time.perf_counter() - start
 
     def _write(self, state, tmp: str, iteration: int, meta: dict) -> None:
         try:

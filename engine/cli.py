@@ -22,13 +22,14 @@ def _rank() -> int:
 
 def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None):
     """Call main(argv) and exit with its code; UserError -> `error: ...`, exit status 2."""
-    import torch.distributed as dist
-
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         code = main(argv)
     except UserError as err:
-        started = dist.is_available() and dist.is_initialized()
+        # Only a program that imported torch can have a process group: tools that never need
+        # torch (preprocessing) must not pay for importing it here.
+        dist = sys.modules.get("torch.distributed")
+        started = dist is not None and dist.is_available() and dist.is_initialized()
         if not distributed:
             print(f"error: {err}", file=sys.stderr, flush=True)
         elif started:

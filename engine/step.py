@@ -100,10 +100,12 @@ def train_step(
     *,
     after_backward=None,
     should_step: Callable[[float], bool] | None = None,
+    before_update=None,
 ) -> StepOutput:
     """Zero grads, forward/backward every micro-batch, reduce, set the learning rate, step.
     should_step(loss) can decline the update (it must decide the same on every rank; the loss
-    it gets is); after_backward() runs between backward and the gradient reduction.
+    it gets is); after_backward() runs between backward and the gradient reduction;
+    before_update() right before the weights and optimizer state change.
     A non-finite gradient norm skips the update inside the optimizer. Collective on all ranks.
     """
     optimizer.zero_grad()
@@ -118,6 +120,8 @@ def train_step(
     loss_scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else None
     if should_step is not None and not should_step(loss):
         return StepOutput(loss, None, lr, False, loss_scale)
+    if before_update is not None:
+        before_update()
     result = optimizer.step()
     norm = result.grad_norm if math.isfinite(result.grad_norm) else None
     return StepOutput(loss, norm, lr, result.updated, result.loss_scale)

@@ -316,6 +316,7 @@ def train_iteration(run: Run, batches: list[dict]) -> dict:
         run.schedule,
         after_backward=lambda: faults.after_backward(rank, iteration, run.chunks),
         should_step=should_step,
+        before_update=run.checkpointer.wait_for_copy if run.checkpointer else None,
     )
     # An attempted step that did not update had a non-finite gradient (with fp16 that is a
     # loss-scale overflow, which the scaler handles and is not counted).

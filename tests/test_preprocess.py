@@ -248,3 +248,15 @@ def test_cli_missing_input_and_progress_summary(tokenizer_model, tmp_path):
 
 def test_dtype_follows_vocabulary(dataset_prefix):
     assert IndexedDataset(dataset_prefix).dtype == np.uint16
+
+
+def test_preprocessing_never_imports_torch():
+    """Start-up stays small: the tool, its CLI wrapper and the pipeline do not need torch."""
+    code = (
+        "import sys, tools.preprocess_data, tools.train_tokenizer, engine.data.preprocess; "
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -114,16 +115,31 @@ def test_resume_is_bit_exact(dataset_prefix, tokenizer_model, tmp_path, world, l
     ckpt = str(tmp_path / "ckpt")
     pretrain(
         world,
-        args(**{"--log-jsonl": str(tmp_path / "a.jsonl"), "--save": ckpt, "--exit-interval": "10"}),
+        args(
+            **{
+                "--log-jsonl": str(tmp_path / "a.jsonl"),
+                "--save": ckpt,
+                "--save-interval": "3",
+                "--exit-interval": "10",
+            }
+        ),
     )
     assert latest(ckpt) == "10"
-    pretrain(
-        world, args(**{"--log-jsonl": str(tmp_path / "b.jsonl"), "--load": ckpt, "--save": ckpt})
-    )
+    # Iteration 9's checkpoint was taken while training went on (with --async-save, copied in
+    # the background during iteration 10): resuming from it must be exact too.
+    at9 = tmp_path / "at9"
+    shutil.copytree(os.path.join(ckpt, "iter_0000009"), at9 / "iter_0000009")
+    (at9 / "latest_checkpointed_iteration.txt").write_text("9\n")
+    pretrain(world, args(**{"--log-jsonl": str(tmp_path / "b.jsonl"), "--load": ckpt}))
+    pretrain(world, args(**{"--log-jsonl": str(tmp_path / "c.jsonl"), "--load": str(at9)}))
     straight = losses(tmp_path / "straight.jsonl")
-    resumed = losses(tmp_path / "a.jsonl") | losses(tmp_path / "b.jsonl")
-    assert sorted(straight) == list(range(1, 21)) == sorted(resumed)
-    assert resumed == straight  # bit for bit: the floats are equal
+    first = losses(tmp_path / "a.jsonl")
+    for resumed in (
+        first | losses(tmp_path / "b.jsonl"),
+        {k: v for k, v in first.items() if k <= 9} | losses(tmp_path / "c.jsonl"),
+    ):
+        assert sorted(straight) == list(range(1, 21)) == sorted(resumed)
+        assert resumed == straight  # bit for bit: the floats are equal
     assert straight[20] < straight[1] - 0.5
 
 
