@@ -234,6 +234,9 @@ class ParallelConfig:
         "force a schedule (default: 1F1B, interleaved with virtual stages)",
         choices=["gpipe", "1f1b", "interleaved"],
     )
+    overlap_p2p_communication: bool = option(
+        False, "interleaved schedule: pipeline transfers run during compute"
+    )
     sequence_parallel: bool = option(False, "split norms/dropout/residuals along the sequence")
     use_distributed_optimizer: bool = option(False, "shard optimizer state over DP (ZeRO)")
     overlap_grad_reduce: bool = option(False, "reduce gradient buckets during backward")
@@ -278,6 +281,11 @@ class ParallelConfig:
             raise ConfigError(
                 f"--pipeline-schedule {self.pipeline_schedule} cannot run virtual stages; "
                 "drop --num-layers-per-virtual-pipeline-stage"
+            )
+        if self.overlap_p2p_communication and not layers_per_virtual:
+            raise ConfigError(
+                "--overlap-p2p-communication runs with the interleaved schedule only; add "
+                "--num-layers-per-virtual-pipeline-stage or drop the flag"
             )
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")

@@ -170,6 +170,7 @@ def setup(cfg: Configs, state: ParallelState) -> Run:
         kind=par.pipeline_schedule,
         tensor_shape=(seq, train.micro_batch_size, m.hidden_size),
         dtype=dtype,
+        overlap_p2p=par.overlap_p2p_communication,
     )
     datasets = _datasets(cfg, state, global_batch)
     flops = model_flops_per_token(m, m.padded_vocab_size(state.tp_size))

@@ -180,6 +180,7 @@ def make_schedule(
     virtual_size=1,
     kind=None,
     stats=None,
+    overlap_p2p=False,
 ):
     seq = (
         cfg.seq_length // state.tp_size
@@ -193,6 +194,7 @@ def make_schedule(
         tensor_shape=(seq, mbs, cfg.hidden_size),
         dtype=dtype,
         stats=stats,
+        overlap_p2p=overlap_p2p,
     )
 
 
@@ -206,6 +208,7 @@ def engine_grads(
     virtual_size=1,
     sequence_parallel=False,
     stats=None,
+    overlap_p2p=False,
 ):
     """One forward/backward of the global batch through the engine: (losses, full grads)."""
     chunks = build_model_chunks(
@@ -213,7 +216,15 @@ def engine_grads(
     )
     ddps = [DistributedDataParallel(c, state.dp_group, bucket_size=2000) for c in chunks]
     schedule = make_schedule(
-        state, cfg, mbs, sequence_parallel, torch.float32, virtual_size, schedule_kind, stats
+        state,
+        cfg,
+        mbs,
+        sequence_parallel,
+        torch.float32,
+        virtual_size,
+        schedule_kind,
+        stats,
+        overlap_p2p,
     )
     batches = micro_batches(tokens, mbs, state.dp_rank, state.dp_size)
     for ddp in ddps:

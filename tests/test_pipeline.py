@@ -35,8 +35,9 @@ def _pp_parity(rank, world, pp):
         for m in (1, 4, 8):
             tokens = global_batch(m, MBS * m * state.dp_size, cfg.seq_length)
             ref_loss, ref_grads = reference_grads(cfg, tokens)
-            for kind in ("gpipe", "1f1b", "interleaved"):
-                if kind == "interleaved" and m % pp:
+            for kind in ("gpipe", "1f1b", "interleaved", "interleaved-overlap"):
+                interleaved = kind.startswith("interleaved")
+                if interleaved and m % pp:
                     continue
                 stats = {}
                 losses, grads = engine_grads(
@@ -44,9 +45,10 @@ def _pp_parity(rank, world, pp):
                     cfg,
                     tokens,
                     MBS,
-                    schedule_kind=kind,
-                    virtual_size=2 if kind == "interleaved" else 1,
+                    schedule_kind="interleaved" if interleaved else kind,
+                    virtual_size=2 if interleaved else 1,
                     stats=stats,
+                    overlap_p2p=kind == "interleaved-overlap",
                 )
                 errors = compare_params(grads, ref_grads)
                 loss = None
@@ -63,6 +65,7 @@ def _pp_parity(rank, world, pp):
                         "params": len(errors),
                         "loss": loss,
                         "peak": stats["peak_held"],
+                        "overlapped": stats.get("computes_overlapped"),
                         "rank": state.pp_rank,
                     }
                 )
@@ -73,9 +76,8 @@ def _pp_parity(rank, world, pp):
 def test_schedules_match_unpipelined_model(pp):
     results = run_ranks(_pp_parity, 4, pp, timeout=400)
     for rank_results in results:
-        assert (
-            len(rank_results) == 16
-        )  # 2 x 3 micro-batch counts x 3 schedules, minus m=1 interleaved
+        # 2 embeddings x 3 micro-batch counts x 4 schedules, minus m=1 interleaved (2 kinds)
+        assert len(rank_results) == 20
         for r in rank_results:
             tied, m, kind = r["case"]
             assert r["grad"] < 1e-5, r
@@ -86,6 +88,10 @@ def test_schedules_match_unpipelined_model(pp):
                 assert r["peak"] == m, r
             elif kind == "1f1b":
                 assert r["peak"] == min(pp - r["rank"], m) <= pp, r
+            elif kind == "interleaved":
+                assert r["overlapped"] == 0, r  # blocking: every transfer done before compute
+            elif m > pp:  # with overlap, steady-state computes run while transfers are in flight
+                assert r["overlapped"] >= m, r
     assert all(r["loss"] is not None for r in results[-1])  # rank 3 is a last stage
 
 

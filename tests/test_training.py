@@ -162,6 +162,14 @@ def test_checkpoint_reshards_to_other_layouts(dataset_prefix, tokenizer_model, t
         "original": (4, original),
         "tp1-dp2-zero": (2, {"--use-distributed-optimizer": True}),
         "tp4": (4, {"--tensor-model-parallel-size": "4"}),
+        "pp2-interleaved-overlap": (
+            2,
+            {
+                "--pipeline-model-parallel-size": "2",
+                "--num-layers-per-virtual-pipeline-stage": "1",
+                "--overlap-p2p-communication": True,
+            },
+        ),
     }
     for name, (world, layout) in layouts.items():
         log = str(tmp_path / f"{name}.jsonl")
@@ -437,6 +445,11 @@ def test_command_line_errors_are_one_line_before_any_process_group(dataset_prefi
         ),
         (["--global-batch-size", "7"], {}, "global-batch-size 7 is not divisible"),
         (["--overlap-param-gather"], {}, "--overlap-param-gather needs --use-distributed"),
+        (
+            ["--overlap-p2p-communication"],
+            {},
+            "--overlap-p2p-communication runs with the interleaved schedule only",
+        ),
         (["--data-path", "/nonexistent/prefix"], {}, "/nonexistent/prefix.idx: no such file"),
     ]
     for extra, env, message in cases:

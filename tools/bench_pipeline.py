@@ -2,7 +2,8 @@
 
 For p stages and m micro-batches, the single-stage time t (forward + backward of one stage on
 one micro-batch) gives the ideal step time m * t / e, with ideal efficiency e = m / (m + p - 1)
-for GPipe and 1F1B and m / (m + (p - 1) / v) for interleaved 1F1B with v virtual stages.
+for GPipe and 1F1B and m / (m + (p - 1) / v) for interleaved 1F1B with v virtual stages
+(run with blocking transfers, and with --overlap-p2p-communication).
 t is measured inside each run (the slowest stage's compute time / m, so it sees the same
 caches, clocks and core sharing as the step), and also alone beforehand for reference.
 Measured bubble = 1 - m * t / measured step time. Stages are balanced (a small vocabulary keeps
@@ -31,6 +32,8 @@ from parallel.launch import run_local
 from parallel.pipeline.schedules import get_schedule
 from parallel.state import ParallelState
 from tools._cli import run
+
+OVERLAP = "interleaved+overlap"  # --overlap-p2p-communication
 
 
 def _config(args) -> ModelConfig:
@@ -67,14 +70,16 @@ def _stage_time(rank, world, args):
 def _pipeline_time(rank, world, args, kind, m):
     state = ParallelState.build(tp=1, pp=world)
     cfg = _config(args)
-    v = 2 if kind == "interleaved" else 1
+    interleaved = kind.startswith("interleaved")
+    v = 2 if interleaved else 1
     chunks = build_model_chunks(cfg, state, virtual_size=v)
     ddps = [DistributedDataParallel(c, None) for c in chunks]
     stats: dict = {}
     schedule = get_schedule(
         state,
         virtual_size=v,
-        kind=kind,
+        kind="interleaved" if interleaved else kind,
+        overlap_p2p=kind == OVERLAP,
         tensor_shape=(args.seq_length, args.micro_batch_size, args.hidden_size),
         dtype=torch.float32,
         stats=stats,
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=4, help="pipeline stages")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--num-layers", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--vocab-size", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=2)
@@ -122,11 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     alone = run_local(_stage_time, 1, args, timeout=3600)[0]
     rows = []
     for m in args.microbatches:
-        for kind in ("gpipe", "1f1b", "interleaved"):
-            if kind == "interleaved" and m % p:
+        for kind in ("gpipe", "1f1b", "interleaved", OVERLAP):
+            interleaved = kind.startswith("interleaved")
+            if interleaved and m % p:
                 continue
             measured, stage = run_local(_pipeline_time, p, args, kind, m, timeout=3600)[0]
-            ideal_efficiency = m / (m + (p - 1) / (v if kind == "interleaved" else 1))
+            ideal_efficiency = m / (m + (p - 1) / (v if interleaved else 1))
             ideal = m * stage / ideal_efficiency
             rows.append(
                 {
@@ -144,13 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         f"alone: {alone * 1e3:.1f} ms per micro-batch (forward + backward, one thread)"
     )
     print(
-        f"{'m':>3s} {'schedule':12s} {'t (ms)':>7s} {'measured s':>10s} {'ideal s':>8s} "
+        f"{'m':>3s} {'schedule':20s} {'t (ms)':>7s} {'measured s':>10s} {'ideal s':>8s} "
         f"{'bubble':>7s} {'ideal':>7s} {'gap (pp)':>8s}"
     )
     for r in rows:
         gap = 100 * (r["measured_bubble"] - r["ideal_bubble"])
         print(
-            f"{r['m']:3d} {r['schedule']:12s} {r['stage_s'] * 1e3:7.1f} "
+            f"{r['m']:3d} {r['schedule']:20s} {r['stage_s'] * 1e3:7.1f} "
             f"{r['measured_s']:10.3f} {r['ideal_s']:8.3f} {r['measured_bubble']:7.1%} "
             f"{r['ideal_bubble']:7.1%} {gap:8.1f}"
         )

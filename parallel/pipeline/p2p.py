@@ -1,9 +1,11 @@
 """Point-to-point transfers between neighbouring pipeline stages.
 
-Every transfer of a schedule step goes through `exchange`, one batch of isend/irecv (posted
-together, then waited), so a stage can send forward and receive backward at once without
-deadlock. Shapes are known ahead ([s, micro-batch, h], with s divided by TP under sequence
-parallelism), so no shape metadata is exchanged. Neighbours wrap around: the last stage's
+Every transfer of a schedule step goes through `post`, one batch of isend/irecv posted
+together, so a stage can send forward and receive backward at once without deadlock.
+`exchange` waits for the batch at once; with --overlap-p2p-communication the interleaved
+schedule waits only when it needs what was received, so transfers run during compute. Shapes
+are known ahead ([s, micro-batch, h], with s divided by TP under sequence parallelism), so no
+shape metadata is exchanged. Neighbours wrap around: the last stage's
 next rank is the first stage, which the interleaved schedule uses between model chunks.
 """
 
@@ -20,6 +22,26 @@ ACTIVATION_TAG, GRADIENT_TAG = 1, 2
 
 
 @dataclass
+class Pending:
+    """Transfers in flight. The sent tensors are kept alive until they complete. Received
+    tensors require grad once waited for (they are a stage's inputs, or gradients that
+    backward consumes as they are)."""
+
+    works: list
+    buffers: list[torch.Tensor]
+    from_prev: torch.Tensor | None
+    from_next: torch.Tensor | None
+
+    def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        for work in self.works:
+            work.wait()
+        self.works, self.buffers = [], []
+        if self.from_prev is not None:
+            self.from_prev.requires_grad_(True)
+        return self.from_prev, self.from_next
+
+
+@dataclass
 class P2P:
     """Transfers of [tensor_shape] tensors of `dtype` between this rank's pipeline neighbours."""
 
@@ -30,16 +52,15 @@ class P2P:
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.tensor_shape, dtype=self.dtype, device=self.state.device)
 
-    def exchange(
+    def post(
         self,
         send_next: torch.Tensor | None = None,
         send_prev: torch.Tensor | None = None,
         recv_prev: bool = False,
         recv_next: bool = False,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Send to / receive from the previous and next stage in one batch; returns
-        (tensor from prev, tensor from next). Received tensors require grad (they are a
-        stage's inputs, or gradients that backward consumes as they are)."""
+    ) -> Pending:
+        """Start sends to / receives from the previous and next stage as one batch, without
+        waiting; `Pending.wait()` returns (tensor from prev, tensor from next)."""
         state = self.state
         from_prev = self._buffer() if recv_prev else None
         from_next = self._buffer() if recv_next else None
@@ -63,12 +84,18 @@ class P2P:
             for op, tensor, peer, tag in wanted
             if tensor is not None
         ]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        if from_prev is not None:
-            from_prev.requires_grad_(True)
-        return from_prev, from_next
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return Pending(works, [op.tensor for op in ops], from_prev, from_next)
+
+    def exchange(
+        self,
+        send_next: torch.Tensor | None = None,
+        send_prev: torch.Tensor | None = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`post` and wait: returns (tensor from prev, tensor from next)."""
+        return self.post(send_next, send_prev, recv_prev, recv_next).wait()
 
     # Named helpers for readability in the schedules.
     def recv_forward(self, receive: bool = True) -> torch.Tensor | None:

@@ -169,12 +169,72 @@ def forward_backward_1f1b(
     return stage.losses
 
 
+class _Mailbox:
+    """The interleaved schedule's transfers, filed into per-chunk queues on arrival.
+
+    `forward(output, into)` sends an output to the next stage and receives the next forward
+    input into the list `into` (None: nothing to receive); `backward(grad, into)` likewise
+    towards the previous stage. Without overlap, what a schedule step asks for is posted as
+    one batch by `flush` and waited for at once. With overlap each is posted at once and
+    waited for only by `settle` before the compute that needs it, so a forward's transfers run
+    during the following backward and vice versa."""
+
+    def __init__(self, p2p, overlap: bool):
+        self.p2p, self.overlap = p2p, overlap
+        self.staged: dict = {}
+        self.into: dict = {}
+        self.waiting: list = []  # (direction, Pending, into)
+
+    def forward(self, output, into: list | None) -> None:
+        self._add("forward", into, send_next=output, recv_prev=into is not None)
+
+    def backward(self, input_grad, into: list | None) -> None:
+        self._add("backward", into, send_prev=input_grad, recv_next=into is not None)
+
+    def _add(self, direction: str, into, **transfers) -> None:
+        if self.overlap:
+            self.waiting.append((direction, self.p2p.post(**transfers), into))
+            return
+        self.staged.update(transfers)
+        self.into[direction] = into
+
+    def flush(self) -> None:
+        if self.overlap or not self.staged:
+            return
+        pending = self.p2p.post(**self.staged)
+        self.waiting = [(direction, pending, into) for direction, into in self.into.items()]
+        self.staged, self.into = {}, {}
+        self.settle()
+
+    def settle(self, direction: str | None = None) -> None:
+        """Wait for the transfers in flight in `direction` (all when None), in posting order."""
+        still = []
+        for entry in self.waiting:
+            kind, pending, into = entry
+            if direction not in (None, kind):
+                still.append(entry)
+                continue
+            from_prev, from_next = pending.wait()
+            if into is not None:
+                into.append(from_prev if kind == "forward" else from_next)
+        self.waiting = still
+
+
 def forward_backward_interleaved(
-    chunks, batches, forward_step, loss_func, *, p2p, forward_only=False, stats=None
+    chunks,
+    batches,
+    forward_step,
+    loss_func,
+    *,
+    p2p,
+    forward_only=False,
+    stats=None,
+    overlap_p2p=False,
 ):
     """Interleaved 1F1B: each rank holds v model chunks (virtual stages); global chunk order is
     chunk 0 of every rank, then chunk 1 of every rank, ... Micro-batches go through in groups
-    of p; the bubble shrinks to (p - 1) / v of a chunk's time. Needs m divisible by p."""
+    of p; the bubble shrinks to (p - 1) / v of a chunk's time. Needs m divisible by p.
+    `overlap_p2p` waits for each transfer only when its result is needed."""
     state, p, v, m = p2p.state, p2p.state.pp_size, len(chunks), len(batches)
     if m % p:
         raise ValueError(
@@ -182,6 +242,9 @@ def forward_backward_interleaved(
             f"pipeline-model-parallel-size {p}"
         )
     stage = _Stage(chunks, batches, forward_step, loss_func, forward_only, stats)
+    stage.stats["computes_overlapped"] = 0  # computes started with transfers in flight
+    box = _Mailbox(p2p, overlap_p2p)
+    first, last = state.is_first_stage, state.is_last_stage
     rank, total = state.pp_rank, m * v
 
     def chunk_of(k: int, forward: bool) -> int:
@@ -192,16 +255,18 @@ def forward_backward_interleaved(
         return (k // (p * v)) * p + k % p
 
     def first_virtual(c: int) -> bool:
-        return state.is_first_stage and c == 0
+        return first and c == 0
 
     def last_virtual(c: int) -> bool:
-        return state.is_last_stage and c == v - 1
+        return last and c == v - 1
 
     inputs = [[] for _ in range(v)]
     outputs = [[] for _ in range(v)]
     output_grads = [[] for _ in range(v)]
 
     def forward(k: int):
+        box.settle("forward")
+        stage.stats["computes_overlapped"] += bool(box.waiting)
         c = chunk_of(k, True)
         if first_virtual(c) and len(inputs[c]) == len(outputs[c]):
             inputs[c].append(None)  # the first virtual stage starts from the embedding
@@ -210,88 +275,72 @@ def forward_backward_interleaved(
             inputs[c].pop()
         else:
             outputs[c].append(output)
-        return output
+        return None if last_virtual(c) else output
 
     def backward(k: int):
+        box.settle("backward")
+        stage.stats["computes_overlapped"] += bool(box.waiting)
         c = chunk_of(k, False)
         if last_virtual(c) and not output_grads[c]:
             output_grads[c].append(None)  # the loss is differentiated directly
         last_mb = microbatch_of(k) == m - 1
-        return stage.backward(
+        grad = stage.backward(
             c, last_mb, inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0)
         )
+        return None if first_virtual(c) else grad
 
-    if forward_only:
-        warmup = total
-    elif m == p:
+    if forward_only or m == p:
         warmup = total  # all forwards, then all backwards
     else:
         warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
     steady = total - warmup
 
-    inputs[0].append(p2p.recv_forward(not state.is_first_stage))
+    if first:
+        inputs[0].append(None)
+    else:
+        box.forward(None, inputs[0])
+        box.flush()
     for k in range(warmup):
         output = forward(k)
         next_chunk = chunk_of(k + 1, True)
-        recv_prev = not (state.is_first_stage and next_chunk == 0) and k < total - 1
-        send = None if last_virtual(chunk_of(k, True)) else output
+        recv_prev = not (first and next_chunk == 0) and k < total - 1
+        box.forward(output, inputs[next_chunk] if recv_prev else None)
         if k == warmup - 1 and not forward_only and steady > 0:
-            received, grad = p2p.exchange(
-                send_next=send, recv_prev=recv_prev, recv_next=not state.is_last_stage
-            )
-            output_grads[v - 1].append(grad)
-        else:
-            received = p2p.exchange(send_next=send, recv_prev=recv_prev)[0]
-        if recv_prev:
-            inputs[next_chunk].append(received)
+            box.backward(None, None if last else output_grads[v - 1])
+        box.flush()
 
     for k in range(steady):
         forward_k, backward_k = warmup + k, k
-        output = forward(forward_k)
-        input_grad = backward(backward_k)
-        if last_virtual(chunk_of(forward_k, True)):
-            output = None
-        if first_virtual(chunk_of(backward_k, False)):
-            input_grad = None
         # The first stage runs p - 1 steps ahead of the last, and vice versa for backward,
         # so what arrives next belongs to the chunk those neighbours are working on.
-        recv_prev = True
-        if state.is_first_stage:
+        recv_prev = k < steady - 1
+        if first:
             next_forward = chunk_of(forward_k - (p - 1), True)
-            recv_prev = next_forward != v - 1
+            recv_prev = recv_prev and next_forward != v - 1
             next_forward += 1
         else:
             next_forward = chunk_of(forward_k + 1, True)
         recv_next = True
-        if state.is_last_stage:
+        if last:
             next_backward = chunk_of(backward_k - (p - 1), False)
             recv_next = next_backward != 0
             next_backward -= 1
         else:
             next_backward = chunk_of(backward_k + 1, False)
-        if k == steady - 1:
-            recv_prev = False
-        received, grad = p2p.exchange(
-            send_next=output, send_prev=input_grad, recv_prev=recv_prev, recv_next=recv_next
-        )
-        if recv_prev:
-            inputs[next_forward].append(received)
-        if recv_next:
-            output_grads[next_backward].append(grad)
+        box.forward(forward(forward_k), inputs[next_forward] if recv_prev else None)
+        box.backward(backward(backward_k), output_grads[next_backward] if recv_next else None)
+        box.flush()
 
-    if forward_only:
-        return stage.losses
-    if steady == 0:
-        output_grads[v - 1].append(p2p.recv_backward(not state.is_last_stage))
-    for k in range(steady, total):
-        input_grad = backward(k)
-        if first_virtual(chunk_of(k, False)):
-            input_grad = None
-        next_backward = chunk_of(k + 1, False)
-        recv_next = not (state.is_last_stage and next_backward == v - 1) and k < total - 1
-        grad = p2p.exchange(send_prev=input_grad, recv_next=recv_next)[1]
-        if recv_next:
-            output_grads[next_backward].append(grad)
+    if not forward_only:
+        if steady == 0:
+            box.backward(None, None if last else output_grads[v - 1])
+            box.flush()
+        for k in range(steady, total):
+            next_backward = chunk_of(k + 1, False)
+            recv_next = not (last and next_backward == v - 1) and k < total - 1
+            box.backward(backward(k), output_grads[next_backward] if recv_next else None)
+            box.flush()
+    box.settle()
     return stage.losses
 
 
@@ -310,9 +359,11 @@ def get_schedule(
     tensor_shape=None,
     dtype=None,
     stats: dict | None = None,
+    overlap_p2p: bool = False,
 ):
     """The schedule for a layout: no pipelining for PP=1, else 1F1B (interleaved when the
-    model has virtual stages), or `kind` ('gpipe', '1f1b', 'interleaved') explicitly."""
+    model has virtual stages), or `kind` ('gpipe', '1f1b', 'interleaved') explicitly.
+    `overlap_p2p` (interleaved only) lets transfers run during compute."""
     import functools
 
     from parallel.pipeline.p2p import P2P
@@ -323,4 +374,8 @@ def get_schedule(
     if (kind == "interleaved") != (virtual_size > 1):
         raise ValueError(f"schedule {kind} does not fit {virtual_size} model chunks per rank")
     p2p = P2P(state, tuple(tensor_shape), dtype)
-    return functools.partial(SCHEDULES[kind], p2p=p2p, stats=stats)
+    if kind != "interleaved":
+        if overlap_p2p:
+            raise ValueError("overlapping pipeline transfers needs the interleaved schedule")
+        return functools.partial(SCHEDULES[kind], p2p=p2p, stats=stats)
+    return functools.partial(SCHEDULES[kind], p2p=p2p, stats=stats, overlap_p2p=overlap_p2p)
