@@ -2,8 +2,10 @@
 
 The per-rank batch stays fixed; efficiency = time per step at DP=1 / time per step at DP=N
 (1.0 means the gradient reduction costs nothing). Measured with the reduction overlapped with
-backward (--overlap-grad-reduce) and without, one thread per rank, all in one run. Prints a
-table and writes JSON.
+backward (--overlap-grad-reduce) and without, one thread per rank, all in one run. A row of N
+independent DP=1 runs side by side (no reduction at all) separates what sharing the machine's
+cores, caches and memory bandwidth costs from what the reduction costs. Prints a table (median
+over launches, and each launch) and writes JSON.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import json
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -90,28 +93,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-size", type=int, default=1_000_000, help="elements per bucket")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3, help="launches of each configuration")
     parser.add_argument("--json", default="bench_ddp.json")
     args = parser.parse_args(argv)
 
-    base, params, buckets = run_local(_bench, 1, args, False, timeout=1800)[0]
-    rows = [("DP=1 (baseline)", base, 1.0)]
-    for overlap in (False, True):
-        times = run_local(_bench, args.dp, args, overlap, timeout=1800)
-        step = max(t for t, _, _ in times)
-        rows.append((f"DP={args.dp}, overlap {'on' if overlap else 'off'}", step, base / step))
+    # Each run is repeated, the runs interleaved, and the median taken: launches on a shared
+    # machine vary more than the steps within one launch.
+    runs = {"DP=1 (baseline)": [], f"{args.dp} x DP=1 side by side": []}
+    runs |= {f"DP={args.dp}, overlap {'on' if o else 'off'}": [] for o in (False, True)}
+    for _ in range(args.repeats):
+        base, params, buckets = run_local(_bench, 1, args, False, timeout=1800)[0]
+        runs["DP=1 (baseline)"].append(base)
+        with ThreadPoolExecutor(args.dp) as pool:
+            alone = [pool.submit(run_local, _bench, 1, args, False) for _ in range(args.dp)]
+            runs[f"{args.dp} x DP=1 side by side"].append(max(f.result()[0][0] for f in alone))
+        for overlap in (False, True):
+            times = run_local(_bench, args.dp, args, overlap, timeout=1800)
+            step = max(t for t, _, _ in times)
+            runs[f"DP={args.dp}, overlap {'on' if overlap else 'off'}"].append(step)
+    base = statistics.median(runs["DP=1 (baseline)"])
+    rows = [
+        (name, statistics.median(t), base / statistics.median(t), t) for name, t in runs.items()
+    ]
     print(
         f"model: {params / 1e6:.1f}M parameters in {buckets} buckets; per-rank batch "
         f"{args.micro_batch_size} x {args.accumulation} x {args.seq_length} tokens; gloo, "
         "one thread per rank"
     )
-    print(f"{'run':28s} {'s/step':>8s} {'efficiency':>10s}")
-    for name, seconds, efficiency in rows:
-        print(f"{name:28s} {seconds:8.3f} {efficiency:10.1%}")
+    print(f"{'run':28s} {'s/step':>8s} {'efficiency':>10s}  {'each launch (s/step)'}")
+    for name, seconds, efficiency, each in rows:
+        spread = " ".join(f"{t:.3f}" for t in each)
+        print(f"{name:28s} {seconds:8.3f} {efficiency:10.1%}  {spread}")
     with open(args.json, "w") as f:
         json.dump(
             {
                 "params": params,
-                "rows": [{"run": n, "seconds_per_step": s, "efficiency": e} for n, s, e in rows],
+                "rows": [
+                    {"run": n, "seconds_per_step": s, "efficiency": e, "each_launch": t}
+                    for n, s, e, t in rows
+                ],
             },
             f,
             indent=1,
