@@ -232,48 +232,18 @@ def test_options_without_an_equivalent_are_errors(trained, tmp_path):
         style_of(cfg)
 
 
+def _tool(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, f"tools/{script}", *args], capture_output=True, text=True, cwd=ROOT
+    )
+
+
 def test_cli(trained, tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "tools/convert_checkpoint.py",
-            "--load",
-            trained["llama"],
-            "--output",
-            str(tmp_path / "hf"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    hf = str(tmp_path / "hf")
+    result = _tool("convert_checkpoint.py", "--load", trained["llama"], "--output", hf)
     assert result.returncode == 0 and "exported" in result.stdout, result.stderr
-    result = subprocess.run(
-        [
-            sys.executable,
-            "tools/hf_generate.py",
-            "--model",
-            str(tmp_path / "hf"),
-            "--prompt",
-            "def ",
-            "--max-new-tokens",
-            "5",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    result = _tool("hf_generate.py", "--model", hf, "--prompt", "def ", "--max-new-tokens", "5")
     assert result.returncode == 0 and "LlamaForCausalLM" in result.stdout, result.stderr
-    result = subprocess.run(
-        [
-            sys.executable,
-            "tools/convert_checkpoint.py",
-            "--load",
-            str(tmp_path / "nothing"),
-            "--output",
-            str(tmp_path / "x"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    missing, out = str(tmp_path / "nothing"), str(tmp_path / "x")
+    result = _tool("convert_checkpoint.py", "--load", missing, "--output", out)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1

@@ -17,36 +17,17 @@ from parallel.sharding import full_from_local, tp_sharding_of
 from parallel.state import ParallelState
 from parallel.tensor import ColumnParallelLinear, RowParallelLinear, all_reduce_partial_grads
 from tests.distributed import rel_err, run_ranks
+from tests.harness import VOCAB, tiny_config
 
-VOCAB = 300  # pads to 384 at TP 1 and 512 at TP 2/4: padding must not change anything
+# VOCAB (300) pads to 384 at TP 1 and 512 at TP 2/4: padding must not change anything.
 
 
 def model_config(style: str, **overrides) -> ModelConfig:
-    common = dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=8,
-        seq_length=16,
-        vocab_size=VOCAB,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    if style == "gpt2":
-        cfg = ModelConfig(**common)
-    else:
-        cfg = ModelConfig(
-            **common,
-            num_query_groups=4,
-            position_embedding_type="rope",
-            normalization="RMSNorm",
-            swiglu=True,
-            add_bias_linear=False,
-            untie_embeddings_and_output_weights=True,
-            qk_layernorm=True,
-        )
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
-    return cfg
+    """The shared tiny model at a size where TP 4 splits the 4 query groups of 8 heads."""
+    sizes = dict(num_layers=2, hidden_size=64, num_attention_heads=8)
+    if style == "llama":
+        sizes.update(num_query_groups=4, qk_layernorm=True)
+    return tiny_config(style, **{**sizes, **overrides})
 
 
 def build(cfg, state: ParallelState | None, sp: bool = False, tracker=None) -> GPTModel:

@@ -1,9 +1,11 @@
-"""A dataset and tokenizer from the built-in corpus, for benchmarks that need real data."""
+"""Shared set-up of the benchmarks: a GPT config from their size flags, and a dataset and
+tokenizer from the built-in corpus for those that need real data."""
 
 from __future__ import annotations
 
 import os
 
+from engine.config import ModelConfig
 from engine.data.corpus import write_corpus
 from engine.data.preprocess import preprocess
 from engine.data.tokenizer_training import train_tokenizer
@@ -44,3 +46,18 @@ def engine_flags(
     for name, value in values.items():
         flags += ["--" + name.replace("_", "-"), str(value)]
     return flags
+
+
+def bench_model_config(args, **extra) -> ModelConfig:
+    """GPT-2 style, 64-wide heads, no dropout, shaped by --num-layers, --hidden-size,
+    --seq-length and --vocab-size."""
+    return ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.hidden_size // 64,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **extra,
+    )

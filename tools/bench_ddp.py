@@ -19,27 +19,20 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from engine.config import ModelConfig, OptimizerConfig
+from engine.config import OptimizerConfig
 from engine.model.builder import build_model_chunks
 from engine.optim import LRScheduler, build_optimizer
 from engine.step import train_step
 from parallel.ddp import DistributedDataParallel
 from parallel.launch import run_local
 from parallel.state import ParallelState
+from tools._bench_data import bench_model_config
 from tools._cli import run
 
 
 def _bench(rank, world, args, overlap):
     state = ParallelState.build(tp=1)
-    cfg = ModelConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.hidden_size // 64,
-        seq_length=args.seq_length,
-        vocab_size=args.vocab_size,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    cfg = bench_model_config(args)
     chunks = build_model_chunks(cfg, state)
     ddps = [
         DistributedDataParallel(

@@ -23,7 +23,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.config import ModelConfig
 from engine.model import BuildContext, GPTModel
 from engine.model.builder import build_model_chunks
 from engine.step import run_schedule
@@ -31,27 +30,15 @@ from parallel.ddp import DistributedDataParallel
 from parallel.launch import run_local
 from parallel.pipeline.schedules import get_schedule
 from parallel.state import ParallelState
+from tools._bench_data import bench_model_config
 from tools._cli import run
 
 OVERLAP = "interleaved+overlap"  # --overlap-p2p-communication
 
 
-def _config(args) -> ModelConfig:
-    return ModelConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.hidden_size // 64,
-        seq_length=args.seq_length,
-        vocab_size=args.vocab_size,
-        make_vocab_size_divisible_by=64,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-
-
 def _stage_time(rank, world, args):
     """Forward + backward of num_layers / p layers on one micro-batch, alone on one thread."""
-    cfg = _config(args)
+    cfg = bench_model_config(args, make_vocab_size_divisible_by=64)
     layers = range(args.num_layers // args.pp)
     model = GPTModel(
         cfg, BuildContext(cfg), pre_process=False, post_process=False, layer_numbers=layers
@@ -69,7 +56,7 @@ def _stage_time(rank, world, args):
 
 def _pipeline_time(rank, world, args, kind, m):
     state = ParallelState.build(tp=1, pp=world)
-    cfg = _config(args)
+    cfg = bench_model_config(args, make_vocab_size_divisible_by=64)
     interleaved = kind.startswith("interleaved")
     v = 2 if interleaved else 1
     chunks = build_model_chunks(cfg, state, virtual_size=v)
