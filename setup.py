@@ -62,5 +62,6 @@ setup(
         "tqdm==4.70.1",
         "tensorboard==2.21.0",
         "zstandard==0.25.0",
+        "xxhash==3.6.0",
     ],
 )

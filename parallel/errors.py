@@ -4,6 +4,11 @@ Command-line front doors catch `UserError`, print its message and exit with code
 (see engine/cli.py); anything else is a bug and keeps its traceback.
 """
 
+from __future__ import annotations
+
+import errno
+import os
+
 
 class UserError(Exception):
     """An expected failure caused by input, configuration or environment."""
@@ -18,4 +23,20 @@ class ConfigError(UserError, ValueError):
 
 
 class CheckpointError(UserError, RuntimeError):
-    """A checkpoint that is missing, incomplete or belongs to a different model."""
+    """A checkpoint that is missing, incomplete, damaged or belongs to a different model."""
+
+
+def describe_os_error(err: OSError, path: str | os.PathLike | None = None) -> str:
+    """One line for an OSError met while reading or writing `path`: what went wrong there and
+    what to do. A full disk and a read-only or forbidden place are named as such."""
+    where = os.fspath(path) if path is not None else (err.filename or "a file")
+    reason = err.strerror or str(err)
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{where}: the disk is full ({reason}); free space there or write elsewhere"
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{where}: not writable ({reason}); pick a location you can write to"
+    if err.errno in (errno.ENOTDIR, errno.EEXIST):
+        return f"{where}: a file stands where a folder is needed ({reason}); pick another path"
+    if err.errno == errno.ENOENT:
+        return f"{where}: no such file or folder ({reason})"
+    return f"{where}: {reason}"

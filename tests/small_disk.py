@@ -1,0 +1,42 @@
+"""A real full disk for the tests: run a command in its own mount namespace with a small tmpfs
+mounted at a folder, so that writes past its size fail with ENOSPC exactly as on a full disk.
+Needs `unshare` and user (or root) mount namespaces; tests skip where that is not available.
+Everything written on the tmpfs vanishes with the namespace, so a scenario runs inside it
+whole and reports what it saw on stdout.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+
+_MOUNT_THEN_RUN = 'mount -t tmpfs -o size="$1" tmpfs "$0" && shift && exec "$@"'
+
+
+def small_disk_command(mountpoint: str, size: str, argv: list[str]) -> list[str]:
+    """argv, run with a tmpfs of `size` (e.g. '256k') mounted at `mountpoint`."""
+    return [
+        "unshare",
+        "--mount",
+        "--map-root-user",
+        "sh",
+        "-c",
+        _MOUNT_THEN_RUN,
+        mountpoint,
+        size,
+        *argv,
+    ]
+
+
+@functools.lru_cache(maxsize=1)
+def small_disk_available() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    try:
+        done = subprocess.run(
+            small_disk_command("/tmp", "64k", ["true"]), capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
