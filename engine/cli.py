@@ -2,8 +2,8 @@
 
 Expected failures (UserError) become one line on stderr and exit code 2. In a distributed job
 a failure is reported by the rank it happened on, named in the message; a configuration error
-found before the process group exists is the same on every rank and is printed by rank 0
-only, so it reads as one line.
+found before the process group exists, and an error every rank agreed on (`every_rank`), is
+the same on every rank and is printed by rank 0 only, so it reads as one line.
 """
 
 from __future__ import annotations
@@ -30,12 +30,10 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
         # torch (preprocessing) must not pay for importing it here.
         dist = sys.modules.get("torch.distributed")
         started = dist is not None and dist.is_available() and dist.is_initialized()
-        if not distributed:
+        if not distributed or (_rank() == 0 and (not started or err.every_rank)):
             print(f"error: {err}", file=sys.stderr, flush=True)
-        elif started:
+        elif started and not err.every_rank:
             print(f"error: rank {_rank()}: {err}", file=sys.stderr, flush=True)
-        elif _rank() == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
         if distributed and started:
             os._exit(2)  # peers may be waiting in a collective; do not hang in atexit
         sys.exit(2)

@@ -336,6 +336,13 @@ class TrainConfig:
     tensorboard_dir: str | None = option(None, "write TensorBoard scalars here")
     save: str | None = option(None, "checkpoint directory to save to")
     load: str | None = option(None, "checkpoint directory to resume from (its latest)")
+    verify_checkpoint: bool = option(
+        True,
+        "load --load's checkpoint without comparing its files with the checksums recorded when "
+        "they were written (sizes are still checked)",
+        flag="--no-verify",
+        action="store_false",
+    )
     use_checkpoint_args: bool = option(
         False, "take the model's shape and style from the --load checkpoint, not the flags"
     )

@@ -48,13 +48,13 @@ def after_backward(rank: int, iteration: int, chunks) -> None:
 
 
 def storage_writer(path: str, rank: int, iteration: int):
-    """The DCP storage writer for a save: the plain one, or one that dies mid-save."""
-    from torch.distributed.checkpoint import FileSystemWriter
+    """The DCP storage writer for a save (recording checksums), or one that dies mid-save."""
+    from parallel.dcp_checksums import ChecksummingWriter
 
     if not _rank_at("TRIPOD_FAULT_KILL_IN_SAVE", rank, iteration):
-        return FileSystemWriter(path)
+        return ChecksummingWriter(path)
 
-    class _DiesAfterWriting(FileSystemWriter):
+    class _DiesAfterWriting(ChecksummingWriter):
         def write_data(self, plan, planner):
             future = super().write_data(plan, planner)
             future.wait()

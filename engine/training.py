@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import random
 from dataclasses import dataclass, field
 
@@ -20,17 +19,13 @@ import torch
 import torch.distributed as dist
 
 from engine import faults
-from engine.checkpointing import (
-    LATEST,
-    Checkpointer,
-    find_latest,
-    iteration_dir,
-    load_checkpoint,
-)
+from engine.checkpoint_files import find_latest, iteration_dir
+from engine.checkpoint_load import load_checkpoint
+from engine.checkpointing import Checkpointer
 from engine.config import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
 from engine.data.builder import build_gpt_datasets
 from engine.data.loader import build_data_iterator
-from engine.errors import CheckpointError, ConfigError
+from engine.errors import ConfigError
 from engine.metrics import (
     MetricsWriter,
     SpikeDetector,
@@ -246,11 +241,6 @@ def _resume(run: Run) -> None:
     train = run.cfg.train
     iteration = find_latest(train.load)
     if iteration is None:
-        if os.path.isdir(train.load) and any(n.startswith("iter_") for n in os.listdir(train.load)):
-            raise CheckpointError(
-                f"{train.load} holds checkpoint folders but no {LATEST}; remove the incomplete "
-                "ones or point --load at a complete checkpoint"
-            )
         run.writer.print(f"no checkpoint in {train.load}; starting from scratch")
         return
     path = iteration_dir(train.load, iteration)
@@ -262,6 +252,7 @@ def _resume(run: Run) -> None:
         layout_of(run.state, run.cfg),
         run.tracker,
         group=run.checkpoint_group,
+        verify=train.verify_checkpoint,
     )
     counters = meta.get("counters", {})
     run.counters = Counters(
@@ -276,7 +267,14 @@ def _resume(run: Run) -> None:
         run.optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
     run.spikes.load_state_dict(meta.get("spikes", {}))
     how = "exactly" if meta["rng_restored"] else "with re-seeded random streams (new layout)"
-    run.writer.print(f"resumed from {path} at iteration {meta['iteration']} ({how})")
+    checked = (
+        "files verified"
+        if meta["verified"]
+        else "checksums not compared (--no-verify)"
+        if "files" in meta
+        else "no checksums recorded in this older checkpoint"
+    )
+    run.writer.print(f"resumed from {path} at iteration {meta['iteration']} ({how}; {checked})")
     if not meta["rng_restored"]:
         _reseed(run, meta["iteration"])
 

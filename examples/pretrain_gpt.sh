@@ -44,8 +44,10 @@ DATA_ARGS=(
 )
 OUTPUT_ARGS=(--log-interval 10 --eval-interval 100 --eval-iters 4)
 
-# torch.distributed.run is torchrun; running it through $PYTHON picks the right environment.
-exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC_PER_NODE" \
+# engine.launch is torchrun (same options) that first checks every flag, path and the layout
+# for the world size, so a mistake is one line and exit code 2 before any rank starts; running
+# it through $PYTHON picks the right environment.
+exec "$PYTHON" -m engine.launch --nproc-per-node "$NPROC_PER_NODE" \
     --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
     -m engine.pretrain "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" \

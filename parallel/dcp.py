@@ -7,15 +7,14 @@ offsets, so `BoxTensor` implements DCP's checkpointable protocol for a list of b
 (see parallel.sharding.checkpoint_boxes). `BoxSavePlanner` / `BoxLoadPlanner` teach the default
 planners to look boxes up.
 
-Loading unpickles nothing arbitrary: every value is a tensor (no byte blobs), and DCP's own
-`.metadata` file is read with an unpickler that only accepts DCP's metadata classes and a few
-torch types (`SafeFileSystemReader`).
+Loading unpickles nothing arbitrary: every value is a tensor (no byte blobs; the load planner
+refuses one), tensor data is read by torch.load(weights_only=True) inside DCP, and DCP's own
+`.metadata` file is read through an exact allow-list (`SafeFileSystemReader`, see
+parallel/dcp_metadata.py).
 """
 
 from __future__ import annotations
 
-import io
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +28,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from parallel.dcp_metadata import load_metadata
+from parallel.errors import CheckpointError
 
 
 @dataclass
@@ -135,48 +137,17 @@ class BoxLoadPlanner(DefaultLoadPlanner):
             return value.tensor_at(index.offset)
         return super().lookup_tensor(index)
 
-
-_ALLOWED = {
-    ("torch", "Size"),
-    ("torch", "float32"),
-    ("torch", "float16"),
-    ("torch", "bfloat16"),
-    ("torch", "float64"),
-    ("torch", "int64"),
-    ("torch", "int32"),
-    ("torch", "int16"),
-    ("torch", "int8"),
-    ("torch", "uint8"),
-    ("torch", "bool"),
-    ("torch", "strided"),
-    ("torch", "contiguous_format"),
-    ("torch", "preserve_format"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-}
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.",)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if (module, name) in _ALLOWED or module.startswith(_ALLOWED_MODULES):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(
-            f"checkpoint metadata refers to {module}.{name}, which is not a checkpoint class; "
+    def load_bytes(self, read_item, value) -> None:
+        # DCP would unpickle a byte entry with full pickle; this engine never writes one.
+        raise CheckpointError(
+            f"checkpoint entry {read_item.dest_index.fqn} is a pickled object, not a tensor; "
             "refusing to load it"
         )
 
 
-def safe_load_metadata(data: bytes):
-    return _MetadataUnpickler(io.BytesIO(data)).load()
-
-
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose metadata unpickling accepts only DCP's own classes."""
+    """FileSystemReader whose metadata is read by `parallel.dcp_metadata.load_metadata` (an
+    exact allow-list, then field-by-field checks), with one-line errors naming the file."""
 
     def read_metadata(self, *args, **kwargs):
         rank = kwargs.get("rank")
@@ -184,8 +155,15 @@ class SafeFileSystemReader(FileSystemReader):
             path = self._get_metadata_path(rank)
         else:  # torch versions without per-rank metadata files
             path = self.fs.concat_path(self.path, ".metadata")
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = safe_load_metadata(stream.read())
+        try:
+            with self.fs.create_stream(path, "rb") as stream:
+                data = stream.read()
+        except OSError as err:
+            raise CheckpointError(
+                f"{path}: cannot read the checkpoint's metadata ({err.strerror or err}); the "
+                "checkpoint is incomplete or damaged"
+            ) from None
+        metadata = load_metadata(data, str(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = getattr(self, "load_id", None)

@@ -11,7 +11,14 @@ import os
 
 
 class UserError(Exception):
-    """An expected failure caused by input, configuration or environment."""
+    """An expected failure caused by input, configuration or environment.
+
+    every_rank=True says that every rank of a distributed job raises this same error at the
+    same point (it was agreed on collectively), so only rank 0 needs to print it."""
+
+    def __init__(self, message: str = "", *, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 class InputError(UserError, ValueError):
@@ -40,3 +47,26 @@ def describe_os_error(err: OSError, path: str | os.PathLike | None = None) -> st
     if err.errno == errno.ENOENT:
         return f"{where}: no such file or folder ({reason})"
     return f"{where}: {reason}"
+
+
+def one_line(err: BaseException) -> str:
+    """`Type: first line of the message` of an exception."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The exception behind wrappers: torch.distributed.checkpoint's CheckpointException
+    (whose `failures` maps each failed rank to (exception, traceback)) and chains of causes.
+    Stops at the first OSError or UserError, which say what happened in the user's terms."""
+    seen = set()
+    while id(err) not in seen and not isinstance(err, OSError | UserError):
+        seen.add(id(err))
+        failures = getattr(err, "failures", None)
+        if isinstance(failures, dict) and failures:
+            err = next(iter(failures.values()))[0]
+        elif err.__cause__ is not None:
+            err = err.__cause__
+        else:
+            break
+    return err

@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from engine.checkpointing import find_latest, iteration_dir, load_model_weights, read_meta
+from engine.checkpoint_files import find_latest, iteration_dir, read_meta
+from engine.checkpoint_load import load_model_weights
 from engine.config import ModelConfig
 from engine.data.tokenizer import SentencePieceTokenizer
 from engine.errors import ConfigError

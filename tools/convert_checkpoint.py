@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
         help="export: tensor dtype (default: the training dtype)",
     )
     parser.add_argument("--tokenizer-model", help="export: tokenizer (default: the training's)")
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="export: skip comparing the checkpoint's files with their recorded checksums",
+    )
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
@@ -49,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             args.max_shard_size,
             args.dtype,
             args.tokenizer_model,
+            verify=not args.no_verify,
         )
         print(
             f"exported {summary['checkpoint']} as {summary['architecture']}: "

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import warnings
 
 import torch
 
-from engine.checkpointing import find_latest, iteration_dir, read_meta
+from engine.checkpoint_files import find_latest, iteration_dir
+from engine.checkpoint_load import read_tensors, verify_checkpoint
 from engine.config import ModelConfig
 from engine.errors import CheckpointError, ConfigError
 from engine.hf.architectures import hf_config_dict, hf_tensors, style_of
@@ -39,12 +39,8 @@ def parse_size(text: str) -> int:
 
 def read_tensor(path: str, key: str, shape, dtype: torch.dtype) -> torch.Tensor:
     """One logical tensor of a checkpoint, assembled from the stored boxes."""
-    import torch.distributed.checkpoint as dcp
-
     out = {key: torch.empty(tuple(shape), dtype=dtype)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "torch.distributed is not initialized": on purpose
-        dcp.load(out, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    read_tensors(path, out)
     return out[key]
 
 
@@ -102,12 +98,14 @@ def export_to_hf(
     max_shard_size: str = "5GB",
     dtype: str | None = None,
     tokenizer_model: str | None = None,
+    verify: bool = True,
 ) -> dict:
-    """Write the HF folder; returns a summary (architecture, tensors, shards, bytes)."""
+    """Write the HF folder; returns a summary (architecture, tensors, shards, bytes). The
+    checkpoint's files are checked first (checksums too unless `verify` is False)."""
     from safetensors.torch import save_file
 
     path = checkpoint_path(load, iteration)
-    meta = read_meta(path)
+    meta = verify_checkpoint(path, digests=verify)
     cfg = ModelConfig(**meta["model"])
     style = style_of(cfg)
     dtype = dtype or meta.get("dtype", "float32")

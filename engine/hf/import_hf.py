@@ -4,7 +4,9 @@ The result is iteration 0 with a fresh optimizer, like Megatron-LM's --finetune:
 config and layout in meta.json, no optimizer state. Tensors are stored whole (one box each),
 which every TP / PP / DP layout can load; the requested layout is checked to be valid for the
 model and recorded. Each tensor is read from the safetensors files only when the checkpoint
-writer reaches it, so peak memory stays near the largest tensor.
+writer reaches it, so peak memory stays near the largest tensor. Nothing is written until
+every tensor's shape has been checked against config.json; the output folder is written under
+a temporary name and renamed into place at the end, and an existing one is never overwritten.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import warnings
 
 import torch
 
-from engine.checkpointing import FORMAT_VERSION, commit, iteration_dir
+from engine.checkpoint_files import commit, iteration_dir, write_meta
 from engine.errors import InputError
 from engine.hf.architectures import hf_tensors, model_config_from_hf
 from parallel.dcp import BoxSavePlanner, LazyTensor
+from parallel.dcp_checksums import ChecksummingWriter
 from parallel.pipeline.layout import stage_layers
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 class _SafetensorsFolder:
@@ -53,9 +58,12 @@ class _SafetensorsFolder:
 
         with safe_open(self.where[name], "pt") as f:
             part = f.get_slice(name)
-            dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[
-                part.get_dtype()
-            ]
+            dtype = _DTYPES.get(part.get_dtype())
+            if dtype is None:
+                raise InputError(
+                    f"{self.where[name]}: tensor {name} is {part.get_dtype()}; only F32, BF16 "
+                    "and F16 weights are imported"
+                )
             return tuple(part.get_shape()), dtype
 
     def get(self, name: str) -> torch.Tensor:
@@ -67,21 +75,23 @@ class _SafetensorsFolder:
         return self._cached[1]
 
 
-def import_from_hf(folder: str, output: str, tp: int = 1, pp: int = 1) -> dict:
-    """Write `output/iter_0000000` (+ latest file) from the HF folder; returns a summary."""
-    import torch.distributed.checkpoint as dcp
+def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key -> logical shape of every tensor of the model `cfg` describes, from a
+    model built on the meta device (no memory, no initialisation)."""
+    from engine.checkpoint_state import model_state
+    from engine.model import BuildContext, GPTModel
 
-    config_path = os.path.join(folder, "config.json")
-    try:
-        with open(config_path) as f:
-            hf = json.load(f)
-    except FileNotFoundError:
-        raise InputError(f"{config_path}: no such file; --from-hf takes a model folder") from None
-    cfg, style = model_config_from_hf(hf)
-    cfg.validate(tp)
-    for rank in range(pp):
-        stage_layers(cfg.num_layers, pp, rank)
-    files = _SafetensorsFolder(folder)
+    class _Chunk:
+        with torch.device("meta"):
+            module = GPTModel(cfg, BuildContext(cfg, device="meta"))
+
+    return {k: tuple(v.global_shape) for k, v in model_state([_Chunk()], False).items()}
+
+
+def _plan(folder: str, files: _SafetensorsFolder, cfg, style: str) -> dict:
+    """Checkpoint key -> LazyTensor for every tensor of the model, each HF tensor's shape and
+    dtype checked against config.json before anything is written."""
+    expected = expected_shapes(cfg)
     state = {}
     for tensor in hf_tensors(cfg, style):
         name = tensor.name
@@ -89,30 +99,88 @@ def import_from_hf(folder: str, output: str, tp: int = 1, pp: int = 1) -> dict:
             raise InputError(f"{folder}: tensor {name} is missing from the safetensors files")
         shape, dtype = files.shape_and_dtype(name)
         full = shape[::-1] if tensor.transpose else shape
-        rows = full[0] // len(tensor.parts)
-        if rows * len(tensor.parts) != full[0]:
-            raise InputError(f"{folder}: tensor {name} of shape {list(shape)} cannot be split")
-        for index, part in enumerate(tensor.parts):
+        parts = [f"model/{part}" for part in tensor.parts]
+        wanted = [expected[key] for key in parts]
+        stacked = (sum(w[0] for w in wanted),) + wanted[0][1:]
+        if tuple(full) != stacked:
+            hf_shape = stacked[::-1] if tensor.transpose else stacked
+            raise InputError(
+                f"{folder}: tensor {name} has shape {list(shape)}, but config.json describes "
+                f"{list(hf_shape)}; the weights do not belong to this config"
+            )
+        offset = 0
+        for key, shape_of_part in zip(parts, wanted):
+            rows = shape_of_part[0]
 
-            def load(name=name, index=index, rows=rows, transpose=tensor.transpose):
+            def load(name=name, start=offset, rows=rows, transpose=tensor.transpose):
                 value = files.get(name)
                 value = value.t() if transpose else value
-                return value[index * rows : (index + 1) * rows].contiguous()
+                return value[start : start + rows].contiguous()
 
-            state[f"model/{part}"] = LazyTensor(torch.Size((rows,) + full[1:]), dtype, load)
-    tmp = iteration_dir(output, 0) + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(output, exist_ok=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "torch.distributed is not initialized": on purpose
-        dcp.save(state, checkpoint_id=tmp, planner=BoxSavePlanner(), no_dist=True)
-    tokenizer = None
-    if os.path.isfile(os.path.join(folder, "tokenizer.model")):
-        tokenizer = os.path.join(os.path.abspath(output), "tokenizer.model")
-        shutil.copyfile(os.path.join(folder, "tokenizer.model"), tokenizer)
+            state[key] = LazyTensor(torch.Size(shape_of_part), dtype, load)
+            offset += rows
+    return state
+
+
+def import_from_hf(folder: str, output: str, tp: int = 1, pp: int = 1) -> dict:
+    """Write the checkpoint folder `output` (iteration 0 + latest file) from the HF folder;
+    returns a summary. `output` must not exist yet (or be an empty folder): it is written
+    under a temporary name and renamed into place once complete."""
+    import torch.distributed.checkpoint as dcp
+
+    output = os.path.abspath(output)
+    if os.path.exists(output) and not (os.path.isdir(output) and not os.listdir(output)):
+        raise InputError(
+            f"--output {output} already exists and is not empty; give a new folder (an "
+            "existing checkpoint is never overwritten)"
+        )
+    config_path = os.path.join(folder, "config.json")
+    try:
+        with open(config_path) as f:
+            hf = json.load(f)
+    except FileNotFoundError:
+        raise InputError(f"{config_path}: no such file; --from-hf takes a model folder") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"{config_path}: not valid JSON ({err})") from None
+    cfg, style = model_config_from_hf(hf)
+    cfg.validate(tp)
+    for rank in range(pp):
+        stage_layers(cfg.num_layers, pp, rank)
+    state = _plan(folder, _SafetensorsFolder(folder), cfg, style)
+    staging = f"{output}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        os.makedirs(staging)
+        folder_0 = iteration_dir(staging, 0) + ".tmp"
+        writer = ChecksummingWriter(folder_0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is not initialized": on purpose
+            dcp.save(state, storage_writer=writer, planner=BoxSavePlanner(), no_dist=True)
+        tokenizer = None
+        if os.path.isfile(os.path.join(folder, "tokenizer.model")):
+            shutil.copyfile(
+                os.path.join(folder, "tokenizer.model"), os.path.join(staging, "tokenizer.model")
+            )
+            tokenizer = os.path.join(output, "tokenizer.model")
+        write_meta(folder_0, _meta(cfg, style, state, tp, pp, tokenizer, folder, writer.files))
+        commit(folder_0, staging, 0)  # writes the latest file
+        if os.path.isdir(output):
+            os.rmdir(output)  # empty, checked above
+        os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {
+        "architecture": style,
+        "tensors": len(state),
+        "checkpoint": iteration_dir(output, 0),
+        "model": dataclasses.asdict(cfg),
+    }
+
+
+def _meta(cfg, style, state, tp, pp, tokenizer, folder, files) -> dict:
     dtypes = {str(v.dtype).replace("torch.", "") for v in state.values()}
-    meta = {
-        "format_version": FORMAT_VERSION,
+    return {
         "iteration": 0,
         "consumed_samples": 0,
         "layout": {"tp": tp, "pp": pp, "dp": 1, "virtual": 1, "distributed_optimizer": False},
@@ -125,13 +193,5 @@ def import_from_hf(folder: str, output: str, tp: int = 1, pp: int = 1) -> dict:
         "counters": {"skipped_iters": 0, "nan_iters": 0},
         "spikes": {},
         "source": {"hf_folder": os.path.abspath(folder), "architecture": style},
-    }
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1, sort_keys=True)
-    commit(tmp, output, 0)
-    return {
-        "architecture": style,
-        "tensors": len(state),
-        "checkpoint": iteration_dir(output, 0),
-        "model": dataclasses.asdict(cfg),
+        "files": files,
     }

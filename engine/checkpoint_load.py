@@ -1,0 +1,168 @@
+"""Loading a checkpoint into any layout: check its files, its metadata and its shapes, then
+read this rank's boxes through torch.distributed.checkpoint.
+
+Every failure is one CheckpointError: a damaged or missing file (named), a checkpoint of
+another model (the first mismatching tensor and both shapes), or a read that fails. In a
+distributed job all ranks raise the same error (`every_rank`), so it is printed once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from engine.checkpoint_files import check_files, read_meta
+from engine.checkpoint_state import (
+    model_state,
+    optimizer_state,
+    prime_optimizer_state,
+    rng_state,
+    set_rng_state,
+)
+from engine.errors import CheckpointError, UserError
+from parallel.consensus import first_error, gather_to_all
+from parallel.dcp import BoxLoadPlanner, SafeFileSystemReader
+from parallel.errors import one_line, root_cause
+
+
+def _distributed(group) -> bool:
+    return group is not None or (dist.is_available() and dist.is_initialized())
+
+
+def verify_checkpoint(path: str, group=None, digests: bool = True) -> dict:
+    """meta.json of the checkpoint folder `path`, once its files are known to be whole: every
+    file present with the size it was written with and (when `digests`) the same checksum.
+    Collective over `group`: the ranks share the reading, and all raise the same
+    CheckpointError naming the first damaged file."""
+    meta = read_meta(path)
+    part = (0, 1)
+    if _distributed(group):
+        part = (dist.get_rank(group), dist.get_world_size(group))
+    problem = first_error(check_files(path, meta, digests, part) or None, group)
+    if problem:
+        raise CheckpointError(problem, every_rank=_distributed(group))
+    meta["verified"] = digests and "files" in meta
+    return meta
+
+
+def check_shapes(path: str, stored_metadata, state: dict, group=None) -> None:
+    """CheckpointError naming the first tensor whose stored shape differs from this model's,
+    or that only one of them has. `state` holds this rank's part of the model; the names of
+    every rank's tensors are gathered over `group` to see the whole model."""
+    stored = {
+        k: v for k, v in stored_metadata.state_dict_metadata.items() if k.startswith("model/")
+    }
+    whole: dict = {}
+    for part in gather_to_all(
+        {k: tuple(v.global_shape) for k, v in state.items() if k.startswith("model/")}, group
+    ):
+        whole.update(part)
+    every_rank = _distributed(group)
+    for key in sorted(set(stored) | set(whole)):
+        name = key[len("model/") :]
+        if key not in stored:
+            raise CheckpointError(
+                f"{path} was saved from a different model: it has no tensor {name}, which "
+                "this model needs",
+                every_rank=every_rank,
+            )
+        if key not in whole:
+            raise CheckpointError(
+                f"{path} was saved from a different model: its tensor {name} does not exist "
+                "in this model",
+                every_rank=every_rank,
+            )
+        if tuple(stored[key].size) != whole[key]:
+            raise CheckpointError(
+                f"{path} was saved from a different model: tensor {name} has shape "
+                f"{list(stored[key].size)} there and {list(whole[key])} here",
+                every_rank=every_rank,
+            )
+
+
+def read_tensors(path: str, state: dict, group=None) -> None:
+    """dcp.load of `state` (boxes and tensors, filled in place) from the checkpoint `path`,
+    any failure as one CheckpointError (DCP reports a failure on every rank)."""
+    import warnings
+
+    distributed = _distributed(group)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # single process without torch.distributed: fine
+            dcp.load(
+                state,
+                planner=BoxLoadPlanner(),
+                storage_reader=SafeFileSystemReader(path),
+                process_group=group,
+                no_dist=not distributed,
+            )
+    except (CheckpointException, Exception) as err:  # noqa: BLE001 - reported as one line
+        cause = root_cause(err)
+        if isinstance(cause, UserError):
+            raise CheckpointError(str(cause), every_rank=distributed) from None
+        raise CheckpointError(
+            f"{path}: reading the checkpoint failed ({one_line(cause)}); it is "
+            "damaged: load an earlier checkpoint (loading without --no-verify names the file)",
+            every_rank=distributed,
+        ) from None
+
+
+def load_checkpoint(
+    path: str,
+    chunks,
+    optimizer,
+    rank: int,
+    layout: dict,
+    tracker,
+    group=None,
+    load_optimizer: bool = True,
+    verify: bool = True,
+) -> dict:
+    """Load the checkpoint at `path` into this rank's model and optimizer, for any layout,
+    after checking its files (checksums too unless `verify` is False). Returns meta.json.
+    RNG states are restored only when `layout` equals the saved one."""
+    meta = verify_checkpoint(path, group, digests=verify)
+    available = SafeFileSystemReader(path).read_metadata()
+    state = model_state(chunks, for_save=False)
+    check_shapes(path, available, state, group)
+    stored = set(available.state_dict_metadata)
+    if load_optimizer:
+        prime_optimizer_state(optimizer)
+        state.update(
+            {k: v for k, v in optimizer_state(optimizer, chunks, False).items() if k in stored}
+        )
+    rng = {}
+    if meta.get("layout") == layout:
+        wanted = {k: torch.empty_like(v) for k, v in rng_state(rank, tracker).items()}
+        if set(wanted) <= stored:  # a converted checkpoint has none
+            rng = wanted
+            state.update(rng)
+    read_tensors(path, state, group)
+    if load_optimizer:
+        for piece in optimizer.pieces:
+            entry = optimizer.optimizer.state.get(piece.master, {})
+            if "step" in entry and torch.is_tensor(entry["step"]):
+                entry["step"].fill_(float(meta.get("optimizer_step", 0)))
+            if piece.master is not piece.data and not any(k.endswith("/master") for k in state):
+                piece.master.copy_(piece.data)  # no master weights saved: start from params
+    if rng:
+        prefix = f"rng/rank{rank}/"
+        set_rng_state({k[len(prefix) :]: v for k, v in rng.items()}, tracker)
+    meta["rng_restored"] = bool(rng)
+    return meta
+
+
+def load_model_weights(path: str, model, verify: bool = True) -> dict:
+    """Load only the model tensors of the checkpoint at `path` into a GPTModel of any layout
+    (one process, no optimizer) after checking its files; returns meta.json."""
+
+    class _Chunk:
+        module = model
+
+    meta = verify_checkpoint(path, digests=verify)
+    state = model_state([_Chunk()], for_save=False)
+    check_shapes(path, SafeFileSystemReader(path).read_metadata(), state)
+    read_tensors(path, state)
+    return meta

@@ -1,0 +1,74 @@
+"""torchrun, with the engine's checks before any rank starts and one line per failure.
+
+    python -m engine.launch [torchrun options] -m engine.pretrain [pretraining flags]
+
+takes exactly torchrun's options (it is torch.distributed.run underneath). Before starting any
+process it parses the pretraining flags and runs every check that needs no process group
+(engine/preflight.py) for the world size nnodes x nproc-per-node, so a wrong flag, layout, path
+or checkpoint is one line on stderr and exit code 2. Errors found later inside the ranks are
+printed once by the ranks themselves (engine/cli.py); when every failed rank exited with code 2
+(such an error) the launcher exits 2 without adding torchrun's report, otherwise it names each
+failed rank, its exit code or signal, and exits 1. examples/pretrain_gpt.sh launches this way.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+from engine.cli import run_main
+
+PRETRAIN_MODULE = "engine.pretrain"
+
+
+def _world_size(args) -> int:
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+
+    _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    return max_nodes * determine_local_world_size(args.nproc_per_node)
+
+
+def preflight(args) -> None:
+    """The pretraining flags checked for this launch's world size (ConfigError on a problem)."""
+    from engine.preflight import check
+    from engine.pretrain import parse
+
+    check(parse(args.training_script_args), _world_size(args))
+
+
+def _describe(rank, failure) -> str:
+    code = failure.exitcode
+    if code is not None and code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    return f"error: rank {rank} {how}; its output is above"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(argv)
+    if args.module and args.training_script == PRETRAIN_MODULE:
+        preflight(args)
+    # torchrun's agent logs each failed worker and the termination of the others; the ranks
+    # say what went wrong themselves, and failures are summarised below.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(args)
+    except ChildFailedError as err:
+        if {failure.exitcode for failure in err.failures.values()} == {2}:
+            return 2
+        for rank, failure in sorted(err.failures.items()):
+            print(_describe(rank, failure), file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,197 @@
+"""Every check of a pretraining configuration that needs no process group.
+
+`check(cfg, world_size)` runs in each rank before the process group starts, and in the
+launcher (engine/launch.py) once before any rank starts, so that a wrong flag, layout, path,
+split, tokenizer or checkpoint is one line and exit code 2 instead of a traceback per rank:
+flags and their combinations, the layout against the world size, the batch split, the data
+(files, the train split, token ids against the vocabulary), the tokenizer, the places the run
+writes to, and the checkpoint to resume from (complete, every file its recorded size).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+from engine.checkpoint_files import find_latest, iteration_dir, read_meta
+from engine.checkpoint_load import verify_checkpoint
+from engine.data.blended import parse_data_path
+from engine.data.gpt_dataset import parse_split, split_ranges
+from engine.data.indexed import IndexedDataset
+from engine.data.token_ids import check_token_ids
+from engine.data.tokenizer import build_tokenizer
+from engine.errors import ConfigError
+from parallel.errors import describe_os_error
+from parallel.pipeline.layout import stage_layers
+from parallel.state import check_layout
+
+# Fields that define the model's tensors; --use-checkpoint-args takes them from the checkpoint.
+ARCHITECTURE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "kv_channels",
+    "max_position_embeddings",
+    "vocab_size",
+    "position_embedding_type",
+    "rotary_base",
+    "normalization",
+    "norm_epsilon",
+    "swiglu",
+    "openai_gelu",
+    "add_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "qk_layernorm",
+)
+
+
+def use_checkpoint_args(cfg) -> None:
+    iteration = find_latest(cfg.train.load)
+    if iteration is None:
+        raise ConfigError(f"--use-checkpoint-args: no checkpoint in {cfg.train.load}")
+    saved = read_meta(iteration_dir(cfg.train.load, iteration))["model"]
+    for name in ARCHITECTURE_FIELDS:
+        setattr(cfg.model, name, saved[name])
+
+
+def device_of(train) -> torch.device:
+    if train.device:
+        return torch.device(train.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check(cfg, world_size: int) -> None:
+    """ConfigError (one line) on the first problem; fills in what the flags leave open (the
+    vocabulary size from the tokenizer, the model shape with --use-checkpoint-args)."""
+    m, par, train = cfg.model, cfg.parallel, cfg.train
+    if train.use_checkpoint_args:
+        if not train.load:
+            raise ConfigError("--use-checkpoint-args needs --load DIR")
+        use_checkpoint_args(cfg)
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    if par.sequence_parallel and tp == 1:
+        par.sequence_parallel = False  # nothing to split, as in Megatron-LM
+    dp = check_layout(world_size, tp, pp)
+    m.validate(tp, par.sequence_parallel)
+    par.validate(m.num_layers)
+    cfg.optimizer.validate(train.train_iters)
+    train.validate()
+    _check_pipeline(cfg, dp)
+    _check_device(train)
+    _check_data(cfg)
+    _check_outputs(train)
+    if train.load:
+        iteration = find_latest(train.load)  # a broken latest file is reported now
+        if iteration is not None:  # files present with their sizes; checksums in the ranks
+            verify_checkpoint(iteration_dir(train.load, iteration), digests=False)
+
+
+def _check_pipeline(cfg, dp: int) -> None:
+    m, par, train = cfg.model, cfg.parallel, cfg.train
+    pp = par.pipeline_model_parallel_size
+    microbatches = train.num_microbatches(dp)
+    virtual = par.virtual_size(m.num_layers)
+    for rank in range(pp):
+        stage_layers(
+            m.num_layers,
+            pp,
+            rank,
+            virtual,
+            par.decoder_first_pipeline_num_layers,
+            par.decoder_last_pipeline_num_layers,
+        )
+    if virtual > 1 and microbatches % pp:
+        raise ConfigError(
+            f"interleaved pipelining needs the micro-batches per step ({microbatches} = "
+            f"global-batch-size / (micro-batch-size x data-parallel size {dp})) to be a "
+            f"multiple of pipeline-model-parallel-size {pp}"
+        )
+
+
+def _check_device(train) -> None:
+    if train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but no CUDA device is available")
+    if train.use_fused_kernels and device_of(train).type != "cuda":
+        raise ConfigError(
+            "--use-fused-kernels needs a CUDA device; drop it (the PyTorch ops run on CPU)"
+        )
+    if train.transformer_impl == "transformer_engine":
+        check_transformer_engine()
+
+
+def check_transformer_engine() -> None:
+    """--transformer-impl transformer_engine: refused with the reason, never half-used."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "--transformer-impl transformer_engine: Transformer Engine is not importable; "
+            "install it (NVIDIA's transformer-engine) or use --transformer-impl local"
+        ) from None
+    raise ConfigError(
+        "--transformer-impl transformer_engine: Transformer Engine is installed, but its layers "
+        "are not wired into this engine yet; use --transformer-impl local (with "
+        "--use-fused-kernels for the fused norms, RoPE, SwiGLU and cross-entropy)"
+    )
+
+
+def _check_data(cfg) -> None:
+    """The datasets exist and are well formed, the split leaves the train split documents
+    with at least one sample's worth of tokens, and every token id fits the vocabulary."""
+    m, data = cfg.model, cfg.data
+    if not data.data_path:
+        raise ConfigError("--data-path is required (a dataset prefix or weight/prefix pairs)")
+    tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model)
+    if m.vocab_size is None:
+        m.vocab_size = tokenizer.vocab_size
+        source = f"the tokenizer {data.tokenizer_model}"
+    elif m.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"--vocab-size {m.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
+        )
+    else:
+        source = f"--vocab-size {m.vocab_size}"
+    weights, prefixes = parse_data_path(data.data_path)
+    split = parse_split(data.split)
+    train_tokens = 0
+    for weight, prefix in zip(weights, prefixes):
+        dataset = IndexedDataset(prefix)
+        start, end = split_ranges(dataset.num_documents, split)[0]
+        if weight > 0 and end > start:
+            docs = dataset.document_indices
+            train_tokens += int(dataset.sequence_lengths[docs[start] : docs[end]].sum())
+        dataset.close()
+    if train_tokens < m.seq_length + 1:
+        raise ConfigError(
+            f"--split {data.split} leaves {train_tokens} training tokens in --data-path, fewer "
+            f"than one sample of seq-length + 1 = {m.seq_length + 1}; give the train split "
+            "more documents (--split) or more data"
+        )
+    check_token_ids(prefixes, m.vocab_size, source, data.data_cache_path)
+
+
+def _writable_dir(path: str, flag: str) -> None:
+    """The folder exists (created if needed) and a file can be created in it."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{flag}: {describe_os_error(err, path)}") from None
+
+
+def _check_outputs(train) -> None:
+    """Every place the run writes to can be written, found now rather than at the first
+    checkpoint or log line."""
+    if train.save:
+        _writable_dir(train.save, "--save")
+    if train.tensorboard_dir:
+        _writable_dir(train.tensorboard_dir, "--tensorboard-dir")
+    if train.log_jsonl:
+        _writable_dir(os.path.dirname(os.path.abspath(train.log_jsonl)), "--log-jsonl")
+        if os.path.isdir(train.log_jsonl):
+            raise ConfigError(f"--log-jsonl {train.log_jsonl} is a folder; give a file name")
