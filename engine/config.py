@@ -175,10 +175,16 @@ class OptimizerConfig:
     lr: float = option(3e-4, "peak learning rate")
     min_lr: float = option(0.0, "learning rate at the end of the decay")
     lr_decay_style: str = option(
-        "cosine", "decay after warm-up", choices=["cosine", "linear", "constant", "WSD"]
+        "linear",
+        "decay after warm-up",
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
     )
-    lr_decay_iters: int | None = option(None, "iterations of warm-up + decay (default: all)")
-    lr_warmup_iters: int = option(0, "iterations of linear warm-up from 0")
+    lr_decay_iters: int | None = option(
+        None,
+        "iterations to decay the learning rate over, warm-up included (default: --train-iters)",
+    )
+    lr_warmup_iters: int = option(0, "iterations of linear warm-up from --lr-warmup-init")
+    lr_warmup_init: float = option(0.0, "learning rate of the first warm-up update")
     lr_wsd_decay_style: str = option(
         "exponential",
         "WSD: shape of the final decay",
@@ -198,20 +204,26 @@ class OptimizerConfig:
     hysteresis: int = option(2, "fp16: overflowing steps in a row before the scale halves")
 
     def validate(self, train_iters: int | None = None) -> None:
-        decay = self.lr_decay_iters or train_iters
-        if decay is not None and self.lr_warmup_iters > decay:
+        # The bounds megatron.core's OptimizerParamScheduler asserts, as flag errors.
+        if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
+            raise ConfigError("--lr-decay-iters must be at least 1")
+        decay = self.lr_decay_iters if self.lr_decay_iters is not None else train_iters
+        if decay is not None and self.lr_warmup_iters >= decay:
             raise ConfigError(
-                f"--lr-warmup-iters {self.lr_warmup_iters} exceeds the decay length {decay} "
-                "(--lr-decay-iters, default --train-iters); lower it or raise the decay length"
+                f"--lr-warmup-iters {self.lr_warmup_iters} must be below the decay length "
+                f"{decay} (--lr-decay-iters, default --train-iters); lower it or raise the "
+                "decay length"
             )
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
+        if not 0 <= self.lr_warmup_init <= self.lr:
+            raise ConfigError(f"need 0 <= --lr-warmup-init ({self.lr_warmup_init}) <= --lr")
         if self.lr_warmup_iters < 0:
             raise ConfigError("--lr-warmup-iters must be non-negative")
         if self.clip_grad < 0:
             raise ConfigError("--clip-grad must be non-negative (0 turns clipping off)")
-        if self.lr_decay_style == "WSD" and not self.lr_wsd_decay_iters:
-            raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+        if self.lr_decay_style == "WSD" and (self.lr_wsd_decay_iters or 0) < 1:
+            raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters (at least 1)")
 
 
 @dataclass

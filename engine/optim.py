@@ -82,49 +82,86 @@ def build_optimizer(
     )
 
 
-class LRScheduler:
-    """Linear warm-up from 0 to lr, then decay to min_lr by `lr_decay_iters`:
-    cosine, linear, constant, or WSD (constant, then a final decay of lr_wsd_decay_iters)."""
+# WSD's final anneal: the share of (lr - min_lr) left at a fraction r of the way through it.
+_WSD_ANNEAL = {
+    "linear": lambda r: 1.0 - r,
+    "cosine": lambda r: 0.5 * (math.cos(math.pi * r) + 1.0),
+    "exponential": lambda r: (2.0 * math.pow(0.5, r)) - 1.0,
+    "minus_sqrt": lambda r: 1.0 - math.sqrt(r),
+}
 
-    def __init__(self, cfg: OptimizerConfig, train_iters: int):
+
+class LRScheduler:
+    """Megatron-LM's learning-rate schedule (megatron.core's OptimizerParamScheduler).
+
+    Linear warm-up from --lr-warmup-init to --lr over --lr-warmup-iters updates (update 0 runs
+    at the initial LR, update lr_warmup_iters at the peak), then down to --min-lr by
+    --lr-decay-iters: constant (stays at --lr), linear, cosine, inverse-square-root, or WSD
+    (stays at --lr, then anneals over the last --lr-wsd-decay-iters). Past the decay length
+    every style but constant gives --min-lr.
+
+    `num_steps` counts successful updates. The trainer calls `advance` only after an update is
+    applied, as Megatron-LM steps its scheduler only when `update_successful`: a skipped step
+    (NaN/Inf, a loss spike, an fp16 overflow) leaves the schedule where it was.
+
+    Megatron-LM's iteration-based training counts samples: warm-up and decay lengths are
+    iterations x global batch, and each update adds one global batch. With a fixed global batch
+    that is counting updates, except where it clamps a count to one sample
+    (inverse-square-root without warm-up), so the arithmetic here is in samples too, with the
+    same operations in the same order: the values agree to the last bit.
+    """
+
+    def __init__(self, cfg: OptimizerConfig, train_iters: int, global_batch_size: int = 1):
         self.cfg = cfg
         cfg.validate(train_iters)
-        self.decay_iters = cfg.lr_decay_iters or train_iters
+        self.decay_iters = cfg.lr_decay_iters if cfg.lr_decay_iters is not None else train_iters
+        self.global_batch_size = global_batch_size
         self.num_steps = 0
 
     def lr_at(self, step: int) -> float:
-        cfg = self.cfg
-        warmup, decay = cfg.lr_warmup_iters, self.decay_iters
-        if warmup and step < warmup:
-            return cfg.lr * (step + 1) / warmup
+        """The learning rate of the update made after `step` successful ones."""
+        cfg, batch = self.cfg, self.global_batch_size
+        samples = step * batch
+        warmup = cfg.lr_warmup_iters * batch
+        decay = self.decay_iters * batch
+        peak, init, floor = float(cfg.lr), cfg.lr_warmup_init, cfg.min_lr
+        if warmup > 0 and samples <= warmup:
+            return init + (peak - init) * float(samples) / float(warmup)
         if cfg.lr_decay_style == "constant":
-            return cfg.lr
-        if step >= decay:
-            return cfg.min_lr
-        span = cfg.lr - cfg.min_lr
-        if cfg.lr_decay_style == "WSD":
-            anneal_start = decay - cfg.lr_wsd_decay_iters
-            if step < anneal_start:
-                return cfg.lr
-            ratio = (step - anneal_start) / cfg.lr_wsd_decay_iters
-            factor = {
-                "linear": 1.0 - ratio,
-                "cosine": 0.5 * (math.cos(math.pi * ratio) + 1.0),
-                "exponential": (2.0 * math.pow(0.5, ratio)) - 1.0,
-                "minus_sqrt": 1.0 - math.sqrt(ratio),
-            }[cfg.lr_wsd_decay_style]
-            return cfg.min_lr + span * factor
-        ratio = (step - warmup) / max(decay - warmup, 1)
+            return peak
+        if samples > decay:
+            return floor
+        if cfg.lr_decay_style == "inverse-square-root":
+            # peak at the end of warm-up, then falling as 1/sqrt(samples), never below min_lr
+            return max(floor, peak * max(warmup, 1) ** 0.5 / max(samples, 1) ** 0.5)
+        ratio = float(samples - warmup) / float(decay - warmup)
         if cfg.lr_decay_style == "linear":
-            return cfg.min_lr + span * (1.0 - ratio)
-        return cfg.min_lr + span * 0.5 * (math.cos(math.pi * ratio) + 1.0)
+            coeff = 1.0 - ratio
+        elif cfg.lr_decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:  # WSD
+            anneal = cfg.lr_wsd_decay_iters * batch
+            anneal_start = decay - anneal
+            if samples <= anneal_start:
+                coeff = 1.0
+            else:
+                coeff = _WSD_ANNEAL[cfg.lr_wsd_decay_style]((samples - anneal_start) / anneal)
+        return floor + coeff * (peak - floor)
 
-    def step(self, optimizer: DistributedOptimizer) -> float:
-        """Set the learning rate of the coming update and advance."""
-        lr = self.lr_at(self.num_steps)
+    @property
+    def lr(self) -> float:
+        """The learning rate of the coming update."""
+        return self.lr_at(self.num_steps)
+
+    def apply(self, optimizer: DistributedOptimizer) -> float:
+        """Give the optimizer the learning rate of the coming update; return it."""
+        lr = self.lr
         optimizer.set_lr(lr)
-        self.num_steps += 1
         return lr
+
+    def advance(self) -> None:
+        """Count one successful update (never a skipped one)."""
+        self.num_steps += 1
 
     def state_dict(self) -> dict:
         return {"num_steps": self.num_steps}

@@ -4,7 +4,8 @@ The engine's side of the pipeline schedules: how a model chunk runs on a micro-b
 (`forward_step`) and how the last stage turns per-token losses into the scalar to
 differentiate (`make_loss_func`). `train_step` then does: zero grads, the schedule over the
 micro-batches, finalize_model_grads (DP reduction, TP partial grads, tied embeddings across
-pipeline stages), the learning rate, and the optimizer step.
+pipeline stages), the learning rate, and the optimizer step (the learning-rate schedule
+advances only when that step updates).
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def train_step(
     should_step(loss) can decline the update (it must decide the same on every rank; the loss
     it gets is); after_backward() runs between backward and the gradient reduction;
     before_update() right before the weights and optimizer state change.
-    A non-finite gradient norm skips the update inside the optimizer. Collective on all ranks.
+    A non-finite gradient norm skips the update inside the optimizer. The scheduler advances
+    only when the update is applied. Collective on all ranks.
     """
     optimizer.zero_grad()
     scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else 1.0
@@ -116,12 +118,16 @@ def train_step(
     shared = [w for c in chunks if (w := c.module.shared_embedding_weight()) is not None]
     finalize_model_grads(chunks, state.tp_group, state.embedding_group, shared)
     loss = shared_loss(losses, state)
-    lr = scheduler.step(optimizer)
+    lr = scheduler.apply(optimizer)
     loss_scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else None
     if should_step is not None and not should_step(loss):
         return StepOutput(loss, None, lr, False, loss_scale)
     if before_update is not None:
         before_update()
     result = optimizer.step()
+    if result.updated:
+        # As Megatron-LM: the schedule moves on only after an update is applied, so a skipped
+        # one (non-finite gradient, fp16 overflow, declined above) is retried at the same LR.
+        scheduler.advance()
     norm = result.grad_norm if math.isfinite(result.grad_norm) else None
     return StepOutput(loss, norm, lr, result.updated, result.loss_scale)

@@ -4,7 +4,8 @@ Each iteration: the pipeline schedule runs the global batch's micro-batches, gra
 reduced (finalize_model_grads), the loss is made known to every rank, and the optimizer steps
 unless the loss or the gradient is NaN/Inf (the step is skipped and counted; with
 --exit-on-nan-count the run stops after that many) or, with --skip-spike-batches, the loss is
-a spike (z-score over a window of recent losses).
+a spike (z-score over a window of recent losses). A skipped step does not advance the
+learning-rate schedule; the "lr" logged is the one the iteration's update used or would have.
 """
 
 from __future__ import annotations
@@ -151,9 +152,9 @@ def setup(cfg: Configs, state: ParallelState) -> Run:
         world_group=state.world_group,
         device=state.device,
     )
-    scheduler = LRScheduler(cfg.optimizer, train.train_iters)
     num_microbatches = train.num_microbatches(state.dp_size)
     global_batch = train.global_batch(state.dp_size)
+    scheduler = LRScheduler(cfg.optimizer, train.train_iters, global_batch)
     seq = (
         m.seq_length // state.tp_size
         if par.sequence_parallel and state.tp_size > 1

@@ -86,7 +86,7 @@ def reference_run(
     optimizer = torch.optim.AdamW(
         groups, lr=ocfg.lr, betas=(ocfg.adam_beta1, ocfg.adam_beta2), eps=ocfg.adam_eps
     )
-    scheduler = LRScheduler(ocfg, steps)
+    scheduler = LRScheduler(ocfg, steps, gbs)
     losses, norms = [], []
     for step in range(steps):
         tokens = global_batch(step, gbs, cfg.seq_length)
@@ -95,7 +95,7 @@ def reference_run(
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(params, ocfg.clip_grad).item())
         for group in optimizer.param_groups:
-            group["lr"] = scheduler.lr_at(step)
+            group["lr"] = scheduler.lr_at(step)  # every update succeeds: update k is step k
         optimizer.step()
         losses.append(loss.item())
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -158,7 +158,7 @@ def engine_run(
         world_group=state.world_group,
         device=state.device,
     )
-    scheduler = LRScheduler(ocfg, steps)
+    scheduler = LRScheduler(ocfg, steps, gbs)
     schedule = make_schedule(state, cfg, mbs, sequence_parallel, dtype, virtual_size, schedule_kind)
     outputs = []
     for step in range(steps):

@@ -1,0 +1,183 @@
+"""The learning-rate schedule against Megatron-LM's own (megatron.core's
+OptimizerParamScheduler, installed beside the engine as an independent reference): every
+decay style, with and without warm-up, through the decay's end into the --min-lr tail; and
+through the real training loop, where a skipped update must not advance the schedule, and a
+resumed run must carry on from the count saved in its checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from engine.checkpointing import iteration_dir, read_meta
+from engine.config import OptimizerConfig
+from engine.errors import ConfigError
+from engine.optim import LRScheduler
+from engine.pretrain import parse
+from tests.test_training import base_args, pretrain, records
+
+TRAIN_ITERS = 24
+GLOBAL_BATCH = 8  # Megatron-LM counts samples; a batch > 1 checks that we count the same way
+
+
+def megatron_lrs(cfg: OptimizerConfig, train_iters: int, global_batch: int, updates: int):
+    """The LR of updates 0..updates-1 as Megatron-LM's iteration-based training gets them:
+    the scheduler counts samples and steps by a global batch after each successful update."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=cfg.lr)
+    decay_iters = cfg.lr_decay_iters if cfg.lr_decay_iters is not None else train_iters
+    wsd = cfg.lr_wsd_decay_iters
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=cfg.lr_warmup_init,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_iters * global_batch,
+        lr_decay_steps=decay_iters * global_batch,
+        lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=train_iters * global_batch,
+        wd_incr_style="constant",
+        wsd_decay_steps=None if wsd is None else wsd * global_batch,
+        lr_wsd_decay_style=cfg.lr_wsd_decay_style,
+    )
+    lrs = []
+    for _ in range(updates):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        scheduler.step(increment=global_batch)
+    return lrs
+
+
+def max_rel_diff(ours: list[float], theirs: list[float]) -> float:
+    """Largest |ours - theirs| / |theirs| (the absolute difference where theirs is 0)."""
+    assert len(ours) == len(theirs)
+    return max(abs(a - b) / abs(b) if b else abs(a) for a, b in zip(ours, theirs))
+
+
+STYLES = [
+    ("constant", None),
+    ("linear", None),
+    ("cosine", None),
+    ("inverse-square-root", None),
+    ("WSD", "exponential"),
+    ("WSD", "linear"),
+    ("WSD", "cosine"),
+    ("WSD", "minus_sqrt"),
+]
+# (warm-up iterations, --lr-warmup-init)
+WARMUPS = [(0, 0.0), (1, 0.0), (4, 0.0), (4, 2e-4)]
+
+
+def schedule_config(style, wsd_style, warmup, warmup_init, decay_iters=16) -> OptimizerConfig:
+    extra = {"lr_wsd_decay_style": wsd_style, "lr_wsd_decay_iters": 6} if wsd_style else {}
+    return OptimizerConfig(
+        lr=1e-3,
+        min_lr=1e-4,
+        lr_decay_style=style,
+        lr_decay_iters=decay_iters,  # shorter than the run: the --min-lr tail shows
+        lr_warmup_iters=warmup,
+        lr_warmup_init=warmup_init,
+        **extra,
+    )
+
+
+@pytest.mark.parametrize("warmup, warmup_init", WARMUPS, ids=lambda v: str(v))
+@pytest.mark.parametrize("style, wsd_style", STYLES, ids=lambda v: str(v))
+def test_schedule_equals_megatron(style, wsd_style, warmup, warmup_init):
+    cfg = schedule_config(style, wsd_style, warmup, warmup_init)
+    updates = TRAIN_ITERS + 1
+    theirs = megatron_lrs(cfg, TRAIN_ITERS, GLOBAL_BATCH, updates)
+    scheduler = LRScheduler(cfg, TRAIN_ITERS, global_batch_size=GLOBAL_BATCH)
+    ours = []
+    for _ in range(updates):
+        ours.append(scheduler.lr)
+        scheduler.advance()
+    assert max_rel_diff(ours, theirs) <= 1e-12, list(zip(ours, theirs))
+    assert ours == [scheduler.lr_at(k) for k in range(updates)]
+
+
+def test_schedule_decays_over_train_iters_by_default():
+    cfg = schedule_config("cosine", None, 3, 0.0, decay_iters=None)
+    theirs = megatron_lrs(cfg, TRAIN_ITERS, GLOBAL_BATCH, TRAIN_ITERS + 2)
+    scheduler = LRScheduler(cfg, TRAIN_ITERS, global_batch_size=GLOBAL_BATCH)
+    ours = [scheduler.lr_at(k) for k in range(TRAIN_ITERS + 2)]
+    assert max_rel_diff(ours, theirs) <= 1e-12
+
+
+def test_warmup_starts_at_init_and_reaches_the_peak_after_warmup_iters():
+    # The issue's example: --lr-warmup-iters 2 gives 0, lr/2, lr for the first three updates.
+    cfg = OptimizerConfig(lr=1e-3, lr_decay_style="constant", lr_warmup_iters=2)
+    scheduler = LRScheduler(cfg, 10)
+    assert [scheduler.lr_at(k) for k in range(4)] == [0.0, 5e-4, 1e-3, 1e-3]
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"lr_warmup_iters": 10}, "--lr-warmup-iters 10"),
+        ({"lr_decay_iters": 0}, "--lr-decay-iters"),
+        ({"lr_warmup_init": 2e-3}, "--lr-warmup-init"),
+        ({"lr_decay_style": "WSD"}, "--lr-wsd-decay-iters"),
+    ],
+)
+def test_schedule_settings_megatron_rejects_are_config_errors(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        LRScheduler(OptimizerConfig(lr=1e-3, **fields), 10)
+
+
+SKIPPED = 3  # the update of this iteration (1-based) is skipped: a NaN gradient
+
+
+def test_skipped_update_does_not_advance_the_schedule(dataset_prefix, tokenizer_model, tmp_path):
+    """Iteration SKIPPED's gradient is NaN, so its update is skipped; every logged LR is the one
+    Megatron-LM gives for the successful updates before it, straight and after a resume from
+    a checkpoint taken after the skip."""
+    train_iters = 8
+    flags = {
+        "--train-iters": str(train_iters),
+        "--lr-decay-style": "linear",
+        "--lr-warmup-iters": "2",
+        "--lr-warmup-init": "1e-3",
+        "--lr-decay-iters": "6",
+        "--eval-iters": "0",
+    }
+    ckpt = str(tmp_path / "ckpt")
+    straight_log = str(tmp_path / "straight.jsonl")
+    args = base_args(dataset_prefix, tokenizer_model, **flags)
+    save = {"--log-jsonl": straight_log, "--save": ckpt, "--save-interval": "4"}
+    fault = {"TRIPOD_FAULT_NAN_GRAD_AT": str(SKIPPED)}
+    assert pretrain(1, base_args(dataset_prefix, tokenizer_model, **flags, **save), fault) == [0]
+    # Resume from iteration 4's checkpoint (one update skipped before it).
+    at4 = tmp_path / "at4"
+    shutil.copytree(iteration_dir(ckpt, 4), at4 / "iter_0000004")
+    (at4 / "latest_checkpointed_iteration.txt").write_text("4\n")
+    resumed_log = str(tmp_path / "resumed.jsonl")
+    resume = {"--log-jsonl": resumed_log, "--load": str(at4)}
+    assert pretrain(1, base_args(dataset_prefix, tokenizer_model, **flags, **resume)) == [0]
+
+    straight = {r["iteration"]: r for r in records(straight_log) if "split" not in r}
+    resumed = {r["iteration"]: r for r in records(resumed_log) if "split" not in r}
+    assert sorted(straight) == list(range(1, train_iters + 1))
+    assert sorted(resumed) == list(range(5, train_iters + 1))
+    assert [straight[i]["skipped_iters"] for i in (2, 3, 4)] == [0, 1, 1]
+
+    cfg = parse(args)
+    theirs = megatron_lrs(cfg.optimizer, train_iters, cfg.train.global_batch_size, train_iters)
+    successful_before = {i: i - 1 - (i > SKIPPED) for i in range(1, train_iters + 1)}
+    expected = {i: theirs[n] for i, n in successful_before.items()}
+    assert {i: r["lr"] for i, r in straight.items()} == pytest.approx(expected, rel=1e-12, abs=0)
+    assert {i: r["lr"] for i, r in resumed.items()} == pytest.approx(
+        {i: expected[i] for i in resumed}, rel=1e-12, abs=0
+    )
+    # The skipped iteration logs the LR its update would have used, the next one the same.
+    assert straight[SKIPPED]["lr"] == straight[SKIPPED + 1]["lr"]
+    # The checkpoint counts successful updates: 3 of the first 4 iterations.
+    assert read_meta(iteration_dir(ckpt, 4))["scheduler"]["num_steps"] == 3
