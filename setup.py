@@ -48,7 +48,9 @@ setup(
     name="tripod",
     version="0.1.0",
     description="A Megatron-style 3D-parallel LLM training engine, from laptop CPU to GPU cluster",
-    packages=find_packages(include=["engine", "engine.*", "parallel", "parallel.*", "tools"]),
+    # Only the importable library. tools/ (scripts run as `python tools/<name>.py` from a
+    # checkout) and tests/ stay out: a top-level `tools` package would collide with others.
+    packages=find_packages(include=["engine", "engine.*", "parallel", "parallel.*"]),
     ext_modules=extensions,
     cmdclass={"build_ext": build_class},
     python_requires=">=3.10",

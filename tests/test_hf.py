@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -162,6 +163,28 @@ def test_hf_to_ours_to_hf_is_bit_identical(tmp_path):
         assert original.keys() == again.keys(), style
         for key, value in original.items():
             assert torch.equal(value, again[key]), (style, key)
+
+
+def test_exported_files_get_the_mode_of_a_new_file(tokenizer_model, tmp_path):
+    """Exported under umask 027, every file (shards, index, configs, tokenizer) is 0640, as any
+    new file would be: neither safetensors' own 0600 nor a fixed 0644 passes."""
+    _random_hf_model("llama", tmp_path / "hf")
+    import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    out = tmp_path / "again"
+    old = os.umask(0o027)
+    try:
+        export_to_hf(
+            str(tmp_path / "ours"),
+            str(out),
+            max_shard_size="100KB",
+            tokenizer_model=tokenizer_model,
+        )
+    finally:
+        os.umask(old)
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors.index.json" in names and "tokenizer.model" in names
+    modes = {name: oct(stat.S_IMODE((out / name).stat().st_mode)) for name in names}
+    assert modes == {name: oct(0o666 & ~0o027) for name in names}
 
 
 def _tp2_pp2_logits(rank, world, ckpt, tokens):

@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from engine.cli import run_main as run
 from engine.model import BuildContext, GPTModel
 from engine.model.builder import build_model_chunks
 from engine.step import run_schedule
@@ -30,8 +31,11 @@ from parallel.ddp import DistributedDataParallel
 from parallel.launch import run_local
 from parallel.pipeline.schedules import get_schedule
 from parallel.state import ParallelState
-from tools._bench_data import bench_model_config
-from tools._cli import run
+
+if __package__:  # imported as tools.bench_pipeline (from the repository root, as tests do)
+    from ._bench_data import bench_model_config
+else:  # run as `python tools/bench_pipeline.py`: tools/ is sys.path[0]
+    from _bench_data import bench_model_config
 
 OVERLAP = "interleaved+overlap"  # --overlap-p2p-communication
 

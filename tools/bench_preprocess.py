@@ -19,9 +19,9 @@ import sys
 import tempfile
 import time
 
+from engine.cli import run_main as run
 from engine.data.corpus import stdlib_sources
 from engine.data.tokenizer_training import train_tokenizer
-from tools._cli import run
 
 TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preprocess_data.py")
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 
+from engine.cli import run_main as run
 from engine.errors import ConfigError
-from tools._cli import run
 
 
 def main(argv: list[str] | None = None) -> int:

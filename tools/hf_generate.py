@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from tools._cli import run
+from engine.cli import run_main as run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from engine.cli import run_main as run
 from engine.data.corpus import write_corpus
-from tools._cli import run
 
 
 def main(argv: list[str] | None = None) -> int:

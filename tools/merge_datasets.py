@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from engine.cli import run_main as run
 from engine.data.indexed import IndexedDataset, IndexedDatasetBuilder, dataset_exists
 from engine.errors import InputError
-from tools._cli import run
 
 
 def _prefixes(inputs: list[str]) -> list[str]:

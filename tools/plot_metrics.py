@@ -6,8 +6,8 @@ import argparse
 import json
 import os
 
+from engine.cli import run_main as run
 from engine.errors import InputError
-from tools._cli import run
 
 
 def read_log(path: str) -> tuple[list[dict], list[dict]]:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.cli import run_main as run
 from engine.data.preprocess import preprocess
 from engine.data.tokenizer import TOKENIZER_TYPES
-from tools._cli import run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from engine.cli import run_main as run
 from engine.data.builder import build_gpt_datasets
 from engine.data.tokenizer import build_tokenizer
-from tools._cli import run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from engine.cli import run_main as run
 from engine.data.tokenizer_training import train_tokenizer
-from tools._cli import run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 
 import torch
 
@@ -141,6 +142,7 @@ def export_to_hf(
     tmp = output.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    file_mode = _new_file_mode(tmp)
     weight_map, total = {}, 0
     for number, shard in enumerate(shards, start=1):
         name = (
@@ -157,6 +159,7 @@ def export_to_hf(
             weight_map[tensor.name] = name
             total += tensors[tensor.name].numel() * element
         save_file(tensors, os.path.join(tmp, name), metadata={"format": "pt"})
+        os.chmod(os.path.join(tmp, name), file_mode)  # safetensors writes 0600
         del tensors
     if len(shards) > 1:
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
@@ -181,6 +184,17 @@ def export_to_hf(
         "bytes": total,
         "checkpoint": path,
     }
+
+
+def _new_file_mode(folder: str) -> int:
+    """The permission bits a file newly created in folder gets (0o666 less the umask: 0644
+    under umask 022), found by creating one, so the umask is never changed, not even briefly."""
+    probe = os.path.join(folder, ".mode-probe")
+    with open(probe, "w"):
+        pass
+    mode = stat.S_IMODE(os.stat(probe).st_mode)
+    os.remove(probe)
+    return mode
 
 
 def _replace_folder(tmp: str, output: str) -> None:
