@@ -32,3 +32,27 @@ def dataset_prefix(corpus, tokenizer_model, tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("dataset") / "data"
     preprocess(corpus["jsonl"], str(out), tokenizer_model, append_eod=True, progress=False)
     return f"{out}_text_document"
+
+
+def _train_and_save(rank, world, argv):
+    from engine.pretrain import main
+
+    return main(argv)
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint(dataset_prefix, tokenizer_model, tmp_path_factory) -> str:
+    """A checkpoint folder (2 iterations of a tiny GPT, one rank) written by the engine; copy
+    it before damaging it."""
+    from tests.distributed import run_ranks
+
+    root = str(tmp_path_factory.mktemp("small_checkpoint") / "ckpt")
+    argv = [
+        *("--data-path", dataset_prefix, "--tokenizer-model", tokenizer_model),
+        *("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"),
+        *("--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4"),
+        *("--train-iters", "2", "--lr-warmup-iters", "1", "--split", "90,10,0"),
+        *("--eval-iters", "1", "--make-vocab-size-divisible-by", "16", "--save", root),
+    ]
+    run_ranks(_train_and_save, 1, argv)
+    return root

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from engine.checkpointing import iteration_dir, read_meta
+from engine.checkpoint_files import iteration_dir, read_meta
 from engine.config import OptimizerConfig
 from engine.errors import ConfigError
 from engine.optim import LRScheduler
