@@ -4,7 +4,9 @@ that stops with a one-line error naming file and line/row, leaving nothing behin
 from __future__ import annotations
 
 import gzip
+import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -19,8 +21,29 @@ from engine.data.indexed import IndexedDataset
 from engine.data.preprocess import preprocess
 from engine.data.tokenizer import SentencePieceTokenizer
 from engine.errors import InputError
+from tests.small_disk import small_disk_available, small_disk_command
 
-TOOL = "tools/preprocess_data.py"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
+# The tool imports this checkout's engine, not the one an editable install may point at.
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+}
+
+
+def _tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, TOOL, *args], capture_output=True, text=True, cwd=ROOT, env=ENV
+    )
+
+
+def _one_line_error(result: subprocess.CompletedProcess) -> str:
+    """The single `error: ...` line of a run that must have failed with exit code 2."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
 
 
 def _docs(corpus, n=20):
@@ -143,8 +166,9 @@ def test_bad_jsonl_stops_with_location_and_leaves_nothing(
 @pytest.mark.parametrize("content, message", BAD_JSONL)
 def test_skip_bad_records_counts_them(tokenizer_model, tmp_path, content, message):
     src = tmp_path / "bad.jsonl"
-    src.write_bytes(content if isinstance(content, bytes) else content.encode())
-    good = content.count("fine" if isinstance(content, str) else b"fine")
+    content = content if isinstance(content, bytes) else content.encode()
+    src.write_bytes(content + b'{"text": "fine"}\n')  # an input of only bad records is refused
+    good = src.read_bytes().count(b"fine")
     stats = preprocess(
         str(src), str(tmp_path / "out"), tokenizer_model, skip_bad_records=True, progress=False
     )
@@ -154,19 +178,30 @@ def test_skip_bad_records_counts_them(tokenizer_model, tmp_path, content, messag
 
 def test_parquet_without_the_column(tokenizer_model, tmp_path):
     pq.write_table(pa.table({"content": ["x = 1", "y = 2"]}), tmp_path / "p.parquet")
+    pq.write_table(pa.table({"text": ["z = 3"]}), tmp_path / "q.parquet")
     with pytest.raises(InputError, match=r"p.parquet: no column 'text' \(columns: content\)"):
         preprocess(
             str(tmp_path / "p.parquet"), str(tmp_path / "out"), tokenizer_model, progress=False
         )
     assert not list(tmp_path.glob("out*"))
+    # Skipped, the file leaves no document at all: that is refused too, not written empty.
+    with pytest.raises(InputError, match=r"no documents with text \(0 empty, 2 bad and skipped"):
+        preprocess(
+            str(tmp_path / "p.parquet"),
+            str(tmp_path / "out"),
+            tokenizer_model,
+            skip_bad_records=True,
+            progress=False,
+        )
+    assert not list(tmp_path.glob("out*"))
     stats = preprocess(
-        str(tmp_path / "p.parquet"),
+        [str(tmp_path / "p.parquet"), str(tmp_path / "q.parquet")],
         str(tmp_path / "out"),
         tokenizer_model,
         skip_bad_records=True,
         progress=False,
     )
-    assert stats.skipped == 2 and stats.documents == 0
+    assert stats.skipped == 2 and stats.documents == 1
 
 
 def test_bad_row_in_parquet_names_the_row(tokenizer_model, tmp_path):
@@ -178,70 +213,166 @@ def test_bad_row_in_parquet_names_the_row(tokenizer_model, tmp_path):
         )
 
 
-def test_cli_error_is_one_line_exit_2_and_earlier_output_untouched(tokenizer_model, tmp_path):
-    good = tmp_path / "good.jsonl"
+def _earlier_output(tokenizer_model, folder) -> tuple[str, dict[str, bytes]]:
+    """A good dataset at <folder>/out, and its bytes, which failed runs must leave alone."""
+    good = folder / "good.jsonl"
     good.write_text('{"text": "x = 1"}\n')
-    out = str(tmp_path / "out")
-    args = [
-        sys.executable,
-        TOOL,
-        "--tokenizer-model",
-        tokenizer_model,
-        "--output-prefix",
-        out,
-        "--no-progress",
-    ]
-    subprocess.run(args + ["--input", str(good)], check=True, capture_output=True)
-    before = {p.name: p.read_bytes() for p in tmp_path.glob("out*")}
+    prefix = str(folder / "out")
+    preprocess(str(good), prefix, tokenizer_model, progress=False)
+    before = {p.name: p.read_bytes() for p in folder.glob("out*")}
     assert set(before) == {"out_text_document.bin", "out_text_document.idx"}
+    return prefix, before
 
+
+def test_cli_error_is_one_line_exit_2_and_earlier_output_untouched(tokenizer_model, tmp_path):
+    out, before = _earlier_output(tokenizer_model, tmp_path)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "x = 1"}\n{"text": \n')
-    result = subprocess.run(args + ["--input", str(bad)], capture_output=True, text=True)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "bad.jsonl:line 2" in lines[0]
+    args = ["--tokenizer-model", tokenizer_model, "--output-prefix", out, "--no-progress"]
+    assert "bad.jsonl:line 2" in _one_line_error(_tool(*args, "--input", str(bad)))
     after = {p.name: p.read_bytes() for p in tmp_path.glob("out*")}
     assert after == before
 
 
-def test_cli_missing_input_and_progress_summary(tokenizer_model, tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            TOOL,
-            "--input",
-            str(tmp_path / "none.jsonl"),
-            "--tokenizer-model",
-            tokenizer_model,
-            "--output-prefix",
-            str(tmp_path / "o"),
-        ],
-        capture_output=True,
-        text=True,
+def _half(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def _zstd(data: bytes) -> bytes:
+    return zstandard.ZstdCompressor().compress(data)
+
+
+def _parquet(lines: bytes) -> bytes:
+    sink = io.BytesIO()
+    texts = [json.loads(line)["text"] for line in lines.splitlines()]
+    pq.write_table(pa.table({"text": texts}), sink)
+    return sink.getvalue()
+
+
+# name -> (contents made from a few good JSONL lines, words the error line must hold)
+BAD_INPUTS = {
+    "empty.jsonl": (lambda lines: b"", "no documents with text"),
+    "blank.jsonl": (lambda lines: b'{"text": ""}\n{"text": ""}\n', "no documents with text"),
+    "cut.jsonl.gz": (lambda lines: _half(gzip.compress(lines)), "truncated or corrupt"),
+    "cut.jsonl.zst": (lambda lines: _half(_zstd(lines)), "truncated or corrupt"),
+    # A whole frame, then half of a small one: zstandard's stream reader took that for an end.
+    "cut-frame.jsonl.zst": (
+        lambda lines: _zstd(lines) + _half(_zstd(b'{"text": "y = 2"}\n' * 50)),
+        "truncated or corrupt",
+    ),
+    "garbage.jsonl.gz": (lambda lines: b"not gzip at all\n" * 20, "truncated or corrupt"),
+    "garbage.jsonl.zst": (lambda lines: b"not zstd at all\n" * 20, "truncated or corrupt"),
+    "cut.parquet": (lambda lines: _half(_parquet(lines)), "truncated or corrupt"),
+    "jsonl.parquet": (lambda lines: lines, "not a Parquet file"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_cli_refuses_empty_or_damaged_input_and_keeps_earlier_output(
+    corpus, tokenizer_model, tmp_path, name
+):
+    out, before = _earlier_output(tokenizer_model, tmp_path)
+    with open(corpus["jsonl"], "rb") as f:
+        lines = b"".join(f.readlines()[:8])
+    make, words = BAD_INPUTS[name]
+    (tmp_path / name).write_bytes(make(lines))
+    result = _tool(
+        "--input",
+        str(tmp_path / name),
+        "--tokenizer-model",
+        tokenizer_model,
+        "--output-prefix",
+        out,
+        "--workers",
+        "2",
+        "--no-progress",
     )
-    assert result.returncode == 2 and "none.jsonl: no such file" in result.stderr
+    line = _one_line_error(result)
+    assert str(tmp_path / name) in line and words in line
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("out*")} == before
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_multi_frame_zstd_is_read_whole(tokenizer_model, tmp_path):
+    frames = [_zstd(f'{{"text": "x{i} = {i}"}}\n'.encode()) for i in range(3)]
+    (tmp_path / "m.jsonl.zst").write_bytes(b"".join(frames))
+    stats = preprocess(
+        str(tmp_path / "m.jsonl.zst"), str(tmp_path / "o"), tokenizer_model, progress=False
+    )
+    assert stats.documents == 3
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_cli_unwritable_output_is_found_before_tokenizing(tokenizer_model, tmp_path, where):
+    # The input has a bad second line: an error naming the output shows it was checked first.
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "x = 1"}\n{"text": \n')
+    prefix = str(src / "out") if where == "under-a-file" else "/proc/tripod-test/out"
+    result = _tool(
+        "--input",
+        str(src),
+        "--tokenizer-model",
+        tokenizer_model,
+        "--output-prefix",
+        prefix,
+        "--workers",
+        "2",
+        "--no-progress",
+    )
+    line = _one_line_error(result)
+    assert f"{prefix}_text_document.bin" in line and "line 2" not in line
+    assert "a file stands where a folder is needed" in line or "cannot be created" in line
+
+
+# Runs inside the small disk's mount namespace (the tmpfs vanishes with it): preprocess a
+# small input onto the disk, then one too large for it to the same prefix; print what was seen.
+FULL_DISK_SCENARIO = """
+import json, os, subprocess, sys
+tool, model, small, large, disk = sys.argv[1:]
+def run(src):
+    args = ["--input", src, "--tokenizer-model", model, "--output-prefix", disk + "/out"]
+    args += ["--workers", "2", "--no-progress"]
+    done = subprocess.run([sys.executable, tool, *args], capture_output=True, text=True)
+    return done.returncode, done.stderr
+def files():
+    return {n: open(os.path.join(disk, n), "rb").read().hex() for n in sorted(os.listdir(disk))}
+first = run(small)
+before = files()
+second = run(large)
+print(json.dumps({"first": first, "second": second, "before": before, "after": files()}))
+"""
+
+
+def test_cli_full_disk_is_one_line_and_keeps_earlier_output(corpus, tokenizer_model, tmp_path):
+    if not small_disk_available():
+        pytest.skip("no mount namespaces here for a small tmpfs")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    small = tmp_path / "small.jsonl"
+    small.write_text('{"text": "x = 1"}\n')
+    argv = [sys.executable, "-c", FULL_DISK_SCENARIO, TOOL, tokenizer_model, str(small)]
+    argv += [corpus["jsonl"], str(disk)]  # about 700 KB of tokens: more than the disk holds
+    done = subprocess.run(
+        small_disk_command(str(disk), "256k", argv), capture_output=True, text=True, env=ENV
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["first"][0] == 0, seen["first"][1]
+    assert set(seen["before"]) == {"out_text_document.bin", "out_text_document.idx"}
+    code, stderr = seen["second"]
+    line = _one_line_error(subprocess.CompletedProcess([], code, "", stderr))
+    assert "the disk is full" in line and f"{disk}/out_text_document" in line
+    assert seen["after"] == seen["before"]  # intact, and no temporary files left
+
+
+def test_cli_missing_input_and_progress_summary(tokenizer_model, tmp_path):
+    args = ["--tokenizer-model", tokenizer_model, "--output-prefix", str(tmp_path / "o")]
+    result = _tool("--input", str(tmp_path / "none.jsonl"), *args)
+    assert "none.jsonl: no such file" in _one_line_error(result)
     src = tmp_path / "s.jsonl"
     src.write_text("".join(json.dumps({"text": f"v{i} = {i}"}) + "\n" for i in range(30)))
-    result = subprocess.run(
-        [
-            sys.executable,
-            TOOL,
-            "--input",
-            str(src),
-            "--tokenizer-model",
-            tokenizer_model,
-            "--output-prefix",
-            str(tmp_path / "o"),
-            "--log-interval",
-            "10",
-            "--workers",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    result = _tool("--input", str(src), *args, "--log-interval", "10", "--workers", "2")
+    assert result.returncode == 0, result.stderr
     assert "documents: 30" in result.stdout and "skipped (bad): 0" in result.stdout
     assert "docs/s" in result.stderr and "tokens/s" in result.stderr
 

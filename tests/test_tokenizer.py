@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -11,6 +14,35 @@ import pytest
 from engine.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, SentencePieceTokenizer
 from engine.data.tokenizer_training import _chunks, _Corpus, train_tokenizer
 from engine.errors import InputError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "train_tokenizer.py")
+# The tool imports this checkout's engine, not the one an editable install may point at.
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+}
+
+
+def _tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, TOOL, *args], capture_output=True, text=True, cwd=ROOT, env=ENV
+    )
+
+
+def _one_line_error(result: subprocess.CompletedProcess) -> str:
+    """The single `error: ...` line of a run that must have failed with exit code 2."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def _small_input(corpus, path, documents=3, before: bytes = b"") -> str:
+    """A few documents of the corpus as JSONL (after `before`); trains in well under a second."""
+    with open(corpus["jsonl"], "rb") as f:
+        path.write_bytes(before + b"".join(f.readlines()[:documents]))
+    return str(path)
 
 
 def test_special_ids_and_round_trip(tokenizer_model, corpus):
@@ -58,39 +90,79 @@ def test_unigram_and_report(corpus, tmp_path):
     assert (tmp_path / "u.model").exists() and (tmp_path / "u.vocab").exists()
 
 
-def test_cli_prints_fertility_and_errors_cleanly(corpus, tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "tools/train_tokenizer.py",
-            "--input",
-            corpus["jsonl"],
-            "--model-prefix",
-            str(tmp_path / "c"),
-            "--vocab-size",
-            "1000",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
+def test_cli_prints_fertility(corpus, tmp_path):
+    result = _tool(
+        "--input", corpus["jsonl"], "--model-prefix", str(tmp_path / "c"), "--vocab-size", "1000"
     )
+    assert result.returncode == 0, result.stderr
     assert "tokens per word" in result.stdout and "bytes per token" in result.stdout
-    result = subprocess.run(
-        [
-            sys.executable,
-            "tools/train_tokenizer.py",
-            "--input",
-            corpus["jsonl"],
-            "--model-prefix",
-            str(tmp_path / "big"),
-            "--vocab-size",
-            "10000000",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 2 and "--vocab-size" in result.stderr
-    assert not (tmp_path / "big.model").exists()
+
+
+BAD_LINES = [
+    (b'{"text": "a = 1"}\n{"text": \n', "bad.jsonl:line 2: malformed JSON"),
+    (b'{"text": "a = 1"}\n{"text": "caf\xe9"}\n', "bad.jsonl:line 2: bytes that are not UTF-8"),
+    (b'{"text": "a = 1"}\n{"body": "x"}\n', "bad.jsonl:line 2: no key 'text' (keys: body)"),
+]
+
+
+@pytest.mark.parametrize("bad, message", BAD_LINES)
+def test_cli_bad_line_is_one_line_or_skipped(corpus, tmp_path, bad, message):
+    src = _small_input(corpus, tmp_path / "bad.jsonl", before=bad)
+    args = ["--input", src, "--model-prefix", str(tmp_path / "t"), "--vocab-size", "400"]
+    line = _one_line_error(_tool(*args))
+    assert message in line and "--vocab-size" not in line
+    assert not list(tmp_path.glob("t.*"))
+    result = _tool(*args, "--skip-bad-records")
+    assert result.returncode == 0, result.stderr
+    assert "bad records skipped: 1)" in result.stdout and message in result.stderr
+
+
+@pytest.mark.parametrize(
+    "vocab, flags, minimum",
+    [("0", [], 261), ("3", [], 261), ("261", [], 261), ("5", ["--no-byte-fallback"], 5)],
+)
+def test_cli_vocab_size_not_above_the_reserved_pieces(corpus, tmp_path, vocab, flags, minimum):
+    src = _small_input(corpus, tmp_path / "in.jsonl")
+    args = ["--input", src, "--model-prefix", str(tmp_path / "t"), "--vocab-size", vocab, *flags]
+    line = _one_line_error(_tool(*args))
+    assert "raise --vocab-size" in line and f"more than the {minimum} reserved" in line
+    line = _one_line_error(_tool(*args, "--user-defined-symbols", "<a>", "<b>"))
+    assert f"more than the {minimum + 2} reserved" in line
+
+
+def test_cli_vocab_size_against_what_the_input_allows(corpus, tmp_path):
+    src = _small_input(corpus, tmp_path / "in.jsonl")
+    args = ["--input", src, "--model-prefix", str(tmp_path / "t")]
+    line = _one_line_error(_tool(*args, "--vocab-size", "10000000"))
+    at_most = re.search(r"lower --vocab-size to at most (\d+)", line)
+    assert at_most and "or give more input" in line, line
+    assert _tool(*args, "--vocab-size", at_most.group(1)).returncode == 0
+    # Above the reserved pieces, but not enough for every character of the input as well.
+    line = _one_line_error(_tool(*args, "--vocab-size", "270"))
+    assert re.search(r"raise --vocab-size to at least \d+", line), line
+    assert not list(tmp_path.glob("t.*.tmp*"))
+
+
+@pytest.mark.parametrize("content", [b"", b'{"text": ""}\n{"text": "\\n\\n"}\n'])
+def test_cli_input_without_text(tmp_path, content):
+    (tmp_path / "e.jsonl").write_bytes(content)
+    result = _tool("--input", str(tmp_path / "e.jsonl"), "--model-prefix", str(tmp_path / "t"))
+    line = _one_line_error(result)
+    assert "e.jsonl: no text to train on" in line
+
+
+def test_cli_truncated_input_is_one_line(corpus, tmp_path):
+    with open(corpus["jsonl"], "rb") as f:
+        packed = gzip.compress(b"".join(f.readlines()[:3]))
+    (tmp_path / "cut.jsonl.gz").write_bytes(packed[: len(packed) // 2])
+    result = _tool("--input", str(tmp_path / "cut.jsonl.gz"), "--model-prefix", str(tmp_path / "t"))
+    assert "cut.jsonl.gz: truncated or corrupt gzip data" in _one_line_error(result)
+
+
+def test_cli_unwritable_model_prefix_is_found_before_training(corpus, tmp_path):
+    src = _small_input(corpus, tmp_path / "in.jsonl", before=b'{"text": \n')
+    line = _one_line_error(_tool("--input", src, "--model-prefix", f"{src}/t"))
+    assert f"{src}/t.model: a file stands where a folder is needed" in line
 
 
 def test_missing_model_is_a_clear_error(tmp_path):

@@ -7,6 +7,7 @@ tokens per word (fertility) and bytes per token on held-out documents.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from engine.cli import run_main as run
 from engine.data.tokenizer_training import train_tokenizer
@@ -38,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         help="lines longer than this many bytes are split into chunks, never dropped",
     )
     parser.add_argument("--json-keys", nargs="+", default=["text"])
+    parser.add_argument(
+        "--skip-bad-records",
+        action="store_true",
+        help="skip and count malformed records instead of stopping at the first",
+    )
     parser.add_argument("--user-defined-symbols", nargs="*", default=[])
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
@@ -53,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         json_keys=args.json_keys,
         user_defined_symbols=args.user_defined_symbols,
         seed=args.seed,
+        skip_bad_records=args.skip_bad_records,
     )
+    for message in report.skip_messages:
+        print(f"skipped: {message}", file=sys.stderr)
     print(report.summary())
     return 0
 

@@ -16,6 +16,8 @@ preprocess_data.py writes one sequence per document, so the document index is 0,
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import mmap
 import os
 import shutil
@@ -25,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import InputError
+from parallel.errors import describe_os_error
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -44,6 +47,25 @@ CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 
 class IndexedDatasetError(InputError):
     """A .bin/.idx pair that is missing, corrupt or inconsistent; the message names the file."""
+
+
+def write_error(err: OSError, path: str | os.PathLike) -> InputError:
+    """The one-line error for an OSError met while writing the output file `path`."""
+    if err.errno == errno.ENOENT:  # its folder cannot be made (e.g. under /proc)
+        return InputError(
+            f"{os.fspath(path)}: cannot be created there ({err.strerror}); pick an output "
+            "path you can write to"
+        )
+    return InputError(describe_os_error(err, path))
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike):
+    """Turn an OSError inside the block (full disk, unwritable place) into write_error(path)."""
+    try:
+        yield
+    except OSError as err:
+        raise write_error(err, path) from None
 
 
 def optimal_dtype(vocab_size: int | None) -> type:
@@ -69,7 +91,10 @@ class IndexedDatasetBuilder:
     """Writes a dataset under temporary names; `finalize()` renames both files into place.
 
     Until `finalize()` returns nothing exists at the final `.bin`/`.idx` paths, and `abort()`
-    (or an exception inside a `with` block) removes the temporary files.
+    (or an exception inside a `with` block) removes the temporary files. `finalize()` is
+    `prepare()` (write everything; where a full disk shows) then `commit()` (rename), so that
+    several datasets written together can all be prepared before any of them is committed.
+    An OSError while writing (full disk, unwritable path) is an InputError naming the path.
     """
 
     def __init__(self, prefix: str | os.PathLike, dtype=np.int32):
@@ -79,8 +104,9 @@ class IndexedDatasetBuilder:
             raise ValueError(f"unsupported token dtype {self.dtype}")
         self._tmp_bin = f"{data_file(self.prefix)}.tmp.{os.getpid()}"
         self._tmp_idx = f"{index_file(self.prefix)}.tmp.{os.getpid()}"
-        Path(self._tmp_bin).parent.mkdir(parents=True, exist_ok=True)
-        self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in finalize/abort
+        with writing(data_file(self.prefix)):
+            Path(self._tmp_bin).parent.mkdir(parents=True, exist_ok=True)
+            self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in finalize/abort
         self._lengths: list[np.ndarray] = []
         self._pending: list[int] = []
         self._doc_starts: list[int] = [0]
@@ -100,7 +126,8 @@ class IndexedDatasetBuilder:
 
     def add_sequence(self, tokens) -> None:
         array = np.asarray(tokens, dtype=self.dtype)
-        self._bin.write(array.tobytes(order="C"))
+        with writing(data_file(self.prefix)):
+            self._bin.write(array.tobytes(order="C"))
         self._pending.append(array.size)
         self._num_sequences += 1
         if len(self._pending) >= 65536:
@@ -113,7 +140,8 @@ class IndexedDatasetBuilder:
         if int(lengths.sum()) != flat.size:
             raise ValueError("lengths do not add up to the number of tokens")
         self._flush_lengths()
-        self._bin.write(flat.tobytes(order="C"))
+        with writing(data_file(self.prefix)):
+            self._bin.write(flat.tobytes(order="C"))
         self._lengths.append(lengths.astype(np.int32))
         first = self._num_sequences + 1
         self._num_sequences += len(lengths)
@@ -136,7 +164,7 @@ class IndexedDatasetBuilder:
         self._doc_starts.extend((other.document_indices[1:] + base).tolist())
         self._num_sequences += len(other)
         other.close()
-        with open(data_file(prefix), "rb") as source:
+        with open(data_file(prefix), "rb") as source, writing(data_file(self.prefix)):
             shutil.copyfileobj(source, self._bin, length=16 << 20)
 
     def _flush_lengths(self) -> None:
@@ -146,16 +174,27 @@ class IndexedDatasetBuilder:
 
     def finalize(self) -> None:
         """Write the index and move both files into place (.bin first, then .idx)."""
+        self.prepare()
+        self.commit()
+
+    def prepare(self) -> None:
+        """Close the data file and write the index, both still under their temporary names."""
         self._flush_lengths()
-        self._bin.close()
+        with writing(data_file(self.prefix)):
+            self._bin.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         if len(lengths) > 1:
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         documents = np.asarray(self._doc_starts, dtype=np.int64)
-        write_index(self._tmp_idx, self.dtype, lengths, pointers, documents)
-        os.replace(self._tmp_bin, data_file(self.prefix))
-        os.replace(self._tmp_idx, index_file(self.prefix))
+        with writing(index_file(self.prefix)):
+            write_index(self._tmp_idx, self.dtype, lengths, pointers, documents)
+
+    def commit(self) -> None:
+        """Move the prepared files into place (.bin first, then .idx)."""
+        with writing(self.prefix):
+            os.replace(self._tmp_bin, data_file(self.prefix))
+            os.replace(self._tmp_idx, index_file(self.prefix))
 
     def abort(self) -> None:
         """Drop everything written so far; the final paths are never touched."""

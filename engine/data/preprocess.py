@@ -168,7 +168,8 @@ def preprocess(
     """Tokenize every document of `inputs` into `<output_prefix>_<key>_document.{bin,idx}`.
 
     On an error nothing is left at the output paths (earlier files there stay untouched);
-    the InputError names the file and line or row.
+    the InputError names the file and line or row. Input without a single document with text
+    is refused rather than written as an empty dataset.
     """
     keys = list(json_keys or ["text"])
     if workers < 1:
@@ -181,7 +182,7 @@ def preprocess(
     total_bytes = None if compressed else sum(os.path.getsize(f) for f in files)
     stats = PreprocessStats()
     file_stats: dict = {}
-    builders = {k: IndexedDatasetBuilder(output_prefix_for(output_prefix, k), dtype) for k in keys}
+    builders: dict[str, IndexedDatasetBuilder] = {}
     progress_bar = _Progress(total_bytes, log_interval, progress)
     start = time.perf_counter()
     work = functools.partial(
@@ -190,6 +191,9 @@ def preprocess(
     )
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     try:
+        # Opening the outputs first finds an unwritable --output-prefix before any work.
+        for key in keys:
+            builders[key] = IndexedDatasetBuilder(output_prefix_for(output_prefix, key), dtype)
         with context.Pool(workers) as pool:
             pending: deque = deque()
             records = iter_records(files, keys, skip_bad_records, file_stats)
@@ -201,8 +205,13 @@ def preprocess(
                 _consume(pending.popleft().get(), builders, stats, progress_bar)
         stats.skipped += file_stats.get("skipped", 0)
         stats.skip_messages.extend(file_stats.get("skip_messages", []))
+        if stats.documents == 0:  # an empty dataset must not replace an earlier one
+            raise InputError(_no_documents(files, stats))
+        # Every output is written in full before any replaces what was there.
         for builder in builders.values():
-            builder.finalize()
+            builder.prepare()
+        for builder in builders.values():
+            builder.commit()
     except BaseException:
         for builder in builders.values():
             builder.abort()
@@ -212,6 +221,18 @@ def preprocess(
     stats.seconds = time.perf_counter() - start
     stats.outputs = [output_prefix_for(output_prefix, k) for k in keys]
     return stats
+
+
+def _no_documents(files: list[str], stats: PreprocessStats) -> str:
+    where = files[0] if len(files) == 1 else f"{files[0]} and {len(files) - 1} more files"
+    if stats.empty or stats.skipped:
+        found = f"{stats.empty:,} empty, {stats.skipped:,} bad and skipped"
+    else:
+        found = "the input holds no records"
+    return (
+        f"{where}: no documents with text ({found}), so no dataset was written; check --input "
+        "and --json-keys"
+    )
 
 
 def _consume(result: _BatchResult, builders, stats: PreprocessStats, progress: _Progress) -> None:

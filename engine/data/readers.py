@@ -3,21 +3,24 @@
 Readers yield `Record`s one by one and never hold a whole file: JSONL line by line, Parquet in
 record batches of only the wanted columns. Parsing and validation of a record (JSON, UTF-8,
 keys) happens in `decode_record`, which the tokenizing workers call, so a bad record is
-reported with its file and line or row wherever it is processed.
+reported with its file and line or row wherever it is processed. A file that cannot be read to
+its end (a cut or corrupt .gz/.zst, a damaged or non-Parquet .parquet, an I/O error) is an
+InputError naming it, never a quietly shorter input.
 """
 
 from __future__ import annotations
 
 import glob
 import gzip
-import io
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import InputError
+from parallel.errors import describe_os_error
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 PARQUET_SUFFIXES = (".parquet",)
@@ -79,27 +82,100 @@ def expand_inputs(spec: str | list[str]) -> list[str]:
     return files
 
 
-def _open_binary(path: str):
-    if path.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if path.endswith(".zst"):
-        import zstandard
+class _Damaged(Exception):
+    """A compressed stream that cannot be decoded to its end: args (format, detail)."""
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))
-    return open(path, "rb")  # noqa: SIM115 - returned to the caller's with-block
+
+ZSTD_READ_SIZE = 1 << 18
+
+
+def _zstd_chunks(f) -> Iterator[bytes]:
+    """Decompressed bytes of every zstd frame in `f`; _Damaged if the last frame is cut short.
+
+    zstandard's stream_reader stops quietly at a cut frame, which would lose the rest of the
+    file without a word, so the frames are decoded one by one and each must reach its end.
+    """
+    import zstandard
+
+    frame = None
+    try:
+        while chunk := f.read(ZSTD_READ_SIZE):
+            while chunk:
+                if frame is None:
+                    frame = zstandard.ZstdDecompressor().decompressobj()
+                yield frame.decompress(chunk)
+                chunk = b""
+                if frame.eof:  # bytes after a finished frame start the next one
+                    chunk, frame = frame.unused_data, None
+    except zstandard.ZstdError as err:
+        raise _Damaged("zstd", str(err)) from None
+    if frame is not None:
+        raise _Damaged("zstd", "the file ends inside a frame")
+
+
+def _split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """Lines (each with its b"\\n", the last perhaps without) of a stream of byte chunks."""
+    head: list[bytes] = []
+    for chunk in chunks:
+        *lines, tail = chunk.split(b"\n")
+        if lines:
+            yield b"".join(head) + lines[0] + b"\n"
+            for line in lines[1:]:
+                yield line + b"\n"
+            head = []
+        if tail:
+            head.append(tail)
+    if head:
+        yield b"".join(head)
+
+
+def _jsonl_lines(path: str) -> Iterator[bytes]:
+    if path.endswith(".zst"):
+        with open(path, "rb") as f:
+            yield from _split_lines(_zstd_chunks(f))
+    elif path.endswith(".gz"):
+        try:
+            with gzip.open(path, "rb") as f:
+                yield from f
+        except (EOFError, zlib.error, gzip.BadGzipFile) as err:
+            raise _Damaged("gzip", str(err)) from None
+    else:
+        with open(path, "rb") as f:
+            yield from f
 
 
 def _read_jsonl(path: str) -> Iterator[Record]:
-    with _open_binary(path) as f:
-        for number, line in enumerate(f, start=1):
+    number = 0
+    try:
+        for number, line in enumerate(_jsonl_lines(path), start=1):
             if line.strip():
                 yield Record("json", f"{path}:line {number}", line, len(line))
+    except _Damaged as err:
+        kind, detail = err.args
+        where = f"after line {number}" if number else "from the start"
+        raise InputError(
+            f"{path}: truncated or corrupt {kind} data {where} ({detail}); re-create or "
+            "re-download it, or leave it out of --input"
+        ) from None
+
+
+def _parquet_error(path: str, err: Exception) -> InputError:
+    if isinstance(err, OSError) and err.errno is not None:  # the system's error, not Arrow's
+        return InputError(describe_os_error(err, path))
+    return InputError(
+        f"{path}: not a Parquet file, or truncated or corrupt ({err}); re-create or "
+        "re-download it, or leave it out of --input"
+    )
 
 
 def _read_parquet(path: str, keys: list[str], skip_bad: bool, stats: dict) -> Iterator[Record]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path)
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise _parquet_error(path, err) from None
     names = parquet.schema_arrow.names
     missing = [k for k in keys if k not in names]
     if missing:
@@ -113,7 +189,14 @@ def _read_parquet(path: str, keys: list[str], skip_bad: bool, stats: dict) -> It
         stats.setdefault("skip_messages", []).append(message)
         return
     row = 0
-    for batch in parquet.iter_batches(batch_size=1024, columns=keys):
+    batches = parquet.iter_batches(batch_size=1024, columns=keys)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as err:
+            raise _parquet_error(path, err) from None
+        if batch is None:
+            return
         columns = [batch.column(k).to_pylist() for k in keys]
         for values in zip(*columns):
             row += 1
@@ -134,18 +217,25 @@ def iter_records(
     """Records of every file in order. `stats` collects file-level skips (missing columns)."""
     stats = {} if stats is None else stats
     for path in files:
-        suffix = _suffix_of(path)
-        if suffix in JSONL_SUFFIXES:
-            yield from _read_jsonl(path)
-        elif suffix in PARQUET_SUFFIXES:
-            yield from _read_parquet(path, keys, skip_bad, stats)
-        else:
-            if keys != ["text"]:
-                raise InputError(
-                    f"{path}: plain-text files have only the key 'text', not {keys}; "
-                    "drop --json-keys or use JSONL/Parquet input"
-                )
-            yield from _read_text(path)
+        try:
+            yield from _read_file(path, keys, skip_bad, stats)
+        except OSError as err:  # unreadable: permissions, I/O error, vanished file
+            raise InputError(describe_os_error(err, path)) from None
+
+
+def _read_file(path: str, keys: list[str], skip_bad: bool, stats: dict) -> Iterator[Record]:
+    suffix = _suffix_of(path)
+    if suffix in JSONL_SUFFIXES:
+        yield from _read_jsonl(path)
+    elif suffix in PARQUET_SUFFIXES:
+        yield from _read_parquet(path, keys, skip_bad, stats)
+    else:
+        if keys != ["text"]:
+            raise InputError(
+                f"{path}: plain-text files have only the key 'text', not {keys}; "
+                "drop --json-keys or use JSONL/Parquet input"
+            )
+        yield from _read_text(path)
 
 
 def _utf8(data: bytes, where: str) -> str:
