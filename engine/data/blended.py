@@ -30,7 +30,9 @@ def parse_data_path(data_path: list[str]) -> tuple[list[float], list[str]]:
         try:
             value = float(weight)
         except ValueError:
-            raise ConfigError(f"--data-path: {weight!r} is not a weight (before {prefix})") from None
+            raise ConfigError(
+                f"--data-path: {weight!r} is not a weight (before {prefix})"
+            ) from None
         if value < 0:
             raise ConfigError(f"--data-path: weight {weight} of {prefix} is negative")
         weights.append(value)

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from engine.data.blended import BlendedDataset, blend_counts, parse_data_path
-from engine.data.gpt_dataset import SPLIT_NAMES, GPTDataset, GPTDatasetSpec, parse_split, split_ranges
+from engine.data.gpt_dataset import (
+    SPLIT_NAMES,
+    GPTDataset,
+    GPTDatasetSpec,
+    parse_split,
+    split_ranges,
+)
 from engine.data.indexed import IndexedDataset
 
 

@@ -18,7 +18,8 @@ def stdlib_sources(max_bytes: int = 4_000_000) -> list[tuple[str, str]]:
     """(relative path, source) of standard-library modules, spread evenly, about max_bytes."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
-        p for p in root.rglob("*.py")
+        p
+        for p in root.rglob("*.py")
         if not SKIPPED_DIRS.intersection(p.relative_to(root).parts[:-1])
     )
     total = sum(p.stat().st_size for p in files)

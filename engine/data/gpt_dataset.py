@@ -154,7 +154,9 @@ class GPTDataset:
             ]
         )
         num_samples = (self.num_epochs * self.tokens_per_epoch - 1) // seq
-        sample_index = build_sample_index(self.indexed.sequence_lengths, doc_index, seq, num_samples)
+        sample_index = build_sample_index(
+            self.indexed.sequence_lengths, doc_index, seq, num_samples
+        )
         dtype = np.int32 if num_samples < 2**31 else np.int64
         shuffle_index = np.random.default_rng([seed, 1]).permutation(num_samples).astype(dtype)
         return doc_index, sample_index, shuffle_index
@@ -162,7 +164,9 @@ class GPTDataset:
     def cache_paths(self, cache_dir: str | None) -> dict[str, str]:
         description = json.dumps(self._description(), sort_keys=True)
         digest = hashlib.md5(description.encode()).hexdigest()
-        directory = cache_dir or os.path.join(os.path.dirname(index_file(self.spec.prefix)), "cache")
+        directory = cache_dir or os.path.join(
+            os.path.dirname(index_file(self.spec.prefix)), "cache"
+        )
         stem = os.path.join(
             directory, f"{os.path.basename(self.spec.prefix)}-{self.spec.split_name}-{digest}"
         )
@@ -184,8 +188,11 @@ class GPTDataset:
                 json.dump(self._description(), f, indent=1, sort_keys=True)
             os.replace(tmp, paths["description"])
         except OSError as err:
-            log.warning("could not cache dataset indices in %s (%s); keeping them in memory",
-                        os.path.dirname(paths["doc_index"]), err)
+            log.warning(
+                "could not cache dataset indices in %s (%s); keeping them in memory",
+                os.path.dirname(paths["doc_index"]),
+                err,
+            )
         return built
 
 

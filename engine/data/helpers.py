@@ -60,8 +60,10 @@ def build_sample_index(sizes, doc_index, seq_length: int, num_samples: int) -> n
         return build_sample_index_numpy(sizes, doc_index, seq_length, num_samples)
     try:
         return _cpp.build_sample_index(
-            np.asarray(sizes, dtype=np.int32), np.asarray(doc_index, dtype=np.int64),
-            int(seq_length), int(num_samples),
+            np.asarray(sizes, dtype=np.int32),
+            np.asarray(doc_index, dtype=np.int64),
+            int(seq_length),
+            int(num_samples),
         )
     except IndexError as err:  # pybind11 maps std::out_of_range to IndexError
         raise ValueError(str(err)) from err

@@ -132,8 +132,12 @@ class _Progress:
         self.enabled = enabled
         self.next_log = log_interval
         self.bar = tqdm(
-            total=total_bytes, unit="B", unit_scale=True, desc="preprocess",
-            disable=None if enabled else True, file=sys.stderr,
+            total=total_bytes,
+            unit="B",
+            unit_scale=True,
+            desc="preprocess",
+            disable=None if enabled else True,
+            file=sys.stderr,
         )
 
     def update(self, stats: PreprocessStats, new_bytes: int) -> None:
@@ -186,7 +190,10 @@ def preprocess(
     progress_bar = _Progress(total_bytes, log_interval, progress)
     start = time.perf_counter()
     work = functools.partial(
-        encode_batch, keys=keys, model_path=tokenizer.model_path, append_eod=append_eod,
+        encode_batch,
+        keys=keys,
+        model_path=tokenizer.model_path,
+        append_eod=append_eod,
         skip_bad=skip_bad_records,
     )
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")

@@ -76,9 +76,7 @@ def expand_inputs(spec: str | list[str]) -> list[str]:
             files.extend(matches)
     for path in files:
         if _suffix_of(path) is None:
-            raise InputError(
-                f"{path}: unsupported file type; --input takes {', '.join(SUPPORTED)}"
-            )
+            raise InputError(f"{path}: unsupported file type; --input takes {', '.join(SUPPORTED)}")
     return files
 
 
@@ -279,8 +277,6 @@ def decode_record(record: Record, keys: list[str]) -> dict[str, str]:
         if value is None:
             value = ""
         if not isinstance(value, str):
-            raise InputError(
-                f"{record.where}: key {key!r} holds {type(value).__name__}, not text"
-            )
+            raise InputError(f"{record.where}: key {key!r} holds {type(value).__name__}, not text")
         texts[key] = value
     return texts
