@@ -7,13 +7,16 @@ allowed by prefix, and a dotted name (which pickle would resolve attribute by at
 `filesystem.os.system`) is refused outright. The result is then checked field by field, so
 that what DCP reads next (file names, offsets, tensor shapes) is well formed: every entry must
 be a tensor (this engine never stores pickled byte blobs, which DCP would load with full
-pickle), and every storage file must be a plain file name inside the checkpoint folder.
+pickle), and every storage file must be a plain file name inside the checkpoint folder. The
+opcodes are walked once before unpickling, so that a damaged length cannot make the unpickler
+allocate gigabytes.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -62,6 +65,9 @@ ALLOWED_GLOBALS = frozenset(
 )
 
 
+_DTYPE_OBJECTS = frozenset(getattr(torch, name) for name in TENSOR_DTYPES)
+
+
 class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if "." in name or (module, name) not in ALLOWED_GLOBALS:
@@ -78,6 +84,7 @@ def load_metadata(data: bytes, where: str) -> Metadata:
 
     Nothing outside the allow-list is imported or called, whatever the bytes hold."""
     try:
+        _check_opcodes(data)
         metadata = _AllowListUnpickler(io.BytesIO(data)).load()
     except _Refused as refused:
         raise CheckpointError(
@@ -86,13 +93,35 @@ def load_metadata(data: bytes, where: str) -> Metadata:
         ) from None
     except Exception as err:  # noqa: BLE001 - any malformed pickle is a damaged file
         raise CheckpointError(
-            f"{where}: not readable checkpoint metadata ({type(err).__name__}: {err}); the "
+            f"{where}: not readable checkpoint metadata ({_brief(err)}); the "
             "checkpoint is damaged or was not written by torch.distributed.checkpoint"
         ) from None
-    problem = _metadata_problem(metadata)
+    try:
+        problem = _metadata_problem(metadata)
+    except (AttributeError, TypeError, ValueError, RecursionError) as err:
+        problem = _brief(err)  # a shape the checks above did not foresee
     if problem:
         raise CheckpointError(f"{where}: malformed checkpoint metadata: {problem}")
     return metadata
+
+
+_MEMO_OPCODES = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"})
+
+
+def _check_opcodes(data: bytes) -> None:
+    """Walk the opcodes before unpickling: a memo index larger than the pickle could have
+    assigned (a flipped length byte, say) would make the unpickler allocate gigabytes."""
+    for count, (opcode, argument, _) in enumerate(pickletools.genops(data)):
+        if opcode.name in _MEMO_OPCODES and int(argument) > count:
+            raise ValueError(f"memo index {argument} at opcode {count}")
+        if opcode.name == "FRAME" and argument > len(data):
+            raise ValueError(f"frame of {argument} bytes in {len(data)}")
+
+
+def _brief(err: BaseException) -> str:
+    """An exception as one short line (a damaged pickle's message can hold anything)."""
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"
 
 
 def _is_size(value, ndim: int | None = None) -> bool:
@@ -108,34 +137,40 @@ def _tensor_entry_problem(key, entry) -> str | None:
         return f"a key of type {type(key).__name__}"
     if not isinstance(entry, TensorStorageMetadata):
         return f"{key!r} is a {type(entry).__name__}, not a tensor (only tensors are loaded)"
-    properties = entry.properties
-    if not isinstance(properties, TensorProperties) or properties.dtype not in {
-        getattr(torch, name) for name in TENSOR_DTYPES
-    }:
+    # Fields are read with getattr: a pickle can build an object without running __init__.
+    properties = getattr(entry, "properties", None)
+    dtype = getattr(properties, "dtype", None)
+    if not isinstance(properties, TensorProperties) or not isinstance(dtype, torch.dtype):
         return f"{key!r} has no valid dtype"
-    if not _is_size(entry.size):
+    if dtype not in _DTYPE_OBJECTS:
+        return f"{key!r} has no valid dtype"
+    size = getattr(entry, "size", None)
+    if not _is_size(size):
         return f"{key!r} has an invalid size"
-    if not isinstance(entry.chunks, list):
+    chunks = getattr(entry, "chunks", None)
+    if not isinstance(chunks, list):
         return f"{key!r} has no chunk list"
-    for chunk in entry.chunks:
+    for chunk in chunks:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
         if not isinstance(chunk, ChunkStorageMetadata):
             return f"{key!r} has a malformed chunk"
-        ndim = len(entry.size)
-        if not (_is_size(chunk.offsets, ndim) and _is_size(chunk.sizes, ndim)):
+        if not (_is_size(offsets, len(size)) and _is_size(sizes, len(size))):
             return f"{key!r} has a chunk of the wrong rank"
-        if any(o + n > s for o, n, s in zip(chunk.offsets, chunk.sizes, entry.size)):
+        if any(o + n > s for o, n, s in zip(offsets, sizes, size)):
             return f"{key!r} has a chunk outside its size"
     return None
 
 
 def _storage_entry_problem(index, info, tensors: dict) -> str | None:
-    if not isinstance(index, MetadataIndex) or index.fqn not in tensors:
+    fqn = getattr(index, "fqn", None)
+    if not isinstance(index, MetadataIndex) or not isinstance(fqn, str) or fqn not in tensors:
         return "a storage entry for no known tensor"
-    if not (index.offset is None or _is_size(index.offset, len(tensors[index.fqn].size))):
-        return f"storage entry of {index.fqn!r} has an invalid offset"
+    offset = getattr(index, "offset", None)
+    if not (offset is None or _is_size(offset, len(tensors[fqn].size))):
+        return f"storage entry of {fqn!r} has an invalid offset"
     if not isinstance(info, _StorageInfo):
-        return f"storage entry of {index.fqn!r} is a {type(info).__name__}"
-    name = info.relative_path
+        return f"storage entry of {fqn!r} is a {type(info).__name__}"
+    name = getattr(info, "relative_path", None)
     if (
         not isinstance(name, str)
         or not name
@@ -144,11 +179,12 @@ def _storage_entry_problem(index, info, tensors: dict) -> str | None:
         or name.startswith(".")
         or "\x00" in name
     ):
-        return f"storage entry of {index.fqn!r} names {name!r}, not a file of the checkpoint"
-    if not all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length)):
-        return f"storage entry of {index.fqn!r} has an invalid offset or length"
+        return f"storage entry of {fqn!r} names {name!r}, not a file of the checkpoint"
+    place = (getattr(info, "offset", None), getattr(info, "length", None))
+    if not all(isinstance(n, int) and n >= 0 for n in place):
+        return f"storage entry of {fqn!r} has an invalid offset or length"
     if getattr(info, "transform_descriptors", None):
-        return f"storage entry of {index.fqn!r} asks for stream transforms, never written here"
+        return f"storage entry of {fqn!r} asks for stream transforms, never written here"
     return None
 
 
@@ -156,22 +192,24 @@ def _metadata_problem(metadata) -> str | None:
     """What is malformed about an unpickled Metadata, or None."""
     if not isinstance(metadata, Metadata):
         return f"holds a {type(metadata).__name__}, not DCP Metadata"
-    tensors = metadata.state_dict_metadata
+    tensors = getattr(metadata, "state_dict_metadata", None)
     if not isinstance(tensors, dict):
         return "no tensor table"
     for key, entry in tensors.items():
         problem = _tensor_entry_problem(key, entry)
         if problem:
             return problem
-    storage = metadata.storage_data
+    storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):
         return "no storage table"
     for index, info in storage.items():
         problem = _storage_entry_problem(index, info, tensors)
         if problem:
             return problem
-    if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, StorageMeta):
+    storage_meta = getattr(metadata, "storage_meta", None)
+    if storage_meta is not None and not isinstance(storage_meta, StorageMeta):
         return "a malformed storage description"
-    if metadata.planner_data is not None and not isinstance(metadata.planner_data, dict):
+    planner_data = getattr(metadata, "planner_data", None)
+    if planner_data is not None and not isinstance(planner_data, dict):
         return "malformed planner data"
     return None

@@ -16,8 +16,9 @@ import warnings
 
 import pytest
 import torch
+import xxhash
 
-from engine.checkpoint_files import iteration_dir
+from engine.checkpoint_files import iteration_dir, read_meta, write_meta
 from engine.checkpoint_load import read_tensors
 from engine.errors import CheckpointError
 from parallel.dcp_metadata import load_metadata
@@ -200,6 +201,14 @@ def test_cli_refuses_a_hostile_checkpoint_in_one_line(small_checkpoint, tmp_path
     attack = _attacks(marker)["dotted name under an allowed module"]
     with open(os.path.join(folder, ".metadata"), "wb") as f:
         f.write(attack)
+    # An attacker rewrites meta.json's record of the file too: the checksums guard against
+    # damage, not against someone who can write the folder; the unpickler guards against them.
+    meta = read_meta(folder)
+    meta["files"][".metadata"] = {
+        "bytes": len(attack),
+        "xxh3_64": xxhash.xxh3_64(attack).hexdigest(),
+    }
+    write_meta(folder, meta)
     for args in (
         ["tools/convert_checkpoint.py", "--load", ckpt, "--output", str(tmp_path / "hf")],
         [
@@ -217,6 +226,5 @@ def test_cli_refuses_a_hostile_checkpoint_in_one_line(small_checkpoint, tmp_path
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1, result.stderr
         assert not os.path.exists(marker)
-    # Verified: the checksum of .metadata no longer matches; unverified: the unpickler refuses.
     assert "refers to torch.distributed.checkpoint.filesystem.os.system" in lines[0]
     assert not os.path.exists(tmp_path / "hf")
