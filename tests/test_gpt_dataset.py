@@ -109,9 +109,17 @@ def test_split_by_documents():
     assert parse_split("8,2") == pytest.approx([0.8, 0.2, 0.0])
     assert split_ranges(1000, parse_split("969,30,1")) == [(0, 969), (969, 999), (999, 1000)]
     assert split_ranges(10, parse_split("1,1,1")) == [(0, 4), (4, 7), (7, 10)]  # as Megatron
-    for bad in ("a,b", "-1,2", "0,0,0", "1,1,1,1"):
+    for bad in ("a,b", "-1,2", "0,0,0", "1,1,1,1", "1.2.3"):
         with pytest.raises(ConfigError, match="--split"):
             parse_split(bad)
+
+
+def test_split_is_read_as_megatron_reads_it():
+    """Quotes that a script's word splitting leaves in place, and other separators."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    for text in ("'99,1,0'", '"949,50,1"', "99/1/0", "98, 2", "1"):
+        assert parse_split(text) == pytest.approx(parse_and_normalize_split(text)), text
 
 
 def test_too_few_tokens_is_a_clear_error(tmp_path):

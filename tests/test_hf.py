@@ -271,3 +271,34 @@ def test_cli(trained, tmp_path):
     missing, out = str(tmp_path / "nothing"), str(tmp_path / "x")
     result = _tool("convert_checkpoint.py", "--load", missing, "--output", out)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_import_checks_every_shape_first_and_never_overwrites(tmp_path):
+    """A safetensors file whose tensor does not fit config.json is refused before anything is
+    written, and an existing output folder is never overwritten."""
+    from safetensors.torch import load_file, save_file
+
+    source = tmp_path / "llama-hf"
+    _random_hf_model("llama", source)
+    existing = tmp_path / "existing"
+    result = _tool("convert_checkpoint.py", "--from-hf", str(source), "--output", str(existing))
+    assert result.returncode == 0, result.stderr
+    before = {p: p.read_bytes() for p in existing.rglob("*") if p.is_file()}
+
+    result = _tool("convert_checkpoint.py", "--from-hf", str(source), "--output", str(existing))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "already exists and is not empty" in lines[0]
+
+    tensors = load_file(source / "model.safetensors")
+    name = "model.layers.2.mlp.up_proj.weight"
+    tensors[name] = tensors[name][:96].clone()  # 96 rows where config.json says 128
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    for output in (existing, tmp_path / "fresh"):
+        result = _tool("convert_checkpoint.py", "--from-hf", str(source), "--output", str(output))
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert f"tensor {name} has shape [96, 64], but config.json describes [128, 64]" in lines[0]
+    assert not (tmp_path / "fresh").exists()
+    assert not list(tmp_path.glob("fresh.tmp*"))
+    assert {p: p.read_bytes() for p in existing.rglob("*") if p.is_file()} == before

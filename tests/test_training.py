@@ -518,7 +518,7 @@ def test_end_to_end_through_the_launcher(dataset_prefix, tokenizer_model, tmp_pa
             "--log-interval",
             "3",
             "--split",
-            "90,10,0",
+            "'90,10,0'",  # quoted, as Megatron-LM's scripts' word splitting passes it
             "--lr-warmup-iters",
             "1",
             "--save",

@@ -39,9 +39,10 @@ def parse_split(split: str) -> list[float]:
     """'969,30,1' -> normalised weights for train/valid/test (missing trailing parts are 0).
 
     As in Megatron-LM, the numbers are read out of the text whatever separates or surrounds
-    them, so "'99,1,0'" (quotes kept by a script's word splitting) and 99/1/0 both work."""
+    them, so "'99,1,0'" (quotes kept by a script's word splitting) and 99/1/0 both work; unlike
+    it, a minus sign is kept, so that a negative weight is an error rather than positive."""
     try:
-        parts = [float(p) for p in re.findall(r"[.0-9]+", split)]
+        parts = [float(p) for p in re.findall(r"-?[.0-9]+", split)]
     except ValueError:
         raise ConfigError(f"--split {split!r}: expected numbers like 969,30,1") from None
     if not parts or len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:

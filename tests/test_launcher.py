@@ -1,0 +1,129 @@
+"""The README's command with a mistake: one line and exit code 2 through
+examples/pretrain_gpt.sh (engine.launch checks the whole configuration before any rank
+starts; an error found inside the ranks is printed once), and the token ids of the data are
+checked against the vocabulary at start."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from engine.checkpoint_files import iteration_dir
+from engine.data.indexed import IndexedDataset, IndexedDatasetBuilder
+from engine.data.token_ids import check_token_ids, max_token_id
+from engine.errors import ConfigError
+from parallel.launch import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = [
+    *("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"),
+    *("--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2"),
+    *("--global-batch-size", "4", "--train-iters", "3", "--lr-warmup-iters", "1"),
+    *("--eval-iters", "1", "--make-vocab-size-divisible-by", "16", "--split", "90,10,0"),
+]
+
+
+@pytest.fixture(scope="module")
+def data_folder(dataset_prefix, tokenizer_model, tmp_path_factory) -> str:
+    """What examples/pretrain_gpt.sh expects under $DATA, plus a dataset whose documents end
+    with GPT-2's EOD id 50256, as Megatron-LM's legacy GPT-2 tokenizer writes them."""
+    folder = tmp_path_factory.mktemp("launch_data")
+    for suffix in (".bin", ".idx"):
+        os.symlink(dataset_prefix + suffix, folder / f"stdlib_text_document{suffix}")
+    os.symlink(tokenizer_model, folder / "tokenizer.model")
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(folder / "legacy_text_document", np.uint16) as builder:
+        for _ in range(200):
+            builder.add_document(np.append(rng.integers(0, 2000, 60), 50256))
+        builder.finalize()
+    return str(folder)
+
+
+def launch(data_folder: str, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        NPROC_PER_NODE="2",
+        DATA=data_folder,
+        MASTER_PORT=str(free_port()),
+        PYTHON=sys.executable,
+    )
+    return subprocess.run(
+        ["bash", "examples/pretrain_gpt.sh", *SMALL, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=timeout,
+    )
+
+
+def test_configuration_errors_are_one_line_before_any_rank(data_folder, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    legacy = os.path.join(data_folder, "legacy_text_document")
+    cases = [
+        (["--hidden-sise", "64"], "unrecognized arguments: --hidden-sise"),
+        (["--tensor-model-parallel-size", "4"], "world size 2 is not divisible"),
+        (["--split", "0,1,0"], "--split 0,1,0 leaves 0 training tokens"),
+        (["--data-path", legacy], "holds token id 50256, but the tokenizer"),
+        (
+            ["--data-path", legacy, "--tensor-model-parallel-size", "2"],
+            "has a vocabulary of 2000 (ids 0..1999)",
+        ),
+        (["--save", str(a_file / "ckpt")], "--save: "),
+        (["--data-path", str(tmp_path / "nothing")], "nothing.idx: no such file"),
+    ]
+    for extra, message in cases:
+        result = launch(data_folder, *extra)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, (extra, result.stderr[-3000:])
+        assert lines[0].startswith("error: ") and message in lines[0], (extra, lines[0])
+        assert "ops:" not in result.stdout, extra  # no rank started
+
+
+def test_an_error_inside_the_ranks_is_printed_once(data_folder, small_checkpoint, tmp_path):
+    """A flipped byte keeps the file's size, so only the ranks' checksums find it."""
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(small_checkpoint, ckpt)
+    shard = os.path.join(iteration_dir(ckpt, 2), "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(1000)
+        value = f.read(1)[0]
+        f.seek(1000)
+        f.write(bytes([value ^ 1]))
+    result = launch(data_folder, "--load", ckpt)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0] == (
+        f"error: {shard}: checksum mismatch, the file is damaged; load an earlier checkpoint, "
+        "or pass --no-verify to load it anyway"
+    )
+
+
+def test_largest_token_id_is_cached_and_refreshed(data_folder, tmp_path):
+    legacy = os.path.join(data_folder, "legacy_text_document")
+    cache = str(tmp_path / "cache")
+    dataset = IndexedDataset(legacy)
+    assert max_token_id(dataset, cache) == 50256
+    cached = os.path.join(cache, "legacy_text_document-max_token_id.json")
+    assert os.path.isfile(cached)
+    dataset.close()
+    # A rewritten dataset (new size and time) is scanned again, not read from the cache.
+    prefix = str(tmp_path / "small_text_document")
+    with IndexedDatasetBuilder(prefix, np.uint16) as builder:
+        builder.add_document([5, 6, 7])
+        builder.finalize()
+    shutil.copy(prefix + ".bin", legacy.replace(data_folder, str(tmp_path)) + ".bin")
+    shutil.copy(prefix + ".idx", legacy.replace(data_folder, str(tmp_path)) + ".idx")
+    copy = IndexedDataset(os.path.join(str(tmp_path), "legacy_text_document"))
+    assert max_token_id(copy, cache) == 7
+    copy.close()
+    check_token_ids([legacy], 60000, "--vocab-size 60000", cache)
+    with pytest.raises(ConfigError, match="holds token id 50256, but --vocab-size 50000"):
+        check_token_ids([legacy], 50000, "--vocab-size 50000", cache)
+    check_token_ids([legacy], 70000, "--vocab-size 70000", None)  # uint16 ids: nothing to scan
