@@ -233,6 +233,7 @@ def test_training_continues_from_an_imported_model(dataset_prefix, tokenizer_mod
                 "--use-checkpoint-args": True,
                 "--pipeline-model-parallel-size": "2",
                 "--train-iters": "2",
+                "--lr-warmup-iters": "1",
                 "--log-jsonl": str(log),
                 "--num-layers": "2",
             },

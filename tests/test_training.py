@@ -383,7 +383,12 @@ def test_metrics_tensorboard_plot_and_peak_memory(dataset_prefix, tokenizer_mode
 def test_checkpoint_of_another_model_names_the_tensor(dataset_prefix, tokenizer_model, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     pretrain(
-        1, base_args(dataset_prefix, tokenizer_model, **{"--train-iters": "2", "--save": ckpt})
+        1,
+        base_args(
+            dataset_prefix,
+            tokenizer_model,
+            **{"--train-iters": "2", "--lr-warmup-iters": "1", "--save": ckpt},
+        ),
     )
     with pytest.raises(AssertionError) as info:
         pretrain(

@@ -1,4 +1,6 @@
-"""Checkpoint save cost: a synchronous save against the stall of --async-save.
+"""Checkpoint save cost: a synchronous save against the stall of --async-save, and what the
+checksums recorded for every file cost (the same state written by DCP's plain writer and by
+ours, alternately) and what verifying them on load costs (reading every file once).
 
 One process, a model whose checkpoint (fp32 weights + Adam moments) is a few hundred MB.
 The stall is the time the training step is blocked: for a synchronous save, the whole save;
@@ -82,9 +84,49 @@ def _bench(rank, world, args, prefix, tokenizer, save_dir):
         results["async_stall"].append(call + run_.checkpointer.copy_wait_s)
         results["async_slowdown"].append(max(0.0, next_step - plain))
         results["async_total"].append(call + next_step + rest)
+    results.update(_checksum_cost(run_, save_dir, args.trials))
     size = _folder_bytes(os.path.join(save_dir, f"iter_{run_.last_saved:07d}"))
     params = sum(p.numel() for c in run_.chunks for p in c.params)
     return {k: statistics.median(v) for k, v in results.items()}, size, params
+
+
+def _checksum_cost(run_, save_dir: str, trials: int) -> dict:
+    """Seconds to write this rank's checkpoint state with DCP's plain FileSystemWriter and with
+    the ChecksummingWriter the engine uses (alternating, so that both see the same disk and
+    page cache), and to verify the written files' checksums."""
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from engine.checkpoint_files import check_files
+    from engine.checkpoint_state import model_state, optimizer_state, rng_state
+    from parallel.dcp import BoxSavePlanner
+    from parallel.dcp_checksums import ChecksummingWriter
+
+    state = model_state(run_.chunks, for_save=True)
+    state.update(optimizer_state(run_.optimizer, run_.chunks, for_save=True))
+    state.update(rng_state(0, run_.tracker))
+    out = {"write_plain": [], "write_checksums": [], "verify": []}
+    folder = os.path.join(save_dir, "checksum_bench")
+    for _ in range(max(trials, 5)):
+        for key, writer_class in (
+            ("write_plain", FileSystemWriter),
+            ("write_checksums", ChecksummingWriter),
+        ):
+            shutil.rmtree(folder, ignore_errors=True)
+            writer = writer_class(folder)
+            begin = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.save(state, storage_writer=writer, planner=BoxSavePlanner(), no_dist=True)
+            out[key].append(time.perf_counter() - begin)
+        begin = time.perf_counter()
+        assert check_files(folder, {"files": writer.files}, digests=True) == ""
+        out["verify"].append(time.perf_counter() - begin)
+    shutil.rmtree(folder, ignore_errors=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         ("async: until written (background)", "async_total"),
     ):
         print(f"{label:34s} {times[key]:8.3f} {times[key] / times['sync']:8.1%}")
+    for label, key in (
+        ("write, DCP's plain writer", "write_plain"),
+        ("write, with checksums (ours)", "write_checksums"),
+        ("verify on load (read all + xxh3)", "verify"),
+    ):
+        print(f"{label:34s} {times[key]:8.3f} {times[key] / times['sync']:8.1%}")
+    cost = times["write_checksums"] / times["write_plain"] - 1.0
+    print(f"checksums cost {cost:+.1%} of the plain write (median of {max(args.trials, 5)})")
     with open(args.json, "w") as f:
         json.dump({"params": params, "checkpoint_bytes": size, "seconds": times}, f, indent=1)
     return 0
