@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 
 from engine.errors import CheckpointError
 from parallel.dcp_checksums import DIGEST, file_digest
@@ -30,7 +31,7 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _is_iteration_name(name: str) -> bool:
+def is_iteration_name(name: str) -> bool:
     """iter_0000100, not the iter_0000100.tmp of a save that never committed."""
     return name.startswith("iter_") and name[len("iter_") :].isdigit()
 
@@ -41,7 +42,7 @@ def find_latest(root: str | None) -> int | None:
         return None
     path = os.path.join(root, LATEST)
     if not os.path.isfile(path):
-        if os.path.isdir(root) and any(_is_iteration_name(n) for n in os.listdir(root)):
+        if os.path.isdir(root) and any(is_iteration_name(n) for n in os.listdir(root)):
             raise CheckpointError(
                 f"{root} holds checkpoint folders but no {LATEST}; remove the incomplete ones "
                 "or point --load at a complete checkpoint"
@@ -97,30 +98,54 @@ def read_meta(path: str) -> dict:
             f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
     recorded = meta.get(_SELF_DIGEST)
+    if meta["format_version"] >= 2 and not (isinstance(recorded, str) and "files" in meta):
+        raise CheckpointError(f"{meta_path}: damaged (its checksum or file list is missing)")
     if recorded is not None and xxhash.xxh3_64(_canonical(meta)).hexdigest() != recorded:
         raise CheckpointError(f"{meta_path}: damaged (its content does not match its checksum)")
     return meta
 
 
-def file_problem(path: str, name: str, record: dict, digest: bool) -> str | None:
-    """What is wrong with file `name` of the checkpoint folder `path`, or None."""
+def _plain_name(name) -> bool:
+    """A file directly inside the checkpoint folder: DCP's data files and its .metadata."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..", META)
+        and "/" not in name
+        and "\\" not in name
+        and "\x00" not in name
+        and (not name.startswith(".") or name == ".metadata")
+    )
+
+
+def file_problem(path: str, name: str, record, digest: bool) -> str | None:
+    """What is wrong with file `name` of the checkpoint folder `path`, or None. Only plain
+    files directly inside the folder are ever opened."""
+    if not _plain_name(name) or not isinstance(record, dict):
+        return f"{os.path.join(path, META)}: malformed entry {name!r} in its file list"
+    if not isinstance(record.get("bytes"), int) or not isinstance(record.get(DIGEST), str):
+        return f"{os.path.join(path, META)}: malformed entry {name!r} in its file list"
     where = os.path.join(path, name)
-    if not isinstance(record, dict) or not isinstance(record.get("bytes"), int):
-        return f"{os.path.join(path, META)}: malformed entry for {name}"
     try:
-        size = os.path.getsize(where)
+        info = os.lstat(where)
     except OSError:
         return f"{where}: missing (the checkpoint lists it); the checkpoint is incomplete"
-    if size != record["bytes"]:
+    if not stat.S_ISREG(info.st_mode):
+        return f"{where}: not a regular file; the checkpoint is damaged"
+    if info.st_size != record["bytes"]:
         return (
-            f"{where}: {size} bytes, but {record['bytes']} were written; the file is truncated "
-            "or damaged"
+            f"{where}: {info.st_size} bytes, but {record['bytes']} were written; the file is "
+            "truncated or damaged"
         )
-    if digest and file_digest(where) != record.get(DIGEST):
-        return (
-            f"{where}: checksum mismatch, the file is damaged; load an earlier checkpoint, or "
-            "pass --no-verify to load it anyway"
-        )
+    if digest:
+        try:
+            matches = file_digest(where) == record[DIGEST]
+        except OSError as err:
+            return f"{where}: cannot be read ({err.strerror or err})"
+        if not matches:
+            return (
+                f"{where}: checksum mismatch, the file is damaged; load an earlier checkpoint, "
+                "or pass --no-verify to load it anyway"
+            )
     return None
 
 
@@ -131,7 +156,7 @@ def check_files(path: str, meta: dict, digests: bool, part: tuple[int, int] = (0
     files = meta.get("files")
     if files is None:  # format 1: nothing recorded to compare with
         return ""
-    if not isinstance(files, dict):
+    if not isinstance(files, dict) or ".metadata" not in files:
         return f"{os.path.join(path, META)}: malformed file list"
     names = sorted(files)
     for name in names:

@@ -22,13 +22,9 @@ from engine.checkpoint_state import (
     set_rng_state,
 )
 from engine.errors import CheckpointError, UserError
-from parallel.consensus import first_error, gather_to_all
+from parallel.consensus import first_error, gather_to_all, is_distributed
 from parallel.dcp import BoxLoadPlanner, SafeFileSystemReader
-from parallel.errors import one_line, root_cause
-
-
-def _distributed(group) -> bool:
-    return group is not None or (dist.is_available() and dist.is_initialized())
+from parallel.errors import describe_os_error, one_line, root_cause
 
 
 def verify_checkpoint(path: str, group=None, digests: bool = True) -> dict:
@@ -36,13 +32,20 @@ def verify_checkpoint(path: str, group=None, digests: bool = True) -> dict:
     file present with the size it was written with and (when `digests`) the same checksum.
     Collective over `group`: the ranks share the reading, and all raise the same
     CheckpointError naming the first damaged file."""
-    meta = read_meta(path)
     part = (0, 1)
-    if _distributed(group):
+    if is_distributed(group):
         part = (dist.get_rank(group), dist.get_world_size(group))
-    problem = first_error(check_files(path, meta, digests, part) or None, group)
+    meta, problem = None, None
+    try:  # every rank reaches the agreement below, whatever it met
+        meta = read_meta(path)
+        problem = check_files(path, meta, digests, part) or None
+    except CheckpointError as err:
+        problem = str(err)
+    except OSError as err:
+        problem = describe_os_error(err, path)
+    problem = first_error(problem, group)
     if problem:
-        raise CheckpointError(problem, every_rank=_distributed(group))
+        raise CheckpointError(problem, every_rank=is_distributed(group))
     meta["verified"] = digests and "files" in meta
     return meta
 
@@ -59,7 +62,7 @@ def check_shapes(path: str, stored_metadata, state: dict, group=None) -> None:
         {k: tuple(v.global_shape) for k, v in state.items() if k.startswith("model/")}, group
     ):
         whole.update(part)
-    every_rank = _distributed(group)
+    every_rank = is_distributed(group)
     for key in sorted(set(stored) | set(whole)):
         name = key[len("model/") :]
         if key not in stored:
@@ -82,19 +85,36 @@ def check_shapes(path: str, stored_metadata, state: dict, group=None) -> None:
             )
 
 
-def read_tensors(path: str, state: dict, group=None) -> None:
+def open_checkpoint(path: str, group=None) -> SafeFileSystemReader:
+    """A reader of the checkpoint `path` whose metadata has been read (and checked): every rank
+    raises the same CheckpointError when any cannot read it."""
+    reader = SafeFileSystemReader(path)
+    try:
+        reader.read_metadata()
+        problem = None
+    except CheckpointError as err:
+        problem = str(err)
+    problem = first_error(problem, group)
+    if problem:
+        raise CheckpointError(problem, every_rank=is_distributed(group))
+    return reader
+
+
+def read_tensors(path: str, state: dict, group=None, reader=None) -> None:
     """dcp.load of `state` (boxes and tensors, filled in place) from the checkpoint `path`,
-    any failure as one CheckpointError (DCP reports a failure on every rank)."""
+    any failure as one CheckpointError (DCP reports a failure on every rank). `reader`: from
+    open_checkpoint, to parse the metadata once for several reads."""
     import warnings
 
-    distributed = _distributed(group)
+    distributed = is_distributed(group)
+    reader = reader or open_checkpoint(path, group)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # single process without torch.distributed: fine
             dcp.load(
                 state,
                 planner=BoxLoadPlanner(),
-                storage_reader=SafeFileSystemReader(path),
+                storage_reader=reader,
                 process_group=group,
                 no_dist=not distributed,
             )
@@ -124,7 +144,8 @@ def load_checkpoint(
     after checking its files (checksums too unless `verify` is False). Returns meta.json.
     RNG states are restored only when `layout` equals the saved one."""
     meta = verify_checkpoint(path, group, digests=verify)
-    available = SafeFileSystemReader(path).read_metadata()
+    reader = open_checkpoint(path, group)
+    available = reader.read_metadata()
     state = model_state(chunks, for_save=False)
     check_shapes(path, available, state, group)
     stored = set(available.state_dict_metadata)
@@ -139,7 +160,7 @@ def load_checkpoint(
         if set(wanted) <= stored:  # a converted checkpoint has none
             rng = wanted
             state.update(rng)
-    read_tensors(path, state, group)
+    read_tensors(path, state, group, reader)
     if load_optimizer:
         for piece in optimizer.pieces:
             entry = optimizer.optimizer.state.get(piece.master, {})
@@ -162,7 +183,8 @@ def load_model_weights(path: str, model, verify: bool = True) -> dict:
         module = model
 
     meta = verify_checkpoint(path, digests=verify)
+    reader = open_checkpoint(path)
     state = model_state([_Chunk()], for_save=False)
-    check_shapes(path, SafeFileSystemReader(path).read_metadata(), state)
-    read_tensors(path, state)
+    check_shapes(path, reader.read_metadata(), state)
+    read_tensors(path, state, reader=reader)
     return meta

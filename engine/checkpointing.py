@@ -34,7 +34,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from engine import faults
-from engine.checkpoint_files import commit, find_latest, iteration_dir, write_meta
+from engine.checkpoint_files import (
+    commit,
+    find_latest,
+    is_iteration_name,
+    iteration_dir,
+    write_meta,
+)
 from engine.checkpoint_state import (
     model_state,
     optimizer_state,
@@ -156,15 +162,16 @@ class Checkpointer:
     def _copy_and_write(self, state, tmp: str, iteration: int, meta: dict) -> None:
         """Background: copy the live state to host buffers, let training update it again, then
         write. Nothing changes the saved tensors until the next optimizer update, which waits
-        for the copy (wait_for_copy), so the copy overlaps the next forward and backward."""
+        for the copy (wait_for_copy), so the copy overlaps the next forward and backward. A
+        failed copy still takes part in the ranks' agreement, so no peer waits for it."""
+        staged, failed = None, None
         try:
             staged = _copy_into(self._staging, state)
-        except BaseException as err:  # noqa: BLE001 - surfaced by wait()
-            self._error = err
-            return
+        except BaseException as err:  # noqa: BLE001 - agreed on and surfaced by wait()
+            failed = self._failure(err, iteration)
         finally:
             self._staged.set()
-        self._write(staged, tmp, iteration, meta)
+        self._write(staged, tmp, iteration, meta, failed)
 
     def wait_for_copy(self) -> None:
         """Before the model or optimizer state changes: block until a pending async save has
@@ -176,38 +183,51 @@ class Checkpointer:
         self._staged.wait()
         self.copy_wait_s = time.perf_counter() - start
 
-    def _write(self, state, tmp: str, iteration: int, meta: dict) -> None:
-        """Every rank writes its part and records its files' checksums; rank 0 commits. All
-        ranks then agree on the outcome, so a failure anywhere (a full disk, say) stops every
-        rank with the same message, and the unfinished folder is removed."""
-        files, error, disk_error, writer = {}, None, False, None
+    def _write(self, state, tmp: str, iteration: int, meta: dict, failed: str | None = None):
+        """Every rank writes its part and records its files' checksums; rank 0 commits. The
+        ranks agree before writing (an async copy may have failed) and after, so a failure
+        anywhere (a full disk, say) stops every rank with the same message, and the
+        unfinished folder is removed. Whatever happens is kept in `_error` for wait()."""
+        try:
+            error = self._write_agreed(state, tmp, iteration, meta, failed)
+        except BaseException as err:  # noqa: BLE001 - a collective itself failed (a peer died)
+            error = self._failure(err, iteration)
+        if error is not None:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._error = CheckpointError(error, every_rank=self.group is not None)
+
+    def _write_agreed(self, state, tmp, iteration, meta, failed) -> str | None:
+        """The save's collective steps; the error every rank agreed on, or None."""
+        error = first_error(failed, self.group)
+        if error is not None:
+            return error
+        files, writer, own_os_error = {}, None, False
         try:
             writer = faults.storage_writer(tmp, self.rank, iteration)
             dcp.save(
                 state, storage_writer=writer, planner=BoxSavePlanner(), process_group=self.group
             )
             files = writer.files
-        except BaseException as err:  # noqa: BLE001 - reported to every rank below
-            disk_error = bool(writer is not None and writer.errors)
-            error = self._failure(writer.errors[0] if disk_error else err, iteration)
-        outcomes = gather_to_all((files, error, disk_error), self.group)
+        except BaseException as err:  # noqa: BLE001 - agreed on below
+            own_os_error = bool(writer is not None and writer.errors)
+            error = self._failure(writer.errors[0] if own_os_error else err, iteration)
+        outcomes = gather_to_all((files, error, own_os_error), self.group)
         # A rank whose own write failed knows the cause; the others only see DCP's report.
-        errors = [e for _, e, disk in outcomes if e and disk] + [e for _, e, _ in outcomes if e]
-        error = errors[0] if errors else None
-        if error is None:
-            every_file = {}
-            for part, _, _ in outcomes:
-                every_file.update(part)
-            if self.rank == 0:
-                try:
-                    self._commit(tmp, iteration, dict(meta, files=every_file))
-                except OSError as err:
-                    error = self._failure(err, iteration)
-            error = first_error(error, self.group)
-        if error is not None:
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            self._error = CheckpointError(error, every_rank=self.group is not None)
+        errors = [e for _, e, own in outcomes if e and own] + [e for _, e, _ in outcomes if e]
+        if errors:
+            return errors[0]
+        if self.rank == 0:
+            try:
+                write_meta(
+                    tmp, dict(meta, files={k: v for p, _, _ in outcomes for k, v in p.items()})
+                )
+                commit(tmp, self.root, iteration)
+            except Exception as err:  # noqa: BLE001 - agreed on below
+                error = self._failure(err, iteration)
+            else:
+                self._prune()
+        return first_error(error, self.group)
 
     def _failure(self, err: BaseException, iteration: int) -> str:
         """One line for a failed save: the cause (a full disk named as such) and what stays."""
@@ -218,7 +238,7 @@ class Checkpointer:
             what = one_line(cause)
         try:
             previous = find_latest(self.root)
-        except CheckpointError:
+        except (CheckpointError, OSError):
             previous = None
         kept = (
             f"iteration {previous} stays the latest checkpoint"
@@ -230,17 +250,17 @@ class Checkpointer:
             + kept
         )
 
-    def _commit(self, tmp: str, iteration: int, meta: dict) -> None:
-        write_meta(tmp, meta)
-        commit(tmp, self.root, iteration)
-        if self.keep_last_n:
-            committed = sorted(
-                int(n[len("iter_") :])
-                for n in os.listdir(self.root)
-                if n.startswith("iter_") and n[len("iter_") :].isdigit()
-            )
-            for old_iteration in committed[: -self.keep_last_n]:
-                shutil.rmtree(iteration_dir(self.root, old_iteration), ignore_errors=True)
+    def _prune(self) -> None:
+        """--keep-last-n: remove the oldest committed checkpoints (best effort: one left behind
+        is removed by a later save)."""
+        if not self.keep_last_n:
+            return
+        try:
+            committed = sorted(int(n[5:]) for n in os.listdir(self.root) if is_iteration_name(n))
+        except OSError:
+            return
+        for old_iteration in committed[: -self.keep_last_n]:
+            shutil.rmtree(iteration_dir(self.root, old_iteration), ignore_errors=True)
 
     def wait(self) -> None:
         """Block until a background save has finished (and re-raise its error)."""

@@ -2,8 +2,8 @@
 
 Expected failures (UserError) become one line on stderr and exit code 2. In a distributed job
 a failure is reported by the rank it happened on, named in the message; a configuration error
-found before the process group exists, and an error every rank agreed on (`every_rank`), is
-the same on every rank and is printed by rank 0 only, so it reads as one line.
+found before the process group exists is printed by the first rank of each node (one line on
+one machine), and an error every rank agreed on (`every_rank`) by rank 0 only.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from engine.errors import UserError
 
 
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+def _rank(name: str = "RANK") -> int:
+    return int(os.environ.get(name, "0"))
 
 
 def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None):
@@ -30,7 +30,15 @@ def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | N
         # torch (preprocessing) must not pay for importing it here.
         dist = sys.modules.get("torch.distributed")
         started = dist is not None and dist.is_available() and dist.is_initialized()
-        if not distributed or (_rank() == 0 and (not started or err.every_rank)):
+        # Before the process group, the ranks of a node meet the same problems (their paths,
+        # their flags): the first of each node says it. After, rank 0 says what all agreed on,
+        # and a rank's own problem is said by that rank.
+        first_of_node = _rank("LOCAL_RANK") == 0
+        if (
+            not distributed
+            or (not started and first_of_node)
+            or (started and err.every_rank and _rank() == 0)
+        ):
             print(f"error: {err}", file=sys.stderr, flush=True)
         elif started and not err.every_rank:
             print(f"error: rank {_rank()}: {err}", file=sys.stderr, flush=True)

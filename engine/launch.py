@@ -18,23 +18,26 @@ import signal
 import sys
 
 from engine.cli import run_main
+from parallel.errors import one_line
 
 PRETRAIN_MODULE = "engine.pretrain"
 
 
-def _world_size(args) -> int:
+def _world_sizes(args) -> list[int]:
+    """The world sizes this launch can have: one, or the ends of an elastic range of nodes."""
     from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
 
-    _, max_nodes = parse_min_max_nnodes(args.nnodes)
-    return max_nodes * determine_local_world_size(args.nproc_per_node)
+    per_node = determine_local_world_size(args.nproc_per_node)
+    return sorted({nodes * per_node for nodes in parse_min_max_nnodes(args.nnodes)})
 
 
 def preflight(args) -> None:
-    """The pretraining flags checked for this launch's world size (ConfigError on a problem)."""
+    """The pretraining flags checked for every world size of this launch (ConfigError)."""
     from engine.preflight import check
     from engine.pretrain import parse
 
-    check(parse(args.training_script_args), _world_size(args))
+    for world_size in _world_sizes(args):
+        check(parse(args.training_script_args), world_size)
 
 
 def _describe(rank, failure) -> str:
@@ -51,6 +54,7 @@ def _describe(rank, failure) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(argv)
@@ -66,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         for rank, failure in sorted(err.failures.items()):
             print(_describe(rank, failure), file=sys.stderr, flush=True)
+        return 1
+    except RendezvousError as err:
+        print(
+            f"error: the nodes did not all join ({one_line(err)}); another node may "
+            "have stopped at its start-up checks: see its output",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     return 0
 

@@ -10,20 +10,20 @@ from __future__ import annotations
 import torch.distributed as dist
 
 
-def first_error(message: str | None, group=None) -> str | None:
-    """The message of the lowest rank that has one (collective over `group`); `message`
-    itself when there is no group to ask."""
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return message
-    gathered: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, message, group=group)
-    return next((m for m in gathered if m), None)
+def is_distributed(group=None) -> bool:
+    """Whether there are other ranks to agree with: a group, or an initialised default one."""
+    return group is not None or (dist.is_available() and dist.is_initialized())
 
 
 def gather_to_all(value, group=None) -> list:
-    """Every rank's `value`, on every rank (a list of one without a group)."""
-    if group is None and not (dist.is_available() and dist.is_initialized()):
+    """Every rank's `value`, on every rank (a list of one without other ranks)."""
+    if not is_distributed(group):
         return [value]
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, value, group=group)
     return gathered
+
+
+def first_error(message: str | None, group=None) -> str | None:
+    """The message of the lowest rank that has one (collective over `group`)."""
+    return next((m for m in gather_to_all(message, group) if m), None)

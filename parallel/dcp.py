@@ -7,10 +7,10 @@ offsets, so `BoxTensor` implements DCP's checkpointable protocol for a list of b
 (see parallel.sharding.checkpoint_boxes). `BoxSavePlanner` / `BoxLoadPlanner` teach the default
 planners to look boxes up.
 
-Loading unpickles nothing arbitrary: every value is a tensor (no byte blobs; the load planner
-refuses one), tensor data is read by torch.load(weights_only=True) inside DCP, and DCP's own
-`.metadata` file is read through an exact allow-list (`SafeFileSystemReader`, see
-parallel/dcp_metadata.py).
+Loading unpickles nothing arbitrary: every value is a tensor (no byte blobs: the metadata
+reader refuses them, and the load planner too), tensor data is read by
+torch.load(weights_only=True) inside DCP, and DCP's own `.metadata` file is read through an
+exact allow-list (`SafeFileSystemReader`, see parallel/dcp_metadata.py).
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ class BoxLoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
     def load_bytes(self, read_item, value) -> None:
-        # DCP would unpickle a byte entry with full pickle; this engine never writes one.
+        # DCP would unpickle a byte entry with full pickle; this engine never writes one. (The
+        # metadata reader already refuses such entries; this is the second guard.)
         raise CheckpointError(
             f"checkpoint entry {read_item.dest_index.fqn} is a pickled object, not a tensor; "
             "refusing to load it"
@@ -147,7 +148,12 @@ class BoxLoadPlanner(DefaultLoadPlanner):
 
 class SafeFileSystemReader(FileSystemReader):
     """FileSystemReader whose metadata is read by `parallel.dcp_metadata.load_metadata` (an
-    exact allow-list, then field-by-field checks), with one-line errors naming the file."""
+    exact allow-list, then field-by-field checks), with one-line errors naming the file.
+
+    The metadata is parsed once per reader and kept: read it first (`read_metadata()`) to get
+    its error as is, then hand the same reader to dcp.load, which would otherwise catch the
+    error, retry other file names and report something else; reuse the reader for several
+    loads from one checkpoint (the export reads tensor by tensor)."""
 
     def read_metadata(self, *args, **kwargs):
         rank = kwargs.get("rank")
@@ -155,6 +161,16 @@ class SafeFileSystemReader(FileSystemReader):
             path = self._get_metadata_path(rank)
         else:  # torch versions without per-rank metadata files
             path = self.fs.concat_path(self.path, ".metadata")
+        cache = self.__dict__.setdefault("_parsed", {})
+        if str(path) not in cache:
+            cache[str(path)] = self._parse(path)
+        metadata = cache[str(path)]
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+    def _parse(self, path):
         try:
             with self.fs.create_stream(path, "rb") as stream:
                 data = stream.read()
@@ -163,8 +179,4 @@ class SafeFileSystemReader(FileSystemReader):
                 f"{path}: cannot read the checkpoint's metadata ({err.strerror or err}); the "
                 "checkpoint is incomplete or damaged"
             ) from None
-        metadata = load_metadata(data, str(path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = getattr(self, "load_id", None)
-        return metadata
+        return load_metadata(data, str(path))

@@ -104,7 +104,7 @@ def _evil_object(marker: str):
     return Evil()
 
 
-def test_dcp_byte_entries_are_refused_not_unpickled(tmp_path):
+def test_dcp_byte_entries_are_refused_not_unpickled(tmp_path, capfd):
     """DCP stores a non-tensor value as a pickled byte entry and loads it with full pickle;
     a checkpoint holding one must be refused before anything is unpickled."""
     import torch.distributed.checkpoint as dcp
@@ -114,8 +114,14 @@ def test_dcp_byte_entries_are_refused_not_unpickled(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"model/x": _evil_object(marker)}, checkpoint_id=folder, no_dist=True)
-    with pytest.raises(CheckpointError, match="BytesStorageMetadata"):
+    with pytest.raises(CheckpointError) as info:
         read_tensors(folder, {"model/x": torch.empty(3)})
+    assert str(info.value) == (
+        f"{folder}/.metadata: refers to torch.distributed.checkpoint.metadata."
+        "BytesStorageMetadata, which no checkpoint holds; refusing to load it (nothing was "
+        "run). Only load checkpoints from sources you trust"
+    )
+    assert "Traceback" not in capfd.readouterr().err  # refused before DCP could retry
     assert not os.path.exists(marker)
 
 

@@ -303,3 +303,48 @@ def test_import_checks_every_shape_first_and_never_overwrites(tmp_path):
     assert not (tmp_path / "fresh").exists()
     assert not list(tmp_path.glob("fresh.tmp*"))
     assert {p: p.read_bytes() for p in existing.rglob("*") if p.is_file()} == before
+
+
+def test_import_refuses_damaged_or_escaping_folders(tmp_path):
+    """A sharded folder whose index points outside it, is not JSON, or whose shard is cut
+    short, and a config.json without a field: each one InputError line, nothing written."""
+    from engine.errors import InputError
+
+    source = tmp_path / "hf"
+    _random_hf_model("llama", source).save_pretrained(source, max_shard_size="200KB")
+    (source / "model.safetensors").unlink()  # only the shards and their index remain
+    index = source / "model.safetensors.index.json"
+    original_index = index.read_text()
+    shard = sorted(source.glob("model-*.safetensors"))[0]
+    first = next(iter(json.loads(original_index)["weight_map"]))
+
+    def escaping():
+        data = json.loads(original_index)
+        data["weight_map"][first] = "../elsewhere.safetensors"
+        index.write_text(json.dumps(data))
+
+    def not_json():
+        index.write_text("{not json")
+
+    def cut_shard():
+        index.write_text(original_index)
+        shard.write_bytes(shard.read_bytes()[:100])
+
+    def no_field():
+        config = json.loads((source / "config.json").read_text())
+        del config["hidden_size"]
+        (source / "config.json").write_text(json.dumps(config))
+
+    cases = [
+        (escaping, f"names '../elsewhere.safetensors', not a file of {source}"),
+        (not_json, "not a safetensors index"),
+        (cut_shard, f"{shard}: not a readable safetensors file"),
+        (no_field, "config.json: a field is missing or malformed (KeyError: 'hidden_size')"),
+    ]
+    for number, (damage, message) in enumerate(cases):
+        damage()
+        output = tmp_path / f"out{number}"
+        with pytest.raises(InputError) as info:
+            import_from_hf(str(source), str(output))
+        assert message in str(info.value) and "\n" not in str(info.value)
+        assert not output.exists() and not list(tmp_path.glob(f"out{number}.tmp*"))

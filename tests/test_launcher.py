@@ -15,7 +15,7 @@ import pytest
 
 from engine.checkpoint_files import iteration_dir
 from engine.data.indexed import IndexedDataset, IndexedDatasetBuilder
-from engine.data.token_ids import check_token_ids, max_token_id
+from engine.data.token_ids import check_token_ids, token_id_range
 from engine.errors import ConfigError
 from parallel.launch import free_port
 
@@ -105,25 +105,37 @@ def test_an_error_inside_the_ranks_is_printed_once(data_folder, small_checkpoint
     )
 
 
-def test_largest_token_id_is_cached_and_refreshed(data_folder, tmp_path):
-    legacy = os.path.join(data_folder, "legacy_text_document")
+def test_token_id_range_is_cached_and_refreshed(data_folder, tmp_path, monkeypatch):
+    """One scan per dataset version: the second start reads the cache, a rewritten dataset
+    (new size and time) is scanned again."""
+    from engine.data import token_ids
+
+    scans = []
+    real_scan = token_ids._scan
+    monkeypatch.setattr(token_ids, "_scan", lambda d: scans.append(d.prefix) or real_scan(d))
     cache = str(tmp_path / "cache")
-    dataset = IndexedDataset(legacy)
-    assert max_token_id(dataset, cache) == 50256
-    cached = os.path.join(cache, "legacy_text_document-max_token_id.json")
-    assert os.path.isfile(cached)
-    dataset.close()
-    # A rewritten dataset (new size and time) is scanned again, not read from the cache.
-    prefix = str(tmp_path / "small_text_document")
+    prefix = str(tmp_path / "copy_text_document")
+    for suffix in (".bin", ".idx"):
+        shutil.copy(os.path.join(data_folder, "legacy_text_document") + suffix, prefix + suffix)
+    for _ in range(2):
+        dataset = IndexedDataset(prefix)
+        assert token_id_range(dataset, cache) == (0, 50256)
+        dataset.close()
+    assert len(scans) == 1
     with IndexedDatasetBuilder(prefix, np.uint16) as builder:
         builder.add_document([5, 6, 7])
         builder.finalize()
-    shutil.copy(prefix + ".bin", legacy.replace(data_folder, str(tmp_path)) + ".bin")
-    shutil.copy(prefix + ".idx", legacy.replace(data_folder, str(tmp_path)) + ".idx")
-    copy = IndexedDataset(os.path.join(str(tmp_path), "legacy_text_document"))
-    assert max_token_id(copy, cache) == 7
-    copy.close()
-    check_token_ids([legacy], 60000, "--vocab-size 60000", cache)
-    with pytest.raises(ConfigError, match="holds token id 50256, but --vocab-size 50000"):
-        check_token_ids([legacy], 50000, "--vocab-size 50000", cache)
-    check_token_ids([legacy], 70000, "--vocab-size 70000", None)  # uint16 ids: nothing to scan
+    dataset = IndexedDataset(prefix)
+    assert token_id_range(dataset, cache) == (5, 7)
+    dataset.close()
+    assert len(scans) == 2
+    check_token_ids([prefix], 8, "--vocab-size 8", cache)
+    with pytest.raises(ConfigError, match="holds token id 7, but --vocab-size 7 has a vocab"):
+        check_token_ids([prefix], 7, "--vocab-size 7", cache)
+    check_token_ids([prefix], 70000, "--vocab-size 70000", cache)  # uint16: nothing to scan
+    assert len(scans) == 2
+    with IndexedDatasetBuilder(prefix, np.int32) as builder:
+        builder.add_document([5, -3, 7])
+        builder.finalize()
+    with pytest.raises(ConfigError, match="negative token id -3"):
+        check_token_ids([prefix], 70000, "--vocab-size 70000", cache)

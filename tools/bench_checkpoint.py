@@ -21,16 +21,13 @@ import time
 
 import torch
 
+from engine.benchmarks import corpus_dataset, engine_flags
 from engine.cli import run_main as run
-from engine.pretrain import check, parse
+from engine.preflight import check
+from engine.pretrain import parse
 from engine.training import save, setup, train_iteration
 from parallel.launch import run_local
 from parallel.state import ParallelState
-
-if __package__:  # imported as tools.bench_checkpoint (from the repository root, as tests do)
-    from ._bench_data import corpus_dataset, engine_flags
-else:  # run as `python tools/bench_checkpoint.py`: tools/ is sys.path[0]
-    from _bench_data import corpus_dataset, engine_flags
 
 
 def _folder_bytes(path: str) -> int:

@@ -14,15 +14,11 @@ import time
 
 import numpy as np
 
+from engine.benchmarks import corpus_dataset
 from engine.cli import run_main as run
 from engine.data.gpt_dataset import GPTDataset, GPTDatasetSpec
 from engine.data.helpers import build_sample_index, build_sample_index_numpy
 from engine.data.indexed import IndexedDataset
-
-if __package__:  # imported as tools.bench_dataset (from the repository root, as tests do)
-    from ._bench_data import corpus_dataset
-else:  # run as `python tools/bench_dataset.py`: tools/ is sys.path[0]
-    from _bench_data import corpus_dataset
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from engine.benchmarks import bench_model_config
 from engine.cli import run_main as run
 from engine.config import OptimizerConfig
 from engine.model.builder import build_model_chunks
@@ -27,11 +28,6 @@ from engine.step import train_step
 from parallel.ddp import DistributedDataParallel
 from parallel.launch import run_local
 from parallel.state import ParallelState
-
-if __package__:  # imported as tools.bench_ddp (from the repository root, as tests do)
-    from ._bench_data import bench_model_config
-else:  # run as `python tools/bench_ddp.py`: tools/ is sys.path[0]
-    from _bench_data import bench_model_config
 
 
 def _bench(rank, world, args, overlap):

@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from engine.benchmarks import bench_model_config
 from engine.cli import run_main as run
 from engine.model import BuildContext, GPTModel
 from engine.model.builder import build_model_chunks
@@ -31,11 +32,6 @@ from parallel.ddp import DistributedDataParallel
 from parallel.launch import run_local
 from parallel.pipeline.schedules import get_schedule
 from parallel.state import ParallelState
-
-if __package__:  # imported as tools.bench_pipeline (from the repository root, as tests do)
-    from ._bench_data import bench_model_config
-else:  # run as `python tools/bench_pipeline.py`: tools/ is sys.path[0]
-    from _bench_data import bench_model_config
 
 OVERLAP = "interleaved+overlap"  # --overlap-p2p-communication
 

@@ -19,17 +19,14 @@ import time
 
 import torch
 
+from engine.benchmarks import corpus_dataset, engine_flags
 from engine.cli import run_main as run
 from engine.metrics import device_peak_tflops, model_flops_per_token
-from engine.pretrain import check, parse
+from engine.preflight import check
+from engine.pretrain import parse
 from engine.training import setup, train_iteration
 from parallel.launch import run_local
 from parallel.state import ParallelState
-
-if __package__:  # imported as tools.bench_throughput (from the repository root, as tests do)
-    from ._bench_data import corpus_dataset, engine_flags
-else:  # run as `python tools/bench_throughput.py`: tools/ is sys.path[0]
-    from _bench_data import corpus_dataset, engine_flags
 
 
 def _sync(device: torch.device) -> None:

@@ -38,9 +38,10 @@ CACHE_VERSION = 1
 def parse_split(split: str) -> list[float]:
     """'969,30,1' -> normalised weights for train/valid/test (missing trailing parts are 0).
 
-    As in Megatron-LM, the numbers are read out of the text whatever separates or surrounds
-    them, so "'99,1,0'" (quotes kept by a script's word splitting) and 99/1/0 both work; unlike
-    it, a minus sign is kept, so that a negative weight is an error rather than positive."""
+    As in Megatron-LM, the numbers are read out of the text whatever commas, slashes, spaces or
+    quotes surround them, so "'99,1,0'" (quotes kept by a script's word splitting) and 99/1/0
+    both work; unlike it, a minus sign is kept, so that a negative weight is an error rather
+    than positive."""
     try:
         parts = [float(p) for p in re.findall(r"-?[.0-9]+", split)]
     except ValueError:

@@ -84,7 +84,9 @@ class _Damaged(Exception):
     """A compressed stream that cannot be decoded to its end: args (format, detail)."""
 
 
-ZSTD_READ_SIZE = 1 << 18
+# Compressed bytes handed to the decoder at a time. Its output for them is unbounded (a run of
+# zeros compresses ~30,000x), so the input is kept small: at most ~0.5 GB of output per call.
+ZSTD_READ_SIZE = 1 << 14
 
 
 def _zstd_chunks(f) -> Iterator[bytes]:

@@ -16,11 +16,10 @@ import stat
 import torch
 
 from engine.checkpoint_files import find_latest, iteration_dir
-from engine.checkpoint_load import read_tensors, verify_checkpoint
+from engine.checkpoint_load import open_checkpoint, read_tensors, verify_checkpoint
 from engine.config import ModelConfig
 from engine.errors import CheckpointError, ConfigError
 from engine.hf.architectures import hf_config_dict, hf_tensors, style_of
-from parallel.dcp import SafeFileSystemReader
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,10 +37,10 @@ def parse_size(text: str) -> int:
         raise ConfigError(f"--max-shard-size {text!r}: use a size like 2GB or 500MB") from None
 
 
-def read_tensor(path: str, key: str, shape, dtype: torch.dtype) -> torch.Tensor:
+def read_tensor(path: str, key: str, shape, dtype: torch.dtype, reader=None) -> torch.Tensor:
     """One logical tensor of a checkpoint, assembled from the stored boxes."""
     out = {key: torch.empty(tuple(shape), dtype=dtype)}
-    read_tensors(path, out)
+    read_tensors(path, out, reader=reader)
     return out[key]
 
 
@@ -115,7 +114,8 @@ def export_to_hf(
     tokenizer_model = tokenizer_model or meta.get("tokenizer_model")
     if tokenizer_model and not os.path.isfile(tokenizer_model):
         raise ConfigError(f"{tokenizer_model}: tokenizer model not found; pass --tokenizer-model")
-    stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    reader = open_checkpoint(path)
+    stored = reader.read_metadata().state_dict_metadata
     plan = []
     for tensor in hf_tensors(cfg, style):
         keys = [f"model/{part}" for part in tensor.parts]
@@ -152,7 +152,10 @@ def export_to_hf(
         )
         tensors = {}
         for tensor, keys, _ in shard:
-            parts = [read_tensor(path, k, stored[k].size, stored[k].properties.dtype) for k in keys]
+            parts = [
+                read_tensor(path, k, stored[k].size, stored[k].properties.dtype, reader)
+                for k in keys
+            ]
             value = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
             value = value.t() if tensor.transpose else value
             tensors[tensor.name] = value.to(DTYPES[dtype]).contiguous()

@@ -20,13 +20,40 @@ import warnings
 import torch
 
 from engine.checkpoint_files import commit, iteration_dir, write_meta
-from engine.errors import InputError
+from engine.errors import InputError, UserError
 from engine.hf.architectures import hf_tensors, model_config_from_hf
 from parallel.dcp import BoxSavePlanner, LazyTensor
 from parallel.dcp_checksums import ChecksummingWriter
+from parallel.errors import describe_os_error, one_line, root_cause
 from parallel.pipeline.layout import stage_layers
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _safe_open(path: str):
+    """safetensors' reader of `path`, or InputError naming the file."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, "pt")
+    except Exception as err:  # noqa: BLE001 - OSError, SafetensorError: a bad or missing file
+        raise InputError(f"{path}: not a readable safetensors file ({one_line(err)})") from None
+
+
+def _weight_map(folder: str, index: str) -> dict[str, str]:
+    """Tensor name -> shard path from model.safetensors.index.json; shards must be files of
+    the folder itself."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"{index}: not a safetensors index ({one_line(err)})") from None
+    if not isinstance(weight_map, dict):
+        raise InputError(f"{index}: weight_map is not a table of tensor names to files")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or os.path.basename(shard) != shard or shard[:1] in ("", "."):
+            raise InputError(f"{index}: tensor {name} names {shard!r}, not a file of {folder}")
+    return {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
 
 
 class _SafetensorsFolder:
@@ -35,17 +62,12 @@ class _SafetensorsFolder:
 
     def __init__(self, folder: str):
         index = os.path.join(folder, "model.safetensors.index.json")
+        single = os.path.join(folder, "model.safetensors")
         if os.path.isfile(index):
-            with open(index) as f:
-                self.where = {
-                    k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()
-                }
-        elif os.path.isfile(os.path.join(folder, "model.safetensors")):
-            from safetensors import safe_open
-
-            path = os.path.join(folder, "model.safetensors")
-            with safe_open(path, "pt") as f:
-                self.where = dict.fromkeys(f.keys(), path)  # noqa: SIM118 - not a dict
+            self.where = _weight_map(folder, index)
+        elif os.path.isfile(single):
+            with _safe_open(single) as f:
+                self.where = dict.fromkeys(f.keys(), single)  # noqa: SIM118 - not a dict
         else:
             raise InputError(
                 f"{folder}: no model.safetensors or model.safetensors.index.json (only "
@@ -54,10 +76,13 @@ class _SafetensorsFolder:
         self._cached: tuple[str, torch.Tensor] | None = None
 
     def shape_and_dtype(self, name: str):
-        from safetensors import safe_open
-
-        with safe_open(self.where[name], "pt") as f:
-            part = f.get_slice(name)
+        with _safe_open(self.where[name]) as f:
+            try:
+                part = f.get_slice(name)
+            except Exception as err:  # noqa: BLE001 - the index names a tensor the file lacks
+                raise InputError(
+                    f"{self.where[name]}: no tensor {name} ({one_line(err)})"
+                ) from None
             dtype = _DTYPES.get(part.get_dtype())
             if dtype is None:
                 raise InputError(
@@ -67,11 +92,14 @@ class _SafetensorsFolder:
             return tuple(part.get_shape()), dtype
 
     def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         if self._cached is None or self._cached[0] != name:
-            with safe_open(self.where[name], "pt") as f:
-                self._cached = (name, f.get_tensor(name))
+            with _safe_open(self.where[name]) as f:
+                try:
+                    self._cached = (name, f.get_tensor(name))
+                except Exception as err:  # noqa: BLE001 - truncated or damaged data
+                    raise InputError(
+                        f"{self.where[name]}: tensor {name} cannot be read ({one_line(err)})"
+                    ) from None
         return self._cached[1]
 
 
@@ -142,7 +170,12 @@ def import_from_hf(folder: str, output: str, tp: int = 1, pp: int = 1) -> dict:
         raise InputError(f"{config_path}: no such file; --from-hf takes a model folder") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InputError(f"{config_path}: not valid JSON ({err})") from None
-    cfg, style = model_config_from_hf(hf)
+    try:
+        cfg, style = model_config_from_hf(hf)
+    except (KeyError, TypeError, AttributeError) as err:
+        raise InputError(
+            f"{config_path}: a field is missing or malformed ({one_line(err)})"
+        ) from None
     cfg.validate(tp)
     for rank in range(pp):
         stage_layers(cfg.num_layers, pp, rank)
@@ -167,8 +200,13 @@ def import_from_hf(folder: str, output: str, tp: int = 1, pp: int = 1) -> dict:
         if os.path.isdir(output):
             os.rmdir(output)  # empty, checked above
         os.replace(staging, output)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
+        cause = root_cause(err)  # DCP wraps what went wrong in its own exception
+        if isinstance(cause, UserError):
+            raise cause from None
+        if isinstance(cause, OSError):
+            raise InputError(describe_os_error(cause, cause.filename or output)) from None
         raise
     return {
         "architecture": style,

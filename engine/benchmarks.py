@@ -1,5 +1,5 @@
-"""Shared set-up of the benchmarks: a GPT config from their size flags, and a dataset and
-tokenizer from the built-in corpus for those that need real data."""
+"""Shared set-up of the benchmark scripts in tools/: a GPT config from their size flags, and
+a dataset and tokenizer from the built-in corpus for those that need real data."""
 
 from __future__ import annotations
 
