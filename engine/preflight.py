@@ -11,7 +11,6 @@ writes to, and the checkpoint to resume from (complete, every file its recorded 
 from __future__ import annotations
 
 import os
-import tempfile
 
 import torch
 
@@ -23,6 +22,7 @@ from engine.data.indexed import IndexedDataset
 from engine.data.token_ids import check_token_ids
 from engine.data.tokenizer import build_tokenizer
 from engine.errors import ConfigError
+from engine.paths import probe_writable_folder
 from parallel.errors import describe_os_error
 from parallel.pipeline.layout import stage_layers
 from parallel.state import check_layout
@@ -177,11 +177,9 @@ def _check_data(cfg) -> None:
 def _writable_dir(path: str, flag: str) -> None:
     """The folder exists (created if needed) and a file can be created in it."""
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
-            pass
+        probe_writable_folder(path)
     except OSError as err:
-        raise ConfigError(f"{flag}: {describe_os_error(err, path)}") from None
+        raise ConfigError(f"{flag}: {describe_os_error(err, path, writing=True)}") from None
 
 
 def _check_outputs(train) -> None:

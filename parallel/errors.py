@@ -33,9 +33,11 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint that is missing, incomplete, damaged or belongs to a different model."""
 
 
-def describe_os_error(err: OSError, path: str | os.PathLike | None = None) -> str:
-    """One line for an OSError met while reading or writing `path`: what went wrong there and
-    what to do. A full disk and a read-only or forbidden place are named as such."""
+def describe_os_error(
+    err: OSError, path: str | os.PathLike | None = None, writing: bool = False
+) -> str:
+    """One line for an OSError met while reading or (`writing`) writing `path`: what went wrong
+    there and what to do. A full disk and a read-only or forbidden place are named as such."""
     where = os.fspath(path) if path is not None else (err.filename or "a file")
     reason = err.strerror or str(err)
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -44,6 +46,8 @@ def describe_os_error(err: OSError, path: str | os.PathLike | None = None) -> st
         return f"{where}: not writable ({reason}); pick a location you can write to"
     if err.errno in (errno.ENOTDIR, errno.EEXIST):
         return f"{where}: a file stands where a folder is needed ({reason}); pick another path"
+    if err.errno == errno.ENOENT and writing:  # its folder cannot be made (e.g. under /proc)
+        return f"{where}: cannot be created there ({reason}); pick a path you can write to"
     if err.errno == errno.ENOENT:
         return f"{where}: no such file or folder ({reason})"
     return f"{where}: {reason}"

@@ -17,7 +17,6 @@ preprocess_data.py writes one sequence per document, so the document index is 0,
 from __future__ import annotations
 
 import contextlib
-import errno
 import mmap
 import os
 import shutil
@@ -51,12 +50,7 @@ class IndexedDatasetError(InputError):
 
 def write_error(err: OSError, path: str | os.PathLike) -> InputError:
     """The one-line error for an OSError met while writing the output file `path`."""
-    if err.errno == errno.ENOENT:  # its folder cannot be made (e.g. under /proc)
-        return InputError(
-            f"{os.fspath(path)}: cannot be created there ({err.strerror}); pick an output "
-            "path you can write to"
-        )
-    return InputError(describe_os_error(err, path))
+    return InputError(describe_os_error(err, path, writing=True))
 
 
 @contextlib.contextmanager

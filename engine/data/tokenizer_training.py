@@ -25,6 +25,7 @@ from engine.data.indexed import writing
 from engine.data.readers import decode_record, expand_inputs, iter_records
 from engine.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from engine.errors import InputError
+from engine.paths import probe_writable_folder
 
 HELDOUT_EVERY = 50
 SPECIAL_PIECES = 4  # <unk>, <s>, </s>, <pad>
@@ -256,13 +257,8 @@ def train_tokenizer(
 
 def _check_writable(model_prefix: str) -> None:
     """Fail now, not after training, if `<model_prefix>.model` cannot be written."""
-    path = f"{model_prefix}.model"
-    probe = f"{path}.tmp.{os.getpid()}"
-    with writing(path):
-        os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
-        with open(probe, "wb"):
-            pass
-        os.remove(probe)
+    with writing(f"{model_prefix}.model"):
+        probe_writable_folder(os.path.dirname(os.path.abspath(model_prefix)))
 
 
 def _write_atomically(model_prefix: str, processor, proto: bytes) -> None:

@@ -1,0 +1,15 @@
+"""Places a tool or a run will write to, checked before the work starts."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def probe_writable_folder(folder: str | os.PathLike) -> None:
+    """Create `folder` if needed and a file in it, then remove the file: OSError (a file in
+    the way, no permission, a read-only or full disk) when either cannot be done."""
+    os.makedirs(folder, exist_ok=True)
+    handle, probe = tempfile.mkstemp(dir=folder, prefix=".write-test-")
+    os.close(handle)
+    os.remove(probe)
