@@ -17,9 +17,8 @@ import pytest
 
 from engine.checkpoint_files import META, iteration_dir, read_meta
 from parallel.dcp_checksums import file_digest
+from tests.cli import ROOT, one_line_error, run_python, run_tool
 from tests.small_disk import small_disk_available, small_disk_command
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def train_args(dataset_prefix, tokenizer_model, *extra) -> list[str]:
@@ -34,16 +33,10 @@ def train_args(dataset_prefix, tokenizer_model, *extra) -> list[str]:
     ]
 
 
-def run(args: list[str], timeout: int = 180, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout, **kwargs
-    )
-
-
-def one_line(result: subprocess.CompletedProcess) -> str:
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stderr[-3000:])
-    return lines[0]
+def resume(dataset_prefix, tokenizer_model, ckpt: str, *extra: str):
+    """Three iterations of the fixture's run, resumed from `ckpt`."""
+    args = train_args(dataset_prefix, tokenizer_model, "--train-iters", "3", "--load", ckpt)
+    return run_python("-m", "engine.pretrain", *args, *extra)
 
 
 def test_every_file_is_listed_with_its_size_and_checksum(small_checkpoint):
@@ -105,21 +98,11 @@ def test_damage_is_one_line_naming_the_file(
     named = _damage(kind, iteration_dir(ckpt, 2))
     hf = str(tmp_path / "hf")
     results = {
-        "training": run(
-            [
-                "-m",
-                "engine.pretrain",
-                *train_args(dataset_prefix, tokenizer_model),
-                "--train-iters",
-                "3",
-                "--load",
-                ckpt,
-            ]
-        ),
-        "converter": run(["tools/convert_checkpoint.py", "--load", ckpt, "--output", hf]),
+        "training": resume(dataset_prefix, tokenizer_model, ckpt),
+        "converter": run_tool("convert_checkpoint.py", "--load", ckpt, "--output", hf),
     }
     for where, result in results.items():
-        line = one_line(result)
+        line = one_line_error(result)
         assert line.startswith(f"error: {named}") and EXPECTED[kind] in line, (where, line)
         assert "iteration " not in result.stdout, where
     assert not os.path.exists(hf)
@@ -131,18 +114,7 @@ def test_no_verify_loads_a_checkpoint_whose_checksum_differs(
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(small_checkpoint, ckpt)
     _flip_middle_byte(os.path.join(iteration_dir(ckpt, 2), "__0_0.distcp"))
-    result = run(
-        [
-            "-m",
-            "engine.pretrain",
-            *train_args(dataset_prefix, tokenizer_model),
-            "--train-iters",
-            "3",
-            "--load",
-            ckpt,
-            "--no-verify",
-        ]
-    )
+    result = resume(dataset_prefix, tokenizer_model, ckpt, "--no-verify")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "checksums not compared (--no-verify)" in result.stdout
     assert "iteration      3/3" in result.stdout
@@ -153,23 +125,14 @@ def test_unwritable_save_path_is_found_at_start(dataset_prefix, tokenizer_model,
     a_file.write_text("not a folder")
     cases = [
         ("--save", str(a_file / "ckpt"), "a file stands where a folder is needed"),
-        ("--save", "/proc/tripod-test/ckpt", "--save: /proc/tripod-test/ckpt"),
+        ("--save", "/proc/tripod-test/ckpt", "cannot be created there"),
         ("--tensorboard-dir", str(a_file / "tb"), "a file stands where a folder is needed"),
         ("--log-jsonl", str(a_file / "log.jsonl"), "a file stands where a folder is needed"),
     ]
     for flag, path, message in cases:
-        result = run(
-            [
-                "-m",
-                "engine.pretrain",
-                *train_args(dataset_prefix, tokenizer_model),
-                "--train-iters",
-                "2",
-                flag,
-                path,
-            ]
-        )
-        line = one_line(result)
+        args = train_args(dataset_prefix, tokenizer_model, "--train-iters", "2", flag, path)
+        result = run_python("-m", "engine.pretrain", *args)
+        line = one_line_error(result)
         assert line.startswith(f"error: {flag}") and message in line, line
         assert "iteration " not in result.stdout
 

@@ -10,8 +10,6 @@ import pickle
 import random
 import shutil
 import struct
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -22,9 +20,7 @@ from engine.checkpoint_files import iteration_dir, read_meta, write_meta
 from engine.checkpoint_load import read_tensors
 from engine.errors import CheckpointError
 from parallel.dcp_metadata import load_metadata
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from tests.cli import one_line_error, run_tool
 
 # --- a tiny pickle assembler (protocol 4 opcodes) --------------------------------------------
 
@@ -215,22 +211,11 @@ def test_cli_refuses_a_hostile_checkpoint_in_one_line(small_checkpoint, tmp_path
         "xxh3_64": xxhash.xxh3_64(attack).hexdigest(),
     }
     write_meta(folder, meta)
-    for args in (
-        ["tools/convert_checkpoint.py", "--load", ckpt, "--output", str(tmp_path / "hf")],
-        [
-            "tools/convert_checkpoint.py",
-            "--load",
-            ckpt,
-            "--output",
-            str(tmp_path / "hf"),
-            "--no-verify",
-        ],
-    ):
-        result = subprocess.run(
-            [sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    for extra in ([], ["--no-verify"]):
+        output = str(tmp_path / "hf")
+        line = one_line_error(
+            run_tool("convert_checkpoint.py", "--load", ckpt, "--output", output, *extra)
         )
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2 and len(lines) == 1, result.stderr
         assert not os.path.exists(marker)
-    assert "refers to torch.distributed.checkpoint.filesystem.os.system" in lines[0]
+    assert "refers to torch.distributed.checkpoint.filesystem.os.system" in line
     assert not os.path.exists(tmp_path / "hf")

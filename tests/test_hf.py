@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ from engine.hf.export import export_to_hf, read_tensor
 from engine.hf.import_hf import import_from_hf
 from engine.model import BuildContext, GPTModel
 from parallel.dcp import SafeFileSystemReader
+from tests.cli import run_tool
 from tests.distributed import rel_err, run_ranks
 from tests.test_training import base_args, pretrain
 
@@ -257,20 +256,14 @@ def test_options_without_an_equivalent_are_errors(trained, tmp_path):
         style_of(cfg)
 
 
-def _tool(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, f"tools/{script}", *args], capture_output=True, text=True, cwd=ROOT
-    )
-
-
 def test_cli(trained, tmp_path):
     hf = str(tmp_path / "hf")
-    result = _tool("convert_checkpoint.py", "--load", trained["llama"], "--output", hf)
+    result = run_tool("convert_checkpoint.py", "--load", trained["llama"], "--output", hf)
     assert result.returncode == 0 and "exported" in result.stdout, result.stderr
-    result = _tool("hf_generate.py", "--model", hf, "--prompt", "def ", "--max-new-tokens", "5")
+    result = run_tool("hf_generate.py", "--model", hf, "--prompt", "def ", "--max-new-tokens", "5")
     assert result.returncode == 0 and "LlamaForCausalLM" in result.stdout, result.stderr
     missing, out = str(tmp_path / "nothing"), str(tmp_path / "x")
-    result = _tool("convert_checkpoint.py", "--load", missing, "--output", out)
+    result = run_tool("convert_checkpoint.py", "--load", missing, "--output", out)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
 
 
@@ -282,11 +275,11 @@ def test_import_checks_every_shape_first_and_never_overwrites(tmp_path):
     source = tmp_path / "llama-hf"
     _random_hf_model("llama", source)
     existing = tmp_path / "existing"
-    result = _tool("convert_checkpoint.py", "--from-hf", str(source), "--output", str(existing))
+    result = run_tool("convert_checkpoint.py", "--from-hf", str(source), "--output", str(existing))
     assert result.returncode == 0, result.stderr
     before = {p: p.read_bytes() for p in existing.rglob("*") if p.is_file()}
 
-    result = _tool("convert_checkpoint.py", "--from-hf", str(source), "--output", str(existing))
+    result = run_tool("convert_checkpoint.py", "--from-hf", str(source), "--output", str(existing))
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert "already exists and is not empty" in lines[0]
@@ -296,7 +289,9 @@ def test_import_checks_every_shape_first_and_never_overwrites(tmp_path):
     tensors[name] = tensors[name][:96].clone()  # 96 rows where config.json says 128
     save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
     for output in (existing, tmp_path / "fresh"):
-        result = _tool("convert_checkpoint.py", "--from-hf", str(source), "--output", str(output))
+        result = run_tool(
+            "convert_checkpoint.py", "--from-hf", str(source), "--output", str(output)
+        )
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert f"tensor {name} has shape [96, 64], but config.json describes [128, 64]" in lines[0]

@@ -21,29 +21,12 @@ from engine.data.indexed import IndexedDataset
 from engine.data.preprocess import preprocess
 from engine.data.tokenizer import SentencePieceTokenizer
 from engine.errors import InputError
+from tests.cli import ENV, ROOT, one_line_error, run_tool
 from tests.small_disk import small_disk_available, small_disk_command
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
-# The tool imports this checkout's engine, not the one an editable install may point at.
-ENV = {
-    **os.environ,
-    "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-}
 
-
-def _tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, TOOL, *args], capture_output=True, text=True, cwd=ROOT, env=ENV
-    )
-
-
-def _one_line_error(result: subprocess.CompletedProcess) -> str:
-    """The single `error: ...` line of a run that must have failed with exit code 2."""
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
+def _tool(*args: str):
+    return run_tool("preprocess_data.py", *args)
 
 
 def _docs(corpus, n=20):
@@ -229,7 +212,7 @@ def test_cli_error_is_one_line_exit_2_and_earlier_output_untouched(tokenizer_mod
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "x = 1"}\n{"text": \n')
     args = ["--tokenizer-model", tokenizer_model, "--output-prefix", out, "--no-progress"]
-    assert "bad.jsonl:line 2" in _one_line_error(_tool(*args, "--input", str(bad)))
+    assert "bad.jsonl:line 2" in one_line_error(_tool(*args, "--input", str(bad)))
     after = {p.name: p.read_bytes() for p in tmp_path.glob("out*")}
     assert after == before
 
@@ -287,7 +270,7 @@ def test_cli_refuses_empty_or_damaged_input_and_keeps_earlier_output(
         "2",
         "--no-progress",
     )
-    line = _one_line_error(result)
+    line = one_line_error(result)
     assert str(tmp_path / name) in line and words in line
     assert {p.name: p.read_bytes() for p in tmp_path.glob("out*")} == before
     assert not list(tmp_path.glob("*.tmp*"))
@@ -319,7 +302,7 @@ def test_cli_unwritable_output_is_found_before_tokenizing(tokenizer_model, tmp_p
         "2",
         "--no-progress",
     )
-    line = _one_line_error(result)
+    line = one_line_error(result)
     assert f"{prefix}_text_document.bin" in line and "line 2" not in line
     assert "a file stands where a folder is needed" in line or "cannot be created" in line
 
@@ -350,7 +333,8 @@ def test_cli_full_disk_is_one_line_and_keeps_earlier_output(corpus, tokenizer_mo
     disk.mkdir()
     small = tmp_path / "small.jsonl"
     small.write_text('{"text": "x = 1"}\n')
-    argv = [sys.executable, "-c", FULL_DISK_SCENARIO, TOOL, tokenizer_model, str(small)]
+    tool = os.path.join(ROOT, "tools", "preprocess_data.py")
+    argv = [sys.executable, "-c", FULL_DISK_SCENARIO, tool, tokenizer_model, str(small)]
     argv += [corpus["jsonl"], str(disk)]  # about 700 KB of tokens: more than the disk holds
     done = subprocess.run(
         small_disk_command(str(disk), "256k", argv), capture_output=True, text=True, env=ENV
@@ -360,7 +344,7 @@ def test_cli_full_disk_is_one_line_and_keeps_earlier_output(corpus, tokenizer_mo
     assert seen["first"][0] == 0, seen["first"][1]
     assert set(seen["before"]) == {"out_text_document.bin", "out_text_document.idx"}
     code, stderr = seen["second"]
-    line = _one_line_error(subprocess.CompletedProcess([], code, "", stderr))
+    line = one_line_error(subprocess.CompletedProcess([], code, "", stderr))
     assert "the disk is full" in line and f"{disk}/out_text_document" in line
     assert seen["after"] == seen["before"]  # intact, and no temporary files left
 
@@ -368,7 +352,7 @@ def test_cli_full_disk_is_one_line_and_keeps_earlier_output(corpus, tokenizer_mo
 def test_cli_missing_input_and_progress_summary(tokenizer_model, tmp_path):
     args = ["--tokenizer-model", tokenizer_model, "--output-prefix", str(tmp_path / "o")]
     result = _tool("--input", str(tmp_path / "none.jsonl"), *args)
-    assert "none.jsonl: no such file" in _one_line_error(result)
+    assert "none.jsonl: no such file" in one_line_error(result)
     src = tmp_path / "s.jsonl"
     src.write_text("".join(json.dumps({"text": f"v{i} = {i}"}) + "\n" for i in range(30)))
     result = _tool("--input", str(src), *args, "--log-interval", "10", "--workers", "2")

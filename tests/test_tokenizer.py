@@ -4,38 +4,18 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from engine.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, SentencePieceTokenizer
 from engine.data.tokenizer_training import _chunks, _Corpus, train_tokenizer
 from engine.errors import InputError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, "tools", "train_tokenizer.py")
-# The tool imports this checkout's engine, not the one an editable install may point at.
-ENV = {
-    **os.environ,
-    "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-}
+from tests.cli import one_line_error, run_tool
 
 
-def _tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, TOOL, *args], capture_output=True, text=True, cwd=ROOT, env=ENV
-    )
-
-
-def _one_line_error(result: subprocess.CompletedProcess) -> str:
-    """The single `error: ...` line of a run that must have failed with exit code 2."""
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
+def _tool(*args: str):
+    return run_tool("train_tokenizer.py", *args)
 
 
 def _small_input(corpus, path, documents=3, before: bytes = b"") -> str:
@@ -109,7 +89,7 @@ BAD_LINES = [
 def test_cli_bad_line_is_one_line_or_skipped(corpus, tmp_path, bad, message):
     src = _small_input(corpus, tmp_path / "bad.jsonl", before=bad)
     args = ["--input", src, "--model-prefix", str(tmp_path / "t"), "--vocab-size", "400"]
-    line = _one_line_error(_tool(*args))
+    line = one_line_error(_tool(*args))
     assert message in line and "--vocab-size" not in line
     assert not list(tmp_path.glob("t.*"))
     result = _tool(*args, "--skip-bad-records")
@@ -124,21 +104,21 @@ def test_cli_bad_line_is_one_line_or_skipped(corpus, tmp_path, bad, message):
 def test_cli_vocab_size_not_above_the_reserved_pieces(corpus, tmp_path, vocab, flags, minimum):
     src = _small_input(corpus, tmp_path / "in.jsonl")
     args = ["--input", src, "--model-prefix", str(tmp_path / "t"), "--vocab-size", vocab, *flags]
-    line = _one_line_error(_tool(*args))
+    line = one_line_error(_tool(*args))
     assert "raise --vocab-size" in line and f"more than the {minimum} reserved" in line
-    line = _one_line_error(_tool(*args, "--user-defined-symbols", "<a>", "<b>"))
+    line = one_line_error(_tool(*args, "--user-defined-symbols", "<a>", "<b>"))
     assert f"more than the {minimum + 2} reserved" in line
 
 
 def test_cli_vocab_size_against_what_the_input_allows(corpus, tmp_path):
     src = _small_input(corpus, tmp_path / "in.jsonl")
     args = ["--input", src, "--model-prefix", str(tmp_path / "t")]
-    line = _one_line_error(_tool(*args, "--vocab-size", "10000000"))
+    line = one_line_error(_tool(*args, "--vocab-size", "10000000"))
     at_most = re.search(r"lower --vocab-size to at most (\d+)", line)
     assert at_most and "or give more input" in line, line
     assert _tool(*args, "--vocab-size", at_most.group(1)).returncode == 0
     # Above the reserved pieces, but not enough for every character of the input as well.
-    line = _one_line_error(_tool(*args, "--vocab-size", "270"))
+    line = one_line_error(_tool(*args, "--vocab-size", "270"))
     assert re.search(r"raise --vocab-size to at least \d+", line), line
     assert not list(tmp_path.glob("t.*.tmp*"))
 
@@ -147,7 +127,7 @@ def test_cli_vocab_size_against_what_the_input_allows(corpus, tmp_path):
 def test_cli_input_without_text(tmp_path, content):
     (tmp_path / "e.jsonl").write_bytes(content)
     result = _tool("--input", str(tmp_path / "e.jsonl"), "--model-prefix", str(tmp_path / "t"))
-    line = _one_line_error(result)
+    line = one_line_error(result)
     assert "e.jsonl: no text to train on" in line
 
 
@@ -156,12 +136,12 @@ def test_cli_truncated_input_is_one_line(corpus, tmp_path):
         packed = gzip.compress(b"".join(f.readlines()[:3]))
     (tmp_path / "cut.jsonl.gz").write_bytes(packed[: len(packed) // 2])
     result = _tool("--input", str(tmp_path / "cut.jsonl.gz"), "--model-prefix", str(tmp_path / "t"))
-    assert "cut.jsonl.gz: truncated or corrupt gzip data" in _one_line_error(result)
+    assert "cut.jsonl.gz: truncated or corrupt gzip data" in one_line_error(result)
 
 
 def test_cli_unwritable_model_prefix_is_found_before_training(corpus, tmp_path):
     src = _small_input(corpus, tmp_path / "in.jsonl", before=b'{"text": \n')
-    line = _one_line_error(_tool("--input", src, "--model-prefix", f"{src}/t"))
+    line = one_line_error(_tool("--input", src, "--model-prefix", f"{src}/t"))
     assert f"{src}/t.model: a file stands where a folder is needed" in line
 
 
