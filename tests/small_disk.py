@@ -15,7 +15,8 @@ _MOUNT_THEN_RUN = 'mount -t tmpfs -o size="$1" tmpfs "$0" && shift && exec "$@"'
 
 
 def small_disk_command(mountpoint: str, size: str, argv: list[str]) -> list[str]:
-    """argv, run with a tmpfs of `size` (e.g. '256k') mounted at `mountpoint`."""
+    """argv, run with a tmpfs of `size` (e.g. '256k'; '64k,ro' mounts it read-only) mounted at
+    `mountpoint`."""
     return [
         "unshare",
         "--mount",

@@ -137,6 +137,29 @@ def test_unwritable_save_path_is_found_at_start(dataset_prefix, tokenizer_model,
         assert "iteration " not in result.stdout
 
 
+def test_read_only_save_path_is_found_at_start(dataset_prefix, tokenizer_model, tmp_path):
+    """A real read-only file system (root writes anywhere else, so chmod would not do)."""
+    if not small_disk_available():
+        pytest.skip("no mount namespaces here (unshare) for a read-only tmpfs")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = train_args(dataset_prefix, tokenizer_model, "--train-iters", "2")
+    command = [sys.executable, "-m", "engine.pretrain", *args, "--save", str(disk / "ckpt")]
+    result = subprocess.run(
+        small_disk_command(str(disk), "64k,ro", command),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    line = one_line_error(result)
+    assert line == (
+        f"error: --save: {disk / 'ckpt'}: not writable (Read-only file system); pick a "
+        "location you can write to"
+    )
+    assert "iteration " not in result.stdout
+
+
 _DISK_FULL_SCENARIO = """
 import json, os, subprocess, sys
 command, ckpt = json.loads(sys.argv[1]), sys.argv[2]
