@@ -41,3 +41,18 @@ def small_disk_available() -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
+
+
+def run_on_small_disk(mountpoint, size: str, argv: list[str], timeout: float = 240):
+    """argv (`python` and its arguments, from the repository root, this checkout's code, one
+    thread per process) with a tmpfs of `size` at `mountpoint`; the CompletedProcess."""
+    from tests.cli import ENV, ROOT
+
+    return subprocess.run(
+        small_disk_command(str(mountpoint), size, argv),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+        env={**ENV, "OMP_NUM_THREADS": "1"},
+    )

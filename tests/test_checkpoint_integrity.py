@@ -10,15 +10,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 
 from engine.checkpoint_files import META, iteration_dir, read_meta
 from parallel.dcp_checksums import file_digest
-from tests.cli import ROOT, one_line_error, run_python, run_tool
-from tests.small_disk import small_disk_available, small_disk_command
+from tests.cli import one_line_error, run_python, run_tool
+from tests.small_disk import run_on_small_disk, small_disk_available
 
 
 def train_args(dataset_prefix, tokenizer_model, *extra) -> list[str]:
@@ -145,13 +144,7 @@ def test_read_only_save_path_is_found_at_start(dataset_prefix, tokenizer_model, 
     disk.mkdir()
     args = train_args(dataset_prefix, tokenizer_model, "--train-iters", "2")
     command = [sys.executable, "-m", "engine.pretrain", *args, "--save", str(disk / "ckpt")]
-    result = subprocess.run(
-        small_disk_command(str(disk), "64k,ro", command),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
+    result = run_on_small_disk(disk, "64k,ro", command)
     line = one_line_error(result)
     assert line == (
         f"error: --save: {disk / 'ckpt'}: not writable (Read-only file system); pick a "
@@ -209,14 +202,7 @@ def test_full_disk_during_a_save(ranks, dataset_prefix, tokenizer_model, tmp_pat
             "--async-save",
         ]
     scenario = [sys.executable, "-c", _DISK_FULL_SCENARIO, json.dumps(command), ckpt]
-    done = subprocess.run(
-        small_disk_command(str(disk), "1900k", scenario),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=240,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
+    done = run_on_small_disk(disk, "1900k", scenario)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     lines = seen["stderr"].strip().splitlines()

@@ -21,8 +21,8 @@ from engine.data.indexed import IndexedDataset
 from engine.data.preprocess import preprocess
 from engine.data.tokenizer import SentencePieceTokenizer
 from engine.errors import InputError
-from tests.cli import ENV, ROOT, one_line_error, run_tool
-from tests.small_disk import small_disk_available, small_disk_command
+from tests.cli import ROOT, one_line_error, run_tool
+from tests.small_disk import run_on_small_disk, small_disk_available
 
 
 def _tool(*args: str):
@@ -336,9 +336,7 @@ def test_cli_full_disk_is_one_line_and_keeps_earlier_output(corpus, tokenizer_mo
     tool = os.path.join(ROOT, "tools", "preprocess_data.py")
     argv = [sys.executable, "-c", FULL_DISK_SCENARIO, tool, tokenizer_model, str(small)]
     argv += [corpus["jsonl"], str(disk)]  # about 700 KB of tokens: more than the disk holds
-    done = subprocess.run(
-        small_disk_command(str(disk), "256k", argv), capture_output=True, text=True, env=ENV
-    )
+    done = run_on_small_disk(disk, "256k", argv)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
     assert seen["first"][0] == 0, seen["first"][1]
