@@ -27,6 +27,13 @@ from parallel.dcp import BoxLoadPlanner, SafeFileSystemReader
 from parallel.errors import describe_os_error, one_line, root_cause
 
 
+def _raise_agreed(problem: str | None, group) -> None:
+    """Collective: the first rank's problem, if any rank has one, raised on every rank."""
+    problem = first_error(problem, group)
+    if problem:
+        raise CheckpointError(problem, every_rank=is_distributed(group))
+
+
 def verify_checkpoint(path: str, group=None, digests: bool = True) -> dict:
     """meta.json of the checkpoint folder `path`, once its files are known to be whole: every
     file present with the size it was written with and (when `digests`) the same checksum.
@@ -43,9 +50,7 @@ def verify_checkpoint(path: str, group=None, digests: bool = True) -> dict:
         problem = str(err)
     except OSError as err:
         problem = describe_os_error(err, path)
-    problem = first_error(problem, group)
-    if problem:
-        raise CheckpointError(problem, every_rank=is_distributed(group))
+    _raise_agreed(problem, group)
     meta["verified"] = digests and "files" in meta
     return meta
 
@@ -89,14 +94,12 @@ def open_checkpoint(path: str, group=None) -> SafeFileSystemReader:
     """A reader of the checkpoint `path` whose metadata has been read (and checked): every rank
     raises the same CheckpointError when any cannot read it."""
     reader = SafeFileSystemReader(path)
+    problem = None
     try:
         reader.read_metadata()
-        problem = None
     except CheckpointError as err:
         problem = str(err)
-    problem = first_error(problem, group)
-    if problem:
-        raise CheckpointError(problem, every_rank=is_distributed(group))
+    _raise_agreed(problem, group)
     return reader
 
 

@@ -160,18 +160,20 @@ def _check_data(cfg) -> None:
     train_tokens = 0
     for weight, prefix in zip(weights, prefixes):
         dataset = IndexedDataset(prefix)
-        start, end = split_ranges(dataset.num_documents, split)[0]
-        if weight > 0 and end > start:
-            docs = dataset.document_indices
-            train_tokens += int(dataset.sequence_lengths[docs[start] : docs[end]].sum())
-        dataset.close()
+        try:
+            check_token_ids(dataset, m.vocab_size, source, data.data_cache_path)
+            start, end = split_ranges(dataset.num_documents, split)[0]
+            if weight > 0 and end > start:
+                docs = dataset.document_indices
+                train_tokens += int(dataset.sequence_lengths[docs[start] : docs[end]].sum())
+        finally:
+            dataset.close()
     if train_tokens < m.seq_length + 1:
         raise ConfigError(
             f"--split {data.split} leaves {train_tokens} training tokens in --data-path, fewer "
             f"than one sample of seq-length + 1 = {m.seq_length + 1}; give the train split "
             "more documents (--split) or more data"
         )
-    check_token_ids(prefixes, m.vocab_size, source, data.data_cache_path)
 
 
 def _writable_dir(path: str, flag: str) -> None:

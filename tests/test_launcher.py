@@ -129,13 +129,17 @@ def test_token_id_range_is_cached_and_refreshed(data_folder, tmp_path, monkeypat
     assert token_id_range(dataset, cache) == (5, 7)
     dataset.close()
     assert len(scans) == 2
-    check_token_ids([prefix], 8, "--vocab-size 8", cache)
+    dataset = IndexedDataset(prefix)
+    check_token_ids(dataset, 8, "--vocab-size 8", cache)
     with pytest.raises(ConfigError, match="holds token id 7, but --vocab-size 7 has a vocab"):
-        check_token_ids([prefix], 7, "--vocab-size 7", cache)
-    check_token_ids([prefix], 70000, "--vocab-size 70000", cache)  # uint16: nothing to scan
+        check_token_ids(dataset, 7, "--vocab-size 7", cache)
+    check_token_ids(dataset, 70000, "--vocab-size 70000", cache)  # uint16: nothing to scan
+    dataset.close()
     assert len(scans) == 2
     with IndexedDatasetBuilder(prefix, np.int32) as builder:
         builder.add_document([5, -3, 7])
         builder.finalize()
+    dataset = IndexedDataset(prefix)
     with pytest.raises(ConfigError, match="negative token id -3"):
-        check_token_ids([prefix], 70000, "--vocab-size 70000", cache)
+        check_token_ids(dataset, 70000, "--vocab-size 70000", cache)
+    dataset.close()

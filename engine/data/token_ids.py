@@ -98,27 +98,22 @@ def token_id_range(dataset: IndexedDataset, cache_dir: str | None = None) -> tup
 
 
 def check_token_ids(
-    prefixes: list[str], vocab_size: int, vocab_source: str, cache_dir: str | None = None
+    dataset: IndexedDataset, vocab_size: int, vocab_source: str, cache_dir: str | None = None
 ) -> None:
-    """ConfigError when a dataset holds a token id the vocabulary of `vocab_size` lacks.
+    """ConfigError when the dataset holds a token id the vocabulary of `vocab_size` lacks.
     `vocab_source` names where that size comes from (the tokenizer, or --vocab-size)."""
-    for prefix in prefixes:
-        dataset = IndexedDataset(prefix)
-        try:
-            limits = np.iinfo(dataset.dtype)
-            if limits.min >= 0 and limits.max < vocab_size:
-                continue  # the token dtype cannot hold an id outside the vocabulary
-            smallest, largest = token_id_range(dataset, cache_dir)
-        finally:
-            dataset.close()
-        if smallest < 0:
-            raise ConfigError(
-                f"{data_file(prefix)} holds the negative token id {smallest}; the dataset is "
-                "damaged or was not written by a tokenizer"
-            )
-        if largest >= vocab_size:
-            raise ConfigError(
-                f"{data_file(prefix)} holds token id {largest}, but {vocab_source} has a "
-                f"vocabulary of {vocab_size} (ids 0..{vocab_size - 1}); use the tokenizer the "
-                "data was made with, or preprocess the data again with this one"
-            )
+    limits = np.iinfo(dataset.dtype)
+    if limits.min >= 0 and limits.max < vocab_size:
+        return  # the token dtype cannot hold an id outside the vocabulary
+    smallest, largest = token_id_range(dataset, cache_dir)
+    if smallest < 0:
+        raise ConfigError(
+            f"{data_file(dataset.prefix)} holds the negative token id {smallest}; the dataset "
+            "is damaged or was not written by a tokenizer"
+        )
+    if largest >= vocab_size:
+        raise ConfigError(
+            f"{data_file(dataset.prefix)} holds token id {largest}, but {vocab_source} has a "
+            f"vocabulary of {vocab_size} (ids 0..{vocab_size - 1}); use the tokenizer the "
+            "data was made with, or preprocess the data again with this one"
+        )
