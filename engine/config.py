@@ -40,7 +40,11 @@ class ModelConfig:
     max_position_embeddings: int | None = option(
         None, "positions the learned position table holds (default: --seq-length)"
     )
-    vocab_size: int | None = option(None, "vocabulary size (default: the tokenizer's)")
+    vocab_size: int | None = option(
+        None,
+        "vocabulary size (default: the tokenizer's); NullTokenizer's size, and TikTokenizer's "
+        "(default 131072)",
+    )
     make_vocab_size_divisible_by: int = option(
         128, "pad the vocabulary to a multiple of this times the tensor-parallel size"
     )
@@ -103,9 +107,7 @@ class ModelConfig:
 
     def padded_vocab_size(self, tp: int) -> int:
         if self.vocab_size is None:
-            raise ConfigError(
-                "the vocabulary size is unknown; give --tokenizer-model or --vocab-size"
-            )
+            raise ConfigError("the vocabulary size is unknown; give a tokenizer or --vocab-size")
         multiple = self.make_vocab_size_divisible_by * tp
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
@@ -317,12 +319,11 @@ class DataConfig:
 
     data_path: list[str] = option([], "dataset prefix, or weight/prefix pairs to blend")
     split: str = option("969,30,1", "train/valid/test proportions, by documents")
-    tokenizer_type: str = option(
-        "SentencePieceTokenizer",
-        "tokenizer",
-        choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer"],
+    mock_data: bool = option(
+        False,
+        "train on generated documents (Megatron-LM's mock data) instead of --data-path, to try "
+        "a launch with no data",
     )
-    tokenizer_model: str | None = option(None, "SentencePiece .model file")
     data_cache_path: str | None = option(
         None, "where dataset index caches go (default: a cache/ folder beside the data)"
     )

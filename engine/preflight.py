@@ -20,7 +20,7 @@ from engine.data.blended import parse_data_path
 from engine.data.gpt_dataset import parse_split, split_ranges
 from engine.data.indexed import IndexedDataset
 from engine.data.token_ids import check_token_ids
-from engine.data.tokenizer import build_tokenizer
+from engine.data.tokenizers import TokenizerConfig, build_tokenizer, config_from_record
 from engine.errors import ConfigError
 from engine.paths import probe_writable_folder
 from parallel.errors import describe_os_error
@@ -53,9 +53,12 @@ def use_checkpoint_args(cfg) -> None:
     iteration = find_latest(cfg.train.load)
     if iteration is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint in {cfg.train.load}")
-    saved = read_meta(iteration_dir(cfg.train.load, iteration))["model"]
+    meta = read_meta(iteration_dir(cfg.train.load, iteration))
     for name in ARCHITECTURE_FIELDS:
-        setattr(cfg.model, name, saved[name])
+        setattr(cfg.model, name, meta["model"][name])
+    saved_tokenizer = config_from_record(meta)
+    if cfg.tokenizer == TokenizerConfig() and saved_tokenizer is not None:
+        cfg.tokenizer = saved_tokenizer  # no tokenizer flags given: continue with the saved one
 
 
 def device_of(train) -> torch.device:
@@ -140,21 +143,30 @@ def check_transformer_engine() -> None:
 
 
 def _check_data(cfg) -> None:
-    """The datasets exist and are well formed, the split leaves the train split documents
-    with at least one sample's worth of tokens, and every token id fits the vocabulary."""
+    """The tokenizer loads; the datasets exist and are well formed, the split leaves the train
+    split documents with at least one sample's worth of tokens, and every token id fits the
+    vocabulary."""
     m, data = cfg.model, cfg.data
-    if not data.data_path:
-        raise ConfigError("--data-path is required (a dataset prefix or weight/prefix pairs)")
-    tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model)
-    if m.vocab_size is None:
-        m.vocab_size = tokenizer.vocab_size
-        source = f"the tokenizer {data.tokenizer_model}"
+    cfg.tokenizer = cfg.tokenizer.with_vocab_size(m.vocab_size)
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    if m.vocab_size is None or cfg.tokenizer.vocab_size is not None:
+        m.vocab_size = tokenizer.vocab_size  # NullTokenizer / TikTokenizer: theirs is the flag's
+        source = tokenizer.source
     elif m.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
             f"--vocab-size {m.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
         )
     else:
         source = f"--vocab-size {m.vocab_size}"
+    if data.mock_data:
+        if data.data_path:
+            raise ConfigError("--mock-data generates its documents; drop --data-path")
+        return
+    if not data.data_path:
+        raise ConfigError(
+            "--data-path is required (a dataset prefix or weight/prefix pairs), or --mock-data "
+            "to try the run on generated documents"
+        )
     weights, prefixes = parse_data_path(data.data_path)
     split = parse_split(data.split)
     train_tokens = 0

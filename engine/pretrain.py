@@ -13,6 +13,7 @@ import torch.distributed as dist
 from engine.arguments import parse_configs
 from engine.cli import run_main
 from engine.config import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
+from engine.data.tokenizers import TokenizerConfig
 from engine.preflight import check, device_of
 from engine.training import Configs, NaNLimit, finish, setup, train
 from parallel.state import ParallelState, init_distributed
@@ -23,6 +24,7 @@ GROUPS = [
     (OptimizerConfig, "optimizer, learning rate, loss scaling"),
     (DataConfig, "data"),
     (TrainConfig, "training, evaluation, logging, checkpoints"),
+    (TokenizerConfig, "tokenizer"),
 ]
 
 

@@ -24,8 +24,9 @@ from engine.checkpoint_files import find_latest, iteration_dir
 from engine.checkpoint_load import load_checkpoint
 from engine.checkpointing import Checkpointer
 from engine.config import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
-from engine.data.builder import build_gpt_datasets
+from engine.data.builder import build_gpt_datasets, build_mock_datasets
 from engine.data.loader import build_data_iterator
+from engine.data.tokenizers import TokenizerConfig, build_tokenizer, tokenizer_record
 from engine.errors import ConfigError
 from engine.metrics import (
     MetricsWriter,
@@ -52,6 +53,7 @@ class Configs:
     optimizer: OptimizerConfig
     data: DataConfig
     train: TrainConfig
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
 
 @dataclass
@@ -215,8 +217,18 @@ def _datasets(cfg: Configs, state: ParallelState, global_batch: int) -> list:
     evals = train.eval_iters * global_batch
     samples = (train.train_iters * global_batch, evals, evals)
     data = cfg.data
+    tokenizer = build_tokenizer(cfg.tokenizer) if data.mock_data else None
 
     def build():
+        if data.mock_data:
+            return build_mock_datasets(
+                tokenizer.vocab_size,
+                tokenizer.eod,
+                cfg.model.seq_length,
+                train.seed,
+                samples,
+                data.data_cache_path,
+            )
         return build_gpt_datasets(
             data.data_path,
             data.split,
@@ -354,7 +366,7 @@ def save(run: Run) -> None:
         "layout": layout_of(run.state, run.cfg),
         "model": dataclasses.asdict(run.cfg.model),
         "dtype": str(run.dtype).replace("torch.", ""),
-        "tokenizer_model": run.cfg.data.tokenizer_model,
+        "tokenizer": tokenizer_record(run.cfg.tokenizer),
         "scheduler": run.scheduler.state_dict(),
         "grad_scaler": run.optimizer.grad_scaler.state_dict()
         if run.optimizer.grad_scaler

@@ -14,7 +14,8 @@ import torch
 from engine.checkpoint_files import find_latest, iteration_dir, read_meta
 from engine.checkpoint_load import load_model_weights
 from engine.config import ModelConfig
-from engine.data.tokenizer import SentencePieceTokenizer
+from engine.data.tokenizers import TokenizerConfig
+from engine.data.tokenizers.sentencepiece import SentencePieceTokenizer
 from engine.errors import ConfigError
 from engine.generate import greedy_generate
 from engine.hf.export import export_to_hf, read_tensor
@@ -176,7 +177,7 @@ def test_exported_files_get_the_mode_of_a_new_file(tokenizer_model, tmp_path):
             str(tmp_path / "ours"),
             str(out),
             max_shard_size="100KB",
-            tokenizer_model=tokenizer_model,
+            tokenizer=TokenizerConfig(tokenizer_model=tokenizer_model),
         )
     finally:
         os.umask(old)

@@ -19,7 +19,7 @@ import zstandard
 
 from engine.data.indexed import IndexedDataset
 from engine.data.preprocess import preprocess
-from engine.data.tokenizer import SentencePieceTokenizer
+from engine.data.tokenizers.sentencepiece import SentencePieceTokenizer
 from engine.errors import InputError
 from tests.cli import ROOT, one_line_error, run_tool
 from tests.small_disk import run_on_small_disk, small_disk_available

@@ -8,8 +8,14 @@ import re
 
 import pytest
 
-from engine.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, SentencePieceTokenizer
 from engine.data.tokenizer_training import _chunks, _Corpus, train_tokenizer
+from engine.data.tokenizers.sentencepiece import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    SentencePieceTokenizer,
+)
 from engine.errors import InputError
 from tests.cli import one_line_error, run_tool
 
@@ -146,5 +152,7 @@ def test_cli_unwritable_model_prefix_is_found_before_training(corpus, tmp_path):
 
 
 def test_missing_model_is_a_clear_error(tmp_path):
-    with pytest.raises(InputError, match="no such tokenizer model"):
+    with pytest.raises(
+        InputError, match="no such file .the SentencePiece model.; fix the path, or train one"
+    ):
         SentencePieceTokenizer(tmp_path / "none.model")

@@ -456,6 +456,13 @@ def test_command_line_errors_are_one_line_before_any_process_group(dataset_prefi
             "--overlap-p2p-communication runs with the interleaved schedule only",
         ),
         (["--data-path", "/nonexistent/prefix"], {}, "/nonexistent/prefix.idx: no such file"),
+        (["--mock-data"], {}, "--mock-data generates its documents; drop --data-path"),
+        (["--trust-remote-code"], {}, "--trust-remote-code: this engine never runs code"),
+        (
+            ["--tokenizer-type", "NullTokenizer"],
+            {},
+            "--tokenizer-type NullTokenizer needs --vocab-size N",
+        ),
     ]
     for extra, env, message in cases:
         result = _cli(good + extra, env)
@@ -473,6 +480,7 @@ def test_help_lists_flags_in_groups():
         "optimizer, learning rate, loss scaling:",
         "data:",
         "training, evaluation, logging, checkpoints:",
+        "tokenizer:",
     ):
         assert group in result.stdout
     for flag in (
@@ -483,6 +491,10 @@ def test_help_lists_flags_in_groups():
         "--lr-decay-style",
         "--tensorboard-dir",
         "--exit-on-nan-count",
+        "--mock-data",
+        "--tiktoken-pattern",
+        "--null-tokenizer-eod-id",
+        "--merge-file",
     ):
         assert flag in result.stdout
 

@@ -5,10 +5,11 @@
            --pipeline-model-parallel-size M
 
 Export writes config.json, generation_config.json, model.safetensors (sharded with an index
-above --max-shard-size) and the SentencePiece tokenizer, loadable offline with transformers'
-AutoModelForCausalLM / AutoTokenizer: Llama-style models as LlamaForCausalLM, GPT-2-style as
-GPT2LMHeadModel. Import writes iteration 0 of our checkpoint with a fresh optimizer; continue
-with `pretrain --load SAVE_DIR --use-checkpoint-args`. Only safetensors and JSON are read.
+above --max-shard-size) and the training's tokenizer (or the one the tokenizer flags name),
+loadable offline with transformers' AutoModelForCausalLM / AutoTokenizer: Llama-style models as
+LlamaForCausalLM, GPT-2-style as GPT2LMHeadModel. Import writes iteration 0 of our checkpoint
+with a fresh optimizer and keeps the folder's tokenizer; continue with `pretrain --load
+SAVE_DIR --use-checkpoint-args`. Only safetensors and JSON are read.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from __future__ import annotations
 import argparse
 
 from engine.cli import run_main as run
+from engine.data.tokenizers.cli import (
+    add_tokenizer_arguments,
+    tokenizer_config,
+    tokenizer_flags_given,
+)
 from engine.errors import ConfigError
 
 
@@ -33,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=["float32", "bfloat16", "float16"],
         help="export: tensor dtype (default: the training dtype)",
     )
-    parser.add_argument("--tokenizer-model", help="export: tokenizer (default: the training's)")
+    add_tokenizer_arguments(parser)  # export: the tokenizer (default: the training's)
     parser.add_argument(
         "--no-verify",
         action="store_true",
@@ -53,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             args.iteration,
             args.max_shard_size,
             args.dtype,
-            args.tokenizer_model,
+            tokenizer_config(args) if tokenizer_flags_given(args) else None,
             verify=not args.no_verify,
         )
         print(

@@ -10,7 +10,8 @@ import sys
 
 from engine.cli import run_main as run
 from engine.data.preprocess import preprocess
-from engine.data.tokenizer import TOKENIZER_TYPES
+from engine.data.tokenizers.cli import add_tokenizer_arguments, tokenizer_config
+from engine.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,23 +24,50 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip and count malformed records instead of stopping at the first",
     )
-    group = parser.add_argument_group("tokenizer")
     group.add_argument(
-        "--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES
+        "--split-sentences",
+        action="store_true",
+        help="not supported: documents are kept whole (NLTK sentence splitting is for BERT)",
     )
-    group.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
-    group.add_argument("--append-eod", action="store_true", help="end each document with eos")
+    group.add_argument(
+        "--keep-newlines",
+        action="store_true",
+        help="accepted; newlines are always kept, since documents are never split",
+    )
+    group.add_argument("--lang", default="english", help="accepted; only --split-sentences uses it")
+    add_tokenizer_arguments(parser)
+    group = parser.add_argument_group("tokenization process")
+    group.add_argument(
+        "--append-eod", action="store_true", help="end each document with the eod token"
+    )
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True)
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    group.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="accepted: the output is the same for any number; all --workers share one input",
+    )
+    group.add_argument(
+        "--keep-sequential-samples",
+        action="store_true",
+        help="accepted; documents always keep their input order",
+    )
     group.add_argument("--log-interval", type=int, default=10000, help="documents between logs")
     group.add_argument("--no-progress", action="store_true", help="no progress bar or log lines")
     args = parser.parse_args(argv)
+    if args.split_sentences:
+        raise ConfigError(
+            "--split-sentences is not supported: GPT pretraining keeps documents whole; drop it"
+        )
+    if args.partitions < 1:
+        raise ConfigError(f"--partitions {args.partitions}: need at least 1")
     stats = preprocess(
         args.input,
         args.output_prefix,
-        args.tokenizer_model,
+        tokenizer_config(args),
         json_keys=args.json_keys,
         append_eod=args.append_eod,
         workers=args.workers,

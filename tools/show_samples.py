@@ -6,7 +6,8 @@ import argparse
 
 from engine.cli import run_main as run
 from engine.data.builder import build_gpt_datasets
-from engine.data.tokenizer import build_tokenizer
+from engine.data.tokenizers import build_tokenizer
+from engine.data.tokenizers.cli import add_tokenizer_arguments, tokenizer_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,15 +15,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--data-path", nargs="+", required=True, help="prefix or weight/prefix pairs"
     )
-    parser.add_argument("--tokenizer-type", default="SentencePieceTokenizer")
-    parser.add_argument("--tokenizer-model", required=True)
+    add_tokenizer_arguments(parser)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--split", default="969,30,1")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--num-samples", type=int, default=2, help="samples to print")
     parser.add_argument("--max-chars", type=int, default=400, help="characters shown per sample")
     args = parser.parse_args(argv)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    tokenizer = build_tokenizer(tokenizer_config(args))
     train, _, _ = build_gpt_datasets(
         args.data_path, args.split, args.seq_length, args.seed, (args.num_samples, 0, 0)
     )

@@ -1,7 +1,13 @@
-"""Train a SentencePiece tokenizer (BPE or unigram) from .jsonl / .parquet / folders of text.
+"""Train a tokenizer from .jsonl / .parquet / folders of text.
 
-Special tokens have fixed ids: <unk>=0, <s>=1, </s>=2 (end of document), <pad>=3. Prints
-tokens per word (fertility) and bytes per token on held-out documents.
+--library sentencepiece (the default): a SentencePiece BPE or unigram model, PREFIX.model and
+.vocab, with fixed ids <unk>=0, <s>=1, </s>=2 (end of document), <pad>=3; load it with
+--tokenizer-type SentencePieceTokenizer --tokenizer-model PREFIX.model.
+--library hf: a byte-level BPE trained with Hugging Face's tokenizers, written as the folder
+--output-dir (tokenizer.json, vocab.json, merges.txt); <|endoftext|>=0 ends documents; load it
+with --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (or GPT2BPETokenizer with its
+--vocab-file and --merge-file).
+Both print tokens per word (fertility) and bytes per token on held-out documents.
 """
 
 from __future__ import annotations
@@ -11,12 +17,20 @@ import sys
 
 from engine.cli import run_main as run
 from engine.data.tokenizer_training import train_tokenizer
+from engine.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--input", nargs="+", required=True, help="files, globs or folders")
-    parser.add_argument("--model-prefix", required=True, help="writes PREFIX.model and .vocab")
+    parser.add_argument(
+        "--library",
+        choices=["sentencepiece", "hf"],
+        default="sentencepiece",
+        help="SentencePiece model, or a Hugging Face byte-level BPE folder",
+    )
+    parser.add_argument("--model-prefix", help="sentencepiece: writes PREFIX.model and .vocab")
+    parser.add_argument("--output-dir", help="hf: the tokenizer folder to write")
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
     parser.add_argument("--character-coverage", type=float, default=0.9999)
@@ -47,7 +61,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--user-defined-symbols", nargs="*", default=[])
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
-    report = train_tokenizer(
+    if args.library == "hf":
+        report = _train_hf(args)
+    else:
+        report = _train_sentencepiece(args)
+    for message in report.skip_messages:
+        print(f"skipped: {message}", file=sys.stderr)
+    print(report.summary())
+    return 0
+
+
+def _train_hf(args):
+    from engine.data.tokenizer_training_hf import train_hf_tokenizer
+
+    if not args.output_dir:
+        raise ConfigError("--library hf writes a folder: give --output-dir DIR")
+    if args.model_prefix:
+        raise ConfigError("--model-prefix is for --library sentencepiece; use --output-dir DIR")
+    return train_hf_tokenizer(
+        args.input,
+        args.output_dir,
+        vocab_size=args.vocab_size,
+        json_keys=args.json_keys,
+        max_sentence_length=args.max_sentence_length,
+        skip_bad_records=args.skip_bad_records,
+    )
+
+
+def _train_sentencepiece(args):
+    if not args.model_prefix:
+        raise ConfigError("--library sentencepiece writes PREFIX.model: give --model-prefix")
+    if args.output_dir:
+        raise ConfigError("--output-dir is for --library hf; use --model-prefix PREFIX")
+    return train_tokenizer(
         args.input,
         args.model_prefix,
         vocab_size=args.vocab_size,
@@ -61,10 +107,6 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         skip_bad_records=args.skip_bad_records,
     )
-    for message in report.skip_messages:
-        print(f"skipped: {message}", file=sys.stderr)
-    print(report.summary())
-    return 0
 
 
 if __name__ == "__main__":

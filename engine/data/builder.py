@@ -11,6 +11,7 @@ from engine.data.gpt_dataset import (
     split_ranges,
 )
 from engine.data.indexed import IndexedDataset
+from engine.data.mock import MOCK_SPLIT, MockIndexedDataset
 
 
 def build_gpt_datasets(
@@ -42,6 +43,30 @@ def build_gpt_datasets(
             spec = GPTDatasetSpec(prefix, name, document_range, int(count), seq_length, seed)
             parts.append(GPTDataset(dataset, spec, cache_dir) if count else _Empty())
         result.append(BlendedDataset(parts, weights, num_samples[k], which, nth))
+    return result
+
+
+def build_mock_datasets(
+    vocab_size: int,
+    eod: int,
+    seq_length: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+    cache_dir: str | None = None,
+) -> list[BlendedDataset | None]:
+    """--mock-data: [train, valid, test] from generated documents, split 1:1:1 (as in
+    Megatron-LM, whatever --split says). Index arrays are cached only under --data-cache-path."""
+    mock = MockIndexedDataset(vocab_size, eod)
+    ranges = split_ranges(mock.num_documents, parse_split(MOCK_SPLIT))
+    result: list[BlendedDataset | None] = []
+    for k, name in enumerate(SPLIT_NAMES):
+        if num_samples[k] <= 0:
+            result.append(None)
+            continue
+        spec = GPTDatasetSpec(mock.prefix, name, ranges[k], num_samples[k], seq_length, seed)
+        part = GPTDataset(mock, spec, cache_dir, cache=cache_dir is not None)
+        which, nth, _ = blend_counts([1.0], num_samples[k])
+        result.append(BlendedDataset([part], [1.0], num_samples[k], which, nth))
     return result
 
 

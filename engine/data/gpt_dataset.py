@@ -84,7 +84,10 @@ class GPTDataset:
         indexed: IndexedDataset,
         spec: GPTDatasetSpec,
         cache_dir: str | None = None,
+        cache: bool = True,
     ):
+        """`cache` False keeps the index arrays in memory only (generated data has no folder
+        of its own to cache them beside)."""
         self.indexed = indexed
         self.spec = spec
         start, end = spec.document_range
@@ -102,7 +105,9 @@ class GPTDataset:
                 "(--split) or lower --seq-length"
             )
         self.num_epochs = self._epochs_needed()
-        self.doc_index, self.sample_index, self.shuffle_index = self._load_or_build(cache_dir)
+        self.doc_index, self.sample_index, self.shuffle_index = (
+            self._load_or_build(cache_dir) if cache else self._build()
+        )
         self._lengths = indexed.sequence_lengths
 
     def _epochs_needed(self) -> int:

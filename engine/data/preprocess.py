@@ -22,7 +22,7 @@ import numpy as np
 
 from engine.data.indexed import IndexedDatasetBuilder, optimal_dtype
 from engine.data.readers import Record, decode_record, expand_inputs, iter_records
-from engine.data.tokenizer import SentencePieceTokenizer
+from engine.data.tokenizers import Tokenizer, TokenizerConfig, build_tokenizer
 from engine.errors import InputError
 
 BATCH_RECORDS = 512
@@ -64,17 +64,22 @@ class _BatchResult:
 
 
 @functools.lru_cache(maxsize=2)
-def _tokenizer(model_path: str) -> SentencePieceTokenizer:
-    return SentencePieceTokenizer(model_path)
+def _tokenizer(cfg: TokenizerConfig) -> Tokenizer:
+    return build_tokenizer(cfg)
 
 
 def encode_batch(
-    records: list[Record], keys: list[str], model_path: str, append_eod: bool, skip_bad: bool
+    records: list[Record],
+    keys: list[str],
+    tokenizer_cfg: TokenizerConfig,
+    append_eod: bool,
+    skip_bad: bool,
 ) -> _BatchResult:
     """Decode and tokenize a batch of records (runs in a worker process)."""
-    tokenizer = _tokenizer(model_path)
+    tokenizer = _tokenizer(tokenizer_cfg)
     dtype = optimal_dtype(tokenizer.vocab_size)
     texts: dict[str, list[str]] = {k: [] for k in keys}
+    wheres: list[str] = []
     result = _BatchResult({}, {}, len(records), sum(r.size for r in records))
     for record in records:
         try:
@@ -87,10 +92,15 @@ def encode_batch(
             if len(result.skip_messages) < 5:
                 result.skip_messages.append(str(err))
             continue
+        wheres.append(record.where)
         for key in keys:
             texts[key].append(decoded[key])
     for key in keys:
-        encoded = [ids for ids in tokenizer.tokenize_batch(texts[key]) if ids]
+        try:
+            encoded = [ids for ids in tokenizer.tokenize_batch(texts[key]) if ids]
+        except InputError:  # NullTokenizer's text that is not ids: name the record
+            result.error = _first_unreadable(tokenizer, texts[key], wheres, key)
+            return result
         result.empty += len(texts[key]) - len(encoded)
         if append_eod:
             for ids in encoded:
@@ -101,6 +111,15 @@ def encode_batch(
         )
         result.flat[key], result.lengths[key] = flat, lengths
     return result
+
+
+def _first_unreadable(tokenizer, texts: list[str], wheres: list[str], key: str) -> str:
+    for text, where in zip(texts, wheres):
+        try:
+            tokenizer.tokenize(text)
+        except InputError as err:
+            return f"{where}: {key}: {err}"
+    return f"{wheres[0]}: {key}: the tokenizer could not read the batch"
 
 
 def _batches(records: Iterable[Record]) -> Iterator[list[Record]]:
@@ -161,7 +180,7 @@ class _Progress:
 def preprocess(
     inputs: str | list[str],
     output_prefix: str,
-    tokenizer_model: str,
+    tokenizer: TokenizerConfig | str,
     json_keys: list[str] | None = None,
     append_eod: bool = False,
     workers: int = 1,
@@ -170,6 +189,8 @@ def preprocess(
     progress: bool = True,
 ) -> PreprocessStats:
     """Tokenize every document of `inputs` into `<output_prefix>_<key>_document.{bin,idx}`.
+
+    `tokenizer` is the tokenizer's config, or the path of a SentencePiece model.
 
     On an error nothing is left at the output paths (earlier files there stay untouched);
     the InputError names the file and line or row. Input without a single document with text
@@ -180,7 +201,10 @@ def preprocess(
         raise InputError(f"--workers {workers}: need at least 1")
     files = expand_inputs(inputs)
     # Loaded before the workers fork, so each inherits it instead of loading its own copy.
-    tokenizer = _tokenizer(os.fspath(tokenizer_model))
+    if not isinstance(tokenizer, TokenizerConfig):
+        tokenizer = TokenizerConfig(tokenizer_model=os.fspath(tokenizer))
+    tokenizer_cfg = tokenizer
+    tokenizer = _tokenizer(tokenizer_cfg)
     dtype = optimal_dtype(tokenizer.vocab_size)
     compressed = any(f.endswith((".gz", ".zst")) for f in files)
     total_bytes = None if compressed else sum(os.path.getsize(f) for f in files)
@@ -192,7 +216,7 @@ def preprocess(
     work = functools.partial(
         encode_batch,
         keys=keys,
-        model_path=tokenizer.model_path,
+        tokenizer_cfg=tokenizer_cfg,
         append_eod=append_eod,
         skip_bad=skip_bad_records,
     )

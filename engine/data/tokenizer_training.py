@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from engine.data.indexed import writing
 from engine.data.readers import decode_record, expand_inputs, iter_records
-from engine.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from engine.data.tokenizers.sentencepiece import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from engine.errors import InputError
 from engine.paths import probe_writable_folder
 
@@ -94,15 +94,23 @@ class _Corpus:
         self.error: Exception | None = None
 
     def lines(self) -> Iterator[str]:
+        """Training lines: each document split at newlines, long lines cut into chunks."""
+        return self._guarded(self._texts(by_line=True))
+
+    def documents(self) -> Iterator[str]:
+        """Whole training documents, newlines kept (long ones cut into chunks)."""
+        return self._guarded(self._texts(by_line=False))
+
+    def _guarded(self, texts: Iterator[str]) -> Iterator[str]:
         try:
-            for line in self._lines():
+            for text in texts:
                 self.lines_yielded += 1
-                yield line
+                yield text
         except Exception as err:
             self.error = err
             raise
 
-    def _lines(self) -> Iterator[str]:
+    def _texts(self, by_line: bool) -> Iterator[str]:
         records = iter_records(self.files, self.keys, self.skip_bad, self.file_stats)
         for number, record in enumerate(records):
             try:
@@ -119,7 +127,7 @@ class _Corpus:
                     self.heldout.append(text)
                     continue
                 self.train_documents += 1
-                for line in text.split("\n"):
+                for line in text.split("\n") if by_line else [text]:
                     if not line:
                         continue
                     pieces = _chunks(line, self.max_bytes)

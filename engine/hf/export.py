@@ -18,7 +18,9 @@ import torch
 from engine.checkpoint_files import find_latest, iteration_dir
 from engine.checkpoint_load import open_checkpoint, read_tensors, verify_checkpoint
 from engine.config import ModelConfig
-from engine.errors import CheckpointError, ConfigError
+from engine.data.tokenizers import Tokenizer, TokenizerConfig, build_tokenizer
+from engine.data.tokenizers.config import config_from_record
+from engine.errors import CheckpointError, ConfigError, UserError
 from engine.hf.architectures import hf_config_dict, hf_tensors, style_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,40 +57,20 @@ def checkpoint_path(load: str, iteration: int | None) -> str:
     return path
 
 
-def _special_ids(tokenizer_model: str | None) -> dict:
-    if not tokenizer_model:
-        return {}
-    from engine.data.tokenizer import SentencePieceTokenizer
-
-    tok = SentencePieceTokenizer(tokenizer_model)
-    return {"bos": tok.bos, "eos": tok.eos, "pad": tok.pad, "unk": tok.unk}
-
-
-def write_tokenizer(folder: str, tokenizer_model: str) -> None:
-    """The SentencePiece model plus what AutoTokenizer needs to load it as it encodes (no
-    dummy prefix, no extra special tokens added)."""
-    shutil.copyfile(tokenizer_model, os.path.join(folder, "tokenizer.model"))
-    config = {
-        "tokenizer_class": "LlamaTokenizer",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "pad_token": "<pad>",
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "legacy": True,
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 1_000_000,
-    }
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    with open(os.path.join(folder, "special_tokens_map.json"), "w") as f:
-        json.dump(
-            {k: config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")},
-            f,
-            indent=1,
-        )
+def _tokenizer(meta: dict, override: TokenizerConfig | None) -> Tokenizer | None:
+    """The tokenizer to ship: the flags' if given, else the one training recorded."""
+    cfg = override or config_from_record(meta)
+    if cfg is None:
+        return None
+    try:
+        return build_tokenizer(cfg)
+    except UserError as err:
+        if override is not None:
+            raise
+        raise ConfigError(
+            f"the checkpoint's tokenizer cannot be loaded ({err}); name it with the tokenizer "
+            "flags (--tokenizer-type, --tokenizer-model, ...)"
+        ) from None
 
 
 def export_to_hf(
@@ -97,7 +79,7 @@ def export_to_hf(
     iteration: int | None = None,
     max_shard_size: str = "5GB",
     dtype: str | None = None,
-    tokenizer_model: str | None = None,
+    tokenizer: TokenizerConfig | None = None,
     verify: bool = True,
 ) -> dict:
     """Write the HF folder; returns a summary (architecture, tensors, shards, bytes). The
@@ -111,9 +93,7 @@ def export_to_hf(
     dtype = dtype or meta.get("dtype", "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-    tokenizer_model = tokenizer_model or meta.get("tokenizer_model")
-    if tokenizer_model and not os.path.isfile(tokenizer_model):
-        raise ConfigError(f"{tokenizer_model}: tokenizer model not found; pass --tokenizer-model")
+    tokenizer = _tokenizer(meta, tokenizer)
     reader = open_checkpoint(path)
     stored = reader.read_metadata().state_dict_metadata
     plan = []
@@ -167,7 +147,7 @@ def export_to_hf(
     if len(shards) > 1:
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    ids = _special_ids(tokenizer_model)
+    ids = tokenizer.special_ids() if tokenizer else {}
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(hf_config_dict(cfg, style, ids, dtype), f, indent=1)
     generation = {
@@ -177,8 +157,8 @@ def export_to_hf(
     }
     with open(os.path.join(tmp, "generation_config.json"), "w") as f:
         json.dump({k: v for k, v in generation.items() if v is not None}, f, indent=1)
-    if tokenizer_model:
-        write_tokenizer(tmp, tokenizer_model)
+    if tokenizer:
+        tokenizer.save_hf(tmp)
     _replace_folder(tmp, output)
     return {
         "architecture": style,

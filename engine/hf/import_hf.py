@@ -20,6 +20,7 @@ import warnings
 import torch
 
 from engine.checkpoint_files import commit, iteration_dir, write_meta
+from engine.data.tokenizers import TokenizerConfig, tokenizer_record
 from engine.errors import InputError, UserError
 from engine.hf.architectures import hf_tensors, model_config_from_hf
 from parallel.dcp import BoxSavePlanner, LazyTensor
@@ -189,12 +190,7 @@ def import_from_hf(folder: str, output: str, tp: int = 1, pp: int = 1) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "torch.distributed is not initialized": on purpose
             dcp.save(state, storage_writer=writer, planner=BoxSavePlanner(), no_dist=True)
-        tokenizer = None
-        if os.path.isfile(os.path.join(folder, "tokenizer.model")):
-            shutil.copyfile(
-                os.path.join(folder, "tokenizer.model"), os.path.join(staging, "tokenizer.model")
-            )
-            tokenizer = os.path.join(output, "tokenizer.model")
+        tokenizer = _copy_tokenizer(folder, staging, output)
         write_meta(folder_0, _meta(cfg, style, state, tp, pp, tokenizer, folder, writer.files))
         commit(folder_0, staging, 0)  # writes the latest file
         if os.path.isdir(output):
@@ -216,6 +212,35 @@ def import_from_hf(folder: str, output: str, tp: int = 1, pp: int = 1) -> dict:
     }
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def _copy_tokenizer(folder: str, staging: str, output: str) -> dict | None:
+    """The HF folder's tokenizer files, copied to <output>/tokenizer; the record that makes a
+    continued run (--use-checkpoint-args) and a later export use them. A folder with only a
+    SentencePiece tokenizer.model is read as SentencePiece, as transformers reads it."""
+    present = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+    if not present:
+        return None
+    os.makedirs(os.path.join(staging, "tokenizer"))
+    for name in present:
+        shutil.copyfile(os.path.join(folder, name), os.path.join(staging, "tokenizer", name))
+    target = os.path.join(output, "tokenizer")
+    if present == ["tokenizer.model"]:
+        cfg = TokenizerConfig(tokenizer_model=os.path.join(target, "tokenizer.model"))
+    else:
+        cfg = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=target)
+    return tokenizer_record(cfg)
+
+
 def _meta(cfg, style, state, tp, pp, tokenizer, folder, files) -> dict:
     dtypes = {str(v.dtype).replace("torch.", "") for v in state.values()}
     return {
@@ -224,7 +249,7 @@ def _meta(cfg, style, state, tp, pp, tokenizer, folder, files) -> dict:
         "layout": {"tp": tp, "pp": pp, "dp": 1, "virtual": 1, "distributed_optimizer": False},
         "model": dataclasses.asdict(cfg),
         "dtype": dtypes.pop() if len(dtypes) == 1 else "float32",
-        "tokenizer_model": tokenizer,
+        "tokenizer": tokenizer,
         "scheduler": {"num_steps": 0},
         "grad_scaler": None,
         "optimizer_step": 0,
