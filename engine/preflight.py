@@ -21,7 +21,7 @@ from engine.data.gpt_dataset import parse_split, split_ranges
 from engine.data.indexed import IndexedDataset
 from engine.data.token_ids import check_token_ids
 from engine.data.tokenizers import TokenizerConfig, build_tokenizer, config_from_record
-from engine.errors import ConfigError
+from engine.errors import ConfigError, UserError
 from engine.paths import probe_writable_folder
 from parallel.errors import describe_os_error
 from parallel.pipeline.layout import stage_layers
@@ -59,6 +59,13 @@ def use_checkpoint_args(cfg) -> None:
     saved_tokenizer = config_from_record(meta)
     if cfg.tokenizer == TokenizerConfig() and saved_tokenizer is not None:
         cfg.tokenizer = saved_tokenizer  # no tokenizer flags given: continue with the saved one
+        try:
+            build_tokenizer(saved_tokenizer)
+        except UserError as err:
+            raise ConfigError(
+                f"--use-checkpoint-args: the tokenizer {cfg.train.load} was trained with cannot "
+                f"be loaded ({err}); name one with the tokenizer flags"
+            ) from None
 
 
 def device_of(train) -> torch.device:
@@ -71,6 +78,7 @@ def check(cfg, world_size: int) -> None:
     """ConfigError (one line) on the first problem; fills in what the flags leave open (the
     vocabulary size from the tokenizer, the model shape with --use-checkpoint-args)."""
     m, par, train = cfg.model, cfg.parallel, cfg.train
+    vocab_flag = m.vocab_size  # --vocab-size as given, before a checkpoint's shape replaces it
     if train.use_checkpoint_args:
         if not train.load:
             raise ConfigError("--use-checkpoint-args needs --load DIR")
@@ -85,7 +93,7 @@ def check(cfg, world_size: int) -> None:
     train.validate()
     _check_pipeline(cfg, dp)
     _check_device(train)
-    _check_data(cfg)
+    _check_data(cfg, vocab_flag)
     _check_outputs(train)
     if train.load:
         iteration = find_latest(train.load)  # a broken latest file is reported now
@@ -142,12 +150,12 @@ def check_transformer_engine() -> None:
     )
 
 
-def _check_data(cfg) -> None:
+def _check_data(cfg, vocab_flag: int | None) -> None:
     """The tokenizer loads; the datasets exist and are well formed, the split leaves the train
     split documents with at least one sample's worth of tokens, and every token id fits the
     vocabulary."""
     m, data = cfg.model, cfg.data
-    cfg.tokenizer = cfg.tokenizer.with_vocab_size(m.vocab_size)
+    cfg.tokenizer = cfg.tokenizer.with_vocab_size(vocab_flag)
     tokenizer = build_tokenizer(cfg.tokenizer)
     if m.vocab_size is None or cfg.tokenizer.vocab_size is not None:
         m.vocab_size = tokenizer.vocab_size  # NullTokenizer / TikTokenizer: theirs is the flag's

@@ -55,6 +55,10 @@ def files(corpus, tokenizer_model, tmp_path_factory) -> dict:
             tokenizer_model=make_tiktoken_ranks(hf, str(root / "ranks.json")),
         ),
         "null": TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=NULL_VOCAB),
+        # training without the folder's own <|begin_of_text|>; a bare tokenizer.json whose end
+        # of document is named by the flag
+        "hf-bos-plain": _hf(str(root / "hf-bos"), tokenizer_hf_no_include_special_tokens=True),
+        "hf-file": _hf(os.path.join(hf, "tokenizer.json"), tokenizer_eod_token="<|endoftext|>"),
         "root": root,
     }
 
@@ -151,7 +155,7 @@ def test_llama2_starts_every_document_with_bos(files):
     assert llama.eod == sp.eod == sp.eos
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "hf-bos-plain", "hf-file"])
 def test_exported_tokenizer_encodes_like_training(files, kind, tmp_path):
     """AutoTokenizer on the folder the export writes gives every document's training ids."""
     from transformers import AutoTokenizer
@@ -161,7 +165,8 @@ def test_exported_tokenizer_encodes_like_training(files, kind, tmp_path):
     auto = AutoTokenizer.from_pretrained(tmp_path)
     texts = _texts(files, kind)
     assert [auto(t)["input_ids"] for t in texts] == tokenizer.tokenize_batch(texts)
-    assert auto.eos_token_id == tokenizer.eos
+    assert auto.eos_token_id == tokenizer.eos == tokenizer.special_ids()["eos"]
+    assert tokenizer.eos is not None
 
 
 def _preprocess(files, kind: str, tmp_path) -> str:
@@ -244,6 +249,14 @@ def test_refused_and_missing_inputs_are_one_line(files, tmp_path):
                 vocab_size=200000,
             )
         )
+    entries = entries[:100]
+    ranks.write_text(json.dumps(entries))
+    with pytest.raises(InputError, match="100 ranks; a TikToken vocabulary starts with"):
+        build_tokenizer(TokenizerConfig(tokenizer_type="TikTokenizer", tokenizer_model=str(ranks)))
+    null = build_tokenizer(TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=10))
+    for text in ("1 10", "-1", "²", "--5"):
+        with pytest.raises(InputError, match="NullTokenizer reads token ids 0..9"):
+            null.tokenize(text)
     with pytest.raises(ConfigError, match="NullTokenizer needs --vocab-size"):
         build_tokenizer(TokenizerConfig(tokenizer_type="NullTokenizer"))
     with pytest.raises(InputError, match="--merge-file is required"):
@@ -252,16 +265,29 @@ def test_refused_and_missing_inputs_are_one_line(files, tmp_path):
         )
 
 
-def test_null_tokenizer_text_that_is_not_ids_names_the_line(tmp_path):
-    src = tmp_path / "ids.jsonl"
-    src.write_text('{"text": "1 2 3"}\n{"text": "4 five 6"}\n')
+@pytest.mark.parametrize(
+    "kind, text, message",
+    [
+        ("null", "4 five 6", "NullTokenizer reads token ids"),
+        ("null", "4 12 6", "NullTokenizer reads token ids"),
+        ("hf", "a lone surrogate \\ud800", "text the tokenizer cannot encode"),
+    ],
+)
+def test_text_the_tokenizer_cannot_read_names_the_line(files, kind, text, message, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": "1 2 3"}) + "\n" + '{"text": "' + text + '"}\n')
+    flags = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"]
+    if kind == "hf":
+        flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model"]
+        flags.append(files["hf"].tokenizer_model)
     result = run_tool(
         "preprocess_data.py",
-        *("--input", str(src), "--output-prefix", str(tmp_path / "out")),
-        *("--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--no-progress"),
+        *("--input", str(src), "--output-prefix", str(tmp_path / "out"), "--no-progress"),
+        *flags,
     )
-    assert result.returncode == 2
-    assert one_line_error(result).startswith(f"error: {src}:line 2: text: NullTokenizer reads")
+    assert result.returncode == 2, result.stderr
+    assert one_line_error(result).startswith(f"error: {src}:line 2: text: ")
+    assert message in one_line_error(result)
     assert not list(tmp_path.glob("out*"))
 
 
@@ -287,6 +313,55 @@ def test_train_tokenizer_hf_writes_a_folder_both_families_load(corpus, tmp_path)
     assert hf.detokenize(hf.tokenize(text)) == text and hf.eod == 0
     wrong = run_tool("train_tokenizer.py", "--library", "hf", "--input", corpus["jsonl"])
     assert wrong.returncode == 2 and "--output-dir" in one_line_error(wrong)
+    base = ("--library", "hf", "--input", corpus["jsonl"], "--vocab-size", "1000")
+    wrong = run_tool(
+        "train_tokenizer.py", *base, "--output-dir", str(out), "--model-type", "unigram"
+    )
+    assert wrong.returncode == 2
+    assert "--model-type is for --library sentencepiece" in one_line_error(wrong)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "keep.bin").write_bytes(b"precious")
+    wrong = run_tool("train_tokenizer.py", *base, "--output-dir", str(tmp_path / "data"))
+    assert wrong.returncode == 2 and "holds other files (keep.bin" in one_line_error(wrong)
+    assert (tmp_path / "data" / "keep.bin").read_bytes() == b"precious"
+    again = run_tool("train_tokenizer.py", *base, "--output-dir", str(out))
+    assert again.returncode == 0, again.stderr  # a tokenizer folder is replaced whole
+
+
+def test_an_imported_tokenizer_continues_training(files, tmp_path):
+    """Export a trained model with its Hugging Face tokenizer, import it, and continue with
+    --use-checkpoint-args alone: the imported tokenizer is used. Without its files the run
+    stops in one line naming the flags to give."""
+    from engine.hf.export import export_to_hf
+    from engine.hf.import_hf import import_from_hf
+    from tests.test_training import _cli
+
+    prefix = _preprocess(files, "hf-bos", tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    flags = _tokenizer_flags(files["hf-bos"])
+    pretrain(1, base_args(prefix, None, **flags, **{"--train-iters": "3", "--save": ckpt}))
+    export_to_hf(ckpt, str(tmp_path / "hf"))
+    imported = tmp_path / "imported"
+    import_from_hf(str(tmp_path / "hf"), str(imported))
+    log = tmp_path / "log.jsonl"
+    resume = {"--load": str(imported), "--use-checkpoint-args": True, "--train-iters": "3"}
+    pretrain(1, base_args(prefix, None, **resume, **{"--log-jsonl": str(log)}))
+    assert [json.loads(line)["iteration"] for line in log.read_text().splitlines()][:3] == [1, 2, 3]
+    record = json.loads((imported / "iter_0000000" / "meta.json").read_text())["tokenizer"]
+    assert record["tokenizer_type"] == "HuggingFaceTokenizer"
+    assert record["tokenizer_model"] == str(imported / "tokenizer")
+    (imported / "tokenizer" / "tokenizer.json").unlink()
+    result = _cli(base_args(prefix, None, **resume))
+    assert result.returncode == 2
+    assert "name one with the tokenizer flags" in one_line_error(result)
+
+
+def test_checkpoints_from_before_the_record_name_a_sentencepiece_model():
+    from engine.data.tokenizers import config_from_record
+
+    old = {"tokenizer_model": "/data/tok.model"}
+    assert config_from_record(old) == TokenizerConfig(tokenizer_model="/data/tok.model")
+    assert config_from_record({}) is None
 
 
 def test_mock_data_trains_with_no_files_under_tp2(tmp_path):

@@ -9,7 +9,7 @@ above --max-shard-size) and the training's tokenizer (or the one the tokenizer f
 loadable offline with transformers' AutoModelForCausalLM / AutoTokenizer: Llama-style models as
 LlamaForCausalLM, GPT-2-style as GPT2LMHeadModel. Import writes iteration 0 of our checkpoint
 with a fresh optimizer and keeps the folder's tokenizer; continue with `pretrain --load
-SAVE_DIR --use-checkpoint-args`. Only safetensors and JSON are read.
+SAVE_DIR --use-checkpoint-args`. Only safetensors, JSON and tokenizer files are read: no pickle.
 """
 
 from __future__ import annotations

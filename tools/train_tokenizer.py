@@ -71,6 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+SENTENCEPIECE_ONLY = {
+    "--model-type": "bpe",
+    "--character-coverage": 0.9999,
+    "--byte-fallback": True,
+    "--input-sentence-size": 1_000_000,
+    "--user-defined-symbols": [],
+    "--seed": 1234,
+}
+
+
 def _train_hf(args):
     from engine.data.tokenizer_training_hf import train_hf_tokenizer
 
@@ -78,6 +88,9 @@ def _train_hf(args):
         raise ConfigError("--library hf writes a folder: give --output-dir DIR")
     if args.model_prefix:
         raise ConfigError("--model-prefix is for --library sentencepiece; use --output-dir DIR")
+    for flag, default in SENTENCEPIECE_ONLY.items():
+        if getattr(args, flag.lstrip("-").replace("-", "_")) != default:
+            raise ConfigError(f"{flag} is for --library sentencepiece; drop it with --library hf")
     return train_hf_tokenizer(
         args.input,
         args.output_dir,

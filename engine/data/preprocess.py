@@ -24,6 +24,7 @@ from engine.data.indexed import IndexedDatasetBuilder, optimal_dtype
 from engine.data.readers import Record, decode_record, expand_inputs, iter_records
 from engine.data.tokenizers import Tokenizer, TokenizerConfig, build_tokenizer
 from engine.errors import InputError
+from parallel.errors import one_line
 
 BATCH_RECORDS = 512
 BATCH_BYTES = 1 << 20
@@ -98,7 +99,7 @@ def encode_batch(
     for key in keys:
         try:
             encoded = [ids for ids in tokenizer.tokenize_batch(texts[key]) if ids]
-        except InputError:  # NullTokenizer's text that is not ids: name the record
+        except (InputError, TypeError, UnicodeError):  # ids that are not ids, lone surrogates
             result.error = _first_unreadable(tokenizer, texts[key], wheres, key)
             return result
         result.empty += len(texts[key]) - len(encoded)
@@ -119,6 +120,8 @@ def _first_unreadable(tokenizer, texts: list[str], wheres: list[str], key: str) 
             tokenizer.tokenize(text)
         except InputError as err:
             return f"{where}: {key}: {err}"
+        except (TypeError, UnicodeError) as err:
+            return f"{where}: {key}: text the tokenizer cannot encode ({one_line(err)})"
     return f"{wheres[0]}: {key}: the tokenizer could not read the batch"
 
 

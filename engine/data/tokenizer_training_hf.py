@@ -21,6 +21,13 @@ from parallel.errors import describe_os_error
 
 EOD_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|pad|>"
 BYTE_TOKENS = 256
+WRITTEN = {
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+}
 
 
 def train_hf_tokenizer(
@@ -41,6 +48,15 @@ def train_hf_tokenizer(
             "(256 bytes and 2 special tokens)"
         )
     files = expand_inputs(inputs)
+    if os.path.isdir(output_dir):
+        others = sorted(set(os.listdir(output_dir)) - WRITTEN)
+        if others:
+            raise InputError(
+                f"--output-dir {output_dir} holds other files ({others[0]}, ...); it is replaced "
+                "whole, so give a new folder or one holding only a tokenizer"
+            )
+    elif os.path.exists(output_dir):
+        raise InputError(f"--output-dir {output_dir} is a file; give a folder name")
     parent = os.path.dirname(os.path.abspath(output_dir))
     try:
         probe_writable_folder(parent)

@@ -20,7 +20,7 @@ import warnings
 import torch
 
 from engine.checkpoint_files import commit, iteration_dir, write_meta
-from engine.data.tokenizers import TokenizerConfig, tokenizer_record
+from engine.data.tokenizers import TokenizerConfig, build_tokenizer, tokenizer_record
 from engine.errors import InputError, UserError
 from engine.hf.architectures import hf_tensors, model_config_from_hf
 from parallel.dcp import BoxSavePlanner, LazyTensor
@@ -224,21 +224,28 @@ TOKENIZER_FILES = (
 
 
 def _copy_tokenizer(folder: str, staging: str, output: str) -> dict | None:
-    """The HF folder's tokenizer files, copied to <output>/tokenizer; the record that makes a
-    continued run (--use-checkpoint-args) and a later export use them. A folder with only a
-    SentencePiece tokenizer.model is read as SentencePiece, as transformers reads it."""
+    """The HF folder's tokenizer files, copied to <output>/tokenizer and loaded once to be sure
+    they work; returns the record that makes a continued run (--use-checkpoint-args) and a
+    later export use them. A folder with only tokenizer.model is read as transformers reads a
+    Llama folder: SentencePiece with a bos before every text (Llama2Tokenizer)."""
     present = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
     if not present:
         return None
     os.makedirs(os.path.join(staging, "tokenizer"))
     for name in present:
         shutil.copyfile(os.path.join(folder, name), os.path.join(staging, "tokenizer", name))
-    target = os.path.join(output, "tokenizer")
-    if present == ["tokenizer.model"]:
-        cfg = TokenizerConfig(tokenizer_model=os.path.join(target, "tokenizer.model"))
-    else:
-        cfg = TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=target)
-    return tokenizer_record(cfg)
+
+    def config(where: str) -> TokenizerConfig:
+        if present == ["tokenizer.model"]:
+            path = os.path.join(where, "tokenizer.model")
+            return TokenizerConfig(tokenizer_type="Llama2Tokenizer", tokenizer_model=path)
+        return TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=where)
+
+    try:
+        build_tokenizer(config(os.path.join(staging, "tokenizer")))
+    except UserError as err:
+        raise InputError(f"{folder}: its tokenizer cannot be loaded ({err})") from None
+    return tokenizer_record(config(os.path.join(output, "tokenizer")))
 
 
 def _meta(cfg, style, state, tp, pp, tokenizer, folder, files) -> dict:

@@ -38,6 +38,9 @@ class _RustTokenizer(Tokenizer):
                     "give one of its tokens"
                 )
             self.eod = eod
+            if self.eos is None:  # the export then names it, so generation stops there
+                hf.eos_token = eod_token
+                self.eos = eod
         elif self.eos is not None:
             self.eod = self.eos
         else:
@@ -55,6 +58,24 @@ class _RustTokenizer(Tokenizer):
 
     def save_hf(self, folder: str) -> None:
         self._hf.save_pretrained(folder)
+        if not self.add_special_tokens:
+            _drop_added_specials(folder)
+
+
+def _drop_added_specials(folder: str) -> None:
+    """Make the saved tokenizer encode without its own special tokens, as training did with
+    --tokenizer-hf-no-include-special-tokens: no post-processor, no bos or eos flags."""
+    for name, drop in (
+        ("tokenizer.json", {"post_processor": None}),
+        ("tokenizer_config.json", {"add_bos_token": False, "add_eos_token": False}),
+    ):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                content = json.load(f)
+            content.update(drop)
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(content, f, ensure_ascii=False, indent=1)
 
 
 class HuggingFaceTokenizer(_RustTokenizer):
@@ -91,7 +112,7 @@ def _load_folder(folder: str):
             )
     try:
         hf = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, TypeError, KeyError, ImportError) as err:
+    except Exception as err:  # tokenizers raises its own Exception subclass for bad JSON
         raise InputError(
             f"{folder}: not a Hugging Face tokenizer folder transformers can load offline "
             f"({one_line(err)})"

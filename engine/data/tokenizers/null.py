@@ -33,14 +33,19 @@ class NullTokenizer(Tokenizer):
         return [self._ids(text) for text in texts]
 
     def _ids(self, text: str) -> list[int]:
-        try:
-            return [int(word) for word in text.split()]
-        except ValueError:
-            bad = next(w for w in text.split() if not w.lstrip("-").isdigit())
-            raise InputError(
-                f"NullTokenizer reads token ids written as integers separated by spaces; found "
-                f"{bad[:40]!r}"
-            ) from None
+        ids = []
+        for word in text.split():
+            try:
+                token_id = int(word)
+            except ValueError:
+                token_id = -1
+            if not 0 <= token_id < self.vocab_size:
+                raise InputError(
+                    f"NullTokenizer reads token ids 0..{self.vocab_size - 1} written as integers "
+                    f"separated by spaces; found {word[:40]!r}"
+                )
+            ids.append(token_id)
+        return ids
 
     def detokenize(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)

@@ -53,6 +53,11 @@ def read_ranks(path: str, limit: int | None) -> list[bytes]:
                 f"--tokenizer-model {path}: entry {i} is malformed ({one_line(err)})"
             ) from None
         tokens.append(token)
+    if len(tokens) < 256:
+        raise InputError(
+            f"--tokenizer-model {path}: {len(tokens)} ranks; a TikToken vocabulary starts with "
+            "the 256 single bytes"
+        )
     if len(set(tokens)) != len(tokens):
         raise InputError(f"--tokenizer-model {path}: a token appears twice")
     return tokens
