@@ -245,14 +245,22 @@ def train_tokenizer(
         raise _training_error(failure, vocab_size, corpus) from None
     processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
     _write_atomically(model_prefix, processor, model.getvalue())
-    words = tokens = nbytes = 0
-    for text in corpus.heldout:
-        tokens += len(processor.EncodeAsIds(text))
-        words += len(text.split())
-        nbytes += len(text.encode("utf-8"))
+    return heldout_report(
+        corpus,
+        f"{model_prefix}.model",
+        processor.GetPieceSize(),
+        [processor.EncodeAsIds(text) for text in corpus.heldout],
+    )
+
+
+def heldout_report(corpus: _Corpus, path: str, vocab_size: int, encoded) -> TokenizerReport:
+    """The report on a trained tokenizer: `encoded` holds the ids of corpus.heldout."""
+    tokens = sum(len(ids) for ids in encoded)
+    words = sum(len(text.split()) for text in corpus.heldout)
+    nbytes = sum(len(text.encode("utf-8")) for text in corpus.heldout)
     return TokenizerReport(
-        model_path=f"{model_prefix}.model",
-        vocab_size=processor.GetPieceSize(),
+        model_path=path,
+        vocab_size=vocab_size,
         train_documents=corpus.train_documents,
         heldout_documents=len(corpus.heldout),
         lines_split=corpus.lines_split,

@@ -14,7 +14,7 @@ import os
 import shutil
 
 from engine.data.readers import expand_inputs
-from engine.data.tokenizer_training import TokenizerReport, _Corpus
+from engine.data.tokenizer_training import TokenizerReport, _Corpus, heldout_report
 from engine.errors import InputError
 from engine.paths import probe_writable_folder
 from parallel.errors import describe_os_error
@@ -98,22 +98,8 @@ def train_hf_tokenizer(
         raise InputError(describe_os_error(err, output_dir, writing=True)) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    words = tokens = nbytes = 0
-    for encoding, text in zip(backend.encode_batch(corpus.heldout), corpus.heldout):
-        tokens += len(encoding.ids)
-        words += len(text.split())
-        nbytes += len(text.encode("utf-8"))
-    return TokenizerReport(
-        model_path=output_dir,
-        vocab_size=backend.get_vocab_size(),
-        train_documents=corpus.train_documents,
-        heldout_documents=len(corpus.heldout),
-        lines_split=corpus.lines_split,
-        tokens_per_word=tokens / max(words, 1),
-        bytes_per_token=nbytes / max(tokens, 1),
-        skipped=corpus.skipped,
-        skip_messages=corpus.skip_messages,
-    )
+    encoded = [e.ids for e in backend.encode_batch(corpus.heldout)]
+    return heldout_report(corpus, output_dir, backend.get_vocab_size(), encoded)
 
 
 def _replace_folder(tmp: str, output: str) -> None:
