@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 
@@ -13,3 +14,16 @@ def probe_writable_folder(folder: str | os.PathLike) -> None:
     handle, probe = tempfile.mkstemp(dir=folder, prefix=".write-test-")
     os.close(handle)
     os.remove(probe)
+
+
+def replace_folder(tmp: str, output: str) -> None:
+    """Put the finished folder `tmp` at `output`, moving any earlier one aside first and
+    removing it only once the new one is in place."""
+    if os.path.exists(output):
+        old = f"{output.rstrip('/')}.old.{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(output, old)
+        os.replace(tmp, output)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, output)

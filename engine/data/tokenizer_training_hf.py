@@ -16,7 +16,7 @@ import shutil
 from engine.data.readers import expand_inputs
 from engine.data.tokenizer_training import TokenizerReport, _Corpus, heldout_report
 from engine.errors import InputError
-from engine.paths import probe_writable_folder
+from engine.paths import probe_writable_folder, replace_folder
 from parallel.errors import describe_os_error
 
 EOD_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|pad|>"
@@ -93,20 +93,10 @@ def train_hf_tokenizer(
     try:
         hf.save_pretrained(tmp)
         backend.model.save(tmp)  # vocab.json + merges.txt
-        _replace_folder(tmp, output_dir)
+        replace_folder(tmp, output_dir)
     except OSError as err:
         raise InputError(describe_os_error(err, output_dir, writing=True)) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     encoded = [e.ids for e in backend.encode_batch(corpus.heldout)]
     return heldout_report(corpus, output_dir, backend.get_vocab_size(), encoded)
-
-
-def _replace_folder(tmp: str, output: str) -> None:
-    if os.path.exists(output):
-        old = f"{output.rstrip('/')}.old.{os.getpid()}"
-        os.replace(output, old)
-        os.replace(tmp, output)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, output)

@@ -22,6 +22,7 @@ from engine.data.tokenizers import Tokenizer, TokenizerConfig, build_tokenizer
 from engine.data.tokenizers.config import config_from_record
 from engine.errors import CheckpointError, ConfigError, UserError
 from engine.hf.architectures import hf_config_dict, hf_tensors, style_of
+from engine.paths import replace_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -159,7 +160,7 @@ def export_to_hf(
         json.dump({k: v for k, v in generation.items() if v is not None}, f, indent=1)
     if tokenizer:
         tokenizer.save_hf(tmp)
-    _replace_folder(tmp, output)
+    replace_folder(tmp, output)
     return {
         "architecture": style,
         "tensors": len(plan),
@@ -178,14 +179,3 @@ def _new_file_mode(folder: str) -> int:
     mode = stat.S_IMODE(os.stat(probe).st_mode)
     os.remove(probe)
     return mode
-
-
-def _replace_folder(tmp: str, output: str) -> None:
-    if os.path.exists(output):
-        old = output.rstrip("/") + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(output, old)
-        os.replace(tmp, output)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, output)
