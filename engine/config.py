@@ -327,7 +327,21 @@ class DataConfig:
     data_cache_path: str | None = option(
         None, "where dataset index caches go (default: a cache/ folder beside the data)"
     )
-    num_workers: int = option(0, "data-loader worker processes per rank")
+    num_workers: int = option(
+        0, "data-loader worker processes per rank (with Parquet: per --data-path source)"
+    )
+    data_format: str | None = option(
+        None,
+        "what --data-path names: preprocessed .bin/.idx prefixes (indexed) or Parquet files and "
+        "folders streamed and tokenized on the fly (parquet); default: detected from the paths",
+        choices=["indexed", "parquet"],
+    )
+    parquet_text_column: str = option("text", "the Parquet column that holds the documents")
+    parquet_shuffle_buffer: int = option(
+        4096,
+        "Parquet streaming: rows read, tokenized, packed and shuffled together (the bounded "
+        "shuffle buffer, in documents)",
+    )
 
 
 @dataclass

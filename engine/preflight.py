@@ -17,8 +17,10 @@ import torch
 from engine.checkpoint_files import find_latest, iteration_dir, read_meta
 from engine.checkpoint_load import verify_checkpoint
 from engine.data.blended import parse_data_path
+from engine.data.builder import data_format
 from engine.data.gpt_dataset import parse_split, split_ranges
 from engine.data.indexed import IndexedDataset
+from engine.data.parquet_shards import open_shards
 from engine.data.token_ids import check_token_ids
 from engine.data.tokenizers import TokenizerConfig, build_tokenizer, config_from_record
 from engine.errors import ConfigError, UserError
@@ -177,6 +179,9 @@ def _check_data(cfg, vocab_flag: int | None) -> None:
         )
     weights, prefixes = parse_data_path(data.data_path)
     split = parse_split(data.split)
+    if data_format(data.data_path, data.data_format) == "parquet":
+        _check_parquet(data, prefixes)
+        return
     train_tokens = 0
     for weight, prefix in zip(weights, prefixes):
         dataset = IndexedDataset(prefix)
@@ -194,6 +199,17 @@ def _check_data(cfg, vocab_flag: int | None) -> None:
             f"than one sample of seq-length + 1 = {m.seq_length + 1}; give the train split "
             "more documents (--split) or more data"
         )
+
+
+def _check_parquet(data, sources: list[str]) -> None:
+    """Every shard opens and holds the text column; the buffer is a positive row count.
+    (Whether the documents hold enough tokens shows only once they are tokenized.)"""
+    if data.parquet_shuffle_buffer < 1:
+        raise ConfigError(
+            f"--parquet-shuffle-buffer {data.parquet_shuffle_buffer}: need at least 1 row"
+        )
+    for source in sources:
+        open_shards(source, data.parquet_text_column)
 
 
 def _writable_dir(path: str, flag: str) -> None:

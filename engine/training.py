@@ -24,8 +24,14 @@ from engine.checkpoint_files import find_latest, iteration_dir
 from engine.checkpoint_load import load_checkpoint
 from engine.checkpointing import Checkpointer
 from engine.config import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
-from engine.data.builder import build_gpt_datasets, build_mock_datasets
+from engine.data.builder import (
+    build_gpt_datasets,
+    build_mock_datasets,
+    build_streaming_datasets,
+    data_format,
+)
 from engine.data.loader import build_data_iterator
+from engine.data.streaming import StreamingDataset
 from engine.data.tokenizers import TokenizerConfig, build_tokenizer, tokenizer_record
 from engine.errors import ConfigError
 from engine.metrics import (
@@ -90,6 +96,10 @@ class Run:
     throughput: Throughput
     spikes: SpikeDetector
     last_saved: int | None = None
+    # Parquet streams: the position to resume from, and the training iterator whose position
+    # a checkpoint saves.
+    data_state: dict | None = None
+    train_iterator: object = None
 
 
 def params_dtype(train: TrainConfig) -> torch.dtype:
@@ -219,6 +229,21 @@ def _datasets(cfg: Configs, state: ParallelState, global_batch: int) -> list:
     data = cfg.data
     tokenizer = build_tokenizer(cfg.tokenizer) if data.mock_data else None
 
+    if not data.mock_data and data_format(data.data_path, data.data_format) == "parquet":
+        datasets = build_streaming_datasets(
+            data.data_path,
+            data.parquet_text_column,
+            data.parquet_shuffle_buffer,
+            data.split,
+            cfg.model.seq_length,
+            train.seed,
+            samples,
+            cfg.tokenizer,
+        )
+        if datasets[0] is None:
+            raise ConfigError(f"--split {data.split} leaves no training documents")
+        return datasets
+
     def build():
         if data.mock_data:
             return build_mock_datasets(
@@ -279,6 +304,7 @@ def _resume(run: Run) -> None:
     if run.optimizer.grad_scaler is not None and meta.get("grad_scaler"):
         run.optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
     run.spikes.load_state_dict(meta.get("spikes", {}))
+    run.data_state = meta.get("data")
     how = "exactly" if meta["rng_restored"] else "with re-seeded random streams (new layout)"
     checked = (
         "files verified"
@@ -351,7 +377,7 @@ def evaluate(run: Run, split: int) -> float | None:
         return None
     run.optimizer.finish_param_sync()
     state, train = run.state, run.cfg.train
-    iterator = build_data_iterator(dataset, 0, train.micro_batch_size, state.dp_rank, state.dp_size)
+    iterator = _data_iterator(run, dataset, 0, num_workers=0)
     total = 0.0
     for _ in range(train.eval_iters):
         batches = [_to_device(next(iterator), state.device) for _ in range(run.num_microbatches)]
@@ -375,6 +401,8 @@ def save(run: Run) -> None:
         "counters": {"skipped_iters": c.skipped_iters, "nan_iters": c.nan_iters},
         "spikes": run.spikes.state_dict(),
     }
+    if isinstance(run.datasets[0], StreamingDataset):
+        meta["data"] = run.train_iterator.state_dict()
     stall = run.checkpointer.save(c.iteration, run.chunks, run.optimizer, meta, run.tracker)
     run.last_saved = c.iteration
     kind = "started (async)" if run.cfg.train.async_save else "saved"
@@ -427,6 +455,14 @@ def _log_eval(run: Run, name: str, loss: float | None) -> None:
     )
 
 
+def _data_iterator(run: Run, dataset, consumed: int, num_workers: int, state=None):
+    """This DP rank's micro-batches of a split from `consumed` samples on."""
+    mbs, dp_rank, dp_size = run.cfg.train.micro_batch_size, run.state.dp_rank, run.state.dp_size
+    if isinstance(dataset, StreamingDataset):
+        return dataset.iterator(consumed, mbs, dp_rank, dp_size, num_workers, state)
+    return build_data_iterator(dataset, consumed, mbs, dp_rank, dp_size, num_workers)
+
+
 class NaNLimit(Exception):
     """--exit-on-nan-count reached."""
 
@@ -434,14 +470,10 @@ class NaNLimit(Exception):
 def train(run: Run) -> Counters:
     """The loop from the current counters to --train-iters (or --exit-interval)."""
     state, train_cfg, c = run.state, run.cfg.train, run.counters
-    iterator = build_data_iterator(
-        run.datasets[0],
-        c.consumed_samples,
-        train_cfg.micro_batch_size,
-        state.dp_rank,
-        state.dp_size,
-        run.cfg.data.num_workers,
+    iterator = _data_iterator(
+        run, run.datasets[0], c.consumed_samples, run.cfg.data.num_workers, run.data_state
     )
+    run.train_iterator = iterator
     window: list[dict] = []
     tokens_since_log = 0
     run.throughput.reset()

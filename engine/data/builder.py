@@ -12,6 +12,10 @@ from engine.data.gpt_dataset import (
 )
 from engine.data.indexed import IndexedDataset
 from engine.data.mock import MOCK_SPLIT, MockIndexedDataset
+from engine.data.parquet_shards import is_parquet_path, open_shards
+from engine.data.streaming import StreamingDataset, StreamPlan
+from engine.data.tokenizers import TokenizerConfig
+from engine.errors import ConfigError
 
 
 def build_gpt_datasets(
@@ -67,6 +71,54 @@ def build_mock_datasets(
         part = GPTDataset(mock, spec, cache_dir, cache=cache_dir is not None)
         which, nth, _ = blend_counts([1.0], num_samples[k])
         result.append(BlendedDataset([part], [1.0], num_samples[k], which, nth))
+    return result
+
+
+def data_format(data_path: list[str], given: str | None) -> str:
+    """--data-format, or detected: Parquet files and folders stream, anything else is a prefix
+    of a preprocessed dataset."""
+    if given is not None:
+        return given
+    _, paths = parse_data_path(data_path)
+    parquet = [p for p in paths if is_parquet_path(p)]
+    if parquet and len(parquet) < len(paths):
+        other = next(p for p in paths if not is_parquet_path(p))
+        raise ConfigError(
+            f"--data-path mixes Parquet ({parquet[0]}) and a preprocessed dataset prefix "
+            f"({other}); blend one kind at a time, or preprocess the Parquet data"
+        )
+    return "parquet" if parquet else "indexed"
+
+
+def build_streaming_datasets(
+    data_path: list[str],
+    text_column: str,
+    shuffle_buffer: int,
+    split: str,
+    seq_length: int,
+    seed: int,
+    num_samples: tuple[int, int, int],
+    tokenizer: TokenizerConfig,
+) -> list[StreamingDataset | None]:
+    """[train, valid, test] Parquet streams: each a blend of the sources by weight, taking its
+    --split share of every window's rows (None where a split is asked for no samples or its
+    share of every window rounds to no rows)."""
+    weights, sources = parse_data_path(data_path)
+    split_weights = tuple(parse_split(split))
+    shards = [tuple(open_shards(source, text_column)) for source in sources]
+    result: list[StreamingDataset | None] = []
+    for k in range(len(SPLIT_NAMES)):
+        if num_samples[k] <= 0 or split_weights[k] == 0:
+            result.append(None)
+            continue
+        plans = [
+            StreamPlan(s, text_column, shuffle_buffer, seq_length, seed, split_weights, k)
+            for s in shards
+        ]
+        if not any(plan.has_rows() for plan in plans):
+            result.append(None)
+            continue
+        result.append(StreamingDataset(plans, weights, num_samples[k], tokenizer))
     return result
 
 
