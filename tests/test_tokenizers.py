@@ -13,7 +13,9 @@ import torch
 
 from engine.data.indexed import IndexedDataset
 from engine.data.preprocess import preprocess
+from engine.data.tokenizer_training import train_tokenizer
 from engine.data.tokenizers import TokenizerConfig, build_tokenizer
+from engine.data.tokenizers.gigatoken_encoder import gigatoken_encoder
 from engine.errors import ConfigError, InputError
 from tests.cli import one_line_error, run_tool
 from tests.test_training import base_args, pretrain
@@ -289,6 +291,46 @@ def test_text_the_tokenizer_cannot_read_names_the_line(files, kind, text, messag
     assert one_line_error(result).startswith(f"error: {src}:line 2: text: ")
     assert message in one_line_error(result)
     assert not list(tmp_path.glob("out*"))
+
+
+@pytest.mark.parametrize(
+    "kind", ["sentencepiece", "llama2", "hf", "hf-bos", "hf-bos-plain", "gpt2"]
+)
+def test_gigatoken_writes_the_tokenizers_own_dataset(files, corpus, kind, tmp_path):
+    """gigatoken underneath preprocess: byte-identical .bin/.idx to the tokenizer's library."""
+    assert gigatoken_encoder(build_tokenizer(files[kind])) is not None
+    for how in ("tokenizer", "gigatoken"):
+        preprocess(
+            corpus["jsonl"],
+            str(tmp_path / how),
+            files[kind],
+            append_eod=True,
+            workers=2,
+            progress=False,
+            tokenize_with=how,
+        )
+    for suffix in (".bin", ".idx"):
+        ours = (tmp_path / f"gigatoken_text_document{suffix}").read_bytes()
+        assert ours == (tmp_path / f"tokenizer_text_document{suffix}").read_bytes(), suffix
+
+
+def test_gigatoken_is_left_out_where_it_does_not_apply(files, corpus, tmp_path):
+    unigram = tmp_path / "unigram"
+    train_tokenizer([corpus["jsonl"]], str(unigram), vocab_size=600, model_type="unigram")
+    for cfg in (
+        TokenizerConfig(tokenizer_model=f"{unigram}.model"),
+        files["tiktoken"],
+        files["null"],
+    ):
+        assert gigatoken_encoder(build_tokenizer(cfg)) is None
+    with pytest.raises(InputError, match="--tokenize-with gigatoken: gigatoken does not cover"):
+        gigatoken_encoder(build_tokenizer(files["null"]), required=True)
+    result = run_tool(
+        "preprocess_data.py",
+        *("--input", corpus["jsonl"], "--output-prefix", str(tmp_path / "out"), "--no-progress"),
+        *("--tokenizer-model", f"{unigram}.model", "--use-gigatoken"),
+    )
+    assert "--tokenize-with gigatoken: gigatoken cannot read" in one_line_error(result)
 
 
 def test_train_tokenizer_hf_writes_a_folder_both_families_load(corpus, tmp_path):

@@ -1,11 +1,21 @@
-"""Benchmark preprocess_data.py against the raw SentencePiece encode ceiling, same text, one run.
+"""Benchmark preprocess_data.py against its anchors, side by side in one run, for a SentencePiece
+and a Hugging Face byte-level BPE tokenizer.
 
-Scales the built-in corpus to about --target-mb of JSONL, then measures:
-  - start-up: a whole preprocess_data.py run on a one-document input (imports, tokenizer load);
-  - preprocess_data.py tokens/s at 1 and 2 workers (whole process wall time);
-  - the ceiling: SentencePiece encoding the same texts already in memory, nothing else (no
-    reading, decoding or writing): the faster of its own --ceiling-threads threads and
-    --ceiling-threads times its one-thread rate (perfect scaling).
+Input: the built-in corpus, scaled to --target-mb of JSONL. Copy 0 is the corpus itself; copy r
+shifts every ASCII letter by r places, so that no copy repeats another's words (gigatoken and
+`tokenizers` cache the pieces they have encoded, and plain repeats would flatter them).
+
+Rows, each a whole process on the same file (wall seconds; the rate leaves out the tool's own
+start-up, measured on a one-document input, so it is the steady rate):
+  - ours: preprocess_data.py --workers 1 and 2 (gigatoken underneath where it gives the
+    tokenizer's ids), and --tokenize-with tokenizer (the tokenizer's own library);
+  - Megatron-LM's tools/preprocess_data.py --workers 2 and tools/preprocess_data_fast.py
+    (gigatoken; Hugging Face tokenizers only), when --megatron-python and --megatron-root
+    name a Python that runs them (see README: Benchmarks);
+  - the ceilings, in a fresh process with the texts already in memory: the tokenizer library's
+    own batch encode and gigatoken's, on all cores.
+Peak memory is the resident size of the whole process tree (main and workers), sampled every
+20 ms; ours is measured again at --large-mb to show it does not grow with the input.
 Prints a table and writes JSON.
 """
 
@@ -14,129 +24,309 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import string
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from functools import partial
 
 from engine.cli import run_main as run
 from engine.data.corpus import stdlib_sources
-from engine.data.tokenizer_training import train_tokenizer
 
 TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preprocess_data.py")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def _write_scaled_corpus(path: str, target_bytes: int) -> list[str]:
-    documents = [text for _, text in stdlib_sources()]
-    texts, size = [], 0
+def _shifted(text: str, r: int) -> str:
+    lower, upper = string.ascii_lowercase, string.ascii_uppercase
+    table = str.maketrans(lower + upper, lower[r:] + lower[:r] + upper[r:] + upper[:r])
+    return text.translate(table)
+
+
+def write_corpus(path: str, target_bytes: int) -> int:
+    """JSONL of about target_bytes of text; returns the text bytes written."""
+    documents = [text for _, text in stdlib_sources(10**10)]
+    size, copy = 0, 0
     with open(path, "w", encoding="utf-8") as f:
         while size < target_bytes:
             for text in documents:
+                text = _shifted(text, copy % 26) if copy % 26 else text
                 f.write(json.dumps({"text": text}) + "\n")
-                texts.append(text)
                 size += len(text.encode("utf-8"))
-    return texts
+                if size >= target_bytes:
+                    break
+            copy += 1
+    return size
 
 
-def _preprocess_seconds(inputs: str, prefix: str, model: str, workers: int) -> float:
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants (Linux /proc)."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    stack.extend(int(c) for c in f.read().split())
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return total
+
+
+def measure(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
+    """(wall seconds, peak resident bytes of the process tree) of a command that must succeed."""
     start = time.perf_counter()
-    subprocess.run(
-        [
-            sys.executable,
-            TOOL,
-            "--input",
-            inputs,
-            "--output-prefix",
-            prefix,
-            "--tokenizer-model",
-            model,
-            "--append-eod",
-            "--workers",
-            str(workers),
-            "--no-progress",
-        ],
-        check=True,
+    proc = subprocess.Popen(
+        cmd,
         stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **OFFLINE, **(env or {})},
     )
-    return time.perf_counter() - start
+    peak = [0]
+
+    def sample():
+        while proc.poll() is None:
+            peak[0] = max(peak[0], _tree_rss(proc.pid))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    _, err = proc.communicate()
+    seconds = time.perf_counter() - start
+    sampler.join()
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd[:3])} ... failed:\n{err.decode()[-2000:]}")
+    return seconds, peak[0]
+
+
+def _ours(inputs, prefix, tokenizer_flags, workers, tokenize_with="auto") -> list[str]:
+    return [
+        sys.executable,
+        TOOL,
+        *("--input", inputs, "--output-prefix", prefix, *tokenizer_flags),
+        *("--append-eod", "--workers", str(workers), "--no-progress"),
+        *("--tokenize-with", tokenize_with),
+    ]
+
+
+def _megatron(args, fast: bool, inputs, prefix, tokenizer_flags) -> list[str]:
+    script = "preprocess_data_fast.py" if fast else "preprocess_data.py"
+    cmd = [
+        args.megatron_python,
+        os.path.join(args.megatron_root, "tools", script),
+        *("--input", inputs, "--output-prefix", prefix, "--json-keys", "text"),
+        *tokenizer_flags,
+        "--append-eod",
+    ]
+    return cmd + (
+        ["--use-gigatoken"] if fast else ["--workers", "2", "--log-interval", "1000000000"]
+    )
+
+
+CEILING = r"""
+import json, sys, time
+texts = [json.loads(line)["text"] for line in open(sys.argv[1], encoding="utf-8")]
+kind, model = sys.argv[2], sys.argv[3]
+out = {}
+if kind == "sentencepiece":
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=model)
+    start = time.perf_counter(); ids = sp.Encode(texts, num_threads=%(threads)d)
+    out["library"] = time.perf_counter() - start
+else:
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(model + "/tokenizer.json")
+    start = time.perf_counter(); ids = [e.ids for e in tok.encode_batch_fast(texts)]
+    out["library"] = time.perf_counter() - start
+out["tokens"] = sum(len(i) for i in ids) + len(texts)
+try:
+    import gigatoken
+except ImportError:
+    gigatoken = None
+if gigatoken is not None:
+    g = (gigatoken.Tokenizer.from_sentencepiece(model) if kind == "sentencepiece"
+         else gigatoken.Tokenizer(model))
+    start = time.perf_counter(); g.encode_batch(texts, parallel=True)
+    out["gigatoken"] = time.perf_counter() - start
+print(json.dumps(out))
+"""
+
+
+def ceilings(corpus: str, kind: str, model: str, threads: int) -> dict:
+    code = CEILING % {"threads": threads}
+    result = subprocess.run(
+        [sys.executable, "-c", code, corpus, kind, model],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **OFFLINE},
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _tokenizers(tmp: str, corpus: str, args) -> dict[str, tuple[str, list[str], list[str]]]:
+    """kind -> (model path, our flags, Megatron-LM's flags)."""
+    from engine.data.tokenizer_training import train_tokenizer
+    from engine.data.tokenizer_training_hf import train_hf_tokenizer
+
+    sample = os.path.join(tmp, "sample.jsonl")
+    write_corpus(sample, 12_000_000)
+    sp = args.sentencepiece_model
+    if sp is None:
+        sp = os.path.join(tmp, "sp.model")
+        train_tokenizer(
+            [sample], sp[: -len(".model")], args.vocab_size, input_sentence_size=200_000
+        )
+    hf = args.hf_tokenizer
+    if hf is None:
+        hf = os.path.join(tmp, "hf")
+        train_hf_tokenizer([sample], hf, args.vocab_size)
+    return {
+        "sentencepiece": (
+            sp,
+            ["--tokenizer-model", sp],
+            ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp],
+        ),
+        "hf-bpe": (
+            hf,
+            ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf],
+            ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf],
+        ),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--target-mb", type=float, default=50.0)
+    parser.add_argument("--target-mb", type=float, default=60.0, help="input for the speed rows")
+    parser.add_argument("--large-mb", type=float, default=600.0, help="second input for memory")
     parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--tokenizer-model", help="use this model instead of training one")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--ceiling-threads", type=int, default=2)
+    parser.add_argument("--sentencepiece-model", help="use this model instead of training one")
+    parser.add_argument("--hf-tokenizer", help="use this folder instead of training one")
+    parser.add_argument("--megatron-python", help="a Python that runs Megatron-LM's tools")
+    parser.add_argument("--megatron-root", help="a Megatron-LM checkout (its tools/ folder)")
+    parser.add_argument("--ceiling-threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", default="bench_preprocess.json", help="where to write results")
     args = parser.parse_args(argv)
+    with_megatron = bool(args.megatron_python and args.megatron_root)
 
-    import sentencepiece as spm
-
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
         corpus = os.path.join(tmp, "corpus.jsonl")
-        texts = _write_scaled_corpus(corpus, int(args.target_mb * 1e6))
-        nbytes = sum(len(t.encode("utf-8")) for t in texts)
-        model = args.tokenizer_model
-        if model is None:
-            model = os.path.join(tmp, "tok.model")
-            train_tokenizer(
-                [corpus],
-                model[: -len(".model")],
-                vocab_size=args.vocab_size,
-                input_sentence_size=200_000,
-            )
+        nbytes = write_corpus(corpus, int(args.target_mb * 1e6))
         tiny = os.path.join(tmp, "tiny.jsonl")
         with open(tiny, "w") as f:
             f.write(json.dumps({"text": "def f():\n    return 1\n"}) + "\n")
-        startup = min(_preprocess_seconds(tiny, os.path.join(tmp, "t"), model, 1) for _ in range(3))
-
-        sp = spm.SentencePieceProcessor(model_file=model)
-        ceiling = {}
-        for threads in sorted({1, args.ceiling_threads}):
-            start = time.perf_counter()
-            encoded = sp.Encode(texts, num_threads=threads)
-            ceiling[threads] = time.perf_counter() - start
-        tokens = sum(len(ids) for ids in encoded) + len(texts)  # + one eod per document
-
-        rows = []
-        for threads, seconds in ceiling.items():
-            rows.append((f"SentencePiece encode, {threads} thread(s)", seconds))
-        for workers in args.workers:
-            seconds = _preprocess_seconds(corpus, os.path.join(tmp, f"w{workers}"), model, workers)
-            rows.append((f"preprocess_data.py --workers {workers}", seconds))
-
-    ideal = ceiling[1] / args.ceiling_threads
-    rows.insert(len(ceiling), (f"ideal: {args.ceiling_threads} x one-thread encode", ideal))
-    best_ceiling = min(ideal, ceiling[args.ceiling_threads])
-    print(
-        f"corpus: {nbytes / 1e6:.1f} MB, {len(texts):,} documents, {tokens:,} tokens; "
-        f"{os.cpu_count()} CPU cores"
-    )
-    print(f"start-up (one-document run, best of 3): {startup:.2f} s")
-    print(f"{'what':42s} {'seconds':>8s} {'tokens/s':>12s} {'MB/s':>7s} {'vs ceiling':>10s}")
-    results = []
-    for name, seconds in rows:
-        rate = tokens / seconds
-        share = best_ceiling / seconds
-        print(f"{name:42s} {seconds:8.2f} {rate:12,.0f} {nbytes / seconds / 1e6:7.2f} {share:9.0%}")
-        results.append(
-            {"what": name, "seconds": seconds, "tokens_per_s": rate, "fraction_of_ceiling": share}
-        )
-    print(f"(ceiling = the faster of the {args.ceiling_threads}-thread and ideal rows)")
+        kinds = _tokenizers(tmp, corpus, args)
+        large = None
+        for kind, (model, ours, theirs) in kinds.items():
+            # (name, command for an input and an output prefix)
+            rows = [
+                (f"ours --workers {w}", partial(_ours, tokenizer_flags=ours, workers=w))
+                for w in (1, 2)
+            ]
+            rows.append(
+                (
+                    "ours --workers 2 --tokenize-with tokenizer",
+                    partial(_ours, tokenizer_flags=ours, workers=2, tokenize_with="tokenizer"),
+                )
+            )
+            if with_megatron:
+                rows.append(
+                    (
+                        "Megatron-LM preprocess_data.py --workers 2",
+                        partial(_megatron, args, False, tokenizer_flags=theirs),
+                    )
+                )
+                if kind != "sentencepiece":  # its fast tool reads Hugging Face tokenizers only
+                    rows.append(
+                        (
+                            "Megatron-LM preprocess_data_fast.py",
+                            partial(_megatron, args, True, tokenizer_flags=theirs),
+                        )
+                    )
+            ceiling = ceilings(corpus, kind, model, args.ceiling_threads)
+            tokens = ceiling["tokens"]
+            for name, command in rows:
+                env = {"PYTHONPATH": args.megatron_root} if name.startswith("Megatron") else None
+                tiny_out = os.path.join(tmp, "t")
+                startup = min(measure(command(tiny, tiny_out), env)[0] for _ in range(2))
+                seconds, peak = measure(command(corpus, os.path.join(tmp, "o")), env)
+                results.append(_row(kind, name, seconds, startup, peak, tokens, nbytes))
+            for which in ("library", "gigatoken"):
+                if which in ceiling:
+                    name = f"ceiling: {which} encode, {args.ceiling_threads} threads, in memory"
+                    results.append(_row(kind, name, ceiling[which], 0.0, None, tokens, nbytes))
+            if args.large_mb and large is None:
+                large = os.path.join(tmp, "large.jsonl")
+                large_bytes = write_corpus(large, int(args.large_mb * 1e6))
+            if args.large_mb:
+                seconds, peak = measure(_ours(large, os.path.join(tmp, "L"), ours, 2))
+                results.append(
+                    _row(
+                        kind,
+                        f"ours --workers 2, {large_bytes / 1e6:.0f} MB input",
+                        seconds,
+                        None,
+                        peak,
+                        None,
+                        large_bytes,
+                    )
+                )
+    _print(results, nbytes)
     with open(args.json, "w") as f:
         json.dump(
-            {
-                "corpus_mb": nbytes / 1e6,
-                "tokens": tokens,
-                "startup_s": startup,
-                "cpu_cores": os.cpu_count(),
-                "results": results,
-            },
-            f,
-            indent=1,
+            {"corpus_mb": nbytes / 1e6, "cpu_cores": os.cpu_count(), "rows": results}, f, indent=1
         )
     return 0
+
+
+def _row(kind, name, seconds, startup, peak, tokens, nbytes) -> dict:
+    work = seconds - startup if startup is not None else None
+    return {
+        "tokenizer": kind,
+        "what": name,
+        "wall_s": seconds,
+        "startup_s": startup,
+        "mb_per_s": nbytes / work / 1e6 if work else None,
+        "tokens_per_s": tokens / work if work and tokens else None,
+        "peak_rss_mb": peak / 1e6 if peak else None,
+    }
+
+
+def _print(results: list[dict], nbytes: int) -> None:
+    print(f"input: {nbytes / 1e6:.0f} MB of JSONL text; {os.cpu_count()} CPU cores")
+    print(
+        f"{'tokenizer':14s} {'what':58s} {'wall s':>7s} {'start s':>7s} {'MB/s':>7s} "
+        f"{'x Megatron':>10s} {'of ceiling':>10s} {'peak MB':>8s}"
+    )
+    for kind in dict.fromkeys(r["tokenizer"] for r in results):
+        rows = [r for r in results if r["tokenizer"] == kind]
+        anchor = next((r["mb_per_s"] for r in rows if "preprocess_data.py" in r["what"]), None)
+        best = max(r["mb_per_s"] for r in rows if r["what"].startswith("ceiling"))
+        for r in rows:
+            rate = r["mb_per_s"]
+            r["x_megatron"] = rate / anchor if rate and anchor else None
+            r["fraction_of_best_ceiling"] = rate / best if rate else None
+            print(
+                f"{kind:14s} {r['what']:58s} {r['wall_s']:7.2f} "
+                f"{_f(r['startup_s'], '7.2f')} {_f(rate, '7.1f')} {_f(r['x_megatron'], '9.2f')}x "
+                f"{_f(r['fraction_of_best_ceiling'], '9.0%')} {_f(r['peak_rss_mb'], '8.0f')}"
+            )
+    print(
+        "MB/s leaves out each tool's start-up (its one-document run); 'of ceiling' is against "
+        "the faster in-memory encode"
+    )
+
+
+def _f(value, spec: str) -> str:
+    width = int(spec.split(".")[0].rstrip("%f") or 0)
+    return format(value, spec) if value is not None else "-".rjust(width)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import sys
 from engine.cli import run_main as run
 from engine.data.preprocess import preprocess
 from engine.data.tokenizers.cli import add_tokenizer_arguments, tokenizer_config
+from engine.data.tokenizers.gigatoken_encoder import CHOICES
 from engine.errors import ConfigError
 
 
@@ -39,6 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     group = parser.add_argument_group("tokenization process")
     group.add_argument(
         "--append-eod", action="store_true", help="end each document with the eod token"
+    )
+    group.add_argument(
+        "--tokenize-with",
+        choices=CHOICES,
+        default="auto",
+        help="auto: gigatoken where it is installed and encodes probe texts to the tokenizer's "
+        "own ids (several times faster), else the tokenizer's library; gigatoken: insist on it",
+    )
+    group.add_argument(
+        "--use-gigatoken",
+        dest="tokenize_with",
+        action="store_const",
+        const="gigatoken",
+        help="Megatron-LM's preprocess_data_fast.py flag: --tokenize-with gigatoken",
     )
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True)
@@ -74,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         skip_bad_records=args.skip_bad_records,
         log_interval=args.log_interval,
         progress=not args.no_progress,
+        tokenize_with=args.tokenize_with,
     )
     for message in stats.skip_messages:
         print(f"skipped: {message}", file=sys.stderr)

@@ -14,7 +14,7 @@ from engine.data.indexed import IndexedDataset
 from engine.data.mock import MOCK_SPLIT, MockIndexedDataset
 from engine.data.parquet_shards import is_parquet_path, open_shards
 from engine.data.streaming import StreamingDataset, StreamPlan
-from engine.data.tokenizers import TokenizerConfig
+from engine.data.tokenizers import TokenizerConfig, tokenizer_record
 from engine.errors import ConfigError
 
 
@@ -111,13 +111,21 @@ def build_streaming_datasets(
         if num_samples[k] <= 0 or split_weights[k] == 0:
             result.append(None)
             continue
+        record = tokenizer_record(tokenizer)
         plans = [
-            StreamPlan(s, text_column, shuffle_buffer, seq_length, seed, split_weights, k)
+            StreamPlan(s, record, text_column, shuffle_buffer, seq_length, seed, split_weights, k)
             for s in shards
         ]
-        if not any(plan.has_rows() for plan in plans):
+        rows = [plan.has_rows() for plan in plans]
+        if not any(rows):
             result.append(None)
             continue
+        if not all(rows):
+            raise ConfigError(
+                f"--split {split} gives the {SPLIT_NAMES[k]} split no row of any window of "
+                f"{sources[rows.index(False)]} (windows of --parquet-shuffle-buffer "
+                f"{shuffle_buffer} rows); raise the buffer or that split's share"
+            )
         result.append(StreamingDataset(plans, weights, num_samples[k], tokenizer))
     return result
 

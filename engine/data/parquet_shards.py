@@ -91,6 +91,11 @@ def open_shards(source: str, column: str) -> list[Shard]:
                 "--parquet-text-column"
             )
         shards.append(Shard(path, name, parquet.metadata.num_rows))
+    if not sum(shard.num_rows for shard in shards):
+        raise InputError(
+            f"--data-path {source}: its Parquet files hold no rows; give documents or leave it "
+            "out of --data-path"
+        )
     return shards
 
 
@@ -111,7 +116,7 @@ class ShardCursor:
 
     def texts(self, shard: Shard, start: int, stop: int) -> list[str]:
         """The text of rows [start, stop) of `shard`; InputError naming shard and row."""
-        if self.path != shard.path or start < self.row:
+        if self.path != shard.path or start < self.row or self._skippable(start):
             self._seek(shard, start)
         texts: list[str] = []
         while self.row < stop:
@@ -125,6 +130,10 @@ class ShardCursor:
             self.pending = self.pending.slice(take)
             self.row += take
         return texts
+
+    def _skippable(self, start: int) -> bool:
+        """Whether `start` lies past the row group being read (seeking skips its decoding)."""
+        return bool(self.groups) and self.groups[0][1] <= start
 
     def _seek(self, shard: Shard, start: int) -> None:
         self.parquet = _open(shard.path)

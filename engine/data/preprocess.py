@@ -23,6 +23,7 @@ import numpy as np
 from engine.data.indexed import IndexedDatasetBuilder, optimal_dtype
 from engine.data.readers import Record, decode_record, expand_inputs, iter_records
 from engine.data.tokenizers import Tokenizer, TokenizerConfig, build_tokenizer
+from engine.data.tokenizers.gigatoken_encoder import CHOICES, GigatokenEncoder, gigatoken_encoder
 from engine.errors import InputError
 from parallel.errors import one_line
 
@@ -69,15 +70,24 @@ def _tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     return build_tokenizer(cfg)
 
 
+@functools.lru_cache(maxsize=2)
+def _fast_encoder(cfg: TokenizerConfig, tokenize_with: str) -> GigatokenEncoder | None:
+    if tokenize_with == "tokenizer":
+        return None
+    return gigatoken_encoder(_tokenizer(cfg), required=tokenize_with == "gigatoken")
+
+
 def encode_batch(
     records: list[Record],
     keys: list[str],
     tokenizer_cfg: TokenizerConfig,
     append_eod: bool,
     skip_bad: bool,
+    tokenize_with: str = "auto",
 ) -> _BatchResult:
     """Decode and tokenize a batch of records (runs in a worker process)."""
     tokenizer = _tokenizer(tokenizer_cfg)
+    fast = _fast_encoder(tokenizer_cfg, tokenize_with)
     dtype = optimal_dtype(tokenizer.vocab_size)
     texts: dict[str, list[str]] = {k: [] for k in keys}
     wheres: list[str] = []
@@ -97,6 +107,17 @@ def encode_batch(
         for key in keys:
             texts[key].append(decoded[key])
     for key in keys:
+        if fast is not None:
+            try:
+                flat, lengths = fast.encode_flat(texts[key])
+            except (TypeError, UnicodeError, ValueError):  # lone surrogates
+                result.error = _first_unreadable(tokenizer, texts[key], wheres, key)
+                return result
+            result.empty += int(np.count_nonzero(lengths == 0))
+            result.flat[key], result.lengths[key] = _with_eod(
+                flat, lengths[lengths > 0], tokenizer.eod if append_eod else None, dtype
+            )
+            continue
         try:
             encoded = [ids for ids in tokenizer.tokenize_batch(texts[key]) if ids]
         except (InputError, TypeError, UnicodeError):  # ids that are not ids, lone surrogates
@@ -112,6 +133,14 @@ def encode_batch(
         )
         result.flat[key], result.lengths[key] = flat, lengths
     return result
+
+
+def _with_eod(flat: np.ndarray, lengths: np.ndarray, eod: int | None, dtype):
+    """Flat ids of non-empty documents, an EOD after each when `eod` is given."""
+    if eod is None:
+        return flat.astype(dtype, copy=False), lengths
+    ends = np.cumsum(lengths)
+    return np.insert(flat, ends, eod).astype(dtype, copy=False), lengths + 1
 
 
 def _first_unreadable(tokenizer, texts: list[str], wheres: list[str], key: str) -> str:
@@ -190,10 +219,14 @@ def preprocess(
     skip_bad_records: bool = False,
     log_interval: int = 10000,
     progress: bool = True,
+    tokenize_with: str = "auto",
 ) -> PreprocessStats:
     """Tokenize every document of `inputs` into `<output_prefix>_<key>_document.{bin,idx}`.
 
     `tokenizer` is the tokenizer's config, or the path of a SentencePiece model.
+    `tokenize_with`: "auto" encodes with gigatoken where it is installed and gives the
+    tokenizer's ids (engine/data/tokenizers/gigatoken_encoder.py), "gigatoken" insists on it,
+    "tokenizer" uses the tokenizer's own library.
 
     On an error nothing is left at the output paths (earlier files there stay untouched);
     the InputError names the file and line or row. Input without a single document with text
@@ -208,6 +241,9 @@ def preprocess(
         tokenizer = TokenizerConfig(tokenizer_model=os.fspath(tokenizer))
     tokenizer_cfg = tokenizer
     tokenizer = _tokenizer(tokenizer_cfg)
+    if tokenize_with not in CHOICES:
+        raise InputError(f"--tokenize-with {tokenize_with}: choose one of {', '.join(CHOICES)}")
+    _fast_encoder(tokenizer_cfg, tokenize_with)  # verified once here, before the workers fork
     dtype = optimal_dtype(tokenizer.vocab_size)
     compressed = any(f.endswith((".gz", ".zst")) for f in files)
     total_bytes = None if compressed else sum(os.path.getsize(f) for f in files)
@@ -222,6 +258,7 @@ def preprocess(
         tokenizer_cfg=tokenizer_cfg,
         append_eod=append_eod,
         skip_bad=skip_bad_records,
+        tokenize_with=tokenize_with,
     )
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     try:

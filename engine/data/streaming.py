@@ -38,6 +38,7 @@ class StreamPlan:
     """Which rows of which shards form window k of one source's split, and how they are packed."""
 
     shards: tuple[Shard, ...]
+    tokenizer: dict  # the tokenizer's record: packing depends on it
     column: str
     window_rows: int
     seq_length: int
@@ -53,6 +54,7 @@ class StreamPlan:
         """What a saved position depends on; a resumed run must match it."""
         return {
             "shards": [[s.name, s.num_rows] for s in self.shards],
+            "tokenizer": self.tokenizer,
             "column": self.column,
             "window_rows": self.window_rows,
             "seq_length": self.seq_length,
@@ -141,10 +143,13 @@ class _WindowProducer(torch.utils.data.IterableDataset):
             try:
                 texts = cursor.texts(shard, start, stop)
                 documents = tokenizer.tokenize_batch(texts) if texts else []
-            except InputError as err:
-                yield _WindowFailed(str(err))
+            except InputError as err:  # the cursor's errors name the shard and row already
+                message = str(err)
+                if not message.startswith(shard.path):  # the tokenizer's do not
+                    message = f"{shard.path}: rows {start}-{stop - 1}: {message}"
+                yield _WindowFailed(message)
                 return
-            except (TypeError, UnicodeError) as err:
+            except (TypeError, UnicodeError, ValueError) as err:  # e.g. lone surrogates
                 yield _WindowFailed(f"{shard.path}: rows {start}-{stop - 1}: {err}")
                 return
             yield k, self.plan.pack(k, documents, tokenizer.eod)
