@@ -229,22 +229,18 @@ def _datasets(cfg: Configs, state: ParallelState, global_batch: int) -> list:
     data = cfg.data
     tokenizer = build_tokenizer(cfg.tokenizer) if data.mock_data else None
 
-    if not data.mock_data and data_format(data.data_path, data.data_format) == "parquet":
-        datasets = build_streaming_datasets(
-            data.data_path,
-            data.parquet_text_column,
-            data.parquet_shuffle_buffer,
-            data.split,
-            cfg.model.seq_length,
-            train.seed,
-            samples,
-            cfg.tokenizer,
-        )
-        if datasets[0] is None:
-            raise ConfigError(f"--split {data.split} leaves no training documents")
-        return datasets
-
     def build():
+        if not data.mock_data and data_format(data.data_path, data.data_format) == "parquet":
+            return build_streaming_datasets(
+                data.data_path,
+                data.parquet_text_column,
+                data.parquet_shuffle_buffer,
+                data.split,
+                cfg.model.seq_length,
+                train.seed,
+                samples,
+                cfg.tokenizer,
+            )
         if data.mock_data:
             return build_mock_datasets(
                 tokenizer.vocab_size,
@@ -263,7 +259,7 @@ def _datasets(cfg: Configs, state: ParallelState, global_batch: int) -> list:
             data.data_cache_path,
         )
 
-    # Rank 0 builds the index caches; the others then load them.
+    # Rank 0 builds the index caches (indexed and mock data); the others then load them.
     if state.rank == 0:
         datasets = build()
     if state.world_group is not None:

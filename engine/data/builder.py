@@ -106,12 +106,12 @@ def build_streaming_datasets(
     weights, sources = parse_data_path(data_path)
     split_weights = tuple(parse_split(split))
     shards = [tuple(open_shards(source, text_column)) for source in sources]
+    record = tokenizer_record(tokenizer)
     result: list[StreamingDataset | None] = []
     for k in range(len(SPLIT_NAMES)):
         if num_samples[k] <= 0 or split_weights[k] == 0:
             result.append(None)
             continue
-        record = tokenizer_record(tokenizer)
         plans = [
             StreamPlan(s, record, text_column, shuffle_buffer, seq_length, seed, split_weights, k)
             for s in shards
