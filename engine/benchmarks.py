@@ -1,12 +1,18 @@
-"""Shared set-up of the benchmark scripts in tools/: a GPT config from their size flags, and
-a dataset and tokenizer from the built-in corpus for those that need real data."""
+"""Shared set-up of the benchmark scripts in tools/: a GPT config from their size flags, a
+dataset and tokenizer from the built-in corpus for those that need real data, a corpus of any
+size whose copies do not repeat, the two tokenizers the data benchmarks compare, and the timing
+of real training steps."""
 
 from __future__ import annotations
 
 import os
+import statistics
+import string
+import time
+from collections.abc import Iterator
 
 from engine.config import ModelConfig
-from engine.data.corpus import write_corpus
+from engine.data.corpus import stdlib_sources, write_corpus
 from engine.data.preprocess import preprocess
 from engine.data.tokenizer_training import train_tokenizer
 
@@ -61,3 +67,97 @@ def bench_model_config(args, **extra) -> ModelConfig:
         attention_dropout=0.0,
         **extra,
     )
+
+
+def _shifted(text: str, r: int) -> str:
+    lower, upper = string.ascii_lowercase, string.ascii_uppercase
+    table = str.maketrans(lower + upper, lower[r:] + lower[:r] + upper[r:] + upper[:r])
+    return text.translate(table)
+
+
+def shifted_documents(target_bytes: int) -> Iterator[str]:
+    """The built-in corpus's documents, copy after copy, until about target_bytes of UTF-8 text.
+
+    Copy 0 is the corpus itself; copy r shifts every ASCII letter by r places (r mod 26), so
+    that no copy repeats another's words: gigatoken and `tokenizers` cache the pieces they have
+    encoded, and plain repeats would flatter them.
+    """
+    documents = [text for _, text in stdlib_sources(10**10)]
+    size, copy = 0, 0
+    while size < target_bytes:
+        for text in documents:
+            text = _shifted(text, copy % 26) if copy % 26 else text
+            yield text
+            size += len(text.encode("utf-8"))
+            if size >= target_bytes:
+                return
+        copy += 1
+
+
+def bench_tokenizers(
+    folder: str, vocab_size: int, sentencepiece_model: str | None, hf_tokenizer: str | None
+) -> dict[str, str]:
+    """{"sentencepiece": .model path, "hf-bpe": Hugging Face folder}: the given ones, or trained
+    under folder on 12 MB of the shifted corpus."""
+    import json
+
+    from engine.data.tokenizer_training import train_tokenizer
+    from engine.data.tokenizer_training_hf import train_hf_tokenizer
+
+    sample = os.path.join(folder, "tokenizer_sample.jsonl")
+    if sentencepiece_model is None or hf_tokenizer is None:
+        with open(sample, "w", encoding="utf-8") as f:
+            for text in shifted_documents(12_000_000):
+                f.write(json.dumps({"text": text}) + "\n")
+    if sentencepiece_model is None:
+        sentencepiece_model = os.path.join(folder, "sp.model")
+        train_tokenizer(
+            [sample], sentencepiece_model[: -len(".model")], vocab_size, input_sentence_size=200_000
+        )
+    if hf_tokenizer is None:
+        hf_tokenizer = os.path.join(folder, "hf")
+        train_hf_tokenizer([sample], hf_tokenizer, vocab_size)
+    return {"sentencepiece": sentencepiece_model, "hf-bpe": hf_tokenizer}
+
+
+def time_train_steps(flags: list[str], warmup: int, steps: int, device: str) -> dict:
+    """Median seconds of `steps` real training iterations (after `warmup`) of the engine set up
+    from engine.pretrain flags on one process, with FLOPs per token, parameters and peak CUDA
+    memory (GB; None on the CPU). Batches are random tokens of the configured shape."""
+    import torch
+
+    from engine.metrics import model_flops_per_token
+    from engine.preflight import check
+    from engine.pretrain import parse
+    from engine.training import setup, train_iteration
+    from parallel.state import ParallelState
+
+    cfg = parse(flags)
+    check(cfg, 1)
+    engine = setup(cfg, ParallelState.build(1, 1, device=device))
+    dev = torch.device(device)
+    mbs, seq = cfg.train.micro_batch_size, cfg.model.seq_length
+    tokens = torch.randint(0, cfg.model.vocab_size, (mbs, seq + 1))
+    batch = {"tokens": tokens[:, :-1].to(dev), "labels": tokens[:, 1:].to(dev)}
+    times = []
+    for step in range(warmup + steps):
+        sync_device(dev)
+        start = time.perf_counter()
+        train_iteration(engine, [batch])
+        engine.counters.iteration += 1
+        sync_device(dev)
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    return {
+        "step_s": statistics.median(times),
+        "flops_per_token": model_flops_per_token(cfg.model, cfg.model.padded_vocab_size(1)),
+        "params": sum(p.numel() for c in engine.chunks for p in c.params),
+        "mem_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None,
+    }
+
+
+def sync_device(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

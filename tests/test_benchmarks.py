@@ -1,11 +1,13 @@
-"""The pipeline and data-parallel benchmarks run end to end on tiny models and write the
-tables their closing-note numbers come from (timings are not checked: numbers, not asserts)."""
+"""The pipeline, data-parallel and streaming benchmarks run end to end on tiny inputs and write
+the tables their closing-note numbers come from (timings are not checked: numbers, not asserts)."""
 
 from __future__ import annotations
 
 import json
 
-from tools import bench_ddp, bench_pipeline
+from engine.metrics import PEAK_TFLOPS
+from tests.tokenizer_files import make_hf_folder
+from tools import bench_ddp, bench_pipeline, bench_streaming
 
 TINY = ["--hidden-size", "64", "--seq-length", "16", "--warmup", "0", "--steps", "1"]
 
@@ -40,3 +42,25 @@ def test_bench_ddp_rows(tmp_path):
     ]
     assert rows[0]["efficiency"] == 1.0
     assert all(r["seconds_per_step"] > 0 and len(r["each_launch"]) == 1 for r in rows)
+
+
+def test_bench_streaming_rows(tmp_path, corpus, tokenizer_model):
+    hf = make_hf_folder(corpus["jsonl"], str(tmp_path / "hf"))
+    out = tmp_path / "streaming.json"
+    argv = ["--target-mb", "1", "--shards", "2", "--seq-length", "64", "--shuffle-buffer", "32"]
+    argv += ["--sentencepiece-model", tokenizer_model, "--hf-tokenizer", hf, "--cpu-models"]
+    assert bench_streaming.main([*argv, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    loaders = result["loaders"]
+    assert [(r["tokenizer"], r["workers"]) for r in loaders] == [
+        ("sentencepiece", 1),
+        ("sentencepiece", 2),
+        ("hf-bpe", 1),
+        ("hf-bpe", 2),
+    ]
+    assert all(r["samples"] > 0 and r["tokens_per_s"] > 0 for r in loaders)
+    consumers = result["consumers"]
+    assert [c["consumer"].split(" on ")[0] for c in consumers] == ["125M", "1.3B"]
+    for c in consumers:  # 45% of the H100's peak over the FLOPs per token
+        h100 = 0.45 * PEAK_TFLOPS[("H100 SXM", "bf16")] * 1e12
+        assert abs(c["tokens_per_s"] * c["flops_per_token"] - h100) < 1e-6 * h100

@@ -48,7 +48,7 @@ def _datasets(path, tokenizer_model, num_samples=(400, 40, 0), split="90,10,0", 
         SEQ,
         kw.get("seed", 1234),
         num_samples,
-        TokenizerConfig(tokenizer_model=tokenizer_model),
+        kw.get("tokenizer", TokenizerConfig(tokenizer_model=tokenizer_model)),
     )
 
 
@@ -108,7 +108,7 @@ def test_order_is_independent_of_worker_count(shards, tokenizer_model):
         assert np.array_equal(order, reference), workers
 
 
-def test_resume_under_another_dp_size_continues_the_global_order(shards, tokenizer_model):
+def test_resume_under_another_dp_size_continues_the_global_order(shards, tokenizer_model, tmp_path):
     train = _datasets(shards, tokenizer_model)[0]
     reference, _ = _global_order(train, 200, micro_batch_size=2, dp_size=1)
     head, iterators = _global_order(train, 72, micro_batch_size=4, dp_size=2)
@@ -124,8 +124,16 @@ def test_resume_under_another_dp_size_continues_the_global_order(shards, tokeniz
         _datasets(shards, tokenizer_model, seed=7)[0],
         _datasets(os.path.join(shards, "part-1.parquet"), tokenizer_model)[0],
     ):
-        with pytest.raises(ConfigError, match="belongs to other shards or settings"):
+        with pytest.raises(ConfigError, match="belongs to other shards or settings") as err:
             changed.iterator(72, 2, 0, 1, 0, state)
+        assert err.value.every_rank  # every rank refuses alike: rank 0 says it once
+    with pytest.raises(ConfigError, match="belongs to other shards or settings"):
+        other = TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=4000)
+        _datasets(shards, None, tokenizer=other)[0].iterator(72, 2, 0, 1, 0, state)
+    # The tokenizer is known by what it does, not by its path: moved, it resumes.
+    moved = shutil.copy(tokenizer_model, tmp_path / "moved.model")
+    tail, _ = _global_order(_datasets(shards, str(moved))[0], 128, 2, 1, state=state, start=72)
+    assert np.array_equal(tail, reference[72:200])
     with pytest.raises(ConfigError, match="the checkpoint is inconsistent"):
         train.iterator(80, 2, 0, 1, 0, state)
     with pytest.raises(ConfigError, match="holds no Parquet stream position"):
@@ -317,3 +325,18 @@ def test_bad_rows_and_columns_stop_the_run_with_one_line(shards, tokenizer_model
     args = _parquet_args(shards, tokenizer_model, **{"--parquet-text-column": "body"})
     line = one_line_error(run_python("-m", "engine.pretrain", *args))
     assert "part-0.parquet: no column 'body'" in line and "--parquet-text-column" in line
+
+
+def test_show_samples_reads_parquet_as_training_streams_it(shards, tokenizer_model, capsys):
+    from tools import show_samples
+
+    argv = ["--data-path", shards, "--tokenizer-model", tokenizer_model, "--split", "100,0,0"]
+    argv += ["--seq-length", str(SEQ), "--parquet-shuffle-buffer", str(WINDOW)]
+    assert show_samples.main([*argv, "--num-samples", "2", "--max-chars", "100000"]) == 0
+    printed = capsys.readouterr().out
+    tokenizer = build_tokenizer(TokenizerConfig(tokenizer_model=tokenizer_model))
+    batches = _datasets(shards, tokenizer_model, split="100,0,0")[0].iterator(0, 1, 0, 1)
+    for _ in range(2):
+        batch = next(batches)
+        ids = np.concatenate([batch["tokens"][0].numpy(), batch["labels"][0, -1:].numpy()])
+        assert tokenizer.detokenize(ids) in printed

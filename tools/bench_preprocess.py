@@ -14,8 +14,11 @@ start-up, measured on a one-document input, so it is the steady rate):
     name a Python that runs them (see README: Benchmarks);
   - the ceilings, in a fresh process with the texts already in memory: the tokenizer library's
     own batch encode and gigatoken's, on all cores.
-Peak memory is the resident size of the whole process tree (main and workers), sampled every
-20 ms; ours is measured again at --large-mb to show it does not grow with the input.
+Peak memory is the proportional set size (PSS) summed over the whole process tree (main and
+workers), sampled every 20 ms: pages that forked workers share with the main process count once,
+where a sum of resident sizes would count them once per process. Ours at 2 workers (and
+Megatron-LM's gigatoken tool) run again at --large-mb: peak memory must not grow with the input,
+and the longer run gives a steadier rate.
 Prints a table and writes JSON.
 """
 
@@ -24,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import string
 import subprocess
 import sys
 import tempfile
@@ -32,44 +34,32 @@ import threading
 import time
 from functools import partial
 
+from engine.benchmarks import bench_tokenizers, shifted_documents
 from engine.cli import run_main as run
-from engine.data.corpus import stdlib_sources
 
 TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preprocess_data.py")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def _shifted(text: str, r: int) -> str:
-    lower, upper = string.ascii_lowercase, string.ascii_uppercase
-    table = str.maketrans(lower + upper, lower[r:] + lower[:r] + upper[r:] + upper[:r])
-    return text.translate(table)
-
-
 def write_corpus(path: str, target_bytes: int) -> int:
     """JSONL of about target_bytes of text; returns the text bytes written."""
-    documents = [text for _, text in stdlib_sources(10**10)]
-    size, copy = 0, 0
+    size = 0
     with open(path, "w", encoding="utf-8") as f:
-        while size < target_bytes:
-            for text in documents:
-                text = _shifted(text, copy % 26) if copy % 26 else text
-                f.write(json.dumps({"text": text}) + "\n")
-                size += len(text.encode("utf-8"))
-                if size >= target_bytes:
-                    break
-            copy += 1
+        for text in shifted_documents(target_bytes):
+            f.write(json.dumps({"text": text}) + "\n")
+            size += len(text.encode("utf-8"))
     return size
 
 
-def _tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its descendants (Linux /proc)."""
+def _tree_pss(pid: int) -> int:
+    """Proportional set size in bytes of a process and all its descendants (Linux /proc)."""
     total, stack = 0, [pid]
     while stack:
         p = stack.pop()
         try:
-            with open(f"/proc/{p}/status") as f:
+            with open(f"/proc/{p}/smaps_rollup") as f:
                 for line in f:
-                    if line.startswith("VmRSS:"):
+                    if line.startswith("Pss:"):
                         total += int(line.split()[1]) * 1024
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children") as f:
@@ -80,7 +70,7 @@ def _tree_rss(pid: int) -> int:
 
 
 def measure(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
-    """(wall seconds, peak resident bytes of the process tree) of a command that must succeed."""
+    """(wall seconds, peak PSS bytes of the process tree) of a command that must succeed."""
     start = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
@@ -92,7 +82,7 @@ def measure(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
 
     def sample():
         while proc.poll() is None:
-            peak[0] = max(peak[0], _tree_rss(proc.pid))
+            peak[0] = max(peak[0], _tree_pss(proc.pid))
             time.sleep(0.02)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -170,23 +160,10 @@ def ceilings(corpus: str, kind: str, model: str, threads: int) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _tokenizers(tmp: str, corpus: str, args) -> dict[str, tuple[str, list[str], list[str]]]:
+def _tokenizers(tmp: str, args) -> dict[str, tuple[str, list[str], list[str]]]:
     """kind -> (model path, our flags, Megatron-LM's flags)."""
-    from engine.data.tokenizer_training import train_tokenizer
-    from engine.data.tokenizer_training_hf import train_hf_tokenizer
-
-    sample = os.path.join(tmp, "sample.jsonl")
-    write_corpus(sample, 12_000_000)
-    sp = args.sentencepiece_model
-    if sp is None:
-        sp = os.path.join(tmp, "sp.model")
-        train_tokenizer(
-            [sample], sp[: -len(".model")], args.vocab_size, input_sentence_size=200_000
-        )
-    hf = args.hf_tokenizer
-    if hf is None:
-        hf = os.path.join(tmp, "hf")
-        train_hf_tokenizer([sample], hf, args.vocab_size)
+    models = bench_tokenizers(tmp, args.vocab_size, args.sentencepiece_model, args.hf_tokenizer)
+    sp, hf = models["sentencepiece"], models["hf-bpe"]
     return {
         "sentencepiece": (
             sp,
@@ -222,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         tiny = os.path.join(tmp, "tiny.jsonl")
         with open(tiny, "w") as f:
             f.write(json.dumps({"text": "def f():\n    return 1\n"}) + "\n")
-        kinds = _tokenizers(tmp, corpus, args)
+        kinds = _tokenizers(tmp, args)
         large = None
         for kind, (model, ours, theirs) in kinds.items():
             # (name, command for an input and an output prefix)
@@ -252,12 +229,13 @@ def main(argv: list[str] | None = None) -> int:
                     )
             ceiling = ceilings(corpus, kind, model, args.ceiling_threads)
             tokens = ceiling["tokens"]
+            startups = {}
             for name, command in rows:
-                env = {"PYTHONPATH": args.megatron_root} if name.startswith("Megatron") else None
+                env = _env(args, name)
                 tiny_out = os.path.join(tmp, "t")
-                startup = min(measure(command(tiny, tiny_out), env)[0] for _ in range(2))
+                startups[name] = min(measure(command(tiny, tiny_out), env)[0] for _ in range(2))
                 seconds, peak = measure(command(corpus, os.path.join(tmp, "o")), env)
-                results.append(_row(kind, name, seconds, startup, peak, tokens, nbytes))
+                results.append(_row(kind, name, seconds, startups[name], peak, tokens, nbytes))
             for which in ("library", "gigatoken"):
                 if which in ceiling:
                     name = f"ceiling: {which} encode, {args.ceiling_threads} threads, in memory"
@@ -265,25 +243,25 @@ def main(argv: list[str] | None = None) -> int:
             if args.large_mb and large is None:
                 large = os.path.join(tmp, "large.jsonl")
                 large_bytes = write_corpus(large, int(args.large_mb * 1e6))
-            if args.large_mb:
-                seconds, peak = measure(_ours(large, os.path.join(tmp, "L"), ours, 2))
-                results.append(
-                    _row(
-                        kind,
-                        f"ours --workers 2, {large_bytes / 1e6:.0f} MB input",
-                        seconds,
-                        None,
-                        peak,
-                        None,
-                        large_bytes,
-                    )
-                )
+            for name, command in rows if args.large_mb else ():
+                if name not in LARGE_ROWS:
+                    continue
+                seconds, peak = measure(command(large, os.path.join(tmp, "L")), _env(args, name))
+                label = f"{name}, {large_bytes / 1e6:.0f} MB input"
+                results.append(_row(kind, label, seconds, startups[name], peak, None, large_bytes))
     _print(results, nbytes)
     with open(args.json, "w") as f:
         json.dump(
             {"corpus_mb": nbytes / 1e6, "cpu_cores": os.cpu_count(), "rows": results}, f, indent=1
         )
     return 0
+
+
+LARGE_ROWS = ("ours --workers 2", "Megatron-LM preprocess_data_fast.py")
+
+
+def _env(args, name: str) -> dict | None:
+    return {"PYTHONPATH": args.megatron_root} if name.startswith("Megatron") else None
 
 
 def _row(kind, name, seconds, startup, peak, tokens, nbytes) -> dict:
@@ -295,7 +273,7 @@ def _row(kind, name, seconds, startup, peak, tokens, nbytes) -> dict:
         "startup_s": startup,
         "mb_per_s": nbytes / work / 1e6 if work else None,
         "tokens_per_s": tokens / work if work and tokens else None,
-        "peak_rss_mb": peak / 1e6 if peak else None,
+        "peak_pss_mb": peak / 1e6 if peak else None,
     }
 
 
@@ -316,7 +294,7 @@ def _print(results: list[dict], nbytes: int) -> None:
             print(
                 f"{kind:14s} {r['what']:58s} {r['wall_s']:7.2f} "
                 f"{_f(r['startup_s'], '7.2f')} {_f(rate, '7.1f')} {_f(r['x_megatron'], '9.2f')}x "
-                f"{_f(r['fraction_of_best_ceiling'], '9.0%')} {_f(r['peak_rss_mb'], '8.0f')}"
+                f"{_f(r['fraction_of_best_ceiling'], '9.0%')} {_f(r['peak_pss_mb'], '8.0f')}"
             )
     print(
         "MB/s leaves out each tool's start-up (its one-document run); 'of ceiling' is against "

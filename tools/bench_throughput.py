@@ -19,19 +19,10 @@ import time
 
 import torch
 
-from engine.benchmarks import corpus_dataset, engine_flags
+from engine.benchmarks import corpus_dataset, engine_flags, sync_device, time_train_steps
 from engine.cli import run_main as run
-from engine.metrics import device_peak_tflops, model_flops_per_token
-from engine.preflight import check
-from engine.pretrain import parse
-from engine.training import setup, train_iteration
+from engine.metrics import device_peak_tflops
 from parallel.launch import run_local
-from parallel.state import ParallelState
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _matmul_tflops(device: torch.device, size: int) -> float:
@@ -42,10 +33,10 @@ def _matmul_tflops(device: torch.device, size: int) -> float:
         a @ b
     times = []
     for _ in range(10):
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         a @ b
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - start)
     return 2 * size**3 / statistics.median(times) / 1e12
 
@@ -70,25 +61,8 @@ def _try(args, prefix, tokenizer, fused: bool, micro_batch: int, device: str):
     )
     flags += ["--bf16"] if device == "cuda" else []
     flags += ["--use-fused-kernels" if fused else "--no-use-fused-kernels"]
-    cfg = parse(flags)
-    check(cfg, 1)
-    engine = setup(cfg, ParallelState.build(1, 1, device=device))
-    tokens = torch.randint(0, args.vocab_size, (micro_batch, args.seq_length + 1))
-    batch = {"tokens": tokens[:, :-1].to(device), "labels": tokens[:, 1:].to(device)}
-    dev = torch.device(device)
-    times = []
-    for step in range(args.warmup + args.steps):
-        _sync(dev)
-        start = time.perf_counter()
-        train_iteration(engine, [batch])
-        engine.counters.iteration += 1
-        _sync(dev)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-    flops = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size(1))
-    params = sum(p.numel() for c in engine.chunks for p in c.params)
-    memory = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
-    return statistics.median(times), flops, params, memory
+    r = time_train_steps(flags, args.warmup, args.steps, device)
+    return r["step_s"], r["flops_per_token"], r["params"], r["mem_gb"]
 
 
 def _bench(rank, world, args, prefix, tokenizer, fused: bool, device: str):

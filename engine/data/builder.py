@@ -14,7 +14,7 @@ from engine.data.indexed import IndexedDataset
 from engine.data.mock import MOCK_SPLIT, MockIndexedDataset
 from engine.data.parquet_shards import is_parquet_path, open_shards
 from engine.data.streaming import StreamingDataset, StreamPlan
-from engine.data.tokenizers import TokenizerConfig, tokenizer_record
+from engine.data.tokenizers import TokenizerConfig, build_tokenizer
 from engine.errors import ConfigError
 
 
@@ -106,14 +106,14 @@ def build_streaming_datasets(
     weights, sources = parse_data_path(data_path)
     split_weights = tuple(parse_split(split))
     shards = [tuple(open_shards(source, text_column)) for source in sources]
-    record = tokenizer_record(tokenizer)
+    identity = build_tokenizer(tokenizer).identity()
     result: list[StreamingDataset | None] = []
     for k in range(len(SPLIT_NAMES)):
         if num_samples[k] <= 0 or split_weights[k] == 0:
             result.append(None)
             continue
         plans = [
-            StreamPlan(s, record, text_column, shuffle_buffer, seq_length, seed, split_weights, k)
+            StreamPlan(s, identity, text_column, shuffle_buffer, seq_length, seed, split_weights, k)
             for s in shards
         ]
         rows = [plan.has_rows() for plan in plans]

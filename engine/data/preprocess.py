@@ -29,6 +29,10 @@ from parallel.errors import one_line
 
 BATCH_RECORDS = 512
 BATCH_BYTES = 1 << 20
+# A worker is replaced by a fresh fork after this many batches (at most 16 MB of text), so that
+# what tokenizers keep per process (gigatoken's cache of every distinct pre-token grows with the
+# input) cannot grow with the input.
+BATCHES_PER_WORKER = 16
 
 
 @dataclass
@@ -265,7 +269,7 @@ def preprocess(
         # Opening the outputs first finds an unwritable --output-prefix before any work.
         for key in keys:
             builders[key] = IndexedDatasetBuilder(output_prefix_for(output_prefix, key), dtype)
-        with context.Pool(workers) as pool:
+        with context.Pool(workers, maxtasksperchild=BATCHES_PER_WORKER) as pool:
             pending: deque = deque()
             records = iter_records(files, keys, skip_bad_records, file_stats)
             for batch in _batches(records):

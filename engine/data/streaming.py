@@ -38,7 +38,7 @@ class StreamPlan:
     """Which rows of which shards form window k of one source's split, and how they are packed."""
 
     shards: tuple[Shard, ...]
-    tokenizer: dict  # the tokenizer's record: packing depends on it
+    tokenizer: str  # Tokenizer.identity(): packing depends on what it does, not its path
     column: str
     window_rows: int
     seq_length: int
@@ -251,20 +251,23 @@ class StreamingDataset:
                     "shards or settings (shards, --parquet-text-column, --parquet-shuffle-buffer,"
                     " --seq-length, --seed or --split changed); give the same data and settings "
                     "to resume, or --save to a new folder and train from --load without resuming"
-                    " (see README: Streaming from Parquet)"
+                    " (see README: Streaming from Parquet)",
+                    every_rank=True,  # every rank holds the same checkpoint and data
                 )
             if state["consumed_samples"] != consumed_samples:
                 raise ConfigError(
                     f"the checkpoint's Parquet stream position is at sample "
                     f"{state['consumed_samples']}, its counters at {consumed_samples}; the "
-                    "checkpoint is inconsistent, resume from an earlier one"
+                    "checkpoint is inconsistent, resume from an earlier one",
+                    every_rank=True,
                 )
             positions = [tuple(p) for p in state["positions"]]
         elif consumed_samples:
             raise ConfigError(
                 f"the checkpoint consumed {consumed_samples} samples but holds no Parquet stream "
                 "position (it was trained on other data); resume it with --data-path of the data "
-                "it was trained on"
+                "it was trained on",
+                every_rank=True,
             )
         streams = [
             SampleStream(plan, self.tokenizer, num_workers, positions[i] if positions else None)

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
 from engine.errors import InputError
+
+# Texts that exercise a tokenizer: code and whitespace, digits, accents and scripts, emoji,
+# contractions, a long run of one letter.
+PROBE_TEXTS = [
+    "",
+    "def f(x):\n    return x  # comment\n\n\n",
+    "Hello, world! 123 4567 89.0e-3",
+    "naïve café — Ünïcödé, 日本語のテキスト, 한국어, Ελληνικά, עברית",
+    "emoji 😀👍🏽 and ZWJ 👨‍👩‍👧 sequences",
+    "   leading and trailing spaces   \t\ttabs\r\nwindows line",
+    "x" * 300,
+    "'s 've 're 'll 'd IT'S",
+]
 
 
 class Tokenizer:
@@ -33,6 +48,14 @@ class Tokenizer:
         """Write the files with which transformers' AutoTokenizer.from_pretrained(folder)
         encodes every text to the ids tokenize gives."""
         raise NotImplementedError
+
+    def identity(self) -> str:
+        """A digest of what the tokenizer does, not of where its files are: its ids for the
+        probe texts, its vocabulary size and its special ids. Two tokenizers with one identity
+        encode those texts alike; data packed with one resumes with the other."""
+        ids = self.tokenize_batch(PROBE_TEXTS)
+        record = [ids, self.vocab_size, self.eod, self.special_ids()]
+        return hashlib.sha256(json.dumps(record).encode()).hexdigest()
 
     def special_ids(self) -> dict:
         """bos / eos / pad / unk ids for a Hugging Face config (absent ones left out)."""

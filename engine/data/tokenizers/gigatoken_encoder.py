@@ -13,21 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.data.tokenizers.base import Tokenizer
+from engine.data.tokenizers.base import PROBE_TEXTS, Tokenizer
 from engine.errors import InputError
 
 CHOICES = ("auto", "gigatoken", "tokenizer")
-
-PROBES = [
-    "",
-    "def f(x):\n    return x  # comment\n\n\n",
-    "Hello, world! 123 4567 89.0e-3",
-    "naïve café — Ünïcödé, 日本語のテキスト, 한국어, Ελληνικά, עברית",
-    "emoji 😀👍🏽 and ZWJ 👨‍👩‍👧 sequences",
-    "   leading and trailing spaces   \t\ttabs\r\nwindows line",
-    "x" * 300,
-    "'s 've 're 'll 'd IT'S",
-]
 
 
 class GigatokenEncoder:
@@ -71,7 +60,7 @@ def gigatoken_encoder(tokenizer: Tokenizer, required: bool = False) -> Gigatoken
         return unavailable(f"gigatoken cannot read {tokenizer.source} ({err})")
     if encoder is None:
         return unavailable(f"gigatoken does not cover {type(tokenizer).__name__}")
-    probes = PROBES + [" ".join(_special_texts(tokenizer))]
+    probes = PROBE_TEXTS + [" ".join(_special_texts(tokenizer))]
     expected = tokenizer.tokenize_batch(probes)
     got = encoder.encode_batch_list(probes, parallel=False)
     affixes = _affixes(expected, got)

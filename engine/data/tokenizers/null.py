@@ -47,6 +47,10 @@ class NullTokenizer(Tokenizer):
             ids.append(token_id)
         return ids
 
+    def identity(self) -> str:
+        """Its ids are its input: the vocabulary size and EOD are all it is."""
+        return f"NullTokenizer vocab {self.vocab_size} eod {self.eod}"
+
     def detokenize(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
 
