@@ -9,13 +9,15 @@
 // or one past a document's end. Rows 0..num_samples are produced; the last one only marks
 // where sample num_samples - 1 ends.
 //
-// build_blending_indices: for each global sample picks the dataset whose realised count lags
-// its target share the most (ties to the lowest index), so every dataset's count stays within
-// one sample of weight * n for every prefix n.
+// build_blending_indices: for each global sample i picks the dataset whose realised count lags
+// its target weight * max(i, 1) the most (ties to the lowest index), the rule megatron-core's
+// blending uses, so the same weights give the same order. `weights` must already be normalised
+// to sum to one (normalising again here could move a last bit and with it the order).
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -81,12 +83,9 @@ py::tuple build_blending_indices(
   if (num_datasets <= 0 || num_datasets > 32767)
     throw std::invalid_argument("need between 1 and 32767 datasets");
   const double* w = weights.data();
-  double total = 0.0;
   for (int64_t d = 0; d < num_datasets; ++d) {
     if (!(w[d] >= 0.0)) throw std::invalid_argument("weights must be non-negative numbers");
-    total += w[d];
   }
-  if (!(total > 0.0)) throw std::invalid_argument("weights must not all be zero");
 
   py::array_t<int16_t> dataset_index(size);
   py::array_t<int64_t> dataset_sample_index(size);
@@ -94,14 +93,13 @@ py::tuple build_blending_indices(
   int64_t* nth = dataset_sample_index.mutable_data();
   {
     py::gil_scoped_release release;
-    std::vector<double> share(num_datasets);
-    for (int64_t d = 0; d < num_datasets; ++d) share[d] = w[d] / total;
     std::vector<int64_t> count(num_datasets, 0);
     for (int64_t i = 0; i < size; ++i) {
+      const double target = std::max(static_cast<double>(i), 1.0);
       int64_t best = 0;
-      double best_lag = share[0] * static_cast<double>(i + 1) - static_cast<double>(count[0]);
+      double best_lag = w[0] * target - static_cast<double>(count[0]);
       for (int64_t d = 1; d < num_datasets; ++d) {
-        const double lag = share[d] * static_cast<double>(i + 1) - static_cast<double>(count[d]);
+        const double lag = w[d] * target - static_cast<double>(count[d]);
         if (lag > best_lag) {
           best_lag = lag;
           best = d;

@@ -317,8 +317,21 @@ class ParallelConfig:
 class DataConfig:
     """Where training data comes from and how it is cut into samples."""
 
-    data_path: list[str] = option([], "dataset prefix, or weight/prefix pairs to blend")
+    data_path: list[str] = option(
+        [],
+        "dataset prefix, weight/prefix pairs to blend (0.7 A 0.3 B), or prefixes alone to blend "
+        "one epoch of each, weighted by size (A B)",
+    )
     split: str = option("969,30,1", "train/valid/test proportions, by documents")
+    train_data_path: list[str] = option(
+        [], "the train split's own paths, as --data-path (instead of --data-path and --split)"
+    )
+    valid_data_path: list[str] = option(
+        [], "the valid split's own paths, as --data-path (instead of --data-path and --split)"
+    )
+    test_data_path: list[str] = option(
+        [], "the test split's own paths, as --data-path (instead of --data-path and --split)"
+    )
     mock_data: bool = option(
         False,
         "train on generated documents (Megatron-LM's mock data) instead of --data-path, to try "
@@ -342,6 +355,21 @@ class DataConfig:
         "Parquet streaming: rows read, tokenized, packed and shuffled together (the bounded "
         "shuffle buffer, in documents)",
     )
+
+    @property
+    def per_split_paths(self) -> tuple[list[str], list[str], list[str]] | None:
+        """(train, valid, test) paths when given split by split, else None."""
+        paths = (self.train_data_path, self.valid_data_path, self.test_data_path)
+        return paths if any(paths) else None
+
+    def validate(self) -> None:
+        if self.per_split_paths and self.data_path:
+            raise ConfigError(
+                "--data-path and --train/valid/test-data-path name the data twice; give "
+                "--data-path (cut by --split) or the per-split paths"
+            )
+        if self.per_split_paths and not self.train_data_path:
+            raise ConfigError("--valid/test-data-path need --train-data-path too")
 
 
 @dataclass

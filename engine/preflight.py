@@ -16,9 +16,9 @@ import torch
 
 from engine.checkpoint_files import find_latest, iteration_dir, read_meta
 from engine.checkpoint_load import verify_checkpoint
-from engine.data.blended import parse_data_path
+from engine.data.blended import parse_blend, parse_data_path
 from engine.data.builder import data_format
-from engine.data.gpt_dataset import parse_split, split_ranges
+from engine.data.gpt_dataset import parse_split, sequence_range, split_bookends
 from engine.data.indexed import IndexedDataset
 from engine.data.parquet_shards import open_shards
 from engine.data.token_ids import check_token_ids
@@ -168,36 +168,59 @@ def _check_data(cfg, vocab_flag: int | None) -> None:
         )
     else:
         source = f"--vocab-size {m.vocab_size}"
+    data.validate()
     if data.mock_data:
-        if data.data_path:
+        if data.data_path or data.per_split_paths:
             raise ConfigError("--mock-data generates its documents; drop --data-path")
         return
-    if not data.data_path:
+    if not data.data_path and not data.per_split_paths:
         raise ConfigError(
             "--data-path is required (a dataset prefix or weight/prefix pairs), or --mock-data "
             "to try the run on generated documents"
         )
-    weights, prefixes = parse_data_path(data.data_path)
-    split = parse_split(data.split)
-    if data_format(data.data_path, data.data_format) == "parquet":
+    if data.per_split_paths:
+        paths = [p for split_paths in data.per_split_paths for p in split_paths]
+        train_paths, train_share = data.train_data_path, (0.0, 1.0)
+    else:
+        paths, train_paths = data.data_path, data.data_path
+        train_share = split_bookends(parse_split(data.split))[0]
+    _, prefixes = parse_data_path(paths)
+    if data_format(paths, data.data_format) == "parquet":
+        if data.per_split_paths:
+            raise ConfigError(
+                "--train/valid/test-data-path: Parquet sources are cut by --split; give them "
+                "with --data-path"
+            )
         _check_parquet(data, prefixes)
         return
-    train_tokens = 0
-    for weight, prefix in zip(weights, prefixes):
+    for prefix in dict.fromkeys(prefixes):
         dataset = IndexedDataset(prefix)
         try:
             check_token_ids(dataset, m.vocab_size, source, data.data_cache_path)
-            start, end = split_ranges(dataset.num_documents, split)[0]
-            if weight > 0 and end > start:
-                docs = dataset.document_indices
-                train_tokens += int(dataset.sequence_lengths[docs[start] : docs[end]].sum())
         finally:
             dataset.close()
-    if train_tokens < m.seq_length + 1:
+    _check_train_tokens(train_paths, train_share, data.split)
+
+
+def _check_train_tokens(train_paths: list[str], share, split: str) -> None:
+    """The train split holds tokens (Megatron-LM repeats a small split for as many epochs as
+    the run needs, but an empty one gives nothing to repeat)."""
+    blend = parse_blend(train_paths)
+    weights = blend.weights or [1.0] * len(blend.prefixes)
+    train_tokens = 0
+    for weight, prefix in zip(weights, blend.prefixes):
+        if weight <= 0 or share is None:
+            continue
+        dataset = IndexedDataset(prefix)
+        try:
+            start, end = sequence_range(len(dataset.sequence_lengths), share)
+            train_tokens += int(dataset.sequence_lengths[start:end].sum())
+        finally:
+            dataset.close()
+    if train_tokens == 0:
         raise ConfigError(
-            f"--split {data.split} leaves {train_tokens} training tokens in --data-path, fewer "
-            f"than one sample of seq-length + 1 = {m.seq_length + 1}; give the train split "
-            "more documents (--split) or more data"
+            f"--split {split} leaves the train split no tokens of {' '.join(train_paths)}; "
+            "give the train split more documents (--split) or more data"
         )
 
 

@@ -222,10 +222,21 @@ def setup(cfg: Configs, state: ParallelState) -> Run:
     return run
 
 
+def split_sample_counts(train, global_batch: int) -> tuple[int, int, int]:
+    """Samples asked of the train, valid and test splits, as Megatron-LM asks them (the sizes
+    decide how many epochs each split spans, and so its order): the whole run; --eval-iters
+    batches for each evaluation of the run and one more; --eval-iters batches."""
+    evaluations = train.train_iters // train.eval_interval + 1
+    return (
+        train.train_iters * global_batch,
+        evaluations * train.eval_iters * global_batch,
+        train.eval_iters * global_batch,
+    )
+
+
 def _datasets(cfg: Configs, state: ParallelState, global_batch: int) -> list:
     train = cfg.train
-    evals = train.eval_iters * global_batch
-    samples = (train.train_iters * global_batch, evals, evals)
+    samples = split_sample_counts(train, global_batch)
     data = cfg.data
     tokenizer = build_tokenizer(cfg.tokenizer) if data.mock_data else None
 
@@ -257,6 +268,7 @@ def _datasets(cfg: Configs, state: ParallelState, global_batch: int) -> list:
             train.seed,
             samples,
             data.data_cache_path,
+            data.per_split_paths,
         )
 
     # Rank 0 builds the index caches (indexed and mock data); the others then load them.

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.data.blended import BlendedDataset, parse_data_path
+from engine.data.blended import BlendedDataset, parse_blend, parse_data_path
 from engine.data.builder import build_gpt_datasets
 from engine.data.helpers import build_blending_indices, build_blending_indices_numpy
+from engine.data.indexed import IndexedDatasetBuilder
 from engine.data.loader import PretrainingSampler, build_data_iterator
 from engine.errors import ConfigError
 
@@ -40,6 +41,27 @@ def test_parse_data_path():
     for bad in (["1", "a", "2"], ["x", "a", "1", "b"], ["-1", "a", "1", "b"], []):
         with pytest.raises(ConfigError, match="--data-path"):
             parse_data_path(bad)
+
+
+def test_data_path_is_read_as_megatron_reads_it():
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    for path in (["p"], ["a", "b"], ["a", "b", "c"], ["3", "a", "1", "b"], ["1.0", "a"]):
+        prefixes, weights = get_blend_from_list(path)
+        blend = parse_blend(path)
+        assert list(blend.prefixes) == prefixes, path
+        assert (list(blend.weights) if blend.weights else None) == weights, path
+
+
+def test_a_blend_split_empty_in_one_dataset_is_one_line(dataset_prefix, tmp_path):
+    """megatron-core stops on an assertion here; we name the dataset and split."""
+    small = tmp_path / "small"
+    with IndexedDatasetBuilder(small, np.int32) as builder:
+        for doc in range(20):
+            builder.add_document(np.arange(doc, doc + 30))
+        builder.finalize()
+    with pytest.raises(ConfigError, match="small: the test split holds no documents"):
+        build_gpt_datasets([dataset_prefix, str(small)], "90,9,1", 16, 1, (8, 8, 8), str(tmp_path))
 
 
 def test_blend_of_two_real_datasets(dataset_prefix, tmp_path):

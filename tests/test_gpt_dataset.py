@@ -59,7 +59,7 @@ def test_every_token_once_per_epoch_in_order(tmp_path):
     ds = _dataset(tmp_path, docs, seq, num_samples=200)
     assert ds.num_epochs > 1
     # Undo the sample shuffle, then the stream read back must be the documents end to end in
-    # each epoch's shuffled order: every token exactly once per epoch, EODs where they were.
+    # the document order: every token once per epoch, EODs where they were.
     order = np.argsort(np.asarray(ds.shuffle_index))
     samples = [ds[int(i)] for i in order]
     assert all(len(s) == seq + 1 for s in samples)
@@ -68,11 +68,10 @@ def test_every_token_once_per_epoch_in_order(tmp_path):
     stream = np.concatenate([s[:-1] for s in samples] + [samples[-1][-1:]])
     expected = np.concatenate([docs[d] for d in ds.doc_index])
     np.testing.assert_array_equal(stream, expected[: len(stream)])
-    per_epoch = len(docs)
-    for epoch in range(ds.num_epochs):
-        order_in_epoch = np.asarray(ds.doc_index[epoch * per_epoch : (epoch + 1) * per_epoch])
-        assert sorted(order_in_epoch) == list(range(per_epoch))
-    assert not np.array_equal(ds.doc_index[:per_epoch], ds.doc_index[per_epoch : 2 * per_epoch])
+    # As in megatron-core, the epochs are shuffled together: each document once per epoch.
+    counts = np.bincount(np.asarray(ds.doc_index), minlength=len(docs))
+    assert counts.tolist() == [ds.num_epochs] * len(docs)
+    assert not np.array_equal(ds.doc_index, np.sort(ds.doc_index))
 
 
 def test_shuffle_is_deterministic_by_seed(tmp_path):
@@ -108,7 +107,9 @@ def test_split_by_documents():
     assert parse_split("969,30,1") == pytest.approx([0.969, 0.03, 0.001])
     assert parse_split("8,2") == pytest.approx([0.8, 0.2, 0.0])
     assert split_ranges(1000, parse_split("969,30,1")) == [(0, 969), (969, 999), (999, 1000)]
-    assert split_ranges(10, parse_split("1,1,1")) == [(0, 4), (4, 7), (7, 10)]  # as Megatron
+    # megatron-core rounds each cumulative share; 573 documents keep their last for testing
+    assert split_ranges(573, parse_split("949,50,1")) == [(0, 544), (544, 572), (572, 573)]
+    assert split_ranges(10, parse_split("1,1,1")) == [(0, 3), (3, 7), (7, 10)]  # as Megatron
     for bad in ("a,b", "-1,2", "0,0,0", "1,1,1,1", "1.2.3"):
         with pytest.raises(ConfigError, match="--split"):
             parse_split(bad)
@@ -122,14 +123,17 @@ def test_split_is_read_as_megatron_reads_it():
         assert parse_split(text) == pytest.approx(parse_and_normalize_split(text)), text
 
 
-def test_too_few_tokens_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match="fewer than seq-length"):
-        _dataset(tmp_path, [np.arange(5)], seq=16)
+def test_a_split_shorter_than_a_sample_repeats_and_an_empty_one_is_an_error(tmp_path):
+    few = _dataset(tmp_path, [np.arange(5)], seq=16, num_samples=3, cache=False)
+    assert few.num_epochs == 10 and len(few) == 3  # as megatron-core: epochs until 3 * 16 + 1
+    np.testing.assert_array_equal(few[0], np.tile(np.arange(5), 4)[:17])
+    with pytest.raises(ConfigError, match="holds no tokens"):
+        _dataset(tmp_path / "empty", [np.arange(0)], seq=16, num_samples=1)
 
 
 def test_real_corpus_samples(dataset_prefix, tmp_path):
     indexed = IndexedDataset(dataset_prefix)
-    spec = GPTDatasetSpec(dataset_prefix, "train", (0, indexed.num_documents), 500, 256, 1234)
+    spec = GPTDatasetSpec(dataset_prefix, "train", (0, len(indexed.sequence_lengths)), 500, 256, 1)
     ds = GPTDataset(indexed, spec, str(tmp_path))
     assert len(ds) >= 500
     sample = ds[0]

@@ -1,12 +1,16 @@
-"""Weighted mixtures of datasets: `--data-path 0.7 prefixA 0.3 prefixB`.
+"""Weighted mixtures of datasets: `--data-path 0.7 prefixA 0.3 prefixB`, or `--data-path A B`.
 
-Global sample i comes from dataset `dataset_index[i]`, as its `dataset_sample_index[i]`-th
-sample. The assignment is greedy (csrc/dataset_helpers.cpp): each dataset's count stays within
-one sample of weight * i for every prefix of the order, so any window of 1,000 consecutive
-samples matches the weights to within 0.2 percentage points.
+Read as Megatron-LM reads them: weight/prefix pairs blend by weight; a list of prefixes alone
+blends one epoch of each, weighted by its number of samples. Global sample i comes from dataset
+`dataset_index[i]`, as its `dataset_sample_index[i]`-th sample. The assignment is megatron-core's
+greedy rule (csrc/dataset_helpers.cpp): each dataset's count stays within one sample of
+weight * i for every prefix of the order, so the same weights give the same order as
+Megatron-LM's BlendedDataset.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,56 +18,72 @@ from engine.data.helpers import build_blending_indices
 from engine.errors import ConfigError
 
 
-def parse_data_path(data_path: list[str]) -> tuple[list[float], list[str]]:
-    """['prefix'] or ['0.7', 'prefixA', '0.3', 'prefixB'] -> (weights, prefixes)."""
+@dataclass(frozen=True)
+class Blend:
+    """Dataset prefixes (or Parquet sources) and their weights as given; weights None when
+    only prefixes were given."""
+
+    prefixes: tuple[str, ...]
+    weights: tuple[float, ...] | None
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_blend(data_path: list[str], flag: str = "--data-path") -> Blend:
+    """['p'], ['p1', 'p2', ...] or ['0.7', 'pA', '0.3', 'pB'] -> Blend."""
     if not data_path:
-        raise ConfigError("--data-path is empty; give a dataset prefix or weight/prefix pairs")
-    if len(data_path) == 1:
-        return [1.0], list(data_path)
-    if len(data_path) % 2:
+        raise ConfigError(f"{flag} is empty; give a dataset prefix or weight/prefix pairs")
+    weights = [_number(w) for w in data_path[::2]]
+    if len(data_path) % 2 == 0 and all(w is not None for w in weights):
+        prefixes = data_path[1::2]
+        for weight, prefix in zip(weights, prefixes):
+            if weight < 0:
+                raise ConfigError(f"{flag}: weight {weight:g} of {prefix} is negative")
+        if sum(weights) <= 0:
+            raise ConfigError(f"{flag}: the weights are all zero")
+        return Blend(tuple(prefixes), tuple(weights))
+    if any(w is not None for w in weights):
         raise ConfigError(
-            f"--data-path {' '.join(data_path)}: expected weight/prefix pairs "
-            "(e.g. 0.7 prefixA 0.3 prefixB)"
+            f"{flag} {' '.join(data_path)}: mixes weights and prefixes; give weight/prefix "
+            "pairs (0.7 prefixA 0.3 prefixB) or prefixes alone (prefixA prefixB)"
         )
-    weights, prefixes = [], []
-    for weight, prefix in zip(data_path[::2], data_path[1::2]):
-        try:
-            value = float(weight)
-        except ValueError:
-            raise ConfigError(
-                f"--data-path: {weight!r} is not a weight (before {prefix})"
-            ) from None
-        if value < 0:
-            raise ConfigError(f"--data-path: weight {weight} of {prefix} is negative")
-        weights.append(value)
-        prefixes.append(prefix)
-    if sum(weights) <= 0:
-        raise ConfigError("--data-path: the weights are all zero")
-    total = sum(weights)
-    return [w / total for w in weights], prefixes
+    return Blend(tuple(data_path), None)
 
 
-def blend_counts(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Blending indices for `size` samples and how many samples each dataset must supply."""
-    which, nth = build_blending_indices(weights, size)
-    counts = np.bincount(which, minlength=len(weights)) if size else np.zeros(len(weights), int)
-    return which, nth, counts
+def normalize_weights(weights) -> list[float]:
+    """Weights divided by their sum in float64, as megatron-core normalises them (the order
+    depends on the last bit of each weight)."""
+    array = np.asarray(weights, dtype=np.float64)
+    return (array / np.sum(array)).tolist()
+
+
+def parse_data_path(data_path: list[str]) -> tuple[list[float], list[str]]:
+    """(normalised weights, prefixes); prefixes given alone weigh the same."""
+    blend = parse_blend(data_path)
+    weights = blend.weights or [1.0] * len(blend.prefixes)
+    return normalize_weights(weights), list(blend.prefixes)
 
 
 class BlendedDataset:
-    """`size` samples drawn from `datasets` in the proportions of `weights`."""
+    """`size` samples drawn from `datasets` in the proportions of `weights` (normalised here,
+    as megatron-core's BlendedDataset does)."""
 
-    def __init__(self, datasets: list, weights: list[float], size: int, which=None, nth=None):
-        if which is None or nth is None:
-            which, nth, _ = blend_counts(weights, size)
+    def __init__(self, datasets: list, weights: list[float], size: int, split_name: str = ""):
         self.datasets = datasets
-        self.weights = weights
-        self.dataset_index = which
-        self.dataset_sample_index = nth
+        self.weights = normalize_weights(weights)
+        self.dataset_index, self.dataset_sample_index = build_blending_indices(self.weights, size)
+        counts = np.bincount(self.dataset_index, minlength=len(datasets))
         for d, dataset in enumerate(datasets):
-            needed = int(np.count_nonzero(which == d))
-            if needed > len(dataset):
-                raise ConfigError(f"dataset {d} supplies {len(dataset)} samples, {needed} needed")
+            if counts[d] > len(dataset):
+                raise ConfigError(
+                    f"the {split_name or 'blended'} split needs {counts[d]} samples of dataset "
+                    f"{d}, which holds {len(dataset)}"
+                )
 
     def __len__(self) -> int:
         return len(self.dataset_index)

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from engine.data.blended import BlendedDataset, blend_counts, parse_data_path
+import functools
+import math
+
+from engine.data.blended import (
+    Blend,
+    BlendedDataset,
+    normalize_weights,
+    parse_blend,
+    parse_data_path,
+)
 from engine.data.gpt_dataset import (
     SPLIT_NAMES,
     GPTDataset,
     GPTDatasetSpec,
     parse_split,
+    sequence_range,
+    split_bookends,
     split_ranges,
 )
 from engine.data.indexed import IndexedDataset
@@ -17,37 +28,88 @@ from engine.data.streaming import StreamingDataset, StreamPlan
 from engine.data.tokenizers import TokenizerConfig, build_tokenizer
 from engine.errors import ConfigError
 
+# megatron-core builds each dataset of a weighted blend this much larger than its share, so
+# that the blend never runs short (its mid_level_dataset_surplus default); the surplus changes
+# how many epochs a dataset spans and so its shuffle, hence it is kept.
+MID_LEVEL_SURPLUS = 0.005
+
 
 def build_gpt_datasets(
-    data_path: list[str],
+    data_path: list[str] | None,
     split: str,
     seq_length: int,
     seed: int,
     num_samples: tuple[int, int, int],
     cache_dir: str | None = None,
+    per_split_paths: tuple[list[str] | None, ...] | None = None,
 ) -> list[BlendedDataset | None]:
-    """[train, valid, test]: each a blend (a single prefix is a blend of one) of exactly
-    num_samples[k] samples, or None where a split is asked for no samples or its share of
-    the documents rounds to none in every dataset (e.g. a 0.1% test split of a small corpus)."""
-    weights, prefixes = parse_data_path(data_path)
-    split_weights = parse_split(split)
-    indexed = [IndexedDataset(prefix) for prefix in prefixes]
+    """[train, valid, test], sample for sample as megatron-core's BlendedMegatronDatasetBuilder
+    builds them for the same paths, split, seed, sequence length and sample counts.
+
+    Either `data_path` is cut by `split` into the three splits, or `per_split_paths` gives each
+    split its own paths (--train-data-path, ...; --split is then not used). A split is None where
+    it is asked for no samples, has no paths, or its share of the documents rounds to none in
+    every dataset (e.g. a 0.1% test split of a small corpus)."""
+    opened: dict[str, IndexedDataset] = {}
+
+    def indexed(prefix: str) -> IndexedDataset:
+        if prefix not in opened:
+            opened[prefix] = IndexedDataset(prefix)
+        return opened[prefix]
+
+    if per_split_paths is not None:
+        blends = [
+            parse_blend(p, f"--{n}-data-path") if p else None
+            for p, n in zip(per_split_paths, SPLIT_NAMES)
+        ]
+        bookends = [(0.0, 1.0) if blend else None for blend in blends]
+    else:
+        blend = parse_blend(data_path)
+        blends = [blend] * len(SPLIT_NAMES)
+        bookends = split_bookends(parse_split(split))
     result: list[BlendedDataset | None] = []
     for k, name in enumerate(SPLIT_NAMES):
-        if num_samples[k] <= 0 or split_weights[k] == 0:
+        if num_samples[k] <= 0 or blends[k] is None or bookends[k] is None:
             result.append(None)
             continue
-        ranges = [split_ranges(d.num_documents, split_weights)[k] for d in indexed]
-        if all(end <= start for start, end in ranges):
+        ranges = {
+            p: sequence_range(len(indexed(p).sequence_lengths), bookends[k])
+            for p in blends[k].prefixes
+        }
+        if all(end <= start for start, end in ranges.values()):
             result.append(None)
             continue
-        which, nth, counts = blend_counts(weights, num_samples[k])
-        parts = []
-        for prefix, dataset, count, document_range in zip(prefixes, indexed, counts, ranges):
-            spec = GPTDatasetSpec(prefix, name, document_range, int(count), seq_length, seed)
-            parts.append(GPTDataset(dataset, spec, cache_dir) if count else _Empty())
-        result.append(BlendedDataset(parts, weights, num_samples[k], which, nth))
+        part = functools.partial(
+            _part, indexed, ranges, name, seq_length=seq_length, seed=seed, cache_dir=cache_dir
+        )
+        result.append(_blend_split(blends[k], part, num_samples[k], name))
     return result
+
+
+def _part(indexed, ranges, split_name, prefix, count, *, seq_length, seed, cache_dir):
+    """The GPTDataset of one prefix's share of a split, `count` samples (None: one epoch)."""
+    spec = GPTDatasetSpec(prefix, split_name, ranges[prefix], count, seq_length, seed)
+    return GPTDataset(indexed(prefix), spec, cache_dir)
+
+
+def _blend_split(blend: Blend, part, size: int, name: str) -> BlendedDataset:
+    """One split as megatron-core composes it: one unweighted prefix is its dataset itself; a
+    weighted blend builds each dataset for its share plus the surplus; prefixes given alone
+    give one epoch each, weighted by their sizes."""
+    if blend.weights is None and len(blend.prefixes) == 1:
+        return BlendedDataset([part(blend.prefixes[0], size)], [1.0], size, name)
+    if blend.weights is None:
+        parts = [part(prefix, None) for prefix in blend.prefixes]
+        lengths = [len(p) for p in parts]
+        return BlendedDataset(parts, lengths, min(size, sum(lengths)), name)
+    kept = [(w, p) for w, p in zip(blend.weights, blend.prefixes) if w > 0]
+    weights = normalize_weights([w for w, _ in kept])
+    targets = [math.ceil(size * w) for w in weights]
+    parts = [
+        part(prefix, math.ceil(target * (1 + MID_LEVEL_SURPLUS)))
+        for target, (_, prefix) in zip(targets, kept)
+    ]
+    return BlendedDataset(parts, weights, sum(targets), name)
 
 
 def build_mock_datasets(
@@ -61,7 +123,7 @@ def build_mock_datasets(
     """--mock-data: [train, valid, test] from generated documents, split 1:1:1 (as in
     Megatron-LM, whatever --split says). Index arrays are cached only under --data-cache-path."""
     mock = MockIndexedDataset(vocab_size, eod)
-    ranges = split_ranges(mock.num_documents, parse_split(MOCK_SPLIT))
+    ranges = split_ranges(len(mock.sequence_lengths), parse_split(MOCK_SPLIT))
     result: list[BlendedDataset | None] = []
     for k, name in enumerate(SPLIT_NAMES):
         if num_samples[k] <= 0:
@@ -69,8 +131,7 @@ def build_mock_datasets(
             continue
         spec = GPTDatasetSpec(mock.prefix, name, ranges[k], num_samples[k], seq_length, seed)
         part = GPTDataset(mock, spec, cache_dir, cache=cache_dir is not None)
-        which, nth, _ = blend_counts([1.0], num_samples[k])
-        result.append(BlendedDataset([part], [1.0], num_samples[k], which, nth))
+        result.append(BlendedDataset([part], [1.0], num_samples[k], name))
     return result
 
 
@@ -103,7 +164,14 @@ def build_streaming_datasets(
     """[train, valid, test] Parquet streams: each a blend of the sources by weight, taking its
     --split share of every window's rows (None where a split is asked for no samples or its
     share of every window rounds to no rows)."""
-    weights, sources = parse_data_path(data_path)
+    blend = parse_blend(data_path)
+    if blend.weights is None and len(blend.prefixes) > 1:
+        raise ConfigError(
+            f"--data-path {' '.join(data_path)}: Parquet sources blend by weight only (their "
+            "sizes in samples are known only once tokenized); give weight/source pairs"
+        )
+    kept = [(w, s) for w, s in zip(blend.weights or [1.0], blend.prefixes) if w > 0]
+    weights, sources = normalize_weights([w for w, _ in kept]), [s for _, s in kept]
     split_weights = tuple(parse_split(split))
     shards = [tuple(open_shards(source, text_column)) for source in sources]
     identity = build_tokenizer(tokenizer).identity()
@@ -128,13 +196,3 @@ def build_streaming_datasets(
             )
         result.append(StreamingDataset(plans, weights, num_samples[k], tokenizer))
     return result
-
-
-class _Empty:
-    """Stands for a dataset whose weight yields no samples in a small blend."""
-
-    def __len__(self) -> int:
-        return 0
-
-    def __getitem__(self, i: int):
-        raise IndexError(i)

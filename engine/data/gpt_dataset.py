@@ -1,13 +1,18 @@
-"""GPT training samples: documents packed into fixed-length samples, shuffled and split.
+"""GPT training samples: documents packed into fixed-length samples, shuffled and split,
+sample for sample as megatron-core's GPTDataset (tested against it).
 
-For one split (a contiguous range of documents) and a requested number of samples:
+For one split (a contiguous range of the dataset's sequences, which preprocess_data.py writes
+one per document) and a requested number of samples:
 
-- doc_index: the split's documents, shuffled anew for every epoch (seed, epoch), one epoch
-  after another until enough tokens exist;
+- epochs: as few as give num_samples samples of seq_length + 1 tokens;
+- doc_index: the split's sequences repeated once per epoch and shuffled together by a
+  numpy RandomState(seed); when the last epoch would supply under 80% of an epoch's samples,
+  it is shuffled apart and appended, so that its few samples do not mix into the others;
 - sample_index: where each sample of seq_length + 1 tokens starts in that stream (built by the
   C++ helper in csrc/, see engine/data/helpers.py); consecutive samples overlap by one token, so
   each token is predicted exactly once per epoch;
-- shuffle_index: a seeded permutation of all samples.
+- shuffle_index: a permutation of all samples by the same RandomState (the separated last
+  epoch's samples again shuffled apart, after the others).
 
 The three arrays are cached as .npy files beside the data under a name that hashes every
 parameter they depend on, so a second start loads them instantly and a changed parameter
@@ -32,7 +37,9 @@ from engine.errors import ConfigError
 log = logging.getLogger(__name__)
 
 SPLIT_NAMES = ("train", "valid", "test")
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: megatron-core's order
+# A last epoch that supplies fewer than this share of an epoch's samples is shuffled apart.
+SEPARATE_LAST_EPOCH_BELOW = 0.80
 
 
 def parse_split(split: str) -> list[float]:
@@ -53,15 +60,26 @@ def parse_split(split: str) -> list[float]:
     return [p / total for p in parts]
 
 
-def split_ranges(num_documents: int, weights: list[float]) -> list[tuple[int, int]]:
-    """Contiguous [start, end) document ranges for train/valid/test."""
-    bounds = [0]
+def split_bookends(weights: list[float]) -> list[tuple[float, float] | None]:
+    """Each split's [start, end) as shares of the dataset (cumulative sums of the normalised
+    weights, as megatron-core adds them); None for a split of weight zero."""
+    bounds = [0.0]
     for weight in weights:
-        bounds.append(bounds[-1] + int(round(weight * num_documents)))
-    excess = bounds[-1] - num_documents
-    bounds = [max(0, b - excess) if i else 0 for i, b in enumerate(bounds)]
-    bounds[-1] = num_documents
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+        bounds.append(bounds[-1] + weight)
+    return [(bounds[k], bounds[k + 1]) if weights[k] > 0 else None for k in range(len(weights))]
+
+
+def sequence_range(num_sequences: int, bookends: tuple[float, float]) -> tuple[int, int]:
+    """A split's [start, end) of a dataset's sequences: each share times the count, rounded
+    (halves to even) as megatron-core rounds them."""
+    start, end = (int(round(b * float(num_sequences))) for b in bookends)
+    return start, end
+
+
+def split_ranges(num_sequences: int, weights: list[float]) -> list[tuple[int, int]]:
+    """Contiguous [start, end) sequence ranges for train/valid/test (empty for a split of
+    weight zero)."""
+    return [sequence_range(num_sequences, b) if b else (0, 0) for b in split_bookends(weights)]
 
 
 @dataclass(frozen=True)
@@ -70,7 +88,7 @@ class GPTDatasetSpec:
 
     prefix: str
     split_name: str
-    document_range: tuple[int, int]
+    sequence_range: tuple[int, int]
     num_samples: int | None
     seq_length: int
     seed: int
@@ -90,19 +108,15 @@ class GPTDataset:
         of its own to cache them beside)."""
         self.indexed = indexed
         self.spec = spec
-        start, end = spec.document_range
+        start, end = spec.sequence_range
         if end <= start:
             raise ConfigError(f"{spec.prefix}: the {spec.split_name} split holds no documents")
-        docs = indexed.document_indices
-        # One sequence per document in preprocess_data.py output; take every sequence of the
-        # split's documents in any case.
-        self.sequences = np.arange(docs[start], docs[end], dtype=np.int64)
+        self.sequences = np.arange(start, end, dtype=np.int32)
         self.tokens_per_epoch = int(indexed.sequence_lengths[self.sequences].sum(dtype=np.int64))
-        if self.tokens_per_epoch < spec.seq_length + 1:
+        if self.tokens_per_epoch < 1:
             raise ConfigError(
-                f"{spec.prefix}: the {spec.split_name} split has {self.tokens_per_epoch} tokens, "
-                f"fewer than seq-length + 1 = {spec.seq_length + 1}; give it more documents "
-                "(--split) or lower --seq-length"
+                f"{spec.prefix}: the {spec.split_name} split holds no tokens; give it more "
+                "documents (--split)"
             )
         self.num_epochs = self._epochs_needed()
         self.doc_index, self.sample_index, self.shuffle_index = (
@@ -143,7 +157,7 @@ class GPTDataset:
             "cache_version": CACHE_VERSION,
             "prefix": os.path.abspath(self.spec.prefix),
             "split": self.spec.split_name,
-            "document_range": list(self.spec.document_range),
+            "sequence_range": list(self.spec.sequence_range),
             "num_samples": self.spec.num_samples,
             "seq_length": self.spec.seq_length,
             "seed": self.spec.seed,
@@ -153,20 +167,33 @@ class GPTDataset:
         }
 
     def _build(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        seed, seq = self.spec.seed, self.spec.seq_length
-        doc_index = np.concatenate(
-            [
-                np.random.default_rng([seed, epoch, 0]).permutation(self.sequences)
-                for epoch in range(self.num_epochs)
-            ]
+        seq, epochs, tokens = self.spec.seq_length, self.num_epochs, self.tokens_per_epoch
+        num_samples = (epochs * tokens - 1) // seq
+        before_last = (((epochs - 1) * tokens - 1) // seq) if epochs > 1 else 0
+        separate = epochs > 1 and (self.spec.num_samples - before_last) < int(
+            SEPARATE_LAST_EPOCH_BELOW * ((tokens - 1) // seq)
         )
-        num_samples = (self.num_epochs * self.tokens_per_epoch - 1) // seq
+        rng = np.random.RandomState(self.spec.seed)
+        if separate:
+            doc_index = np.concatenate(
+                [
+                    _shuffled_epochs(self.sequences, epochs - 1, rng),
+                    _shuffled_epochs(self.sequences, 1, rng),
+                ]
+            )
+        else:
+            doc_index = _shuffled_epochs(self.sequences, epochs, rng)
         sample_index = build_sample_index(
             self.indexed.sequence_lengths, doc_index, seq, num_samples
         )
-        dtype = np.int32 if num_samples < 2**31 else np.int64
-        shuffle_index = np.random.default_rng([seed, 1]).permutation(num_samples).astype(dtype)
-        return doc_index, sample_index, shuffle_index
+        dtype = np.uint32 if num_samples < 2**32 - 2 else np.int64
+        first = np.arange(before_last if separate else num_samples, dtype=dtype)
+        rng.shuffle(first)
+        if not separate:
+            return doc_index, sample_index, first
+        last = np.arange(before_last, num_samples, dtype=dtype)
+        rng.shuffle(last)
+        return doc_index, sample_index, np.concatenate([first, last])
 
     def cache_paths(self, cache_dir: str | None) -> dict[str, str]:
         description = json.dumps(self._description(), sort_keys=True)
@@ -201,6 +228,13 @@ class GPTDataset:
                 err,
             )
         return built
+
+
+def _shuffled_epochs(sequences: np.ndarray, epochs: int, rng: np.random.RandomState):
+    """The sequences once per epoch, all epochs shuffled together (int32, as megatron-core)."""
+    index = np.tile(sequences, epochs).astype(np.int32)
+    rng.shuffle(index)
+    return index
 
 
 def _save_atomically(path: str, array: np.ndarray) -> None:

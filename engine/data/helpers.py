@@ -40,14 +40,14 @@ def build_sample_index_numpy(
 
 
 def build_blending_indices_numpy(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Reference: greedy assignment of `size` global samples to datasets by weight."""
+    """Reference: greedy assignment of `size` global samples to datasets by normalised weight
+    (sample i goes where weight * max(i, 1) - count is largest, first on ties)."""
     share = np.asarray(weights, dtype=np.float64)
-    share = share / share.sum()
     count = np.zeros(len(share), dtype=np.int64)
     which = np.empty(size, dtype=np.int16)
     nth = np.empty(size, dtype=np.int64)
     for i in range(size):
-        best = int(np.argmax(share * (i + 1) - count))
+        best = int(np.argmax(share * max(i, 1) - count))
         which[i] = best
         nth[i] = count[best]
         count[best] += 1
@@ -70,7 +70,8 @@ def build_sample_index(sizes, doc_index, seq_length: int, num_samples: int) -> n
 
 
 def build_blending_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(dataset index, sample index inside that dataset) for each of `size` samples."""
+    """(dataset index, sample index inside that dataset) for each of `size` samples; `weights`
+    normalised to sum to one (see normalize_weights in engine.data.blended)."""
     if _cpp is None:
         return build_blending_indices_numpy(weights, size)
     return _cpp.build_blending_indices(np.asarray(weights, dtype=np.float64), int(size))
