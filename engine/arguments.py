@@ -44,6 +44,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, title: str) ->
             "help": meta.pop("help").replace("%", "%%"),
         }
         meta.pop("flag", None)
+        meta.pop("required", None)  # checked after parsing (see missing_required)
         element, is_list = _base_type(hints[field.name])
         if element is bool:
             kwargs["action"] = meta.pop("action", "store_true")
@@ -80,11 +81,42 @@ def make_parser(classes: list[tuple[type, str]], description: str | None = None)
     return parser
 
 
-def parse_configs(argv: list[str] | None, classes: list[tuple[type, str]], description=None):
-    """Parse argv into {class: instance}; later repetitions of a flag override earlier ones."""
+def missing_required(namespace: argparse.Namespace, configs: dict[type, object]) -> list[str]:
+    """Flags Megatron-LM requires that were not given. A field's metadata `required` is True,
+    or the name of a boolean field (of any config) that waives it when set (the model's shape
+    is not required with --use-checkpoint-args, which takes it from the checkpoint)."""
+    given = set(vars(namespace))
+    missing = []
+    for cls in configs:
+        for field in dataclasses.fields(cls):
+            rule = field.metadata.get("required")
+            if not rule or f"{cls.__name__}.{field.name}" in given:
+                continue
+            if isinstance(rule, str) and any(getattr(c, rule, False) for c in configs.values()):
+                continue
+            missing.append(_flag(field))
+    return missing
+
+
+def parse_configs(
+    argv: list[str] | None,
+    classes: list[tuple[type, str]],
+    description=None,
+    enforce_required: bool = False,
+):
+    """Parse argv into {class: instance}; later repetitions of a flag override earlier ones.
+    With enforce_required (the training entry point), ConfigError (one line) naming the flags
+    Megatron-LM requires that are missing."""
     parser = make_parser(classes, description)
     namespace = parser.parse_args(argv)
     try:
-        return build_configs(namespace, [cls for cls, _ in classes])
+        configs = build_configs(namespace, [cls for cls, _ in classes])
     except TypeError as err:
         raise ConfigError(str(err)) from None
+    missing = missing_required(namespace, configs) if enforce_required else []
+    if missing:
+        raise ConfigError(
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (as in "
+            "Megatron-LM); see --help"
+        )
+    return configs

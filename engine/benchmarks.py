@@ -45,6 +45,7 @@ def engine_flags(
         "hidden_size": hidden_size,
         "num_attention_heads": max(1, hidden_size // 64),
         "seq_length": seq_length,
+        "max_position_embeddings": seq_length,
         "micro_batch_size": micro_batch_size,
         **extra,
     }

@@ -142,10 +142,12 @@ def load_checkpoint(
     group=None,
     load_optimizer: bool = True,
     verify: bool = True,
+    load_rng: bool = True,
 ) -> dict:
     """Load the checkpoint at `path` into this rank's model and optimizer, for any layout,
     after checking its files (checksums too unless `verify` is False). Returns meta.json.
-    RNG states are restored only when `layout` equals the saved one."""
+    RNG states are restored only when `layout` equals the saved one (and `load_rng`). Without
+    `load_optimizer` the optimizer starts afresh from the loaded weights."""
     meta = verify_checkpoint(path, group, digests=verify)
     reader = open_checkpoint(path, group)
     available = reader.read_metadata()
@@ -158,19 +160,20 @@ def load_checkpoint(
             {k: v for k, v in optimizer_state(optimizer, chunks, False).items() if k in stored}
         )
     rng = {}
-    if meta.get("layout") == layout:
+    if load_rng and meta.get("layout") == layout:
         wanted = {k: torch.empty_like(v) for k, v in rng_state(rank, tracker).items()}
         if set(wanted) <= stored:  # a converted checkpoint has none
             rng = wanted
             state.update(rng)
     read_tensors(path, state, group, reader)
-    if load_optimizer:
-        for piece in optimizer.pieces:
+    masters_read = any(k.endswith("/master") for k in state)
+    for piece in optimizer.pieces:
+        if load_optimizer:
             entry = optimizer.optimizer.state.get(piece.master, {})
             if "step" in entry and torch.is_tensor(entry["step"]):
                 entry["step"].fill_(float(meta.get("optimizer_step", 0)))
-            if piece.master is not piece.data and not any(k.endswith("/master") for k in state):
-                piece.master.copy_(piece.data)  # no master weights saved: start from params
+        if piece.master is not piece.data and not masters_read:
+            piece.master.copy_(piece.data)  # no master weights read: start from the params
     if rng:
         prefix = f"rng/rank{rank}/"
         set_rng_state({k[len(prefix) :]: v for k, v in rng.items()}, tracker)

@@ -22,23 +22,35 @@ def option(default, help: str, flag: str | None = None, **argparse_kwargs):
     return dataclasses.field(default=default, metadata=metadata)
 
 
+# Flags Megatron-LM requires, except that --use-checkpoint-args takes them from the checkpoint.
+FROM_CHECKPOINT = "use_checkpoint_args"
+
+
 @dataclass
 class ModelConfig:
     """The decoder's shape and style (GPT-2 or Llama-like are combinations of these)."""
 
-    num_layers: int = option(2, "number of transformer layers")
-    hidden_size: int = option(128, "transformer hidden size")
-    num_attention_heads: int = option(4, "number of attention heads")
+    num_layers: int = option(2, "number of transformer layers", required=FROM_CHECKPOINT)
+    hidden_size: int = option(128, "transformer hidden size", required=FROM_CHECKPOINT)
+    num_attention_heads: int = option(4, "number of attention heads", required=FROM_CHECKPOINT)
+    group_query_attention: bool = option(
+        False, "grouped-query attention, with --num-query-groups key/value head groups"
+    )
     num_query_groups: int | None = option(
-        None, "key/value head groups for grouped-query attention (default: one per head)"
+        None,
+        "key/value head groups, read only with --group-query-attention (as in Megatron-LM; "
+        "default 1 then); without it every head has its own",
     )
     ffn_hidden_size: int | None = option(
         None, "MLP hidden size (default 4 x hidden; with --swiglu 2/3 of that, rounded to 64)"
     )
     kv_channels: int | None = option(None, "per-head size (default hidden / heads)")
-    seq_length: int = option(128, "tokens per training sample")
+    seq_length: int = option(128, "tokens per training sample", required=FROM_CHECKPOINT)
     max_position_embeddings: int | None = option(
-        None, "positions the learned position table holds (default: --seq-length)"
+        None,
+        "positions the model is built for (the learned position table's size); at least "
+        "--seq-length",
+        required=FROM_CHECKPOINT,
     )
     vocab_size: int | None = option(
         None,
@@ -87,7 +99,17 @@ class ModelConfig:
 
     @property
     def query_groups(self) -> int:
-        return self.num_query_groups or self.num_attention_heads
+        if not self.group_query_attention:
+            return self.num_attention_heads
+        return self.num_query_groups or 1
+
+    @classmethod
+    def from_record(cls, record: dict) -> ModelConfig:
+        """The config saved in a checkpoint's meta.json (checkpoints written before
+        --group-query-attention existed applied --num-query-groups alone)."""
+        record = dict(record)
+        record.setdefault("group_query_attention", record.get("num_query_groups") is not None)
+        return cls(**record)
 
     @property
     def head_dim(self) -> int:
@@ -127,6 +149,8 @@ class ModelConfig:
             raise ConfigError(
                 f"num-attention-heads {n} is not divisible by tensor-model-parallel-size {tp}"
             )
+        if g < 1:
+            raise ConfigError("--num-query-groups must be at least 1")
         if n % g:
             raise ConfigError(f"num-attention-heads {n} is not divisible by num-query-groups {g}")
         if g % tp:
@@ -143,10 +167,7 @@ class ModelConfig:
                 f"seq-length {self.seq_length} is not divisible by tensor-model-parallel-size "
                 f"{tp}, which --sequence-parallel needs"
             )
-        if (
-            self.position_embedding_type == "learned_absolute"
-            and self.max_positions < self.seq_length
-        ):
+        if self.max_positions < self.seq_length:
             raise ConfigError(
                 f"max-position-embeddings {self.max_positions} < seq-length {self.seq_length}"
             )
@@ -185,7 +206,14 @@ class OptimizerConfig:
         None,
         "iterations to decay the learning rate over, warm-up included (default: --train-iters)",
     )
+    lr_decay_samples: int | None = option(
+        None, "with --train-samples: samples to decay over (default: --train-samples)"
+    )
     lr_warmup_iters: int = option(0, "iterations of linear warm-up from --lr-warmup-init")
+    lr_warmup_samples: int = option(0, "with --train-samples: samples of linear warm-up")
+    lr_warmup_fraction: float | None = option(
+        None, "warm-up as this fraction of the decay length (instead of --lr-warmup-iters/samples)"
+    )
     lr_warmup_init: float = option(0.0, "learning rate of the first warm-up update")
     lr_wsd_decay_style: str = option(
         "exponential",
@@ -193,6 +221,9 @@ class OptimizerConfig:
         choices=["exponential", "linear", "cosine", "minus_sqrt"],
     )
     lr_wsd_decay_iters: int | None = option(None, "WSD: iterations of the final decay")
+    lr_wsd_decay_samples: int | None = option(
+        None, "WSD with --train-samples: samples of the final decay"
+    )
     weight_decay: float = option(0.01, "decoupled weight decay (not on biases and norms)")
     adam_beta1: float = option(0.9, "Adam beta1")
     adam_beta2: float = option(0.999, "Adam beta2")
@@ -205,27 +236,80 @@ class OptimizerConfig:
     loss_scale_window: int = option(1000, "fp16: clean steps before the scale doubles")
     hysteresis: int = option(2, "fp16: overflowing steps in a row before the scale halves")
 
-    def validate(self, train_iters: int | None = None) -> None:
-        # The bounds megatron.core's OptimizerParamScheduler asserts, as flag errors.
-        if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
-            raise ConfigError("--lr-decay-iters must be at least 1")
-        decay = self.lr_decay_iters if self.lr_decay_iters is not None else train_iters
-        if decay is not None and self.lr_warmup_iters >= decay:
+    def schedule_samples(
+        self, train_iters: int | None, train_samples: int | None = None, global_batch: int = 1
+    ) -> tuple[float, int, int | None]:
+        """(warm-up, decay, WSD anneal) lengths in samples, as Megatron-LM derives them: from
+        the iteration flags times the global batch when training by iterations, from the
+        sample flags when training by --train-samples; --lr-warmup-fraction takes that share of
+        the decay length (so the warm-up may be a fraction of a sample)."""
+        if train_samples:
+            decay = self.lr_decay_samples if self.lr_decay_samples is not None else train_samples
+            wsd = self.lr_wsd_decay_samples
+            warmup = self.lr_warmup_samples
+        else:
+            decay_iters = self.lr_decay_iters if self.lr_decay_iters is not None else train_iters
+            decay = (decay_iters or 0) * global_batch
+            wsd = (
+                None if self.lr_wsd_decay_iters is None else self.lr_wsd_decay_iters * global_batch
+            )
+            warmup = self.lr_warmup_iters * global_batch
+        if self.lr_warmup_fraction is not None:
+            warmup = self.lr_warmup_fraction * decay
+        return warmup, decay, wsd
+
+    def validate(
+        self, train_iters: int | None = None, train_samples: int | None = None, global_batch=1
+    ) -> None:
+        # The bounds megatron.core's OptimizerParamScheduler and Megatron-LM's argument checks
+        # assert, as flag errors.
+        by_samples = bool(train_samples)
+        unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
+        wrong = {
+            "iters": (self.lr_decay_iters, self.lr_warmup_iters or None, self.lr_wsd_decay_iters),
+            "samples": (
+                self.lr_decay_samples,
+                self.lr_warmup_samples or None,
+                self.lr_wsd_decay_samples,
+            ),
+        }[other]
+        for name, value in zip(("decay", "warmup", "wsd-decay"), wrong):
+            if value is not None:
+                raise ConfigError(
+                    f"--lr-{name}-{other} goes with --train-{other}, but the run is counted in "
+                    f"{unit} (--train-{unit}); use --lr-{name}-{unit}"
+                )
+        if self.lr_warmup_fraction is not None and (self.lr_warmup_iters or self.lr_warmup_samples):
             raise ConfigError(
-                f"--lr-warmup-iters {self.lr_warmup_iters} must be below the decay length "
-                f"{decay} (--lr-decay-iters, default --train-iters); lower it or raise the "
-                "decay length"
+                "--lr-warmup-fraction and --lr-warmup-iters/samples both set the warm-up; give one"
+            )
+        if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction < 1:
+            raise ConfigError("--lr-warmup-fraction must be in [0, 1)")
+        for name in ("lr_decay_iters", "lr_decay_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.lr_warmup_iters < 0 or self.lr_warmup_samples < 0:
+            raise ConfigError(f"--lr-warmup-{unit} must be non-negative")
+        warmup, decay, _ = self.schedule_samples(train_iters, train_samples, global_batch)
+        if (train_iters or train_samples) and warmup >= decay:
+            if self.lr_warmup_fraction is not None:
+                given = f"--lr-warmup-fraction {self.lr_warmup_fraction}"
+            else:
+                given = f"--lr-warmup-{unit} {getattr(self, f'lr_warmup_{unit}')}"
+            raise ConfigError(
+                f"the warm-up ({given}) must be shorter than the decay length (--lr-decay-{unit}, "
+                f"default --train-{unit}); lower it or raise the decay length"
             )
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
         if not 0 <= self.lr_warmup_init <= self.lr:
             raise ConfigError(f"need 0 <= --lr-warmup-init ({self.lr_warmup_init}) <= --lr")
-        if self.lr_warmup_iters < 0:
-            raise ConfigError("--lr-warmup-iters must be non-negative")
         if self.clip_grad < 0:
             raise ConfigError("--clip-grad must be non-negative (0 turns clipping off)")
-        if self.lr_decay_style == "WSD" and (self.lr_wsd_decay_iters or 0) < 1:
-            raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters (at least 1)")
+        wsd = self.lr_wsd_decay_samples if by_samples else self.lr_wsd_decay_iters
+        if self.lr_decay_style == "WSD" and (wsd or 0) < 1:
+            raise ConfigError(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} (at least 1)")
 
 
 @dataclass
@@ -341,7 +425,7 @@ class DataConfig:
         None, "where dataset index caches go (default: a cache/ folder beside the data)"
     )
     num_workers: int = option(
-        0, "data-loader worker processes per rank (with Parquet: per --data-path source)"
+        2, "data-loader worker processes per rank (with Parquet: per --data-path source)"
     )
     data_format: str | None = option(
         None,
@@ -376,17 +460,24 @@ class DataConfig:
 class TrainConfig:
     """The training loop: batch sizes, length, precision, evaluation, logging, checkpoints."""
 
-    micro_batch_size: int = option(4, "samples per micro-batch per data-parallel rank")
+    micro_batch_size: int = option(
+        4, "samples per micro-batch per data-parallel rank", required=True
+    )
     global_batch_size: int | None = option(
         None, "samples per optimizer step (default: micro-batch x data-parallel size)"
     )
-    train_iters: int = option(100, "optimizer steps to train for")
+    train_iters: int | None = option(None, "optimizer steps to train for (or --train-samples)")
+    train_samples: int | None = option(
+        None, "samples to train for (instead of --train-iters): global-batch steps that fit"
+    )
     seed: int = option(1234, "random seed (initialisation, data order, dropout)")
     bf16: bool = option(False, "bf16 parameters and activations, fp32 master weights and grads")
     fp16: bool = option(False, "fp16 with dynamic loss scaling, fp32 master weights and grads")
-    eval_interval: int = option(1000, "evaluate on the valid split every this many steps")
-    eval_iters: int = option(10, "global batches per evaluation")
-    log_interval: int = option(10, "steps between log lines")
+    eval_interval: int | None = option(
+        None, "evaluate on the valid split every this many steps (default: only at the end)"
+    )
+    eval_iters: int = option(100, "global batches per evaluation")
+    log_interval: int = option(100, "steps between log lines")
     log_jsonl: str | None = option(None, "append one JSON object per log line to this file")
     tensorboard_dir: str | None = option(None, "write TensorBoard scalars here")
     save: str | None = option(None, "checkpoint directory to save to")
@@ -398,6 +489,17 @@ class TrainConfig:
         flag="--no-verify",
         action="store_false",
     )
+    finetune: bool = option(
+        False,
+        "load only the model weights of --load: iteration, samples, optimizer, learning-rate "
+        "schedule, data position and random state start afresh",
+    )
+    no_load_optim: bool = option(
+        False,
+        "resume without the optimizer state, loss scaler and learning-rate schedule (they "
+        "start afresh, as in Megatron-LM); iteration and data position are kept",
+    )
+    no_load_rng: bool = option(False, "resume without the saved random state (re-seeded)")
     use_checkpoint_args: bool = option(
         False, "take the model's shape and style from the --load checkpoint, not the flags"
     )
@@ -411,6 +513,14 @@ class TrainConfig:
     spike_window: int = option(50, "steps of loss history for spike detection")
     skip_spike_batches: bool = option(False, "skip the update of a step whose loss spikes")
     exit_interval: int | None = option(None, "stop (after saving) when iteration % this == 0")
+    exit_duration_in_mins: float | None = option(
+        None, "stop (after saving) once the run has taken this many minutes; exit code 0"
+    )
+    exit_signal_handler: bool = option(
+        False,
+        "on SIGTERM (a preempted or time-limited Slurm job): finish the iteration, save, exit "
+        "with code 0",
+    )
     device: str | None = option(None, "cpu or cuda (default: cuda when available)")
     use_fused_kernels: bool | None = option(
         None,
@@ -425,9 +535,11 @@ class TrainConfig:
     def validate(self) -> None:
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 contradict each other; pick one")
-        for name in ("micro_batch_size", "train_iters", "eval_interval", "log_interval"):
-            if getattr(self, name) < 1:
+        for name in ("micro_batch_size", "train_iters", "train_samples", "log_interval"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.eval_interval is not None and self.eval_interval < 1:
+            raise ConfigError("--eval-interval must be at least 1")
         if self.save_interval is not None and self.save_interval < 1:
             raise ConfigError("--save-interval must be at least 1")
         if self.save_interval and not self.save:
@@ -436,6 +548,27 @@ class TrainConfig:
             raise ConfigError("--keep-last-n must be at least 1")
         if self.eval_iters < 0:
             raise ConfigError("--eval-iters must be non-negative")
+
+    def resolve_length(self, dp: int) -> None:
+        """Sets --train-iters from --train-samples (the whole global batches that fit, as
+        Megatron-LM counts them); ConfigError if the length is missing or contradictory."""
+        if self.train_samples is None:
+            if self.train_iters is None:
+                raise ConfigError(
+                    "the length of training is missing: give --train-iters N or --train-samples N"
+                )
+            return
+        iters = self.train_samples // self.global_batch(dp)
+        if self.train_iters is not None and self.train_iters != iters:
+            raise ConfigError(
+                "--train-iters and --train-samples both give the length of training; give one"
+            )
+        if iters < 1:
+            raise ConfigError(
+                f"--train-samples {self.train_samples} is less than one global batch "
+                f"({self.global_batch(dp)})"
+            )
+        self.train_iters = iters
 
     def num_microbatches(self, dp: int) -> int:
         """Micro-batches per step per DP rank; ConfigError if the global batch does not split."""

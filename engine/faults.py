@@ -5,6 +5,8 @@
     TRIPOD_FAULT_RANDOM_BATCH_AT=25   that iteration trains on uniformly random tokens
     TRIPOD_FAULT_RAISE_AT=1:3         rank 1 raises an exception at iteration 3
     TRIPOD_FAULT_KILL_AT=1:3          rank 1 kills itself (SIGKILL) at iteration 3
+    TRIPOD_FAULT_SIGTERM_AT=1:3       rank 1 is sent SIGTERM at iteration 3 (as Slurm sends it
+                                      to a job it preempts or that reaches its time limit)
     TRIPOD_FAULT_KILL_IN_SAVE=1:8     rank 1 kills itself in the middle of the save of
                                       iteration 8: its data files are written, the checkpoint's
                                       metadata and commit are not
@@ -34,6 +36,8 @@ def before_iteration(rank: int, iteration: int, batches: list[dict], vocab_size:
         raise RuntimeError(f"injected failure at iteration {iteration}")
     if _rank_at("TRIPOD_FAULT_KILL_AT", rank, iteration):
         os.kill(os.getpid(), signal.SIGKILL)
+    if _rank_at("TRIPOD_FAULT_SIGTERM_AT", rank, iteration):
+        os.kill(os.getpid(), signal.SIGTERM)
     if iteration in _iterations("TRIPOD_FAULT_RANDOM_BATCH_AT"):
         generator = torch.Generator().manual_seed(iteration)
         for batch in batches:

@@ -100,6 +100,42 @@ class Throughput:
         return out
 
 
+# TensorBoard tags Megatron-LM writes for the same quantities, so that dashboards made for
+# its runs read ours; each is also written against consumed samples (" vs samples"), as there.
+# Keys without a Megatron-LM counterpart keep their JSONL names.
+MEGATRON_TAGS = {
+    "lm_loss": "lm loss",
+    "lr": "learning-rate",
+    "grad_norm": "grad-norm",
+    "loss_scale": "loss-scale",
+    "batch_size": "batch-size",
+    "tflops_per_device": "throughput",
+}
+EVAL_TAG_NAMES = {"valid": "validation", "test": "test"}
+
+
+def tensorboard_scalars(record: dict, split: str | None = None) -> list[tuple[str, float, str]]:
+    """(tag, value, x axis: 'iteration' or 'samples') for a training record, or for an
+    evaluation record of `split`, under Megatron-LM's tags where it has them."""
+    samples = "consumed_samples" in record
+    out = []
+    for key, value in record.items():
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        if not numeric or key in ("iteration", "consumed_samples") or not math.isfinite(value):
+            continue
+        if split is not None:
+            name = EVAL_TAG_NAMES[split]
+            tag = {"lm_loss": f"lm loss {name}", "ppl": f"lm loss {name} ppl"}.get(key)
+            if tag is None:
+                continue
+        else:
+            tag = MEGATRON_TAGS.get(key, key)
+        out.append((tag, value, "iteration"))
+        if samples and (split is not None or key in MEGATRON_TAGS):
+            out.append((f"{tag} vs samples", value, "samples"))
+    return out
+
+
 class MetricsWriter:
     """Console lines, a JSONL file (--log-jsonl) and TensorBoard scalars (--tensorboard-dir),
     written by the one rank that sees the loss (last pipeline stage, first TP and DP rank)."""
@@ -118,7 +154,8 @@ class MetricsWriter:
 
             self.tensorboard = SummaryWriter(tensorboard_dir)
 
-    def log(self, record: dict, step: int, prefix: str = "") -> None:
+    def log(self, record: dict, step: int, split: str | None = None) -> None:
+        """One training record, or an evaluation record of `split` (valid, test)."""
         if not self.enabled:
             return
         if self.jsonl is not None:  # non-finite numbers are written as null (valid JSON)
@@ -128,10 +165,9 @@ class MetricsWriter:
             }
             self.jsonl.write(json.dumps(clean) + "\n")
         if self.tensorboard is not None:
-            for key, value in record.items():
-                numeric = isinstance(value, int | float) and not isinstance(value, bool)
-                if numeric and key != "iteration" and math.isfinite(value):
-                    self.tensorboard.add_scalar(f"{prefix}{key}", value, step)
+            for tag, value, axis in tensorboard_scalars(record, split):
+                x = record["consumed_samples"] if axis == "samples" else step
+                self.tensorboard.add_scalar(tag, value, x)
 
     def print(self, line: str) -> None:
         if self.enabled:

@@ -111,10 +111,18 @@ class LRScheduler:
     same operations in the same order: the values agree to the last bit.
     """
 
-    def __init__(self, cfg: OptimizerConfig, train_iters: int, global_batch_size: int = 1):
+    def __init__(
+        self,
+        cfg: OptimizerConfig,
+        train_iters: int,
+        global_batch_size: int = 1,
+        train_samples: int | None = None,
+    ):
         self.cfg = cfg
-        cfg.validate(train_iters)
-        self.decay_iters = cfg.lr_decay_iters if cfg.lr_decay_iters is not None else train_iters
+        cfg.validate(train_iters, train_samples, global_batch_size)
+        self.warmup, self.decay, self.anneal = cfg.schedule_samples(
+            train_iters, train_samples, global_batch_size
+        )
         self.global_batch_size = global_batch_size
         self.num_steps = 0
 
@@ -122,8 +130,7 @@ class LRScheduler:
         """The learning rate of the update made after `step` successful ones."""
         cfg, batch = self.cfg, self.global_batch_size
         samples = step * batch
-        warmup = cfg.lr_warmup_iters * batch
-        decay = self.decay_iters * batch
+        warmup, decay = self.warmup, self.decay
         peak, init, floor = float(cfg.lr), cfg.lr_warmup_init, cfg.min_lr
         if warmup > 0 and samples <= warmup:
             return init + (peak - init) * float(samples) / float(warmup)
@@ -140,7 +147,7 @@ class LRScheduler:
         elif cfg.lr_decay_style == "cosine":
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
         else:  # WSD
-            anneal = cfg.lr_wsd_decay_iters * batch
+            anneal = self.anneal
             anneal_start = decay - anneal
             if samples <= anneal_start:
                 coeff = 1.0

@@ -16,6 +16,8 @@ import torch
 
 from engine.checkpoint_files import find_latest, iteration_dir, read_meta
 from engine.checkpoint_load import verify_checkpoint
+from engine.compat.megatron_flags import check_compat
+from engine.config import ModelConfig
 from engine.data.blended import parse_blend, parse_data_path
 from engine.data.builder import data_format
 from engine.data.gpt_dataset import parse_split, sequence_range, split_bookends
@@ -34,6 +36,7 @@ ARCHITECTURE_FIELDS = (
     "num_layers",
     "hidden_size",
     "num_attention_heads",
+    "group_query_attention",
     "num_query_groups",
     "ffn_hidden_size",
     "kv_channels",
@@ -56,8 +59,9 @@ def use_checkpoint_args(cfg) -> None:
     if iteration is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint in {cfg.train.load}")
     meta = read_meta(iteration_dir(cfg.train.load, iteration))
+    saved = ModelConfig.from_record(meta["model"])
     for name in ARCHITECTURE_FIELDS:
-        setattr(cfg.model, name, meta["model"][name])
+        setattr(cfg.model, name, getattr(saved, name))
     saved_tokenizer = config_from_record(meta)
     if cfg.tokenizer == TokenizerConfig() and saved_tokenizer is not None:
         cfg.tokenizer = saved_tokenizer  # no tokenizer flags given: continue with the saved one
@@ -89,10 +93,12 @@ def check(cfg, world_size: int) -> None:
     if par.sequence_parallel and tp == 1:
         par.sequence_parallel = False  # nothing to split, as in Megatron-LM
     dp = check_layout(world_size, tp, pp)
+    check_compat(cfg.megatron, m.position_embedding_type)
     m.validate(tp, par.sequence_parallel)
     par.validate(m.num_layers)
-    cfg.optimizer.validate(train.train_iters)
     train.validate()
+    train.resolve_length(dp)
+    cfg.optimizer.validate(train.train_iters, train.train_samples, train.global_batch(dp))
     _check_pipeline(cfg, dp)
     _check_device(train)
     _check_data(cfg, vocab_flag)

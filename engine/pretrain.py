@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from engine.arguments import parse_configs
 from engine.cli import run_main
+from engine.compat.megatron_flags import MegatronCompatConfig, no_effect_line
 from engine.config import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
 from engine.data.tokenizers import TokenizerConfig
 from engine.preflight import check, device_of
@@ -25,11 +26,12 @@ GROUPS = [
     (DataConfig, "data"),
     (TrainConfig, "training, evaluation, logging, checkpoints"),
     (TokenizerConfig, "tokenizer"),
+    (MegatronCompatConfig, "Megatron-LM flags accepted without effect, or refused"),
 ]
 
 
 def parse(argv: list[str] | None) -> Configs:
-    configs = parse_configs(argv, GROUPS, description=__doc__)
+    configs = parse_configs(argv, GROUPS, description=__doc__, enforce_required=True)
     return Configs(*(configs[cls] for cls, _ in GROUPS))
 
 
@@ -50,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         timeout_minutes=cfg.parallel.distributed_timeout_minutes,
     )
     run = setup(cfg, state)
+    accepted = no_effect_line(cfg.megatron)
+    if accepted:
+        run.writer.print(accepted)
     code = 0
     try:
         train(run)

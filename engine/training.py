@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +24,7 @@ from engine import faults
 from engine.checkpoint_files import find_latest, iteration_dir
 from engine.checkpoint_load import load_checkpoint
 from engine.checkpointing import Checkpointer
+from engine.compat.megatron_flags import MegatronCompatConfig
 from engine.config import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
 from engine.data.builder import (
     build_gpt_datasets,
@@ -45,6 +47,7 @@ from engine.metrics import (
 from engine.model.builder import build_model_chunks
 from engine.ops import select_ops
 from engine.optim import LRScheduler, build_optimizer
+from engine.run_control import ExitConditions
 from engine.step import eval_step, train_step
 from parallel.ddp import DistributedDataParallel
 from parallel.pipeline.schedules import get_schedule
@@ -60,6 +63,7 @@ class Configs:
     data: DataConfig
     train: TrainConfig
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    megatron: MegatronCompatConfig = field(default_factory=MegatronCompatConfig)
 
 
 @dataclass
@@ -96,6 +100,7 @@ class Run:
     throughput: Throughput
     spikes: SpikeDetector
     last_saved: int | None = None
+    exit_conditions: ExitConditions | None = None
     # Parquet streams: the position to resume from, and the training iterator whose position
     # a checkpoint saves.
     data_state: dict | None = None
@@ -123,6 +128,8 @@ def _logging_rank(state: ParallelState) -> bool:
 def setup(cfg: Configs, state: ParallelState) -> Run:
     """Model, optimizer, data, and (with --load) the state of a checkpoint."""
     m, par, train = cfg.model, cfg.parallel, cfg.train
+    started = time.monotonic()  # --exit-duration-in-mins counts from here
+    train.resolve_length(state.dp_size)
     random.seed(train.seed)
     np.random.seed(train.seed % 2**32)
     tracker = model_parallel_seed(train.seed, state.tp_rank, state.pp_rank, state.device)
@@ -166,7 +173,7 @@ def setup(cfg: Configs, state: ParallelState) -> Run:
     )
     num_microbatches = train.num_microbatches(state.dp_size)
     global_batch = train.global_batch(state.dp_size)
-    scheduler = LRScheduler(cfg.optimizer, train.train_iters, global_batch)
+    scheduler = LRScheduler(cfg.optimizer, train.train_iters, global_batch, train.train_samples)
     seq = (
         m.seq_length // state.tp_size
         if par.sequence_parallel and state.tp_size > 1
@@ -214,6 +221,9 @@ def setup(cfg: Configs, state: ParallelState) -> Run:
         checkpoint_group,
         Throughput(flops, state.world_size, peak),
         SpikeDetector(train.spike_window, train.spike_zscore),
+        exit_conditions=ExitConditions(
+            train.exit_duration_in_mins, train.exit_signal_handler, started=started
+        ),
     )
     if train.load:
         _resume(run)
@@ -226,9 +236,9 @@ def split_sample_counts(train, global_batch: int) -> tuple[int, int, int]:
     """Samples asked of the train, valid and test splits, as Megatron-LM asks them (the sizes
     decide how many epochs each split spans, and so its order): the whole run; --eval-iters
     batches for each evaluation of the run and one more; --eval-iters batches."""
-    evaluations = train.train_iters // train.eval_interval + 1
+    evaluations = train.train_iters // train.eval_interval + 1 if train.eval_interval else 1
     return (
-        train.train_iters * global_batch,
+        train.train_samples or train.train_iters * global_batch,
         evaluations * train.eval_iters * global_batch,
         train.eval_iters * global_batch,
     )
@@ -290,6 +300,9 @@ def _resume(run: Run) -> None:
         run.writer.print(f"no checkpoint in {train.load}; starting from scratch")
         return
     path = iteration_dir(train.load, iteration)
+    # As Megatron-LM: --finetune takes the weights alone; --no-load-optim leaves out the
+    # optimizer, its loss scaler and the learning-rate schedule; --no-load-rng the RNG.
+    load_optimizer = not (train.finetune or train.no_load_optim)
     meta = load_checkpoint(
         path,
         run.chunks,
@@ -298,22 +311,36 @@ def _resume(run: Run) -> None:
         layout_of(run.state, run.cfg),
         run.tracker,
         group=run.checkpoint_group,
+        load_optimizer=load_optimizer,
         verify=train.verify_checkpoint,
+        load_rng=not (train.finetune or train.no_load_rng),
     )
+    if train.finetune:
+        run.writer.print(f"fine-tuning from the weights of {path}; starting at iteration 0")
+        _reseed(run, 0)
+        return
     counters = meta.get("counters", {})
     run.counters = Counters(
         iteration=meta["iteration"],
         consumed_samples=meta["consumed_samples"],
         skipped_iters=counters.get("skipped_iters", 0),
         nan_iters=counters.get("nan_iters", 0),
-        optimizer_step=meta.get("optimizer_step", 0),
+        optimizer_step=meta.get("optimizer_step", 0) if load_optimizer else 0,
     )
-    run.scheduler.load_state_dict(meta["scheduler"])
-    if run.optimizer.grad_scaler is not None and meta.get("grad_scaler"):
-        run.optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
+    if load_optimizer:
+        run.scheduler.load_state_dict(meta["scheduler"])
+        if run.optimizer.grad_scaler is not None and meta.get("grad_scaler"):
+            run.optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
     run.spikes.load_state_dict(meta.get("spikes", {}))
     run.data_state = meta.get("data")
-    how = "exactly" if meta["rng_restored"] else "with re-seeded random streams (new layout)"
+    if not meta["rng_restored"]:
+        how = "with re-seeded random streams (" + (
+            "--no-load-rng)" if train.no_load_rng else "new layout)"
+        )
+    else:
+        how = "exactly"
+    if not load_optimizer:
+        how += "; optimizer and learning-rate schedule start afresh (--no-load-optim)"
     checked = (
         "files verified"
         if meta["verified"]
@@ -433,6 +460,7 @@ def _log(run: Run, window: list[dict], tokens: int) -> None:
         "lr": last["lr"],
         "grad_norm": last["grad_norm"],
         "loss_scale": last.get("loss_scale"),
+        "batch_size": run.global_batch,
         "skipped_iters": c.skipped_iters,
         **run.throughput.rates(tokens),
         "mem_gb": memory_gb(run.state.device),
@@ -453,11 +481,9 @@ def _log_eval(run: Run, name: str, loss: float | None) -> None:
     if loss is None:
         return
     ppl = math.exp(min(loss, 50.0))
-    run.writer.log(
-        {"iteration": run.counters.iteration, "split": name, "lm_loss": loss, "ppl": ppl},
-        run.counters.iteration,
-        prefix=f"{name}/",
-    )
+    c = run.counters
+    record = {"iteration": c.iteration, "consumed_samples": c.consumed_samples}
+    run.writer.log(record | {"split": name, "lm_loss": loss, "ppl": ppl}, c.iteration, name)
     run.writer.print(
         f"{name} at iteration {run.counters.iteration}: lm loss {loss:.4f} | perplexity {ppl:.2f}"
     )
@@ -504,7 +530,8 @@ def train(run: Run) -> Counters:
         if c.iteration % train_cfg.log_interval == 0 or c.iteration == train_cfg.train_iters:
             _log(run, window, tokens_since_log)
             window, tokens_since_log = [], 0
-        if c.iteration % train_cfg.eval_interval == 0 and c.iteration < train_cfg.train_iters:
+        every = train_cfg.eval_interval
+        if every and c.iteration % every == 0 and c.iteration < train_cfg.train_iters:
             _log_eval(run, "valid", evaluate(run, 1))
         if train_cfg.exit_on_nan_count and c.nan_iters >= train_cfg.exit_on_nan_count:
             raise NaNLimit(
@@ -520,6 +547,12 @@ def train(run: Run) -> Counters:
         if stop:
             run.writer.print(f"exiting at iteration {c.iteration} (--exit-interval)")
             break
+        reason = run.exit_conditions.check(run.state.world_group, run.state.device)
+        if reason:
+            if run.checkpointer is not None and run.last_saved != c.iteration:
+                save(run)
+            run.writer.print(f"exiting at iteration {c.iteration}: {reason}")
+            break
     return c
 
 
@@ -533,6 +566,7 @@ def finish(run: Run) -> None:
             save(run)
     if run.checkpointer is not None:
         run.checkpointer.wait()
+    run.exit_conditions.close()
     peaks = torch.zeros(run.state.world_size, dtype=torch.float64, device=run.state.device)
     peaks[run.state.rank] = memory_gb(run.state.device)
     if run.state.world_group is not None:

@@ -5,4 +5,4 @@
 set -euo pipefail
 exec bash "$(dirname "$0")/pretrain_gpt.sh" \
     --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
-    --num-query-groups 4 --untie-embeddings-and-output-weights "$@"
+    --group-query-attention --num-query-groups 4 --untie-embeddings-and-output-weights "$@"

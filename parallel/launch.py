@@ -119,7 +119,9 @@ def run_local(fn, world_size: int, *args, timeout: float = 240.0, threads: int =
         process = context.Process(
             target=_entry,
             args=(fn, rank, world_size, port, sender, threads, logs[rank], args, kwargs),
-            daemon=True,
+            # Not daemonic: a rank may start DataLoader worker processes of its own (the
+            # finally below kills every rank that is still alive).
+            daemon=False,
         )
         process.start()
         sender.close()

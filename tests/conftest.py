@@ -50,7 +50,8 @@ def small_checkpoint(dataset_prefix, tokenizer_model, tmp_path_factory) -> str:
     argv = [
         *("--data-path", dataset_prefix, "--tokenizer-model", tokenizer_model),
         *("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"),
-        *("--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4"),
+        *("--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2"),
+        *("--global-batch-size", "4"),
         *("--train-iters", "2", "--lr-warmup-iters", "1", "--split", "90,10,0"),
         *("--eval-iters", "1", "--make-vocab-size-divisible-by", "16", "--save", root),
     ]

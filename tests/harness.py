@@ -30,6 +30,7 @@ def tiny_config(style: str = "gpt2", **overrides) -> ModelConfig:
     )
     if style == "llama":
         common.update(
+            group_query_attention=True,
             num_query_groups=2,
             position_embedding_type="rope",
             normalization="RMSNorm",

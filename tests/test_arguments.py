@@ -20,6 +20,7 @@ def test_megatron_flag_names_fill_model_config():
             "256",
             "--num-attention-heads",
             "8",
+            "--group-query-attention",
             "--num-query-groups",
             "2",
             "--position-embedding-type",
@@ -55,6 +56,12 @@ def test_megatron_flag_names_fill_model_config():
     assert cfg.ffn_size == 640  # swiglu default: 2/3 of 4h rounded down to 64
     defaults = parse_configs([], GROUPS)[ModelConfig]
     assert defaults == ModelConfig()
+    # As in Megatron-LM, --num-query-groups is read only with --group-query-attention, and
+    # that flag alone means one group.
+    alone = parse_configs(["--num-attention-heads", "8", "--num-query-groups", "2"], GROUPS)
+    assert alone[ModelConfig].query_groups == 8
+    mqa = parse_configs(["--num-attention-heads", "8", "--group-query-attention"], GROUPS)
+    assert mqa[ModelConfig].query_groups == 1
 
 
 def test_unknown_flag_is_one_line_exit_2():

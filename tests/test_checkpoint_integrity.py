@@ -25,7 +25,8 @@ def train_args(dataset_prefix, tokenizer_model, *extra) -> list[str]:
     return [
         *("--data-path", dataset_prefix, "--tokenizer-model", tokenizer_model),
         *("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"),
-        *("--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4"),
+        *("--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2"),
+        *("--global-batch-size", "4"),
         *("--lr-warmup-iters", "1", "--split", "90,10,0", "--eval-iters", "1"),
         *("--make-vocab-size-divisible-by", "16", "--log-interval", "1"),
         *extra,

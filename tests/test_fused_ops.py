@@ -19,6 +19,7 @@ from engine.ops import TorchOps, select_ops
 from engine.ops import reference_kernels as reference
 from engine.ops.fused import CSRC, FusedOps
 from tests.distributed import rel_err, run_ranks
+from tests.test_training import base_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_OPS = TorchOps()
@@ -162,10 +163,7 @@ def test_unavailable_accelerators_are_one_line_errors(
             sys.executable,
             "-m",
             "engine.pretrain",
-            "--data-path",
-            dataset_prefix,
-            "--tokenizer-model",
-            tokenizer_model,
+            *base_args(dataset_prefix, tokenizer_model),
             "--device",
             "cpu",
             *flags,

@@ -33,6 +33,7 @@ LLAMA_FLAGS = {
     "--normalization": "RMSNorm",
     "--swiglu": True,
     "--disable-bias-linear": True,
+    "--group-query-attention": True,
     "--num-query-groups": "2",
     "--untie-embeddings-and-output-weights": True,
 }

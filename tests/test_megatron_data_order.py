@@ -93,7 +93,10 @@ def _assert_same_samples(ours, theirs, sizes):
 
 def _sizes(train_iters, global_batch, eval_interval, eval_iters):
     train = types.SimpleNamespace(
-        train_iters=train_iters, eval_interval=eval_interval, eval_iters=eval_iters
+        train_iters=train_iters,
+        train_samples=None,
+        eval_interval=eval_interval,
+        eval_iters=eval_iters,
     )
     return split_sample_counts(train, global_batch)
 

@@ -23,30 +23,45 @@ TRAIN_ITERS = 24
 GLOBAL_BATCH = 8  # Megatron-LM counts samples; a batch > 1 checks that we count the same way
 
 
-def megatron_lrs(cfg: OptimizerConfig, train_iters: int, global_batch: int, updates: int):
-    """The LR of updates 0..updates-1 as Megatron-LM's iteration-based training gets them:
-    the scheduler counts samples and steps by a global batch after each successful update."""
+def megatron_lrs(
+    cfg: OptimizerConfig, train_iters: int, global_batch: int, updates: int, train_samples=None
+):
+    """The LR of updates 0..updates-1 as Megatron-LM's training gets them: the scheduler counts
+    samples and steps by a global batch after each successful update. Its lengths are derived
+    here as Megatron-LM's get_optimizer_param_scheduler derives them (that function needs
+    megatron.training, which is not installed), by iterations or by --train-samples."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=cfg.lr)
-    decay_iters = cfg.lr_decay_iters if cfg.lr_decay_iters is not None else train_iters
-    wsd = cfg.lr_wsd_decay_iters
+    if train_samples:
+        decay = cfg.lr_decay_samples if cfg.lr_decay_samples is not None else train_samples
+        wsd = cfg.lr_wsd_decay_samples
+        warmup = cfg.lr_warmup_samples
+        wd_steps = train_samples
+    else:
+        decay_iters = cfg.lr_decay_iters if cfg.lr_decay_iters is not None else train_iters
+        decay = decay_iters * global_batch
+        wsd = None if cfg.lr_wsd_decay_iters is None else cfg.lr_wsd_decay_iters * global_batch
+        warmup = cfg.lr_warmup_iters * global_batch
+        wd_steps = train_iters * global_batch
+    if cfg.lr_warmup_fraction is not None:
+        warmup = cfg.lr_warmup_fraction * decay
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=cfg.lr_warmup_init,
         max_lr=cfg.lr,
         min_lr=cfg.min_lr,
-        lr_warmup_steps=cfg.lr_warmup_iters * global_batch,
-        lr_decay_steps=decay_iters * global_batch,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay,
         lr_decay_style=cfg.lr_decay_style,
         start_wd=cfg.weight_decay,
         end_wd=cfg.weight_decay,
-        wd_incr_steps=train_iters * global_batch,
+        wd_incr_steps=wd_steps,
         wd_incr_style="constant",
-        wsd_decay_steps=None if wsd is None else wsd * global_batch,
+        wsd_decay_steps=wsd,
         lr_wsd_decay_style=cfg.lr_wsd_decay_style,
     )
     lrs = []
@@ -110,6 +125,55 @@ def test_schedule_decays_over_train_iters_by_default():
     scheduler = LRScheduler(cfg, TRAIN_ITERS, global_batch_size=GLOBAL_BATCH)
     ours = [scheduler.lr_at(k) for k in range(TRAIN_ITERS + 2)]
     assert max_rel_diff(ours, theirs) <= 1e-12
+
+
+@pytest.mark.parametrize("style, wsd_style", STYLES, ids=lambda v: str(v))
+def test_sample_based_schedule_equals_megatron(style, wsd_style):
+    """--train-samples with --lr-decay-samples / --lr-warmup-samples (and WSD's samples), as the
+    Llama-3 example runs; the samples are not whole batches, so rounding shows."""
+    extra = {"lr_wsd_decay_style": wsd_style, "lr_wsd_decay_samples": 45} if wsd_style else {}
+    cfg = OptimizerConfig(
+        lr=1e-3,
+        min_lr=1e-4,
+        lr_decay_style=style,
+        lr_decay_samples=150,
+        lr_warmup_samples=21,
+        lr_warmup_init=1e-5,
+        **extra,
+    )
+    train_samples = TRAIN_ITERS * GLOBAL_BATCH + 5
+    theirs = megatron_lrs(cfg, None, GLOBAL_BATCH, TRAIN_ITERS, train_samples)
+    scheduler = LRScheduler(cfg, TRAIN_ITERS, GLOBAL_BATCH, train_samples)
+    ours = [scheduler.lr_at(k) for k in range(TRAIN_ITERS)]
+    assert max_rel_diff(ours, theirs) <= 1e-12, list(zip(ours, theirs))
+
+
+@pytest.mark.parametrize("train_samples", [None, TRAIN_ITERS * GLOBAL_BATCH])
+def test_warmup_fraction_equals_megatron(train_samples):
+    """--lr-warmup-fraction (the GPT-3 example's .001): a share of the decay length, which
+    need not be a whole number of samples."""
+    cfg = OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_decay_style="cosine", lr_warmup_fraction=0.13)
+    theirs = megatron_lrs(cfg, TRAIN_ITERS, GLOBAL_BATCH, TRAIN_ITERS + 1, train_samples)
+    scheduler = LRScheduler(cfg, TRAIN_ITERS, GLOBAL_BATCH, train_samples)
+    ours = [scheduler.lr_at(k) for k in range(TRAIN_ITERS + 1)]
+    assert max_rel_diff(ours, theirs) <= 1e-12, list(zip(ours, theirs))
+    assert 0 < ours[1] < ours[4] == pytest.approx(1e-3, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "fields, train_samples, message",
+    [
+        ({"lr_decay_iters": 10}, 100, "--lr-decay-iters goes with --train-iters"),
+        ({"lr_warmup_iters": 2}, 100, "--lr-warmup-iters goes with --train-iters"),
+        ({"lr_warmup_samples": 8}, None, "--lr-warmup-samples goes with --train-samples"),
+        ({"lr_warmup_fraction": 0.1, "lr_warmup_iters": 1}, None, "both set the warm-up"),
+        ({"lr_warmup_samples": 100}, 100, "--lr-warmup-samples 100"),
+        ({"lr_decay_style": "WSD"}, 100, "--lr-wsd-decay-samples"),
+    ],
+)
+def test_iterations_and_samples_do_not_mix(fields, train_samples, message):
+    with pytest.raises(ConfigError, match=message):
+        LRScheduler(OptimizerConfig(lr=1e-3, **fields), 10, 10, train_samples)
 
 
 def test_warmup_starts_at_init_and_reaches_the_peak_after_warmup_iters():

@@ -26,7 +26,7 @@ def model_config(style: str, **overrides) -> ModelConfig:
     """The shared tiny model at a size where TP 4 splits the 4 query groups of 8 heads."""
     sizes = dict(num_layers=2, hidden_size=64, num_attention_heads=8)
     if style == "llama":
-        sizes.update(num_query_groups=4, qk_layernorm=True)
+        sizes.update(group_query_attention=True, num_query_groups=4, qk_layernorm=True)
     return tiny_config(style, **{**sizes, **overrides})
 
 
@@ -240,13 +240,13 @@ def test_recomputation_gives_identical_gradients_with_dropout():
             "num-attention-heads 6 is not divisible by tensor-model-parallel-size 4",
         ),
         (
-            {"num_query_groups": 2},
+            {"group_query_attention": True, "num_query_groups": 2},
             4,
             False,
             "num-query-groups 2 is not divisible by tensor-model-parallel-size 4",
         ),
         (
-            {"num_query_groups": 3},
+            {"group_query_attention": True, "num_query_groups": 3},
             1,
             False,
             "num-attention-heads 8 is not divisible by num-query-groups 3",

@@ -41,6 +41,7 @@ def base_args(dataset_prefix, tokenizer_model, **overrides) -> list[str]:
         "--make-vocab-size-divisible-by": "16",
     }
     args.update(overrides)
+    args.setdefault("--max-position-embeddings", args["--seq-length"])
     out = []
     for key, value in args.items():
         if value is None:
@@ -370,6 +371,19 @@ def test_metrics_tensorboard_plot_and_peak_memory(dataset_prefix, tokenizer_mode
     assert [(r["iteration"], r["split"]) for r in evals] == [(3, "valid"), (6, "valid")]
     assert all(r["ppl"] > 1 for r in evals)
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb))
+    # Megatron-LM's tag names, by iteration and by consumed samples, so its dashboards work
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tb)
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    megatron = {"lm loss", "learning-rate", "grad-norm", "batch-size", "lm loss validation"}
+    assert megatron | {f"{t} vs samples" for t in megatron} <= tags, tags
+    assert {"tokens_per_sec", "mem_gb", "lm loss validation ppl"} <= tags
+    loss = [(e.step, e.value) for e in events.Scalars("lm loss")]
+    by_samples = [(e.step, e.value) for e in events.Scalars("lm loss vs samples")]
+    assert [s for s, _ in loss] == [2, 4, 6] and [s for s, _ in by_samples] == [16, 32, 48]
+    assert [v for _, v in loss] == pytest.approx([r["lm_loss"] for r in train_records])
     assert "peak memory per rank (GB): " in capfd.readouterr().out
     png = tmp_path / "curve.png"
     subprocess.run(

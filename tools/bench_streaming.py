@@ -95,6 +95,7 @@ def _model_flags(name: str, seq_length: int) -> list[str]:
         *("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(GPT2_VOCAB)),
         *("--num-layers", str(layers), "--hidden-size", str(hidden)),
         *("--num-attention-heads", str(heads), "--seq-length", str(seq_length)),
+        *("--max-position-embeddings", str(seq_length)),
         *("--micro-batch-size", "1", "--train-iters", "1000", "--lr", "1e-4"),
         *("--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--device", "cpu"),
     ]

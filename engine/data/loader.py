@@ -8,6 +8,7 @@ size) from the count of samples consumed so far.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -72,8 +73,15 @@ def build_data_iterator(
         num_workers=num_workers,
         collate_fn=collate_samples,
         persistent_workers=num_workers > 0,
+        # Workers inherit the memory-mapped dataset by fork (it holds open files, which a
+        # forkserver or spawn start would have to pickle); fork is Linux's default start anyway.
+        multiprocessing_context=_worker_start_method() if num_workers > 0 else None,
         # Its own generator: creating the iterator must not draw from the global one, or a
         # resumed run's dropout masks would be one draw off the uninterrupted run's.
         generator=torch.Generator().manual_seed(consumed_samples),
     )
     return iter(loader)
+
+
+def _worker_start_method() -> str:
+    return "fork" if sys.platform == "linux" else "spawn"

@@ -185,6 +185,7 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
             num_layers=hf["num_hidden_layers"],
             hidden_size=hf["hidden_size"],
             num_attention_heads=heads,
+            group_query_attention=True,
             num_query_groups=hf.get("num_key_value_heads", heads),
             ffn_hidden_size=hf["intermediate_size"],
             kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,

@@ -89,7 +89,7 @@ def export_to_hf(
 
     path = checkpoint_path(load, iteration)
     meta = verify_checkpoint(path, digests=verify)
-    cfg = ModelConfig(**meta["model"])
+    cfg = ModelConfig.from_record(meta["model"])
     style = style_of(cfg)
     dtype = dtype or meta.get("dtype", "float32")
     if dtype not in DTYPES:

@@ -28,8 +28,11 @@ TOKENIZER_TYPES = (
 class TokenizerConfig:
     """Which tokenizer turns text into ids, and the files it is read from."""
 
-    tokenizer_type: str = option(
-        "SentencePieceTokenizer", "tokenizer family", choices=list(TOKENIZER_TYPES)
+    tokenizer_type: str | None = option(
+        None,
+        "tokenizer family (default: GPT2BPETokenizer when --vocab-file or --merge-file is given, "
+        "as Megatron-LM's pretrain_gpt.py; otherwise SentencePieceTokenizer)",
+        choices=list(TOKENIZER_TYPES),
     )
     tokenizer_model: str | None = option(
         None,
@@ -64,6 +67,12 @@ class TokenizerConfig:
     )
     trust_remote_code: bool = option(False, "refused: no code from a tokenizer folder is ever run")
     vocab_size: int | None = None  # --vocab-size, for the families that read it (no flag here)
+
+    def __post_init__(self):
+        if self.tokenizer_type is None:
+            bpe_files = self.vocab_file or self.merge_file
+            family = "GPT2BPETokenizer" if bpe_files else "SentencePieceTokenizer"
+            object.__setattr__(self, "tokenizer_type", family)
 
     def with_vocab_size(self, vocab_size: int | None) -> TokenizerConfig:
         """This config with --vocab-size filled in where the family reads it and it is unset."""

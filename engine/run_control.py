@@ -1,0 +1,67 @@
+"""Stopping a run early and cleanly, as Megatron-LM does: after --exit-duration-in-mins of
+wall-clock time, or on a signal (SIGTERM by default) with --exit-signal-handler, the run saves
+a checkpoint at the end of the current iteration and exits with code 0, so that a preempted or
+time-limited Slurm job can be resubmitted and resume where it stopped.
+
+Every rank must stop at the same iteration, so the decision is agreed each iteration by an
+all-reduce (max) of each rank's view: one rank that received the signal or ran out of time is
+enough.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class ExitConditions:
+    """The wall-clock limit and the signal flag, checked once per iteration."""
+
+    def __init__(
+        self,
+        duration_minutes: float | None,
+        signal_handler: bool,
+        signal_name: str = "SIGTERM",
+        started: float | None = None,
+    ):
+        self.duration_minutes = duration_minutes
+        self.started = time.monotonic() if started is None else started
+        self.signal_number = getattr(signal, signal_name) if signal_handler else None
+        self.received = False
+        self.previous = None
+        if self.signal_number is not None:
+            self.previous = signal.signal(self.signal_number, self._on_signal)
+
+    @property
+    def active(self) -> bool:
+        return self.duration_minutes is not None or self.signal_number is not None
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = True  # acted on at the end of the current iteration
+
+    def check(self, group, device: torch.device) -> str | None:
+        """Collective over `group` (every rank calls it each iteration when active): why the
+        run stops now, or None."""
+        if not self.active:
+            return None
+        elapsed = (time.monotonic() - self.started) / 60.0
+        timed_out = self.duration_minutes is not None and elapsed > self.duration_minutes
+        views = torch.tensor([float(timed_out), float(self.received)], device=device)
+        if group is not None and dist.is_initialized():
+            dist.all_reduce(views, op=dist.ReduceOp.MAX, group=group)
+        timed_out, received = (bool(v) for v in views.tolist())
+        if received:
+            name = signal.Signals(self.signal_number).name
+            return f"received {name} (--exit-signal-handler)"
+        if timed_out:
+            return f"ran for more than {self.duration_minutes:g} minutes (--exit-duration-in-mins)"
+        return None
+
+    def close(self) -> None:
+        """Give the signal back to the handler it had before."""
+        if self.signal_number is not None and self.previous is not None:
+            signal.signal(self.signal_number, self.previous)
+            self.previous = None

@@ -1,0 +1,244 @@
+"""Megatron-LM's flags: accepted without effect (named in one line at start), refused in one
+line where the feature is missing, its defaults and required flags, sample-based training,
+grouped-query attention and the tokenizer default."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from engine.compat.megatron_flags import check_compat, flag_names, no_effect_line
+from engine.errors import ConfigError
+from engine.preflight import check
+from engine.pretrain import parse
+from tests.test_training import ROOT, base_args, pretrain, records
+
+UNSIZED = [
+    *("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"),
+    *("--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2"),
+    *("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"),
+]
+SHAPE = UNSIZED + ["--train-iters", "4"]
+# As the Llama-3 and Mixtral examples pass them (values included).
+NO_EFFECT = [
+    "--use-mcore-models",
+    *("--attention-backend", "fused"),
+    "--no-masked-softmax-fusion",
+    "--cross-entropy-loss-fusion",
+    "--no-create-attention-mask-in-dataloader",
+    "--no-mmap-bin-files",
+    "--manual-gc",
+    *("--empty-unused-memory-level", "1"),
+    "--log-throughput",
+    *("--ckpt-format", "torch_dist"),
+    *("--context-parallel-size", "1"),
+    *("--expert-model-parallel-size", "1"),
+    *("--rotary-percent", "1.0"),
+    *("--position-embedding-type", "rope", "--no-position-embedding"),
+]
+
+
+def test_flags_without_effect_are_accepted_and_named_in_one_line():
+    cfg = parse(SHAPE + NO_EFFECT)
+    check(cfg, 1)
+    line = no_effect_line(cfg.megatron)
+    named = [a for a in NO_EFFECT if a.startswith("--") and a != "--position-embedding-type"]
+    assert line.startswith("Megatron-LM flags accepted without effect here: ")
+    assert line.removeprefix("Megatron-LM flags accepted without effect here: ").split(
+        ", "
+    ) == sorted(named, key=line.index)
+    assert set(named) <= flag_names()
+    assert no_effect_line(parse(SHAPE).megatron) is None  # nothing given, nothing said
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--fp8-format", "hybrid"], "--fp8-format: FP8 training is not available"),
+        (["--fp8-param-gather"], "--fp8-param-gather: FP8 training is not available"),
+        (["--num-experts", "8"], "--num-experts: mixture-of-experts (MoE) layers"),
+        (["--moe-router-topk", "2"], "--moe-router-topk: mixture-of-experts (MoE) layers"),
+        (["--expert-model-parallel-size", "8"], "--expert-model-parallel-size: mixture-of"),
+        (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism"),
+        (["--rotary-percent", "0.5"], "--rotary-percent 0.5: rotating part of each head"),
+        (["--ckpt-format", "torch"], "--ckpt-format torch: only torch_dist"),
+        (["--no-position-embedding"], "--no-position-embedding goes with --position-embedding"),
+    ],
+)
+def test_missing_features_are_refused_in_one_line(extra, message):
+    cfg = parse(SHAPE + extra)
+    with pytest.raises(ConfigError) as err:
+        check_compat(cfg.megatron, cfg.model.position_embedding_type)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_mixtral_moe_flags_are_one_line_exit_2_through_the_launcher(tmp_path):
+    moe = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-grouped-gemm"]
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.launch", "--nproc-per-node", "2", "-m", "engine.pretrain"]
+        + SHAPE
+        + moe,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "mixture-of-experts (MoE)" in lines[0], result.stderr
+
+
+def test_required_flags_are_named_in_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.pretrain", "--mock-data", "--train-iters", "2"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    expected = (
+        "--num-layers, --hidden-size, --num-attention-heads, --seq-length, "
+        "--max-position-embeddings, --micro-batch-size are required (as in Megatron-LM)"
+    )
+    assert result.stderr.strip().splitlines() == [f"error: {expected}; see --help"]
+    with pytest.raises(ConfigError, match="give --train-iters N or --train-samples N"):
+        check(parse(UNSIZED), 1)
+
+
+def test_megatron_defaults():
+    """Megatron-LM's defaults (megatron/training/arguments.py and its config dataclasses;
+    pretrain_gpt.py's tokenizer)."""
+    cfg = parse(SHAPE)
+    assert cfg.train.log_interval == 100 and cfg.train.eval_iters == 100
+    assert cfg.train.eval_interval is None and cfg.data.num_workers == 2
+    assert cfg.optimizer.lr_decay_style == "linear" and cfg.data.split == "969,30,1"
+    shape = UNSIZED[:-5]  # no --mock-data or tokenizer flags
+    bpe = parse(shape + ["--vocab-file", "v.json", "--merge-file", "m.txt"])
+    assert bpe.tokenizer.tokenizer_type == "GPT2BPETokenizer"
+    assert parse(shape).tokenizer.tokenizer_type == "SentencePieceTokenizer"
+
+
+def test_group_query_attention_as_megatron_reads_it():
+    heads = ["--num-attention-heads", "4"]
+    assert parse(SHAPE + heads + ["--num-query-groups", "2"]).model.query_groups == 4
+    gqa = parse(SHAPE + heads + ["--group-query-attention", "--num-query-groups", "2"])
+    assert gqa.model.query_groups == 2
+    assert parse(SHAPE + ["--group-query-attention"]).model.query_groups == 1
+
+
+def test_train_samples_set_the_iterations_and_iteration_flags_are_refused():
+    by_samples = UNSIZED
+    cfg = parse(by_samples + ["--train-samples", "21", "--global-batch-size", "4"])
+    check(cfg, 2)
+    assert cfg.train.train_iters == 5  # whole global batches, as Megatron-LM counts
+    both = parse(SHAPE + ["--train-samples", "64"])
+    with pytest.raises(ConfigError, match="--train-iters and --train-samples both"):
+        check(both, 1)
+    mixed = parse(by_samples + ["--train-samples", "64", "--lr-decay-iters", "3"])
+    with pytest.raises(ConfigError, match="--lr-decay-iters goes with --train-iters"):
+        check(mixed, 1)
+
+
+def test_a_run_by_samples_with_megatron_flags_trains(
+    dataset_prefix, tokenizer_model, tmp_path, capfd
+):
+    """The Llama-3 example's way of giving the length, warm-up and decay, with its flags that
+    have no effect here; the line naming them is printed once."""
+    log = str(tmp_path / "m.jsonl")
+    args = base_args(
+        dataset_prefix,
+        tokenizer_model,
+        **{
+            "--train-iters": None,
+            "--lr-warmup-iters": None,
+            "--train-samples": "44",
+            "--lr-decay-samples": "40",
+            "--lr-warmup-fraction": "0.25",
+            "--lr-decay-style": "linear",
+            "--log-jsonl": log,
+        },
+    )
+    pretrain(2, args + NO_EFFECT[:13])  # all but those that change the position embedding
+    found = [r for r in records(log) if "split" not in r]
+    assert [r["iteration"] for r in found] == [1, 2, 3, 4, 5]  # 44 // 8 global batches
+    # warm-up 0.25 x 40 = 10 samples, then linear to --min-lr at 40 samples; update k has seen
+    # 8k samples: 0, peak x 8/10, then (40 - 8k) / 30 of the way from min to peak
+    peak, floor = 3e-3, 3e-4
+    decayed = [floor + (peak - floor) * (40 - s) / 30 for s in (16, 24, 32)]
+    assert [r["lr"] for r in found] == pytest.approx([0.0, peak * 0.8, *decayed], rel=1e-12)
+    out = capfd.readouterr().out
+    assert out.count("Megatron-LM flags accepted without effect here: --use-mcore-models") == 1
+
+
+def test_finetune_no_load_optim_and_no_load_rng(dataset_prefix, tokenizer_model, tmp_path, capfd):
+    """Megatron-LM's meanings: --finetune keeps only the weights (iteration, samples, schedule
+    start at zero); --no-load-optim keeps the iteration and samples but restarts the optimizer
+    and the learning-rate schedule; --no-load-rng re-seeds the random streams."""
+    ckpt = str(tmp_path / "ckpt")
+
+    def run(name: str, **extra) -> list[dict]:
+        log = str(tmp_path / f"{name}.jsonl")
+        args = base_args(
+            dataset_prefix, tokenizer_model, **{"--log-jsonl": log, "--train-iters": "6"}, **extra
+        )
+        pretrain(1, args)
+        return [r for r in records(log) if "split" not in r]
+
+    straight = run("straight")
+    run("first", **{"--save": ckpt, "--exit-interval": "3"})
+    exact = run("exact", **{"--load": ckpt})
+    assert [r["lm_loss"] for r in exact] == [r["lm_loss"] for r in straight[3:]]
+    no_optim = run("no_optim", **{"--load": ckpt, "--no-load-optim": True})
+    assert [r["iteration"] for r in no_optim] == [4, 5, 6]
+    assert no_optim[0]["consumed_samples"] == straight[3]["consumed_samples"]
+    # warm-up (--lr-warmup-iters 2) starts again: 0, lr / 2, lr
+    assert [r["lr"] for r in no_optim] == [straight[i]["lr"] for i in range(3)]
+    assert no_optim[0]["lm_loss"] == exact[0]["lm_loss"]  # same weights, same batch
+    finetune = run("finetune", **{"--load": ckpt, "--finetune": True})
+    assert [r["iteration"] for r in finetune] == [1, 2, 3, 4, 5, 6]
+    assert [r["lr"] for r in finetune] == [r["lr"] for r in straight]
+    assert finetune[0]["consumed_samples"] == straight[0]["consumed_samples"]
+    assert finetune[0]["lm_loss"] < straight[0]["lm_loss"] - 0.1  # trained weights
+    no_rng = run("no_rng", **{"--load": ckpt, "--no-load-rng": True})
+    assert [r["iteration"] for r in no_rng] == [4, 5, 6]
+    assert no_rng[0]["lm_loss"] != exact[0]["lm_loss"]  # other dropout masks
+    out = capfd.readouterr().out
+    assert "re-seeded random streams (--no-load-rng)" in out
+    assert "start afresh (--no-load-optim)" in out and "fine-tuning from the weights" in out
+
+
+def test_exit_signal_handler_and_exit_duration_save_and_exit_cleanly(
+    dataset_prefix, tokenizer_model, tmp_path, capfd
+):
+    """SIGTERM reaching one rank (TRIPOD_FAULT_SIGTERM_AT sends a real one) with
+    --exit-signal-handler: every rank finishes that iteration, the run saves and exits with code
+    0, and the resumed run continues as if never stopped. --exit-duration-in-mins 0 stops after
+    the first iteration the same way."""
+
+    def args(log: str, **extra):
+        common = {"--log-jsonl": str(tmp_path / log), "--train-iters": "6"}
+        return base_args(dataset_prefix, tokenizer_model, **common, **extra)
+
+    pretrain(2, args("straight.jsonl"))
+    ckpt = str(tmp_path / "ckpt")
+    codes = pretrain(
+        2,
+        args("stopped.jsonl", **{"--save": ckpt, "--exit-signal-handler": True}),
+        env={"TRIPOD_FAULT_SIGTERM_AT": "1:3"},
+    )
+    assert codes == [0, 0]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert "exiting at iteration 3: received SIGTERM (--exit-signal-handler)" in (
+        capfd.readouterr().out
+    )
+    pretrain(2, args("resumed.jsonl", **{"--load": ckpt}))
+    straight = [r["lm_loss"] for r in records(tmp_path / "straight.jsonl") if "split" not in r]
+    stopped = [r["lm_loss"] for r in records(tmp_path / "stopped.jsonl") if "split" not in r]
+    resumed = [r["lm_loss"] for r in records(tmp_path / "resumed.jsonl") if "split" not in r]
+    assert stopped + resumed == straight
+    timed = str(tmp_path / "timed")
+    timed_args = args("timed.jsonl", **{"--save": timed, "--exit-duration-in-mins": "0"})
+    assert pretrain(1, timed_args) == [0]
+    assert (tmp_path / "timed" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert "ran for more than 0 minutes (--exit-duration-in-mins)" in capfd.readouterr().out
