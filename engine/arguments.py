@@ -120,3 +120,8 @@ def parse_configs(
             "Megatron-LM); see --help"
         )
     return configs
+
+
+def given_flags(argv: list[str]) -> frozenset[str]:
+    """The flags on a command line (`--seq-length 64` and `--seq-length=64` alike)."""
+    return frozenset(a.split("=", 1)[0] for a in argv if a.startswith("--"))

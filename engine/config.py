@@ -149,7 +149,7 @@ class ModelConfig:
             raise ConfigError(
                 f"num-attention-heads {n} is not divisible by tensor-model-parallel-size {tp}"
             )
-        if g < 1:
+        if self.num_query_groups is not None and self.num_query_groups < 1:
             raise ConfigError("--num-query-groups must be at least 1")
         if n % g:
             raise ConfigError(f"num-attention-heads {n} is not divisible by num-query-groups {g}")
@@ -406,7 +406,7 @@ class DataConfig:
         "dataset prefix, weight/prefix pairs to blend (0.7 A 0.3 B), or prefixes alone to blend "
         "one epoch of each, weighted by size (A B)",
     )
-    split: str = option("969,30,1", "train/valid/test proportions, by documents")
+    split: str = option("969,30,1", "train/valid/test proportions, by sequences (documents)")
     train_data_path: list[str] = option(
         [], "the train split's own paths, as --data-path (instead of --data-path and --split)"
     )
@@ -514,12 +514,26 @@ class TrainConfig:
     skip_spike_batches: bool = option(False, "skip the update of a step whose loss spikes")
     exit_interval: int | None = option(None, "stop (after saving) when iteration % this == 0")
     exit_duration_in_mins: float | None = option(
-        None, "stop (after saving) once the run has taken this many minutes; exit code 0"
+        None,
+        "stop (after saving) once the processes have run this many minutes; exit code 0 "
+        "(0: no limit)",
     )
     exit_signal_handler: bool = option(
         False,
         "on SIGTERM (a preempted or time-limited Slurm job): finish the iteration, save, exit "
         "with code 0",
+    )
+    profile: bool = option(
+        False,
+        "profile iterations --profile-step-start to --profile-step-end: the CUDA profiler's "
+        "capture range for nsys on a GPU, torch.profiler with --use-pytorch-profiler or on a "
+        "CPU (a trace beside --tensorboard-dir)",
+    )
+    profile_step_start: int = option(10, "--profile: the iteration profiling starts at")
+    profile_step_end: int = option(12, "--profile: the iteration profiling stops at")
+    profile_ranks: list[int] = option([], "--profile: the ranks profiled (default: all)", nargs="*")
+    use_pytorch_profiler: bool = option(
+        False, "--profile with torch.profiler (a Chrome trace) also on a GPU"
     )
     device: str | None = option(None, "cpu or cuda (default: cuda when available)")
     use_fused_kernels: bool | None = option(

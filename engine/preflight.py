@@ -18,15 +18,16 @@ from engine.checkpoint_files import find_latest, iteration_dir, read_meta
 from engine.checkpoint_load import verify_checkpoint
 from engine.compat.megatron_flags import check_compat
 from engine.config import ModelConfig
-from engine.data.blended import parse_blend, parse_data_path
+from engine.data.blended import parse_blend
 from engine.data.builder import data_format
-from engine.data.gpt_dataset import parse_split, sequence_range, split_bookends
+from engine.data.gpt_dataset import SPLIT_NAMES, parse_split, sequence_range, split_bookends
 from engine.data.indexed import IndexedDataset
 from engine.data.parquet_shards import open_shards
 from engine.data.token_ids import check_token_ids
 from engine.data.tokenizers import TokenizerConfig, build_tokenizer, config_from_record
 from engine.errors import ConfigError, UserError
 from engine.paths import probe_writable_folder
+from engine.profiling import check_profile_flags
 from parallel.errors import describe_os_error
 from parallel.pipeline.layout import stage_layers
 from parallel.state import check_layout
@@ -62,6 +63,8 @@ def use_checkpoint_args(cfg) -> None:
     saved = ModelConfig.from_record(meta["model"])
     for name in ARCHITECTURE_FIELDS:
         setattr(cfg.model, name, getattr(saved, name))
+    if "--seq-length" not in cfg.given:  # as Megatron-LM: the checkpoint's unless given
+        cfg.model.seq_length = saved.seq_length
     saved_tokenizer = config_from_record(meta)
     if cfg.tokenizer == TokenizerConfig() and saved_tokenizer is not None:
         cfg.tokenizer = saved_tokenizer  # no tokenizer flags given: continue with the saved one
@@ -97,6 +100,7 @@ def check(cfg, world_size: int) -> None:
     m.validate(tp, par.sequence_parallel)
     par.validate(m.num_layers)
     train.validate()
+    check_profile_flags(train)
     train.resolve_length(dp)
     cfg.optimizer.validate(train.train_iters, train.train_samples, train.global_batch(dp))
     _check_pipeline(cfg, dp)
@@ -177,7 +181,9 @@ def _check_data(cfg, vocab_flag: int | None) -> None:
     data.validate()
     if data.mock_data:
         if data.data_path or data.per_split_paths:
-            raise ConfigError("--mock-data generates its documents; drop --data-path")
+            raise ConfigError(
+                "--mock-data generates its documents; drop --data-path and the per-split paths"
+            )
         return
     if not data.data_path and not data.per_split_paths:
         raise ConfigError(
@@ -185,49 +191,63 @@ def _check_data(cfg, vocab_flag: int | None) -> None:
             "to try the run on generated documents"
         )
     if data.per_split_paths:
-        paths = [p for split_paths in data.per_split_paths for p in split_paths]
-        train_paths, train_share = data.train_data_path, (0.0, 1.0)
+        blends = [
+            parse_blend(p, f"--{name}-data-path") if p else None
+            for p, name in zip(data.per_split_paths, SPLIT_NAMES)
+        ]
+        shares = [(0.0, 1.0) if blend else None for blend in blends]
+        detect_from = data.train_data_path
     else:
-        paths, train_paths = data.data_path, data.data_path
-        train_share = split_bookends(parse_split(data.split))[0]
-    _, prefixes = parse_data_path(paths)
-    if data_format(paths, data.data_format) == "parquet":
+        blend = parse_blend(data.data_path)
+        blends = [blend] * len(SPLIT_NAMES)
+        shares = split_bookends(parse_split(data.split))
+        detect_from = data.data_path
+    if data_format(detect_from, data.data_format) == "parquet":
         if data.per_split_paths:
             raise ConfigError(
                 "--train/valid/test-data-path: Parquet sources are cut by --split; give them "
                 "with --data-path"
             )
-        _check_parquet(data, prefixes)
+        _check_parquet(data, list(blends[0].prefixes))
         return
-    for prefix in dict.fromkeys(prefixes):
+    prefixes = dict.fromkeys(p for b in blends if b for p in b.prefixes)
+    for prefix in prefixes:
         dataset = IndexedDataset(prefix)
         try:
             check_token_ids(dataset, m.vocab_size, source, data.data_cache_path)
         finally:
             dataset.close()
-    _check_train_tokens(train_paths, train_share, data.split)
+    _check_split_shares(data, blends, shares)
 
 
-def _check_train_tokens(train_paths: list[str], share, split: str) -> None:
-    """The train split holds tokens (Megatron-LM repeats a small split for as many epochs as
-    the run needs, but an empty one gives nothing to repeat)."""
-    blend = parse_blend(train_paths)
-    weights = blend.weights or [1.0] * len(blend.prefixes)
-    train_tokens = 0
-    for weight, prefix in zip(weights, blend.prefixes):
-        if weight <= 0 or share is None:
+def _check_split_shares(data, blends, shares) -> None:
+    """Each split that has paths gets a share of every dataset of its blend (megatron-core
+    stops on an assertion otherwise), and the train split holds tokens (a small split is
+    repeated for as many epochs as the run needs, but an empty one gives nothing)."""
+    cut_by = "the per-split paths" if data.per_split_paths else f"--split {data.split}"
+    for k, (blend, share) in enumerate(zip(blends, shares)):
+        if blend is None or share is None:
+            if k == 0:
+                raise ConfigError(f"{cut_by} gives the train split nothing; give it a share")
             continue
-        dataset = IndexedDataset(prefix)
-        try:
-            start, end = sequence_range(len(dataset.sequence_lengths), share)
-            train_tokens += int(dataset.sequence_lengths[start:end].sum())
-        finally:
-            dataset.close()
-    if train_tokens == 0:
-        raise ConfigError(
-            f"--split {split} leaves the train split no tokens of {' '.join(train_paths)}; "
-            "give the train split more documents (--split) or more data"
-        )
+        weights = blend.weights or [1.0] * len(blend.prefixes)
+        tokens = {}
+        for weight, prefix in zip(weights, blend.prefixes):
+            if weight > 0:
+                dataset = IndexedDataset(prefix)
+                try:
+                    start, end = sequence_range(len(dataset.sequence_lengths), share)
+                    tokens[prefix] = int(dataset.sequence_lengths[start:end].sum())
+                finally:
+                    dataset.close()
+        empty = [prefix for prefix, count in tokens.items() if count == 0]
+        if k > 0 and len(empty) == len(tokens):
+            continue  # a valid/test share too small for every dataset: that split is skipped
+        if empty:
+            raise ConfigError(
+                f"{cut_by} gives the {SPLIT_NAMES[k]} split no tokens of {empty[0]}; raise "
+                "that split's share or more data, or leave that dataset out of the blend"
+            )
 
 
 def _check_parquet(data, sources: list[str]) -> None:

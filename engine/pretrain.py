@@ -6,11 +6,13 @@ process group starts, then sets up the run and trains.
 from __future__ import annotations
 
 import os
+import sys
+import time
 
 import torch
 import torch.distributed as dist
 
-from engine.arguments import parse_configs
+from engine.arguments import given_flags, parse_configs
 from engine.cli import run_main
 from engine.compat.megatron_flags import MegatronCompatConfig, no_effect_line
 from engine.config import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
@@ -31,11 +33,13 @@ GROUPS = [
 
 
 def parse(argv: list[str] | None) -> Configs:
+    argv = sys.argv[1:] if argv is None else argv
     configs = parse_configs(argv, GROUPS, description=__doc__, enforce_required=True)
-    return Configs(*(configs[cls] for cls, _ in GROUPS))
+    return Configs(*(configs[cls] for cls, _ in GROUPS), given=given_flags(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.time()  # --exit-duration-in-mins counts from the process's start
     cfg = parse(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check(cfg, world_size)
@@ -51,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         timeout_minutes=cfg.parallel.distributed_timeout_minutes,
     )
-    run = setup(cfg, state)
-    accepted = no_effect_line(cfg.megatron)
+    run = setup(cfg, state, started)
+    accepted = no_effect_line(cfg.megatron, cfg.model)
     if accepted:
         run.writer.print(accepted)
     code = 0

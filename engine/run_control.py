@@ -1,5 +1,6 @@
 """Stopping a run early and cleanly, as Megatron-LM does: after --exit-duration-in-mins of
-wall-clock time, or on a signal (SIGTERM by default) with --exit-signal-handler, the run saves
+wall-clock time since the processes started (the earliest rank's start; 0 means no limit, as
+there), or on a signal (SIGTERM by default) with --exit-signal-handler, the run saves
 a checkpoint at the end of the current iteration and exits with code 0, so that a preempted or
 time-limited Slurm job can be resubmitted and resume where it stopped.
 
@@ -27,8 +28,9 @@ class ExitConditions:
         signal_name: str = "SIGTERM",
         started: float | None = None,
     ):
-        self.duration_minutes = duration_minutes
-        self.started = time.monotonic() if started is None else started
+        """`started`: the run's start as time.time() (see earliest_start)."""
+        self.duration_minutes = duration_minutes or None  # 0: no limit, as in Megatron-LM
+        self.started = time.time() if started is None else started
         self.signal_number = getattr(signal, signal_name) if signal_handler else None
         self.received = False
         self.previous = None
@@ -47,7 +49,7 @@ class ExitConditions:
         run stops now, or None."""
         if not self.active:
             return None
-        elapsed = (time.monotonic() - self.started) / 60.0
+        elapsed = (time.time() - self.started) / 60.0
         timed_out = self.duration_minutes is not None and elapsed > self.duration_minutes
         views = torch.tensor([float(timed_out), float(self.received)], device=device)
         if group is not None and dist.is_initialized():
@@ -65,3 +67,12 @@ class ExitConditions:
         if self.signal_number is not None and self.previous is not None:
             signal.signal(self.signal_number, self.previous)
             self.previous = None
+
+
+def earliest_start(started: float, group, device: torch.device) -> float:
+    """The earliest of the ranks' start times (collective over `group`)."""
+    if group is None or not dist.is_initialized():
+        return started
+    value = torch.tensor([started], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return float(value.item())

@@ -32,6 +32,7 @@ from engine.data.builder import (
     build_streaming_datasets,
     data_format,
 )
+from engine.data.gpt_dataset import SPLIT_NAMES
 from engine.data.loader import build_data_iterator
 from engine.data.streaming import StreamingDataset
 from engine.data.tokenizers import TokenizerConfig, build_tokenizer, tokenizer_record
@@ -47,7 +48,8 @@ from engine.metrics import (
 from engine.model.builder import build_model_chunks
 from engine.ops import select_ops
 from engine.optim import LRScheduler, build_optimizer
-from engine.run_control import ExitConditions
+from engine.profiling import StepProfiler
+from engine.run_control import ExitConditions, earliest_start
 from engine.step import eval_step, train_step
 from parallel.ddp import DistributedDataParallel
 from parallel.pipeline.schedules import get_schedule
@@ -64,6 +66,7 @@ class Configs:
     train: TrainConfig
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     megatron: MegatronCompatConfig = field(default_factory=MegatronCompatConfig)
+    given: frozenset[str] = frozenset()  # the flags on the command line
 
 
 @dataclass
@@ -101,6 +104,7 @@ class Run:
     spikes: SpikeDetector
     last_saved: int | None = None
     exit_conditions: ExitConditions | None = None
+    profiler: StepProfiler | None = None
     # Parquet streams: the position to resume from, and the training iterator whose position
     # a checkpoint saves.
     data_state: dict | None = None
@@ -125,10 +129,13 @@ def _logging_rank(state: ParallelState) -> bool:
     return state.is_last_stage and state.tp_rank == 0 and state.dp_rank == 0
 
 
-def setup(cfg: Configs, state: ParallelState) -> Run:
-    """Model, optimizer, data, and (with --load) the state of a checkpoint."""
+def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> Run:
+    """Model, optimizer, data, and (with --load) the state of a checkpoint. `started`: when
+    the process started (time.time()), from which --exit-duration-in-mins counts."""
     m, par, train = cfg.model, cfg.parallel, cfg.train
-    started = time.monotonic()  # --exit-duration-in-mins counts from here
+    started = earliest_start(
+        time.time() if started is None else started, state.world_group, state.device
+    )
     train.resolve_length(state.dp_size)
     random.seed(train.seed)
     np.random.seed(train.seed % 2**32)
@@ -224,6 +231,7 @@ def setup(cfg: Configs, state: ParallelState) -> Run:
         exit_conditions=ExitConditions(
             train.exit_duration_in_mins, train.exit_signal_handler, started=started
         ),
+        profiler=StepProfiler(train, state.rank, state.device),
     )
     if train.load:
         _resume(run)
@@ -251,7 +259,8 @@ def _datasets(cfg: Configs, state: ParallelState, global_batch: int) -> list:
     tokenizer = build_tokenizer(cfg.tokenizer) if data.mock_data else None
 
     def build():
-        if not data.mock_data and data_format(data.data_path, data.data_format) == "parquet":
+        paths = data.data_path or data.train_data_path
+        if not data.mock_data and data_format(paths, data.data_format) == "parquet":
             return build_streaming_datasets(
                 data.data_path,
                 data.parquet_text_column,
@@ -290,6 +299,14 @@ def _datasets(cfg: Configs, state: ParallelState, global_batch: int) -> list:
         datasets = build()
     if datasets[0] is None:
         raise ConfigError(f"--split {data.split} leaves no training documents")
+    evaluation = train.eval_iters * global_batch  # each evaluation reads the same first ones
+    for name, dataset, needed in zip(SPLIT_NAMES, datasets, (samples[0], evaluation, evaluation)):
+        if dataset is not None and len(dataset) < needed:
+            raise ConfigError(
+                f"the {name} split has {len(dataset)} samples and the run needs {needed}: "
+                "prefixes given alone (--data-path A B) blend one epoch of each; give weights "
+                "(0.5 A 0.5 B) to repeat them, or train for less"
+            )
     return datasets
 
 
@@ -512,9 +529,11 @@ def train(run: Run) -> Counters:
     tokens_since_log = 0
     run.throughput.reset()
     while c.iteration < train_cfg.train_iters:
+        run.profiler.before_iteration(c.iteration)
         batches = [_to_device(next(iterator), state.device) for _ in range(run.num_microbatches)]
         record = train_iteration(run, batches)
         c.iteration += 1
+        run.profiler.after_iteration(c.iteration)
         c.consumed_samples += run.global_batch
         tokens_since_log += run.global_batch * run.cfg.model.seq_length
         c.skipped_iters += not record["updated"]
@@ -567,6 +586,7 @@ def finish(run: Run) -> None:
     if run.checkpointer is not None:
         run.checkpointer.wait()
     run.exit_conditions.close()
+    run.profiler.close()
     peaks = torch.zeros(run.state.world_size, dtype=torch.float64, device=run.state.device)
     peaks[run.state.rank] = memory_gb(run.state.device)
     if run.state.world_group is not None:

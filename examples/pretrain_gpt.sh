@@ -34,10 +34,20 @@ MODEL_ARGS=(
     --hidden-dropout 0.0 --attention-dropout 0.0
 )
 TRAIN_ARGS=(
-    --micro-batch-size 4 --global-batch-size 16 --train-iters 200
-    --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20
+    --micro-batch-size 4 --global-batch-size 16
+    --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine
     --weight-decay 0.1 --clip-grad 1.0 --seed 1234
 )
+# The length and warm-up in iterations, unless the arguments count in samples (Megatron-LM
+# refuses the two together) or give the warm-up as a fraction.
+LENGTH_ARGS=(--train-iters 200)
+WARMUP_ARGS=(--lr-warmup-iters 20)
+for arg in "$@"; do
+    case "$arg" in
+        --train-samples | --train-samples=*) LENGTH_ARGS=() WARMUP_ARGS=() ;;
+        --lr-warmup-samples* | --lr-warmup-fraction*) WARMUP_ARGS=() ;;
+    esac
+done
 DATA_ARGS=(
     --data-path "$DATA/stdlib_text_document" --split 949,50,1
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tokenizer.model"
@@ -50,5 +60,5 @@ OUTPUT_ARGS=(--log-interval 10 --eval-interval 100 --eval-iters 4)
 exec "$PYTHON" -m engine.launch --nproc-per-node "$NPROC_PER_NODE" \
     --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-    -m engine.pretrain "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" \
-    "${OUTPUT_ARGS[@]}" "$@"
+    -m engine.pretrain "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" ${LENGTH_ARGS[@]+"${LENGTH_ARGS[@]}"} \
+    ${WARMUP_ARGS[@]+"${WARMUP_ARGS[@]}"} "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"

@@ -60,7 +60,7 @@ def test_a_blend_split_empty_in_one_dataset_is_one_line(dataset_prefix, tmp_path
         for doc in range(20):
             builder.add_document(np.arange(doc, doc + 30))
         builder.finalize()
-    with pytest.raises(ConfigError, match="small: the test split holds no documents"):
+    with pytest.raises(ConfigError, match="small: the test split holds none of its documents"):
         build_gpt_datasets([dataset_prefix, str(small)], "90,9,1", 16, 1, (8, 8, 8), str(tmp_path))
 
 

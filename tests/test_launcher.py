@@ -69,7 +69,7 @@ def test_configuration_errors_are_one_line_before_any_rank(data_folder, tmp_path
     cases = [
         (["--hidden-sise", "64"], "unrecognized arguments: --hidden-sise"),
         (["--tensor-model-parallel-size", "4"], "world size 2 is not divisible"),
-        (["--split", "0,1,0"], "--split 0,1,0 leaves the train split no tokens"),
+        (["--split", "0,1,0"], "--split 0,1,0 gives the train split nothing"),
         (["--data-path", legacy], "holds token id 50256, but the tokenizer"),
         (
             ["--data-path", legacy, "--tensor-model-parallel-size", "2"],

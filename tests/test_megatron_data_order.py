@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.data.builder import build_gpt_datasets, build_mock_datasets
-from engine.data.indexed import IndexedDatasetBuilder
+from engine.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from engine.training import split_sample_counts
 
 EOD = 0
@@ -128,8 +128,11 @@ def test_data_path_and_split_give_megatrons_samples(megatron, prefixes, tmp_path
 
 
 def test_per_split_paths_give_megatrons_samples(megatron, prefixes, tmp_path):
-    per_split = (["0.6", prefixes[0], "0.4", prefixes[1]], [prefixes[2]], [])
-    sizes = _sizes(20, 8, 10, 2)
+    # A split's only prefix is taken as it is, weighted or not: asked for exactly one epoch of
+    # samples, it must not get the 0.5% surplus of a blend (that would be a second epoch).
+    per_split = (["0.6", prefixes[0], "0.4", prefixes[1]], [prefixes[2]], ["1.0", prefixes[3]])
+    tokens = int(IndexedDataset(prefixes[3]).sequence_lengths.sum())
+    sizes = (160, 48, (tokens - 1) // SEQ)
     ours = build_gpt_datasets(None, "", SEQ, 7, sizes, str(tmp_path / "ours"), per_split)
     theirs = _theirs(
         megatron,

@@ -125,6 +125,12 @@ def test_group_query_attention_as_megatron_reads_it():
     gqa = parse(SHAPE + heads + ["--group-query-attention", "--num-query-groups", "2"])
     assert gqa.model.query_groups == 2
     assert parse(SHAPE + ["--group-query-attention"]).model.query_groups == 1
+    alone = parse(SHAPE + heads + ["--num-query-groups", "2"])
+    assert no_effect_line(alone.megatron, alone.model).endswith(
+        "--num-query-groups (without --group-query-attention)"
+    )
+    with pytest.raises(ConfigError, match="--num-query-groups must be at least 1"):
+        check(parse(SHAPE + ["--group-query-attention", "--num-query-groups", "0"]), 1)
 
 
 def test_train_samples_set_the_iterations_and_iteration_flags_are_refused():
@@ -156,6 +162,7 @@ def test_a_run_by_samples_with_megatron_flags_trains(
             "--lr-decay-samples": "40",
             "--lr-warmup-fraction": "0.25",
             "--lr-decay-style": "linear",
+            "--num-workers": None,  # Megatron-LM's default: 2 data-loader workers per rank
             "--log-jsonl": log,
         },
     )
@@ -213,8 +220,8 @@ def test_exit_signal_handler_and_exit_duration_save_and_exit_cleanly(
 ):
     """SIGTERM reaching one rank (TRIPOD_FAULT_SIGTERM_AT sends a real one) with
     --exit-signal-handler: every rank finishes that iteration, the run saves and exits with code
-    0, and the resumed run continues as if never stopped. --exit-duration-in-mins 0 stops after
-    the first iteration the same way."""
+    0, and the resumed run continues as if never stopped. --exit-duration-in-mins 1e-6 stops
+    after the first iteration the same way (0 would mean no limit, as in Megatron-LM)."""
 
     def args(log: str, **extra):
         common = {"--log-jsonl": str(tmp_path / log), "--train-iters": "6"}
@@ -238,7 +245,67 @@ def test_exit_signal_handler_and_exit_duration_save_and_exit_cleanly(
     resumed = [r["lm_loss"] for r in records(tmp_path / "resumed.jsonl") if "split" not in r]
     assert stopped + resumed == straight
     timed = str(tmp_path / "timed")
-    timed_args = args("timed.jsonl", **{"--save": timed, "--exit-duration-in-mins": "0"})
+    timed_args = args("timed.jsonl", **{"--save": timed, "--exit-duration-in-mins": "1e-6"})
     assert pretrain(1, timed_args) == [0]
     assert (tmp_path / "timed" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
-    assert "ran for more than 0 minutes (--exit-duration-in-mins)" in capfd.readouterr().out
+    assert "ran for more than 1e-06 minutes (--exit-duration-in-mins)" in capfd.readouterr().out
+
+
+def test_per_split_paths_train_and_a_short_unweighted_blend_is_one_line(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    log = str(tmp_path / "m.jsonl")
+    per_split = {
+        "--data-path": None,
+        "--split": None,
+        "--train-data-path": ["1.0", dataset_prefix],
+        "--valid-data-path": [dataset_prefix],
+        "--train-iters": "3",
+        "--log-jsonl": log,
+    }
+    pretrain(1, base_args(dataset_prefix, tokenizer_model, **per_split))
+    found = records(log)
+    assert [r["iteration"] for r in found if "split" not in r] == [1, 2, 3]
+    assert [r["split"] for r in found if "split" in r] == ["valid"]  # no test paths: no test
+    # Prefixes alone give one epoch of each, as in Megatron-LM; a longer run is one line.
+    short = base_args(
+        dataset_prefix,
+        tokenizer_model,
+        **{"--data-path": [dataset_prefix, dataset_prefix], "--train-iters": "100000"},
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.pretrain", *short, "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "the train split has" in lines[0] and "give weights (0.5 A 0.5 B)" in lines[0]
+
+
+def test_profile_writes_a_torch_trace_of_the_profiled_steps(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    """Without a GPU, --profile runs torch.profiler over the steps Megatron-LM's schedule
+    names and writes the trace where Megatron-LM does, beside --tensorboard-dir."""
+    import gzip
+    import json
+
+    tb = tmp_path / "run" / "tb"
+    profiled = {
+        "--train-iters": "5",
+        "--profile": True,
+        "--profile-step-start": "2",
+        "--profile-step-end": "4",
+        "--tensorboard-dir": str(tb),
+    }
+    pretrain(1, base_args(dataset_prefix, tokenizer_model, **profiled))
+    with gzip.open(tmp_path / "run" / "torch_profile" / "rank-0.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    steps = {e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#2", "ProfilerStep#3"}
+    assert any("aten::mm" in str(e.get("name")) for e in events)
+    without_dir = parse(SHAPE + ["--profile"])
+    with pytest.raises(ConfigError, match="give --tensorboard-dir DIR"):
+        check(without_dir, 1)

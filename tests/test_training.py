@@ -39,6 +39,8 @@ def base_args(dataset_prefix, tokenizer_model, **overrides) -> list[str]:
         "--hidden-dropout": "0.1",
         "--attention-dropout": "0.1",
         "--make-vocab-size-divisible-by": "16",
+        # Megatron-LM's default is 2 worker processes per rank; the tests that want them say so
+        "--num-workers": "0",
     }
     args.update(overrides)
     args.setdefault("--max-position-embeddings", args["--seq-length"])

@@ -34,9 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         prefix = args.data_prefix or corpus_dataset(tmp)[0]
         indexed = IndexedDataset(prefix)
-        spec = GPTDatasetSpec(
-            prefix, "train", (0, indexed.num_documents), args.num_samples, args.seq_length, 1234
-        )
+        sequences = (0, len(indexed.sequence_lengths))
+        spec = GPTDatasetSpec(prefix, "train", sequences, args.num_samples, args.seq_length, 1234)
         start = time.perf_counter()
         dataset = GPTDataset(indexed, spec, cache_dir=os.path.join(tmp, "cache"))
         build = time.perf_counter() - start

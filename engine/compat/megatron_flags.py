@@ -194,10 +194,13 @@ def check_compat(compat: MegatronCompatConfig, position_embedding_type: str) -> 
         )
 
 
-def no_effect_line(compat: MegatronCompatConfig) -> str | None:
-    """The one line printed at start naming the Megatron-LM flags accepted without effect."""
+def no_effect_line(compat: MegatronCompatConfig, model=None) -> str | None:
+    """The one line printed at start naming the Megatron-LM flags accepted without effect
+    (and --num-query-groups, which Megatron-LM reads only with --group-query-attention)."""
     given = _given(compat)
     names = [_flag_of(n) for n in NO_EFFECT if n in given]
+    if model is not None and model.num_query_groups is not None and not model.group_query_attention:
+        names.append("--num-query-groups (without --group-query-attention)")
     if not names:
         return None
     return "Megatron-LM flags accepted without effect here: " + ", ".join(names)

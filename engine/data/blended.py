@@ -82,7 +82,7 @@ class BlendedDataset:
             if counts[d] > len(dataset):
                 raise ConfigError(
                     f"the {split_name or 'blended'} split needs {counts[d]} samples of dataset "
-                    f"{d}, which holds {len(dataset)}"
+                    f"{d} of its blend, which holds {len(dataset)}; give it a smaller weight"
                 )
 
     def __len__(self) -> int:

@@ -82,7 +82,10 @@ def build_gpt_datasets(
         part = functools.partial(
             _part, indexed, ranges, name, seq_length=seq_length, seed=seed, cache_dir=cache_dir
         )
-        result.append(_blend_split(blends[k], part, num_samples[k], name))
+        # megatron-core takes a split's only prefix as it is when the split has paths of its
+        # own, weighted or not
+        direct = per_split_paths is not None and len(blends[k].prefixes) == 1
+        result.append(_blend_split(blends[k], part, num_samples[k], name, direct))
     return result
 
 
@@ -92,15 +95,22 @@ def _part(indexed, ranges, split_name, prefix, count, *, seq_length, seed, cache
     return GPTDataset(indexed(prefix), spec, cache_dir)
 
 
-def _blend_split(blend: Blend, part, size: int, name: str) -> BlendedDataset:
-    """One split as megatron-core composes it: one unweighted prefix is its dataset itself; a
-    weighted blend builds each dataset for its share plus the surplus; prefixes given alone
-    give one epoch each, weighted by their sizes."""
-    if blend.weights is None and len(blend.prefixes) == 1:
+def _blend_split(blend: Blend, part, size: int, name: str, direct: bool) -> BlendedDataset:
+    """One split as megatron-core composes it: one unweighted prefix (or `direct`) is its
+    dataset itself; a weighted blend builds each dataset for its share plus the surplus;
+    prefixes given alone give one epoch each, weighted by their sizes."""
+    if (blend.weights is None or direct) and len(blend.prefixes) == 1:
         return BlendedDataset([part(blend.prefixes[0], size)], [1.0], size, name)
     if blend.weights is None:
         parts = [part(prefix, None) for prefix in blend.prefixes]
         lengths = [len(p) for p in parts]
+        for prefix, length in zip(blend.prefixes, lengths):
+            if length == 0:
+                raise ConfigError(
+                    f"{prefix}: its {name} split holds fewer than --seq-length + 1 tokens, so "
+                    "one epoch of it (prefixes given alone) is no sample; give weights to "
+                    "repeat it, or leave it out"
+                )
         return BlendedDataset(parts, lengths, min(size, sum(lengths)), name)
     kept = [(w, p) for w, p in zip(blend.weights, blend.prefixes) if w > 0]
     weights = normalize_weights([w for w, _ in kept])

@@ -110,7 +110,10 @@ class GPTDataset:
         self.spec = spec
         start, end = spec.sequence_range
         if end <= start:
-            raise ConfigError(f"{spec.prefix}: the {spec.split_name} split holds no documents")
+            raise ConfigError(
+                f"{spec.prefix}: the {spec.split_name} split holds none of its documents; "
+                "raise that split's share (--split) or leave this dataset out of the blend"
+            )
         self.sequences = np.arange(start, end, dtype=np.int32)
         self.tokens_per_epoch = int(indexed.sequence_lengths[self.sequences].sum(dtype=np.int64))
         if self.tokens_per_epoch < 1:

@@ -32,6 +32,8 @@ from engine.data.parquet_shards import Shard, ShardCursor
 from engine.data.tokenizers import TokenizerConfig, build_tokenizer
 from engine.errors import ConfigError, InputError
 
+ORDER_RULES = 2  # the version of the cutting and blending rules (see fingerprint)
+
 
 @dataclass(frozen=True)
 class StreamPlan:
@@ -53,6 +55,9 @@ class StreamPlan:
     def fingerprint(self) -> dict:
         """What a saved position depends on; a resumed run must match it."""
         return {
+            # 2: splits cut and sources blended by megatron-core's rules; positions saved
+            # under the earlier rules point at other rows
+            "rules": ORDER_RULES,
             "shards": [[s.name, s.num_rows] for s in self.shards],
             "tokenizer": self.tokenizer,
             "column": self.column,

@@ -1,0 +1,98 @@
+"""--profile: profile iterations --profile-step-start to --profile-step-end, as Megatron-LM does.
+
+On a GPU without --use-pytorch-profiler it opens and closes the CUDA profiler's capture
+range (cudaProfilerStart/Stop) around those iterations, for
+`nsys profile --capture-range=cudaProfilerApi`.
+With --use-pytorch-profiler, and on a CPU (where there is no CUDA profiler), it runs
+torch.profiler over them and writes a Chrome trace per profiled rank to
+<--tensorboard-dir>/../torch_profile/rank-<rank>.json.gz, where Megatron-LM writes it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.errors import ConfigError
+
+
+def check_profile_flags(train) -> None:
+    """ConfigError (one line) for --profile settings that cannot work."""
+    if not train.profile:
+        return
+    if not 0 <= train.profile_step_start < train.profile_step_end:
+        raise ConfigError(
+            f"--profile-step-start {train.profile_step_start} must be below --profile-step-end "
+            f"{train.profile_step_end} (and not negative)"
+        )
+    torch_profiler = train.use_pytorch_profiler or not torch.cuda.is_available()
+    if torch_profiler and not train.tensorboard_dir:
+        raise ConfigError(
+            "--profile with torch.profiler (--use-pytorch-profiler, or any run without a GPU) "
+            "writes its trace beside --tensorboard-dir; give --tensorboard-dir DIR"
+        )
+
+
+class StepProfiler:
+    """Called at the top of every iteration and after it; inert unless --profile names this
+    rank (--profile-ranks, default every rank)."""
+
+    def __init__(self, train, rank: int, device: torch.device):
+        ranks = train.profile_ranks or []
+        self.enabled = bool(train.profile) and (not ranks or rank in ranks)
+        self.start, self.end = train.profile_step_start, train.profile_step_end
+        self.rank = rank
+        self.torch_profiler = None
+        self.cuda_range = False
+        if not self.enabled:
+            return
+        if device.type == "cuda" and not train.use_pytorch_profiler:
+            self.cuda_range = True
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.folder = os.path.join(train.tensorboard_dir, os.pardir, "torch_profile")
+        self.torch_profiler = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(
+                wait=max(self.start - 1, 0),
+                warmup=1 if self.start > 0 else 0,
+                active=self.end - self.start,
+                repeat=1,
+            ),
+            on_trace_ready=self._export,
+        )
+        self.torch_profiler.start()
+
+    @property
+    def trace_path(self) -> str:
+        return os.path.join(self.folder, f"rank-{self.rank}.json.gz")
+
+    def _export(self, profiler) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        profiler.export_chrome_trace(self.trace_path)
+
+    def before_iteration(self, completed: int) -> None:
+        """`completed`: iterations done so far (the one about to run is completed + 1)."""
+        if self.torch_profiler is not None:
+            self.torch_profiler.step()
+        elif self.cuda_range and completed == self.start:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
+
+    def after_iteration(self, completed: int) -> None:
+        if not self.enabled or completed != self.end:
+            return
+        if self.torch_profiler is not None:
+            self.torch_profiler.stop()
+            self.torch_profiler = None
+        elif self.cuda_range:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
+            self.cuda_range = False
+
+    def close(self) -> None:
+        """A run that stops before --profile-step-end still writes what it profiled."""
+        if self.torch_profiler is not None:
+            self.torch_profiler.stop()
+            self.torch_profiler = None
