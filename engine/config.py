@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
@@ -66,6 +67,11 @@ class ModelConfig:
     rotary_base: int = option(10000, "RoPE base (theta)")
     normalization: str = option("LayerNorm", "norm type", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = option(1e-5, "epsilon of the norms")
+    apply_layernorm_1p: bool = option(
+        False,
+        "norm weights stored centred on zero (initialised to 0) and applied as 1 + weight; "
+        "exported to Hugging Face as 1 + weight",
+    )
     swiglu: bool = option(False, "SwiGLU MLP instead of GELU")
     openai_gelu: bool = option(False, "GELU's tanh approximation, as OpenAI's GPT-2 uses")
     add_bias_linear: bool = option(
@@ -416,6 +422,14 @@ class DataConfig:
     test_data_path: list[str] = option(
         [], "the test split's own paths, as --data-path (instead of --data-path and --split)"
     )
+    data_args_path: str | None = option(
+        None, "a file holding the --data-path list (whitespace-separated), for long blends"
+    )
+    per_split_data_args_path: str | None = option(
+        None,
+        'a JSON file with the train/valid/test split\'s paths ({"train": [...], "valid": '
+        '..., "test": ...}; lists or whitespace-separated strings)',
+    )
     mock_data: bool = option(
         False,
         "train on generated documents (Megatron-LM's mock data) instead of --data-path, to try "
@@ -446,7 +460,42 @@ class DataConfig:
         paths = (self.train_data_path, self.valid_data_path, self.test_data_path)
         return paths if any(paths) else None
 
+    def read_path_files(self) -> None:
+        """--data-args-path and --per-split-data-args-path into the path lists (as Megatron-LM
+        reads them); ConfigError (one line) for a file that cannot be used."""
+        if self.data_args_path:
+            if self.data_path:
+                raise ConfigError("--data-args-path and --data-path both name the data; give one")
+            self.data_path = _read_text(self.data_args_path, "--data-args-path").split()
+            self.data_args_path = None
+        if self.per_split_data_args_path:
+            flag = "--per-split-data-args-path"
+            if self.train_data_path or self.valid_data_path or self.test_data_path:
+                raise ConfigError(
+                    f"{flag} and --train/valid/test-data-path both name the data; give one"
+                )
+            try:
+                splits = json.loads(_read_text(self.per_split_data_args_path, flag))
+            except json.JSONDecodeError as err:
+                raise ConfigError(
+                    f"{flag} {self.per_split_data_args_path}: not JSON ({err}); write "
+                    '{"train": [...], "valid": [...], "test": [...]}'
+                ) from None
+            if not isinstance(splits, dict):
+                raise ConfigError(f"{flag} {self.per_split_data_args_path}: not a JSON object")
+            for name in ("train", "valid", "test"):
+                value = splits.get(name) or []
+                value = value.split() if isinstance(value, str) else value
+                if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                    raise ConfigError(
+                        f"{flag} {self.per_split_data_args_path}: {name!r} must be a list of "
+                        "strings or one string"
+                    )
+                setattr(self, f"{name}_data_path", value)
+            self.per_split_data_args_path = None
+
     def validate(self) -> None:
+        self.read_path_files()
         if self.per_split_paths and self.data_path:
             raise ConfigError(
                 "--data-path and --train/valid/test-data-path name the data twice; give "
@@ -596,3 +645,12 @@ class TrainConfig:
 
     def global_batch(self, dp: int) -> int:
         return self.global_batch_size or self.micro_batch_size * dp
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise ConfigError(f"{flag} {path}: cannot be read ({reason})") from None

@@ -47,6 +47,7 @@ ARCHITECTURE_FIELDS = (
     "rotary_base",
     "normalization",
     "norm_epsilon",
+    "apply_layernorm_1p",
     "swiglu",
     "openai_gelu",
     "add_bias_linear",

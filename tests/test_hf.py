@@ -36,6 +36,8 @@ LLAMA_FLAGS = {
     "--group-query-attention": True,
     "--num-query-groups": "2",
     "--untie-embeddings-and-output-weights": True,
+    # as Megatron-LM's Llama-3 example: the export adds the 1 its norms apply
+    "--apply-layernorm-1p": True,
 }
 GPT2_FLAGS = {"--openai-gelu": True}
 
@@ -123,8 +125,14 @@ def test_ours_to_hf_to_ours_is_bit_identical(trained, tmp_path):
         original = _model_tensors(iteration_dir(ckpt, 8))
         back = _model_tensors(iteration_dir(str(tmp_path / f"{style}-back"), 0))
         assert original.keys() == back.keys()
+        # The Llama model trained with --apply-layernorm-1p comes back as a plain one whose
+        # norm weights are the 1 + weight it applied.
+        shifted = "--apply-layernorm-1p" in LLAMA_FLAGS and style == "llama"
         for key, value in original.items():
+            if shifted and key.endswith("layernorm.weight"):
+                value = (value.float() + 1).to(value.dtype)
             assert torch.equal(value, back[key]), key
+        assert not shifted or any(k.endswith("layernorm.weight") for k in original)
 
 
 def _random_hf_model(style: str, folder):

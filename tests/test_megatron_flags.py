@@ -309,3 +309,53 @@ def test_profile_writes_a_torch_trace_of_the_profiled_steps(
     without_dir = parse(SHAPE + ["--profile"])
     with pytest.raises(ConfigError, match="give --tensorboard-dir DIR"):
         check(without_dir, 1)
+
+
+def test_apply_layernorm_1p_stores_norm_weights_centred_on_zero():
+    """--apply-layernorm-1p: every norm weight starts at 0 and is applied as 1 + weight, so
+    the model computes what the plain one does, gradients included."""
+    import torch
+
+    from engine.model import BuildContext, GPTModel
+    from tests.harness import tiny_config
+
+    logits, grads = [], []
+    for centred in (False, True):
+        cfg = tiny_config("llama", apply_layernorm_1p=centred, qk_layernorm=True)
+        model = GPTModel(cfg, BuildContext(cfg, seed=3))
+        norms = [p for n, p in model.named_parameters() if "layernorm.weight" in n]
+        assert len(norms) == 4 * 4 + 1 and all(bool((p == float(not centred)).all()) for p in norms)
+        tokens = torch.randint(
+            0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0)
+        )
+        out = model(tokens=tokens)
+        out.float().pow(2).mean().backward()
+        logits.append(out.detach())
+        grads.append([p.grad for p in norms])
+    assert torch.equal(logits[0], logits[1])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_data_args_files(dataset_prefix, tmp_path):
+    """--data-args-path and --per-split-data-args-path, read as Megatron-LM reads them."""
+    import json
+
+    listed = tmp_path / "blend.txt"
+    listed.write_text(f"0.3 {dataset_prefix}\n0.7 {dataset_prefix}\n")
+    flags = UNSIZED[:-5] + ["--train-iters", "4"]  # no --mock-data or tokenizer flags
+    cfg = parse(flags + ["--data-args-path", str(listed)])
+    cfg.data.validate()
+    assert cfg.data.data_path == ["0.3", dataset_prefix, "0.7", dataset_prefix]
+    per_split = tmp_path / "splits.json"
+    per_split.write_text(json.dumps({"train": f"1 {dataset_prefix}", "valid": [dataset_prefix]}))
+    cfg = parse(flags + ["--per-split-data-args-path", str(per_split)])
+    cfg.data.validate()
+    assert cfg.data.per_split_paths == (["1", dataset_prefix], [dataset_prefix], [])
+    (tmp_path / "bad.json").write_text("{train: 1}")
+    for extra, message in (
+        (["--data-args-path", str(tmp_path / "none.txt")], "none.txt: cannot be read"),
+        (["--per-split-data-args-path", str(tmp_path / "bad.json")], "bad.json: not JSON"),
+        (["--data-args-path", str(listed), "--data-path", "x"], "both name the data"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse(flags + extra).data.validate()

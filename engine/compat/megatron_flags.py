@@ -72,6 +72,12 @@ class MegatronCompatConfig:
         "(default 0; no effect)",
         choices=[0, 1, 2],
     )
+    calculate_per_token_loss: bool | None = option(
+        None,
+        "Megatron-LM: loss as the mean over every token of the global batch (what is computed "
+        "here already: every token counts and every micro-batch holds as many; no effect)",
+        **_ON,
+    )
     log_throughput: bool | None = option(
         None,
         "Megatron-LM: throughput in the log line (always logged here: tokens/s, TFLOP/s, MFU)",
@@ -131,6 +137,7 @@ NO_EFFECT = (
     "manual_gc",
     "manual_gc_interval",
     "empty_unused_memory_level",
+    "calculate_per_token_loss",
     "log_throughput",
     "ckpt_format",
     "add_position_embedding",

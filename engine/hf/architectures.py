@@ -11,7 +11,7 @@ transposed for GPT-2's Conv1D layers, which store weights as [in, out].
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.config import ModelConfig
 from engine.errors import ConfigError
@@ -25,6 +25,7 @@ class HFTensor:
     name: str
     parts: tuple[str, ...]
     transpose: bool = False
+    shift: float = 0.0  # HF value = ours + shift (norm weights stored centred on zero)
 
 
 def style_of(cfg: ModelConfig) -> str:
@@ -65,7 +66,17 @@ def style_of(cfg: ModelConfig) -> str:
 
 
 def hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
-    """Every tensor of the HF model and where it comes from, in a stable order."""
+    """Every tensor of the HF model and where it comes from, in a stable order. With
+    --apply-layernorm-1p the norm weights are 1 + ours (HF norms multiply by the weight)."""
+    tensors = _hf_tensors(cfg, style)
+    if not cfg.apply_layernorm_1p:
+        return tensors
+    return [
+        replace(t, shift=1.0) if t.parts[0].endswith("layernorm.weight") else t for t in tensors
+    ]
+
+
+def _hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
     out = []
     if style == LLAMA:
         out.append(HFTensor("model.embed_tokens.weight", ("embedding.word_embeddings.weight",)))

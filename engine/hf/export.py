@@ -139,6 +139,8 @@ def export_to_hf(
             ]
             value = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
             value = value.t() if tensor.transpose else value
+            if tensor.shift:
+                value = value.float() + tensor.shift
             tensors[tensor.name] = value.to(DTYPES[dtype]).contiguous()
             weight_map[tensor.name] = name
             total += tensors[tensor.name].numel() * element

@@ -141,9 +141,11 @@ def _plan(folder: str, files: _SafetensorsFolder, cfg, style: str) -> dict:
         for key, shape_of_part in zip(parts, wanted):
             rows = shape_of_part[0]
 
-            def load(name=name, start=offset, rows=rows, transpose=tensor.transpose):
+            def load(name=name, start=offset, rows=rows, tensor=tensor):
                 value = files.get(name)
-                value = value.t() if transpose else value
+                value = value.t() if tensor.transpose else value
+                if tensor.shift:
+                    value = (value.float() - tensor.shift).to(value.dtype)
                 return value[start : start + rows].contiguous()
 
             state[key] = LazyTensor(torch.Size(shape_of_part), dtype, load)

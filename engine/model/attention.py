@@ -54,7 +54,12 @@ class SelfAttention(nn.Module):
         )
         if cfg.qk_layernorm:
             partial = ctx.tp_size > 1  # each TP rank normalises different heads
-            kwargs = {"params_dtype": ctx.params_dtype, "device": ctx.device, "ops": ctx.ops}
+            kwargs = {
+                "params_dtype": ctx.params_dtype,
+                "device": ctx.device,
+                "ops": ctx.ops,
+                "zero_centered": cfg.apply_layernorm_1p,
+            }
             self.q_layernorm = Norm(cfg.normalization, d, cfg.norm_epsilon, partial, **kwargs)
             self.k_layernorm = Norm(cfg.normalization, d, cfg.norm_epsilon, partial, **kwargs)
         else:

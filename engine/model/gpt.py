@@ -124,6 +124,7 @@ class GPTModel(nn.Module):
                 partial_grad=ctx.sequence_parallel,
                 params_dtype=ctx.params_dtype,
                 device=ctx.device,
+                zero_centered=config.apply_layernorm_1p,
                 ops=ctx.ops,
             )
             padded = config.padded_vocab_size(ctx.tp_size)

@@ -23,6 +23,7 @@ class TransformerLayer(nn.Module):
             "params_dtype": ctx.params_dtype,
             "device": ctx.device,
             "ops": ctx.ops,
+            "zero_centered": cfg.apply_layernorm_1p,
         }
         self.input_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, **norm)
         self.self_attention = SelfAttention(ctx, layer_number)
