@@ -18,9 +18,8 @@ from engine.checkpoint_files import find_latest, iteration_dir, read_meta
 from engine.checkpoint_load import verify_checkpoint
 from engine.compat.megatron_flags import check_compat
 from engine.config import ModelConfig
-from engine.data.blended import parse_blend
-from engine.data.builder import data_format
-from engine.data.gpt_dataset import SPLIT_NAMES, parse_split, sequence_range, split_bookends
+from engine.data.builder import data_format, split_blends
+from engine.data.gpt_dataset import SPLIT_NAMES, sequence_range
 from engine.data.indexed import IndexedDataset
 from engine.data.parquet_shards import open_shards
 from engine.data.token_ids import check_token_ids
@@ -191,19 +190,8 @@ def _check_data(cfg, vocab_flag: int | None) -> None:
             "--data-path is required (a dataset prefix or weight/prefix pairs), or --mock-data "
             "to try the run on generated documents"
         )
-    if data.per_split_paths:
-        blends = [
-            parse_blend(p, f"--{name}-data-path") if p else None
-            for p, name in zip(data.per_split_paths, SPLIT_NAMES)
-        ]
-        shares = [(0.0, 1.0) if blend else None for blend in blends]
-        detect_from = data.train_data_path
-    else:
-        blend = parse_blend(data.data_path)
-        blends = [blend] * len(SPLIT_NAMES)
-        shares = split_bookends(parse_split(data.split))
-        detect_from = data.data_path
-    if data_format(detect_from, data.data_format) == "parquet":
+    blends, shares = split_blends(data.data_path, data.split, data.per_split_paths)
+    if data_format(data.data_path or data.train_data_path, data.data_format) == "parquet":
         if data.per_split_paths:
             raise ConfigError(
                 "--train/valid/test-data-path: Parquet sources are cut by --split; give them "

@@ -57,16 +57,7 @@ def build_gpt_datasets(
             opened[prefix] = IndexedDataset(prefix)
         return opened[prefix]
 
-    if per_split_paths is not None:
-        blends = [
-            parse_blend(p, f"--{n}-data-path") if p else None
-            for p, n in zip(per_split_paths, SPLIT_NAMES)
-        ]
-        bookends = [(0.0, 1.0) if blend else None for blend in blends]
-    else:
-        blend = parse_blend(data_path)
-        blends = [blend] * len(SPLIT_NAMES)
-        bookends = split_bookends(parse_split(split))
+    blends, bookends = split_blends(data_path, split, per_split_paths)
     result: list[BlendedDataset | None] = []
     for k, name in enumerate(SPLIT_NAMES):
         if num_samples[k] <= 0 or blends[k] is None or bookends[k] is None:
@@ -87,6 +78,22 @@ def build_gpt_datasets(
         direct = per_split_paths is not None and len(blends[k].prefixes) == 1
         result.append(_blend_split(blends[k], part, num_samples[k], name, direct))
     return result
+
+
+def split_blends(
+    data_path: list[str] | None,
+    split: str,
+    per_split_paths: tuple[list[str] | None, ...] | None = None,
+) -> tuple[list[Blend | None], list[tuple[float, float] | None]]:
+    """Each split's blend and its share of every dataset in it: `data_path` cut by `split`,
+    or each split's own paths taken whole (None where a split has no paths or no share)."""
+    if per_split_paths is not None:
+        blends = [
+            parse_blend(p, f"--{n}-data-path") if p else None
+            for p, n in zip(per_split_paths, SPLIT_NAMES)
+        ]
+        return blends, [(0.0, 1.0) if blend else None for blend in blends]
+    return [parse_blend(data_path)] * len(SPLIT_NAMES), split_bookends(parse_split(split))
 
 
 def _part(indexed, ranges, split_name, prefix, count, *, seq_length, seed, cache_dir):
