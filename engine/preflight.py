@@ -199,17 +199,18 @@ def _check_data(cfg, vocab_flag: int | None) -> None:
             )
         _check_parquet(data, list(blends[0].prefixes))
         return
-    prefixes = dict.fromkeys(p for b in blends if b for p in b.prefixes)
-    for prefix in prefixes:
-        dataset = IndexedDataset(prefix)
-        try:
-            check_token_ids(dataset, m.vocab_size, source, data.data_cache_path)
-        finally:
+    datasets: dict[str, IndexedDataset] = {}
+    try:
+        for prefix in dict.fromkeys(p for b in blends if b for p in b.prefixes):
+            datasets[prefix] = IndexedDataset(prefix)
+            check_token_ids(datasets[prefix], m.vocab_size, source, data.data_cache_path)
+        _check_split_shares(data, blends, shares, datasets)
+    finally:
+        for dataset in datasets.values():
             dataset.close()
-    _check_split_shares(data, blends, shares)
 
 
-def _check_split_shares(data, blends, shares) -> None:
+def _check_split_shares(data, blends, shares, datasets: dict[str, IndexedDataset]) -> None:
     """Each split that has paths gets a share of every dataset of its blend (megatron-core
     stops on an assertion otherwise), and the train split holds tokens (a small split is
     repeated for as many epochs as the run needs, but an empty one gives nothing)."""
@@ -223,12 +224,9 @@ def _check_split_shares(data, blends, shares) -> None:
         tokens = {}
         for weight, prefix in zip(weights, blend.prefixes):
             if weight > 0:
-                dataset = IndexedDataset(prefix)
-                try:
-                    start, end = sequence_range(len(dataset.sequence_lengths), share)
-                    tokens[prefix] = int(dataset.sequence_lengths[start:end].sum())
-                finally:
-                    dataset.close()
+                lengths = datasets[prefix].sequence_lengths
+                start, end = sequence_range(len(lengths), share)
+                tokens[prefix] = int(lengths[start:end].sum())
         empty = [prefix for prefix, count in tokens.items() if count == 0]
         if k > 0 and len(empty) == len(tokens):
             continue  # a valid/test share too small for every dataset: that split is skipped
