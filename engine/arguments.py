@@ -15,7 +15,8 @@ import typing
 from engine.errors import ConfigError
 
 
-def _flag(field: dataclasses.Field) -> str:
+def flag_of(field: dataclasses.Field) -> str:
+    """The command-line flag of a config field (--field-name unless its metadata names one)."""
     return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
 
 
@@ -38,7 +39,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, title: str) ->
         if "help" not in field.metadata:
             continue
         meta = dict(field.metadata)
-        flag = _flag(field)
+        flag = flag_of(field)
         kwargs = {
             "dest": f"{cls.__name__}.{field.name}",
             "help": meta.pop("help").replace("%", "%%"),
@@ -94,7 +95,7 @@ def missing_required(namespace: argparse.Namespace, configs: dict[type, object])
                 continue
             if isinstance(rule, str) and any(getattr(c, rule, False) for c in configs.values()):
                 continue
-            missing.append(_flag(field))
+            missing.append(flag_of(field))
     return missing
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from engine.arguments import flag_of
 from engine.config import option
 from engine.errors import ConfigError
 
@@ -148,8 +149,7 @@ NO_EFFECT = (
 
 
 def _flag_of(name: str) -> str:
-    field = next(f for f in fields(MegatronCompatConfig) if f.name == name)
-    return field.metadata.get("flag") or "--" + name.replace("_", "-")
+    return flag_of(next(f for f in fields(MegatronCompatConfig) if f.name == name))
 
 
 def _given(compat: MegatronCompatConfig) -> dict[str, object]:
