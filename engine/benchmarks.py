@@ -130,7 +130,8 @@ def time_train_steps(flags: list[str], warmup: int, steps: int, device: str) -> 
     from engine.metrics import model_flops_per_token
     from engine.preflight import check
     from engine.pretrain import parse
-    from engine.training import setup, train_iteration
+    from engine.run_setup import setup
+    from engine.training import train_iteration
     from parallel.state import ParallelState
 
     cfg = parse(flags)

@@ -12,6 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from engine.batch_schedule import BatchSchedule, parse_step_schedule
 from engine.errors import ConfigError
 
 
@@ -203,6 +204,14 @@ class OptimizerConfig:
     )
     lr: float = option(3e-4, "peak learning rate")
     min_lr: float = option(0.0, "learning rate at the end of the decay")
+    decoupled_lr: float | None = option(
+        None,
+        "peak learning rate of the word embeddings and the output layer (default --lr); the "
+        "same warm-up and decay",
+    )
+    decoupled_min_lr: float | None = option(
+        None, "with --decoupled-lr: their learning rate at the end of the decay (default --min-lr)"
+    )
     lr_decay_style: str = option(
         "linear",
         "decay after warm-up",
@@ -309,6 +318,15 @@ class OptimizerConfig:
             )
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            raise ConfigError("--decoupled-min-lr goes with --decoupled-lr; give both or neither")
+        if self.decoupled_lr is not None:
+            floor = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+            if self.decoupled_lr < 0 or floor < 0 or floor > self.decoupled_lr:
+                raise ConfigError(
+                    f"need 0 <= --decoupled-min-lr (default --min-lr; {floor}) <= --decoupled-lr "
+                    f"({self.decoupled_lr})"
+                )
         if not 0 <= self.lr_warmup_init <= self.lr:
             raise ConfigError(f"need 0 <= --lr-warmup-init ({self.lr_warmup_init}) <= --lr")
         if self.clip_grad < 0:
@@ -515,6 +533,19 @@ class TrainConfig:
     global_batch_size: int | None = option(
         None, "samples per optimizer step (default: micro-batch x data-parallel size)"
     )
+    rampup_batch_size: list[int] | None = option(
+        None,
+        "START INCREMENT SAMPLES: begin with global batch START and grow it by INCREMENT in "
+        "equal intervals over the first SAMPLES samples up to --global-batch-size (with "
+        "--train-samples)",
+        nargs=3,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+    )
+    step_batch_size_schedule: str | None = option(
+        None,
+        'global batch by tokens consumed: "0:16 2.4B:320 ..." (K/M/B/T suffixes); the last '
+        "batch is the --global-batch-size",
+    )
     train_iters: int | None = option(None, "optimizer steps to train for (or --train-samples)")
     train_samples: int | None = option(
         None, "samples to train for (instead of --train-iters): global-batch steps that fit"
@@ -522,6 +553,11 @@ class TrainConfig:
     seed: int = option(1234, "random seed (initialisation, data order, dropout)")
     bf16: bool = option(False, "bf16 parameters and activations, fp32 master weights and grads")
     fp16: bool = option(False, "fp16 with dynamic loss scaling, fp32 master weights and grads")
+    grad_reduce_in_bf16: bool = option(
+        False,
+        "with --bf16: accumulate and reduce gradients in bf16 (half the traffic; default fp32); "
+        "the update still runs in fp32",
+    )
     eval_interval: int | None = option(
         None, "evaluate on the valid split every this many steps (default: only at the end)"
     )
@@ -612,16 +648,26 @@ class TrainConfig:
         if self.eval_iters < 0:
             raise ConfigError("--eval-iters must be non-negative")
 
-    def resolve_length(self, dp: int) -> None:
-        """Sets --train-iters from --train-samples (the whole global batches that fit, as
-        Megatron-LM counts them); ConfigError if the length is missing or contradictory."""
+    def batch_schedule(self, dp: int, seq_length: int) -> BatchSchedule:
+        """The global batch over the run (constant, ramped up, or by a step schedule)."""
+        return BatchSchedule.from_config(self, dp, seq_length)
+
+    def resolve_length(self, dp: int, seq_length: int) -> None:
+        """Sets --train-iters from --train-samples (the steps that fit, as Megatron-LM counts
+        them); ConfigError if the length is missing or contradictory."""
+        schedule = self.batch_schedule(dp, seq_length)
         if self.train_samples is None:
             if self.train_iters is None:
                 raise ConfigError(
                     "the length of training is missing: give --train-iters N or --train-samples N"
                 )
+            if self.rampup_batch_size is not None:
+                raise ConfigError(
+                    "--rampup-batch-size needs a run counted in samples (as in Megatron-LM): "
+                    "give --train-samples instead of --train-iters"
+                )
             return
-        iters = self.train_samples // self.global_batch(dp)
+        iters = schedule.iterations_for_samples(self.train_samples)
         if self.train_iters is not None and self.train_iters != iters:
             raise ConfigError(
                 "--train-iters and --train-samples both give the length of training; give one"
@@ -629,22 +675,28 @@ class TrainConfig:
         if iters < 1:
             raise ConfigError(
                 f"--train-samples {self.train_samples} is less than one global batch "
-                f"({self.global_batch(dp)})"
+                f"({schedule.at(0)})"
             )
         self.train_iters = iters
 
-    def num_microbatches(self, dp: int) -> int:
-        """Micro-batches per step per DP rank; ConfigError if the global batch does not split."""
-        global_batch = self.global_batch_size or self.micro_batch_size * dp
+    def num_microbatches(self, dp: int, global_batch: int | None = None) -> int:
+        """Micro-batches per step per DP rank (of the final global batch unless one is given);
+        ConfigError if the global batch does not split."""
+        global_batch = global_batch or self.global_batch(dp)
         if global_batch % (self.micro_batch_size * dp):
             raise ConfigError(
-                f"global-batch-size {global_batch} is not divisible by micro-batch-size "
+                f"global batch {global_batch} is not divisible by micro-batch-size "
                 f"{self.micro_batch_size} x data-parallel size {dp}"
             )
         return global_batch // (self.micro_batch_size * dp)
 
     def global_batch(self, dp: int) -> int:
-        return self.global_batch_size or self.micro_batch_size * dp
+        """The global batch after any ramp-up or step schedule (--global-batch-size)."""
+        if self.global_batch_size:
+            return self.global_batch_size
+        if self.step_batch_size_schedule is not None:
+            return parse_step_schedule(self.step_batch_size_schedule, 1)[-1][1]
+        return self.micro_batch_size * dp
 
 
 def _read_text(path: str, flag: str) -> str:

@@ -22,6 +22,11 @@ def no_weight_decay(param: torch.nn.Parameter) -> bool:
     return param.ndim == 1
 
 
+def decoupled(param: torch.nn.Parameter) -> bool:
+    """Trained at --decoupled-lr when given: the word embeddings and the output layer."""
+    return getattr(param, "is_embedding_or_output_parameter", False)
+
+
 def _make_inner(cfg: OptimizerConfig, device: torch.device):
     if cfg.optimizer == "sgd":
         return lambda groups: torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum)
@@ -67,12 +72,15 @@ def build_optimizer(
             growth_interval=cfg.loss_scale_window,
             hysteresis=cfg.hysteresis,
         )
+    # with and without weight decay, then the same two at --decoupled-lr (empty groups dropped)
     groups = [{"weight_decay": cfg.weight_decay}, {"weight_decay": 0.0}]
+    groups += [dict(g, decoupled=True) for g in groups]
+    split = cfg.decoupled_lr is not None
     return DistributedOptimizer(
         ddps,
         _make_inner(cfg, device),
         groups,
-        lambda p: int(no_weight_decay(p)),
+        lambda p: int(no_weight_decay(p)) + 2 * int(split and decoupled(p)),
         shard=use_distributed_optimizer,
         clip_grad=cfg.clip_grad,
         grad_scaler=scaler,
@@ -98,17 +106,19 @@ class LRScheduler:
     at the initial LR, update lr_warmup_iters at the peak), then down to --min-lr by
     --lr-decay-iters: constant (stays at --lr), linear, cosine, inverse-square-root, or WSD
     (stays at --lr, then anneals over the last --lr-wsd-decay-iters). Past the decay length
-    every style but constant gives --min-lr.
+    every style but constant gives --min-lr. With --decoupled-lr, the word embeddings and the
+    output layer follow the same shape from --lr-warmup-init to --decoupled-lr and down to
+    --decoupled-min-lr (default --min-lr), as megatron-core's per-group max_lr and min_lr.
 
-    `num_steps` counts successful updates. The trainer calls `advance` only after an update is
-    applied, as Megatron-LM steps its scheduler only when `update_successful`: a skipped step
-    (NaN/Inf, a loss spike, an fp16 overflow) leaves the schedule where it was.
+    `num_steps` counts successful updates and `num_samples` the samples they took. The trainer
+    calls `advance` only after an update is applied, as Megatron-LM steps its scheduler only
+    when `update_successful`: a skipped step (NaN/Inf, a loss spike, an fp16 overflow) leaves
+    the schedule where it was.
 
-    Megatron-LM's iteration-based training counts samples: warm-up and decay lengths are
-    iterations x global batch, and each update adds one global batch. With a fixed global batch
-    that is counting updates, except where it clamps a count to one sample
-    (inverse-square-root without warm-up), so the arithmetic here is in samples too, with the
-    same operations in the same order: the values agree to the last bit.
+    Megatron-LM's schedule counts samples, also when training by iterations: warm-up and decay
+    lengths are iterations x (final) global batch, and each update adds the samples of its
+    global batch (fewer during a batch-size ramp-up). The arithmetic here is in samples too,
+    with the same operations in the same order: the values agree to the last bit.
     """
 
     def __init__(
@@ -125,13 +135,22 @@ class LRScheduler:
         )
         self.global_batch_size = global_batch_size
         self.num_steps = 0
+        self.num_samples = 0
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of the update made after `step` successful ones."""
-        cfg, batch = self.cfg, self.global_batch_size
-        samples = step * batch
+        """The learning rate of the update made after `step` successful ones of the final
+        global batch."""
+        return self.lr_after(step * self.global_batch_size)
+
+    def lr_after(self, samples: int, decoupled: bool = False) -> float:
+        """The learning rate of the update made after updates of `samples` samples in all
+        (of the --decoupled-lr parameters with `decoupled`)."""
+        cfg = self.cfg
         warmup, decay = self.warmup, self.decay
         peak, init, floor = float(cfg.lr), cfg.lr_warmup_init, cfg.min_lr
+        if decoupled and cfg.decoupled_lr is not None:
+            peak = float(cfg.decoupled_lr)
+            floor = cfg.min_lr if cfg.decoupled_min_lr is None else cfg.decoupled_min_lr
         if warmup > 0 and samples <= warmup:
             return init + (peak - init) * float(samples) / float(warmup)
         if cfg.lr_decay_style == "constant":
@@ -158,20 +177,25 @@ class LRScheduler:
     @property
     def lr(self) -> float:
         """The learning rate of the coming update."""
-        return self.lr_at(self.num_steps)
+        return self.lr_after(self.num_samples)
 
     def apply(self, optimizer: DistributedOptimizer) -> float:
-        """Give the optimizer the learning rate of the coming update; return it."""
+        """Give the optimizer the learning rates of the coming update; return the main one
+        (--lr's; the one logged, as Megatron-LM logs it)."""
         lr = self.lr
-        optimizer.set_lr(lr)
+        optimizer.set_lr(lr, self.lr_after(self.num_samples, decoupled=True))
         return lr
 
-    def advance(self) -> None:
-        """Count one successful update (never a skipped one)."""
+    def advance(self, samples: int | None = None) -> None:
+        """Count one successful update (never a skipped one) of `samples` samples (default:
+        the final global batch)."""
         self.num_steps += 1
+        self.num_samples += self.global_batch_size if samples is None else samples
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps}
+        return {"num_steps": self.num_steps, "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict) -> None:
         self.num_steps = int(state["num_steps"])
+        # checkpoints from before batch-size schedules counted steps of the final batch only
+        self.num_samples = int(state.get("num_samples", self.num_steps * self.global_batch_size))

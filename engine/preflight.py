@@ -101,7 +101,7 @@ def check(cfg, world_size: int) -> None:
     par.validate(m.num_layers)
     train.validate()
     check_profile_flags(train)
-    train.resolve_length(dp)
+    train.resolve_length(dp, m.seq_length)
     cfg.optimizer.validate(train.train_iters, train.train_samples, train.global_batch(dp))
     _check_pipeline(cfg, dp)
     _check_device(train)
@@ -116,7 +116,6 @@ def check(cfg, world_size: int) -> None:
 def _check_pipeline(cfg, dp: int) -> None:
     m, par, train = cfg.model, cfg.parallel, cfg.train
     pp = par.pipeline_model_parallel_size
-    microbatches = train.num_microbatches(dp)
     virtual = par.virtual_size(m.num_layers)
     for rank in range(pp):
         stage_layers(
@@ -127,12 +126,16 @@ def _check_pipeline(cfg, dp: int) -> None:
             par.decoder_first_pipeline_num_layers,
             par.decoder_last_pipeline_num_layers,
         )
-    if virtual > 1 and microbatches % pp:
-        raise ConfigError(
-            f"interleaved pipelining needs the micro-batches per step ({microbatches} = "
-            f"global-batch-size / (micro-batch-size x data-parallel size {dp})) to be a "
-            f"multiple of pipeline-model-parallel-size {pp}"
-        )
+    schedule = train.batch_schedule(dp, m.seq_length)
+    batches, _ = schedule.sizes(train.train_iters)
+    for batch in sorted(batches | {schedule.final}):
+        microbatches = train.num_microbatches(dp, batch)
+        if virtual > 1 and microbatches % pp:
+            raise ConfigError(
+                f"interleaved pipelining needs the micro-batches per step ({microbatches} = "
+                f"global batch {batch} / (micro-batch-size x data-parallel size {dp})) to be a "
+                f"multiple of pipeline-model-parallel-size {pp}"
+            )
 
 
 def _check_device(train) -> None:

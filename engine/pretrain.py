@@ -18,7 +18,9 @@ from engine.compat.megatron_flags import MegatronCompatConfig, no_effect_line
 from engine.config import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
 from engine.data.tokenizers import TokenizerConfig
 from engine.preflight import check, device_of
-from engine.training import Configs, NaNLimit, finish, setup, train
+from engine.run_setup import setup
+from engine.run_state import Configs
+from engine.training import NaNLimit, finish, train
 from parallel.state import ParallelState, init_distributed
 
 GROUPS = [
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_minutes=cfg.parallel.distributed_timeout_minutes,
     )
     run = setup(cfg, state, started)
-    accepted = no_effect_line(cfg.megatron, cfg.model)
+    accepted = no_effect_line(cfg.megatron, cfg.model, cfg.train)
     if accepted:
         run.writer.print(accepted)
     code = 0

@@ -102,13 +102,15 @@ def train_step(
     after_backward=None,
     should_step: Callable[[float], bool] | None = None,
     before_update=None,
+    samples: int | None = None,
 ) -> StepOutput:
     """Zero grads, forward/backward every micro-batch, reduce, set the learning rate, step.
     should_step(loss) can decline the update (it must decide the same on every rank; the loss
     it gets is); after_backward() runs between backward and the gradient reduction;
     before_update() right before the weights and optimizer state change.
     A non-finite gradient norm skips the update inside the optimizer. The scheduler advances
-    only when the update is applied. Collective on all ranks.
+    only when the update is applied, by `samples` (the global batch; default the scheduler's).
+    Collective on all ranks.
     """
     optimizer.zero_grad()
     scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else 1.0
@@ -128,6 +130,6 @@ def train_step(
     if result.updated:
         # As Megatron-LM: the schedule moves on only after an update is applied, so a skipped
         # one (non-finite gradient, fp16 overflow, declined above) is retried at the same LR.
-        scheduler.advance()
+        scheduler.advance(samples)
     norm = result.grad_norm if math.isfinite(result.grad_norm) else None
     return StepOutput(loss, norm, lr, result.updated, result.loss_scale)

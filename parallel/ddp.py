@@ -1,9 +1,10 @@
 """Data parallelism: contiguous gradient buffers reduced in buckets, overlapped with backward.
 
 `DistributedDataParallel` moves a module's parameters into one contiguous buffer (their
-`.data` become views of it) and gives each a `main_grad`: a view of a second, fp32 buffer
-("main grads", also for bf16/fp16 parameters). A hook adds every new `.grad` into `main_grad`
-and drops `.grad`, so gradients accumulate locally over the micro-batches of a step.
+`.data` become views of it) and gives each a `main_grad`: a view of a second buffer
+("main grads": fp32, also for bf16/fp16 parameters, unless --grad-reduce-in-bf16 makes it
+bf16). A hook adds every new `.grad` into `main_grad` and drops `.grad`, so gradients
+accumulate locally over the micro-batches of a step.
 
 The buffers are cut into buckets of about `bucket_size` elements, in the reverse order of the
 parameters (roughly the order backward produces them). After the last micro-batch

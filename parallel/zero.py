@@ -92,7 +92,7 @@ class DistributedOptimizer:
         for piece in self.pieces:
             groups[piece.group]["params"].append(piece.master)
         self.optimizer = make_optimizer([g for g in groups if g["params"]])
-        self._counted = [p.grad for p in self.pieces if counts_toward_norm(p.param, tp_rank)]
+        self._counts = [counts_toward_norm(p.param, tp_rank) for p in self.pieces]
 
     def _pieces_of(self, ddp: DistributedDataParallel, group_of) -> list[Piece]:
         pieces = []
@@ -124,13 +124,12 @@ class DistributedOptimizer:
 
     # --- the step -------------------------------------------------------------------------
 
-    def set_lr(self, lr: float) -> None:
+    def set_lr(self, lr: float, decoupled_lr: float | None = None) -> None:
+        """Set the learning rate of every group (`decoupled_lr` for the groups whose options
+        say "decoupled", when given)."""
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+            use_decoupled = group.get("decoupled") and decoupled_lr is not None
+            group["lr"] = decoupled_lr if use_decoupled else lr
 
     def zero_grad(self) -> None:
         for ddp in self.ddps:
@@ -141,10 +140,14 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self) -> StepResult:
-        """One update from the (already reduced, see parallel.grads) main grads."""
+        """One update from the (already reduced, see parallel.grads) main grads. Main grads
+        kept in bf16 (--grad-reduce-in-bf16) are copied to fp32 first, as Megatron-LM does:
+        unscaling, the norm, clipping and the update are in fp32."""
+        grads = [p.grad if p.grad.dtype == p.master.dtype else p.grad.float() for p in self.pieces]
         if self.grad_scaler is not None:
-            torch._foreach_mul_([p.grad for p in self.pieces], self.grad_scaler.inv_scale)
-        norm = global_grad_norm(self._counted, self.norm_group, self.consensus_group)
+            torch._foreach_mul_(grads, self.grad_scaler.inv_scale)
+        counted = [g for g, counts in zip(grads, self._counts) if counts]
+        norm = global_grad_norm(counted, self.norm_group, self.consensus_group)
         finite = norm == norm and norm != float("inf")
         scale = self.grad_scaler.scale if self.grad_scaler is not None else None
         if self.grad_scaler is not None:
@@ -153,9 +156,9 @@ class DistributedOptimizer:
             return StepResult(False, norm, scale)
         coefficient = clip_coefficient(norm, self.clip_grad)
         if coefficient < 1.0:
-            torch._foreach_mul_([p.grad for p in self.pieces], coefficient)
-        for piece in self.pieces:
-            piece.master.grad = piece.grad
+            torch._foreach_mul_(grads, coefficient)
+        for piece, grad in zip(self.pieces, grads):
+            piece.master.grad = grad
         self.optimizer.step()
         for piece in self.pieces:
             if piece.master is not piece.data:

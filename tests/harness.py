@@ -287,3 +287,36 @@ def model_error(got: dict, expected: dict, initial: dict) -> dict[str, float]:
         "worst_tensor": max(compare_params(got, expected).values()),
         "moved": rel_err(b, b0),
     }
+
+
+def engine_steps(rank: int, world: int, extra: list[str], steps: int = 3):
+    """`steps` training iterations of the engine set up from a tiny model's flags plus `extra`
+    on `world` data-parallel ranks (each rank its own fixed random micro-batch). Returns
+    the parameters by name before and after, the losses, and the main grads' dtype."""
+    from engine.preflight import check
+    from engine.pretrain import parse
+    from engine.run_setup import setup
+    from engine.training import train_iteration
+    from parallel.state import ParallelState
+
+    argv = [
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--train-iters", "4", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "64", "--lr", "1e-2", "--weight-decay", "0.1",
+        "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--num-workers", "0",
+    ]  # fmt: skip
+    cfg = parse(argv + extra)
+    check(cfg, world)
+    engine = setup(cfg, ParallelState.build(1, 1))
+    model = engine.chunks[0].module
+    before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    generator = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, 64, (2, 17), generator=generator)
+    losses = []
+    for _ in range(steps):
+        record = train_iteration(engine, [{"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}])
+        losses.append(record["lm_loss"])
+    after = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return before, after, losses, engine.chunks[0].grad_buffer.dtype

@@ -11,7 +11,7 @@ import pytest
 
 from engine.data.builder import build_gpt_datasets, build_mock_datasets
 from engine.data.indexed import IndexedDataset, IndexedDatasetBuilder
-from engine.training import split_sample_counts
+from engine.run_setup import split_sample_counts
 
 EOD = 0
 SEQ = 32

@@ -17,6 +17,8 @@ from engine.config import OptimizerConfig
 from engine.errors import ConfigError
 from engine.optim import LRScheduler
 from engine.pretrain import parse
+from tests.distributed import run_ranks
+from tests.harness import engine_steps
 from tests.test_training import base_args, pretrain, records
 
 TRAIN_ITERS = 24
@@ -245,3 +247,61 @@ def test_skipped_update_does_not_advance_the_schedule(dataset_prefix, tokenizer_
     assert straight[SKIPPED]["lr"] == straight[SKIPPED + 1]["lr"]
     # The checkpoint counts successful updates: 3 of the first 4 iterations.
     assert read_meta(iteration_dir(ckpt, 4))["scheduler"]["num_steps"] == 3
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine", "inverse-square-root", "WSD"])
+def test_decoupled_learning_rates_equal_megatron_core(style):
+    """--decoupled-lr/--decoupled-min-lr as megatron-core applies them: a param group with its
+    own max_lr and min_lr under the same scheduler (the Llama-3 example's values)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    wsd = {"lr_wsd_decay_iters": 6} if style == "WSD" else {}
+    for decoupled_min in (4.5e-5, None):
+        cfg = OptimizerConfig(
+            lr=1.5e-4,
+            min_lr=1e-5,
+            decoupled_lr=5e-4,
+            decoupled_min_lr=decoupled_min,
+            lr_decay_style=style,
+            lr_warmup_iters=4,
+            lr_decay_iters=16,
+            **wsd,
+        )
+        ours = LRScheduler(cfg, TRAIN_ITERS, GLOBAL_BATCH)
+        main, embedding = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+        override = {"max_lr": 5e-4} | ({"min_lr": decoupled_min} if decoupled_min else {})
+        optimizer = torch.optim.SGD([{"params": [main]}, {"params": [embedding], **override}])
+        theirs = OptimizerParamScheduler(
+            optimizer,
+            init_lr=0.0,
+            max_lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            lr_warmup_steps=4 * GLOBAL_BATCH,
+            lr_decay_steps=16 * GLOBAL_BATCH,
+            lr_decay_style=style,
+            start_wd=0.0,
+            end_wd=0.0,
+            wd_incr_steps=TRAIN_ITERS * GLOBAL_BATCH,
+            wd_incr_style="constant",
+            wsd_decay_steps=6 * GLOBAL_BATCH if wsd else None,
+            lr_wsd_decay_style=cfg.lr_wsd_decay_style,
+        )
+        for step in range(TRAIN_ITERS):
+            theirs.step(increment=0 if step == 0 else GLOBAL_BATCH)
+            samples = step * GLOBAL_BATCH
+            assert ours.lr_after(samples) == optimizer.param_groups[0]["lr"], step
+            assert ours.lr_after(samples, decoupled=True) == optimizer.param_groups[1]["lr"]
+
+
+def test_decoupled_lr_trains_the_embeddings_and_output_layer_at_their_own_rate():
+    """A run with --decoupled-lr 0: the word embeddings and the (untied) output layer keep
+    their initial values, everything else trains; with --decoupled-lr equal to --lr the run
+    is the same as without the flag."""
+    [(before, after, _, _)] = run_ranks(engine_steps, 1, ["--decoupled-lr", "0"])
+    frozen = {n for n in before if torch.equal(before[n], after[n])}
+    assert frozen == {"embedding.word_embeddings.weight", "output_layer.weight"}
+    [(_, plain, _, _)] = run_ranks(engine_steps, 1, [])
+    [(_, same)] = run_ranks(engine_steps, 1, ["--decoupled-lr", "1e-2", "--decoupled-min-lr", "0"])
+    assert all(torch.equal(plain[n], same[n]) for n in plain)

@@ -464,7 +464,7 @@ def test_command_line_errors_are_one_line_before_any_process_group(dataset_prefi
             {"WORLD_SIZE": "3", "RANK": "0"},
             "world size 3 is not divisible by tensor-model-parallel-size 2",
         ),
-        (["--global-batch-size", "7"], {}, "global-batch-size 7 is not divisible"),
+        (["--global-batch-size", "7"], {}, "global batch 7 is not divisible"),
         (["--overlap-param-gather"], {}, "--overlap-param-gather needs --use-distributed"),
         (
             ["--overlap-p2p-communication"],

@@ -25,7 +25,9 @@ from engine.benchmarks import corpus_dataset, engine_flags
 from engine.cli import run_main as run
 from engine.preflight import check
 from engine.pretrain import parse
-from engine.training import save, setup, train_iteration
+from engine.run_checkpoint import save
+from engine.run_setup import setup
+from engine.training import train_iteration
 from parallel.launch import run_local
 from parallel.state import ParallelState
 

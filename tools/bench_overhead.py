@@ -23,7 +23,8 @@ from engine.model import BuildContext, GPTModel
 from engine.optim import no_weight_decay
 from engine.preflight import check
 from engine.pretrain import parse
-from engine.training import setup, train_iteration
+from engine.run_setup import setup
+from engine.training import train_iteration
 from parallel.launch import run_local
 from parallel.state import ParallelState
 

@@ -201,13 +201,16 @@ def check_compat(compat: MegatronCompatConfig, position_embedding_type: str) -> 
         )
 
 
-def no_effect_line(compat: MegatronCompatConfig, model=None) -> str | None:
+def no_effect_line(compat: MegatronCompatConfig, model=None, train=None) -> str | None:
     """The one line printed at start naming the Megatron-LM flags accepted without effect
-    (and --num-query-groups, which Megatron-LM reads only with --group-query-attention)."""
+    (and --num-query-groups, which Megatron-LM reads only with --group-query-attention, and
+    --grad-reduce-in-bf16, which it reads only with --bf16)."""
     given = _given(compat)
     names = [_flag_of(n) for n in NO_EFFECT if n in given]
     if model is not None and model.num_query_groups is not None and not model.group_query_attention:
         names.append("--num-query-groups (without --group-query-attention)")
+    if train is not None and train.grad_reduce_in_bf16 and not train.bf16:
+        names.append("--grad-reduce-in-bf16 (without --bf16)")
     if not names:
         return None
     return "Megatron-LM flags accepted without effect here: " + ", ".join(names)

@@ -50,6 +50,8 @@ class Embedding(nn.Module):
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )
+        # --decoupled-lr trains the word embeddings and the output layer at its own rate
+        self.word_embeddings.weight.is_embedding_or_output_parameter = True
         if cfg.position_embedding_type == "learned_absolute":
             weight = draw_full(
                 (cfg.max_positions, cfg.hidden_size),
@@ -141,6 +143,7 @@ class GPTModel(nn.Module):
                     params_dtype=ctx.params_dtype,
                     device=ctx.device,
                 )
+                self.output_layer.weight.is_embedding_or_output_parameter = True
             elif not pre_process:
                 # The last stage keeps its own copy of the tied embedding, drawn from the same
                 # seed; the pipeline keeps the copies equal by all-reducing their gradients.
@@ -156,6 +159,7 @@ class GPTModel(nn.Module):
                 )
                 weight = self.word_embeddings_for_head.weight
                 weight.shared_embedding = True  # a duplicate: not counted in the grad norm
+                weight.is_embedding_or_output_parameter = True
                 weight.checkpoint_name = WORD_EMBEDDINGS
         shared = self.shared_embedding_weight()
         if shared is not None and not (pre_process and post_process):

@@ -1,0 +1,52 @@
+"""The log lines of a training run: the training window and the evaluations."""
+
+from __future__ import annotations
+
+import math
+
+from engine.metrics import memory_gb
+from engine.run_state import Run
+
+
+def log_window(run: Run, window: list[dict], tokens: int) -> None:
+    """The log line (and metrics record) of the iterations since the last one."""
+    c, train = run.counters, run.cfg.train
+    updated = [r for r in window if r["updated"]]
+    losses = [r["lm_loss"] for r in updated] or [r["lm_loss"] for r in window]
+    loss = sum(losses) / len(losses)
+    last = window[-1]
+    record = {
+        "iteration": c.iteration,
+        "consumed_samples": c.consumed_samples,
+        "lm_loss": loss if math.isfinite(loss) else None,
+        "lr": last["lr"],
+        "grad_norm": last["grad_norm"],
+        "loss_scale": last.get("loss_scale"),
+        "batch_size": last["batch_size"],
+        "skipped_iters": c.skipped_iters,
+        **run.throughput.rates(tokens),
+        "mem_gb": memory_gb(run.state.device),
+    }
+    run.throughput.reset()
+    run.writer.log(record, c.iteration)
+    mfu = f" | mfu {record['mfu']:.1%}" if "mfu" in record else ""
+    grad = f"{record['grad_norm']:.3f}" if record["grad_norm"] is not None else "skipped"
+    run.writer.print(
+        f"iteration {c.iteration:6d}/{train.train_iters} | consumed {c.consumed_samples} | "
+        f"lm loss {loss:.4f} | lr {record['lr']:.3e} | grad norm {grad} | "
+        f"{record['tokens_per_sec']:,.0f} tokens/s | {record['tflops_per_device']:.3f} "
+        f"TFLOP/s/device{mfu} | skipped {c.skipped_iters} | mem {record['mem_gb']:.2f} GB"
+    )
+
+
+def log_eval(run: Run, name: str, loss: float | None) -> None:
+    """The log line (and metrics record) of an evaluation."""
+    if loss is None:
+        return
+    ppl = math.exp(min(loss, 50.0))
+    c = run.counters
+    record = {"iteration": c.iteration, "consumed_samples": c.consumed_samples}
+    run.writer.log(record | {"split": name, "lm_loss": loss, "ppl": ppl}, c.iteration, name)
+    run.writer.print(
+        f"{name} at iteration {run.counters.iteration}: lm loss {loss:.4f} | perplexity {ppl:.2f}"
+    )

@@ -1,0 +1,228 @@
+"""Setting a training run up from its configs: model, optimizer, schedules, data, metrics,
+checkpointing, and (with --load) the state of a checkpoint."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine.checkpointing import Checkpointer
+from engine.data.builder import (
+    build_gpt_datasets,
+    build_mock_datasets,
+    build_streaming_datasets,
+    data_format,
+)
+from engine.data.gpt_dataset import SPLIT_NAMES
+from engine.data.tokenizers import build_tokenizer
+from engine.errors import ConfigError
+from engine.metrics import (
+    MetricsWriter,
+    SpikeDetector,
+    Throughput,
+    device_peak_tflops,
+    model_flops_per_token,
+)
+from engine.model.builder import build_model_chunks
+from engine.ops import select_ops
+from engine.optim import LRScheduler, build_optimizer
+from engine.profiling import StepProfiler
+from engine.run_checkpoint import resume
+from engine.run_control import ExitConditions, earliest_start
+from engine.run_state import Configs, Counters, Run, logging_rank, params_dtype
+from parallel.ddp import DistributedDataParallel
+from parallel.pipeline.schedules import get_schedule
+from parallel.random import model_parallel_seed
+from parallel.state import ParallelState
+
+
+def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> Run:
+    """Model, optimizer, data, and (with --load) the state of a checkpoint. `started`: when
+    the process started (time.time()), from which --exit-duration-in-mins counts."""
+    m, par, train = cfg.model, cfg.parallel, cfg.train
+    started = earliest_start(
+        time.time() if started is None else started, state.world_group, state.device
+    )
+    train.resolve_length(state.dp_size, m.seq_length)
+    random.seed(train.seed)
+    np.random.seed(train.seed % 2**32)
+    tracker = model_parallel_seed(train.seed, state.tp_rank, state.pp_rank, state.device)
+    dtype = params_dtype(train)
+    virtual = par.virtual_size(m.num_layers)
+    ops = select_ops(state.device, train.use_fused_kernels)
+    if state.rank == 0:
+        print(f"ops: {ops.name}", flush=True)
+    chunks = build_model_chunks(
+        m,
+        state,
+        params_dtype=dtype,
+        seed=train.seed,
+        sequence_parallel=par.sequence_parallel,
+        tracker=tracker,
+        virtual_size=virtual,
+        first_stage_layers=par.decoder_first_pipeline_num_layers,
+        last_stage_layers=par.decoder_last_pipeline_num_layers,
+        ops=ops,
+    )
+    ddps = [
+        DistributedDataParallel(
+            c,
+            state.dp_group,
+            bucket_size=par.ddp_bucket_size,
+            overlap_grad_reduce=par.overlap_grad_reduce,
+            use_distributed_optimizer=par.use_distributed_optimizer,
+            overlap_param_gather=par.overlap_param_gather,
+            grad_dtype=torch.bfloat16
+            if train.bf16 and train.grad_reduce_in_bf16
+            else torch.float32,
+        )
+        for c in chunks
+    ]
+    optimizer = build_optimizer(
+        ddps,
+        cfg.optimizer,
+        use_distributed_optimizer=par.use_distributed_optimizer,
+        fp16=train.fp16,
+        tp_rank=state.tp_rank,
+        model_parallel_group=state.model_parallel_group,
+        world_group=state.world_group,
+        device=state.device,
+    )
+    batches = train.batch_schedule(state.dp_size, m.seq_length)
+    global_batch = batches.final
+    scheduler = LRScheduler(cfg.optimizer, train.train_iters, global_batch, train.train_samples)
+    seq = (
+        m.seq_length // state.tp_size
+        if par.sequence_parallel and state.tp_size > 1
+        else m.seq_length
+    )
+    schedule = get_schedule(
+        state,
+        virtual_size=virtual,
+        kind=par.pipeline_schedule,
+        tensor_shape=(seq, train.micro_batch_size, m.hidden_size),
+        dtype=dtype,
+        overlap_p2p=par.overlap_p2p_communication,
+    )
+    datasets = _datasets(cfg, state, batches)
+    flops = model_flops_per_token(m, m.padded_vocab_size(state.tp_size))
+    peak, _ = device_peak_tflops(
+        state.device, "bf16" if train.bf16 else "fp16" if train.fp16 else "fp32"
+    )
+    writer = MetricsWriter(logging_rank(state), train.log_jsonl, train.tensorboard_dir)
+    # Checkpoints talk over their own gloo group: an async save runs its collectives in a
+    # background thread, which must never interleave with the training's collectives.
+    checkpoint_group = None
+    if state.world_size > 1:
+        checkpoint_group = dist.new_group(list(range(state.world_size)), backend="gloo")
+    checkpointer = None
+    if train.save:
+        checkpointer = Checkpointer(
+            train.save, checkpoint_group, state.rank, train.async_save, train.keep_last_n
+        )
+    run = Run(
+        cfg,
+        state,
+        ddps,
+        optimizer,
+        scheduler,
+        schedule,
+        tracker,
+        datasets,
+        Counters(),
+        batches,
+        dtype,
+        writer,
+        checkpointer,
+        checkpoint_group,
+        Throughput(flops, state.world_size, peak),
+        SpikeDetector(train.spike_window, train.spike_zscore),
+        exit_conditions=ExitConditions(
+            train.exit_duration_in_mins, train.exit_signal_handler, started=started
+        ),
+        profiler=StepProfiler(train, state.rank, state.device),
+    )
+    if batches.describe():
+        run.writer.print(batches.describe())
+    if train.load:
+        resume(run)
+    if checkpointer is not None:
+        checkpointer.prepare(ddps, optimizer, run.tracker)
+    return run
+
+
+def split_sample_counts(train, global_batch: int) -> tuple[int, int, int]:
+    """Samples asked of the train, valid and test splits, as Megatron-LM asks them (the sizes
+    decide how many epochs each split spans, and so its order): the whole run; --eval-iters
+    batches for each evaluation of the run and one more; --eval-iters batches."""
+    evaluations = train.train_iters // train.eval_interval + 1 if train.eval_interval else 1
+    return (
+        train.train_samples or train.train_iters * global_batch,
+        evaluations * train.eval_iters * global_batch,
+        train.eval_iters * global_batch,
+    )
+
+
+def _datasets(cfg: Configs, state: ParallelState, batches) -> list:
+    train = cfg.train
+    global_batch = batches.final
+    samples = split_sample_counts(train, global_batch)
+    data = cfg.data
+    tokenizer = build_tokenizer(cfg.tokenizer) if data.mock_data else None
+
+    def build():
+        paths = data.data_path or data.train_data_path
+        if not data.mock_data and data_format(paths, data.data_format) == "parquet":
+            return build_streaming_datasets(
+                data.data_path,
+                data.parquet_text_column,
+                data.parquet_shuffle_buffer,
+                data.split,
+                cfg.model.seq_length,
+                train.seed,
+                samples,
+                cfg.tokenizer,
+            )
+        if data.mock_data:
+            return build_mock_datasets(
+                tokenizer.vocab_size,
+                tokenizer.eod,
+                cfg.model.seq_length,
+                train.seed,
+                samples,
+                data.data_cache_path,
+            )
+        return build_gpt_datasets(
+            data.data_path,
+            data.split,
+            cfg.model.seq_length,
+            train.seed,
+            samples,
+            data.data_cache_path,
+            data.per_split_paths,
+        )
+
+    # Rank 0 builds the index caches (indexed and mock data); the others then load them.
+    if state.rank == 0:
+        datasets = build()
+    if state.world_group is not None:
+        dist.barrier(group=state.world_group)
+    if state.rank != 0:
+        datasets = build()
+    if datasets[0] is None:
+        raise ConfigError(f"--split {data.split} leaves no training documents")
+    evaluation = train.eval_iters * global_batch  # each evaluation reads the same first ones
+    _, consumed = batches.sizes(train.train_iters)  # a ramp's last step may pass --train-samples
+    needs = (max(samples[0], consumed), evaluation, evaluation)
+    for name, dataset, needed in zip(SPLIT_NAMES, datasets, needs):
+        if dataset is not None and len(dataset) < needed:
+            raise ConfigError(
+                f"the {name} split has {len(dataset)} samples and the run needs {needed}: "
+                "prefixes given alone (--data-path A B) blend one epoch of each; give weights "
+                "(0.5 A 0.5 B) to repeat them, or train for less"
+            )
+    return datasets

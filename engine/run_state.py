@@ -1,0 +1,89 @@
+"""The state of a training run: its configs, counters, and the objects the loop works with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.batch_schedule import BatchSchedule
+from engine.checkpointing import Checkpointer
+from engine.compat.megatron_flags import MegatronCompatConfig
+from engine.config import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
+from engine.data.tokenizers import TokenizerConfig
+from engine.metrics import MetricsWriter, SpikeDetector, Throughput
+from engine.optim import LRScheduler
+from engine.profiling import StepProfiler
+from engine.run_control import ExitConditions
+from parallel.state import ParallelState
+
+
+@dataclass
+class Configs:
+    model: ModelConfig
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    data: DataConfig
+    train: TrainConfig
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    megatron: MegatronCompatConfig = field(default_factory=MegatronCompatConfig)
+    given: frozenset[str] = frozenset()  # the flags on the command line
+
+
+@dataclass
+class Counters:
+    """Run state that is not in the model or optimizer, saved in meta.json."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iters: int = 0
+    nan_iters: int = 0
+    optimizer_step: int = 0
+    spike_history: list = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built once by `setup`."""
+
+    cfg: Configs
+    state: ParallelState
+    chunks: list
+    optimizer: object
+    scheduler: LRScheduler
+    schedule: object
+    tracker: object
+    datasets: list
+    counters: Counters
+    batches: BatchSchedule
+    dtype: torch.dtype
+    writer: MetricsWriter
+    checkpointer: Checkpointer | None
+    checkpoint_group: object
+    throughput: Throughput
+    spikes: SpikeDetector
+    last_saved: int | None = None
+    exit_conditions: ExitConditions | None = None
+    profiler: StepProfiler | None = None
+    # Parquet streams: the position to resume from, and the training iterator whose position
+    # a checkpoint saves.
+    data_state: dict | None = None
+    train_iterator: object = None
+
+
+def params_dtype(train: TrainConfig) -> torch.dtype:
+    return torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
+
+
+def layout_of(state: ParallelState, cfg: Configs) -> dict:
+    return {
+        "tp": state.tp_size,
+        "pp": state.pp_size,
+        "dp": state.dp_size,
+        "virtual": cfg.parallel.virtual_size(cfg.model.num_layers),
+        "distributed_optimizer": cfg.parallel.use_distributed_optimizer,
+    }
+
+
+def logging_rank(state: ParallelState) -> bool:
+    return state.is_last_stage and state.tp_rank == 0 and state.dp_rank == 0
