@@ -39,10 +39,12 @@ def _count(text: str, flag: str) -> int:
     return int(value * scale)
 
 
-def parse_step_schedule(text: str, seq_length: int) -> tuple[tuple[int, int], ...]:
+def parse_step_schedule(text: str | list[str], seq_length: int) -> tuple[tuple[int, int], ...]:
     """((first sample, global batch), ...) from "TOKENS:BATCH TOKENS:BATCH ..." (commas or
-    spaces between entries), sorted; ConfigError (one line) for a schedule that cannot be used."""
+    spaces between entries; or a list of such strings), sorted; ConfigError (one line) for a
+    schedule that cannot be used."""
     flag = "--step-batch-size-schedule"
+    text = text if isinstance(text, str) else " ".join(text)
     entries = []
     for entry in text.replace(",", " ").split():
         tokens, sep, batch = entry.partition(":")

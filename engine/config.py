@@ -66,6 +66,9 @@ class ModelConfig:
         "learned_absolute", "position encoding", choices=["learned_absolute", "rope"]
     )
     rotary_base: int = option(10000, "RoPE base (theta)")
+    rotary_percent: float = option(
+        1.0, "the share of each head's channels RoPE rotates (the first ones); the rest pass"
+    )
     normalization: str = option("LayerNorm", "norm type", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = option(1e-5, "epsilon of the norms")
     apply_layernorm_1p: bool = option(
@@ -131,6 +134,11 @@ class ModelConfig:
         return 4 * self.hidden_size
 
     @property
+    def rotary_dim(self) -> int:
+        """Channels of a head that RoPE rotates (as Megatron-LM: int(head size x percent))."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
 
@@ -178,8 +186,13 @@ class ModelConfig:
             raise ConfigError(
                 f"max-position-embeddings {self.max_positions} < seq-length {self.seq_length}"
             )
-        if self.position_embedding_type == "rope" and self.head_dim % 2:
-            raise ConfigError(f"RoPE needs an even head size, got {self.head_dim}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} must be in (0, 1]")
+        if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ConfigError(
+                f"RoPE needs an even number of rotated channels per head, got {self.rotary_dim} "
+                f"(head size {self.head_dim} x --rotary-percent {self.rotary_percent})"
+            )
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1)")
@@ -541,10 +554,12 @@ class TrainConfig:
         nargs=3,
         metavar=("START", "INCREMENT", "SAMPLES"),
     )
-    step_batch_size_schedule: str | None = option(
+    step_batch_size_schedule: list[str] | None = option(
         None,
-        'global batch by tokens consumed: "0:16 2.4B:320 ..." (K/M/B/T suffixes); the last '
-        "batch is the --global-batch-size",
+        'global batch by tokens consumed: "0:16 2.4B:320 ..." (K/M/B/T suffixes; one quoted '
+        "argument or several, as a script's word splitting passes it); the last batch is the "
+        "--global-batch-size",
+        nargs="+",
     )
     train_iters: int | None = option(None, "optimizer steps to train for (or --train-samples)")
     train_samples: int | None = option(
@@ -565,6 +580,14 @@ class TrainConfig:
     log_interval: int = option(100, "steps between log lines")
     log_jsonl: str | None = option(None, "append one JSON object per log line to this file")
     tensorboard_dir: str | None = option(None, "write TensorBoard scalars here")
+    wandb_project: str | None = option(
+        None,
+        "log to this Weights & Biases project (needs wandb installed; WANDB_MODE=offline "
+        "works without network)",
+    )
+    wandb_exp_name: str | None = option(None, "the wandb run's name")
+    wandb_save_dir: str | None = option(None, "where wandb writes the run (default <--save>/wandb)")
+    wandb_entity: str | None = option(None, "the wandb team or user to log under")
     save: str | None = option(None, "checkpoint directory to save to")
     load: str | None = option(None, "checkpoint directory to resume from (its latest)")
     verify_checkpoint: bool = option(

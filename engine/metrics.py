@@ -137,13 +137,15 @@ def tensorboard_scalars(record: dict, split: str | None = None) -> list[tuple[st
 
 
 class MetricsWriter:
-    """Console lines, a JSONL file (--log-jsonl) and TensorBoard scalars (--tensorboard-dir),
-    written by the one rank that sees the loss (last pipeline stage, first TP and DP rank)."""
+    """Console lines, a JSONL file (--log-jsonl), TensorBoard scalars (--tensorboard-dir) and
+    a wandb run (`wandb`: a started engine.wandb_writer.WandbWriter), written by the one rank
+    that sees the loss (last pipeline stage, first TP and DP rank)."""
 
-    def __init__(self, enabled: bool, jsonl: str | None, tensorboard_dir: str | None):
+    def __init__(self, enabled: bool, jsonl: str | None, tensorboard_dir: str | None, wandb=None):
         self.enabled = enabled
         self.jsonl = None
         self.tensorboard = None
+        self.wandb = wandb
         if not enabled:
             return
         if jsonl:
@@ -168,6 +170,8 @@ class MetricsWriter:
             for tag, value, axis in tensorboard_scalars(record, split):
                 x = record["consumed_samples"] if axis == "samples" else step
                 self.tensorboard.add_scalar(tag, value, x)
+        if self.wandb is not None:
+            self.wandb.log(record, step, split)
 
     def print(self, line: str) -> None:
         if self.enabled:
@@ -178,6 +182,8 @@ class MetricsWriter:
             self.jsonl.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 class SpikeDetector:

@@ -27,6 +27,7 @@ from engine.data.tokenizers import TokenizerConfig, build_tokenizer, config_from
 from engine.errors import ConfigError, UserError
 from engine.paths import probe_writable_folder
 from engine.profiling import check_profile_flags
+from engine.wandb_writer import check_wandb_flags, wandb_folder
 from parallel.errors import describe_os_error
 from parallel.pipeline.layout import stage_layers
 from parallel.state import check_layout
@@ -101,6 +102,7 @@ def check(cfg, world_size: int) -> None:
     par.validate(m.num_layers)
     train.validate()
     check_profile_flags(train)
+    check_wandb_flags(train)
     train.resolve_length(dp, m.seq_length)
     cfg.optimizer.validate(train.train_iters, train.train_samples, train.global_batch(dp))
     _check_pipeline(cfg, dp)
@@ -266,6 +268,8 @@ def _check_outputs(train) -> None:
         _writable_dir(train.save, "--save")
     if train.tensorboard_dir:
         _writable_dir(train.tensorboard_dir, "--tensorboard-dir")
+    if train.wandb_project:
+        _writable_dir(wandb_folder(train), "--wandb-save-dir" if train.wandb_save_dir else "--save")
     if train.log_jsonl:
         _writable_dir(os.path.dirname(os.path.abspath(train.log_jsonl)), "--log-jsonl")
         if os.path.isdir(train.log_jsonl):

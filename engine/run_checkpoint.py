@@ -46,6 +46,7 @@ def resume(run: Run) -> None:
         consumed_samples=meta["consumed_samples"],
         skipped_iters=counters.get("skipped_iters", 0),
         nan_iters=counters.get("nan_iters", 0),
+        consumed_valid_samples=counters.get("consumed_valid_samples", 0),
         optimizer_step=meta.get("optimizer_step", 0) if load_optimizer else 0,
     )
     if load_optimizer:
@@ -98,7 +99,11 @@ def save(run: Run) -> None:
         if run.optimizer.grad_scaler
         else None,
         "optimizer_step": c.optimizer_step,
-        "counters": {"skipped_iters": c.skipped_iters, "nan_iters": c.nan_iters},
+        "counters": {
+            "skipped_iters": c.skipped_iters,
+            "nan_iters": c.nan_iters,
+            "consumed_valid_samples": c.consumed_valid_samples,
+        },
         "spikes": run.spikes.state_dict(),
     }
     if isinstance(run.datasets[0], StreamingDataset):

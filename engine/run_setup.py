@@ -3,6 +3,7 @@ checkpointing, and (with --load) the state of a checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -34,6 +35,7 @@ from engine.profiling import StepProfiler
 from engine.run_checkpoint import resume
 from engine.run_control import ExitConditions, earliest_start
 from engine.run_state import Configs, Counters, Run, logging_rank, params_dtype
+from engine.wandb_writer import WandbWriter
 from parallel.ddp import DistributedDataParallel
 from parallel.pipeline.schedules import get_schedule
 from parallel.random import model_parallel_seed
@@ -113,7 +115,10 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     peak, _ = device_peak_tflops(
         state.device, "bf16" if train.bf16 else "fp16" if train.fp16 else "fp32"
     )
-    writer = MetricsWriter(logging_rank(state), train.log_jsonl, train.tensorboard_dir)
+    wandb = None
+    if train.wandb_project and logging_rank(state):
+        wandb = WandbWriter(train, run_record(cfg, state))
+    writer = MetricsWriter(logging_rank(state), train.log_jsonl, train.tensorboard_dir, wandb)
     # Checkpoints talk over their own gloo group: an async save runs its collectives in a
     # background thread, which must never interleave with the training's collectives.
     checkpoint_group = None
@@ -153,6 +158,14 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     if checkpointer is not None:
         checkpointer.prepare(ddps, optimizer, run.tracker)
     return run
+
+
+def run_record(cfg: Configs, state: ParallelState) -> dict:
+    """The run's settings, as a flat record (the wandb run's config)."""
+    record = {"world_size": state.world_size, "data_parallel_size": state.dp_size}
+    for name in ("model", "parallel", "optimizer", "data", "train", "tokenizer"):
+        record.update(dataclasses.asdict(getattr(cfg, name)))
+    return record
 
 
 def split_sample_counts(train, global_batch: int) -> tuple[int, int, int]:
@@ -215,9 +228,8 @@ def _datasets(cfg: Configs, state: ParallelState, batches) -> list:
         datasets = build()
     if datasets[0] is None:
         raise ConfigError(f"--split {data.split} leaves no training documents")
-    evaluation = train.eval_iters * global_batch  # each evaluation reads the same first ones
     _, consumed = batches.sizes(train.train_iters)  # a ramp's last step may pass --train-samples
-    needs = (max(samples[0], consumed), evaluation, evaluation)
+    needs = (max(samples[0], consumed), samples[1], samples[2])
     for name, dataset, needed in zip(SPLIT_NAMES, datasets, needs):
         if dataset is not None and len(dataset) < needed:
             raise ConfigError(

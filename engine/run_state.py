@@ -36,6 +36,7 @@ class Counters:
 
     iteration: int = 0
     consumed_samples: int = 0
+    consumed_valid_samples: int = 0  # evaluations read on through the valid split
     skipped_iters: int = 0
     nan_iters: int = 0
     optimizer_step: int = 0
@@ -69,6 +70,7 @@ class Run:
     # a checkpoint saves.
     data_state: dict | None = None
     train_iterator: object = None
+    valid_iterator: object = None  # Parquet streams: the valid stream, read on within a run
 
 
 def params_dtype(train: TrainConfig) -> torch.dtype:

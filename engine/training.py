@@ -80,14 +80,26 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
 
 
 def evaluate(run: Run, split: int) -> float | None:
-    """Mean loss over --eval-iters global batches of a split (the same ones every time; the
-    run's final global batch, as Megatron-LM evaluates during a ramp-up)."""
+    """Mean loss over --eval-iters global batches of a split (of the run's final global batch,
+    as Megatron-LM evaluates during a ramp-up). As in Megatron-LM, each evaluation of the
+    valid split reads on from where the last one stopped (the count is in the checkpoint; a
+    Parquet valid stream starts again when a run resumes); the test split is read from its
+    start."""
     dataset = run.datasets[split]
     if dataset is None or run.cfg.train.eval_iters == 0:
         return None
     run.optimizer.finish_param_sync()
-    state, train = run.state, run.cfg.train
-    iterator = data_iterator(run, dataset, 0, num_workers=0)
+    state, train, c = run.state, run.cfg.train, run.counters
+    if split != 1:
+        iterator = data_iterator(run, dataset, 0, num_workers=0)
+    elif isinstance(dataset, StreamingDataset):
+        if run.valid_iterator is None:
+            run.valid_iterator = data_iterator(run, dataset, 0, num_workers=0)
+        iterator = run.valid_iterator
+    else:
+        iterator = data_iterator(run, dataset, c.consumed_valid_samples, num_workers=0)
+    if split == 1:
+        c.consumed_valid_samples += train.eval_iters * run.batches.final
     total, count = 0.0, micro_batches_per_step(run, run.batches.final)
     for _ in range(train.eval_iters):
         batches = [to_device(next(iterator), state.device) for _ in range(count)]

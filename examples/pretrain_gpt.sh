@@ -27,31 +27,30 @@ MASTER_PORT=${MASTER_PORT:-29500}
 DATA=${DATA:-data/quickstart}
 PYTHON=${PYTHON:-python}
 
+# Defaults: what Megatron-LM requires (the model's shape, the batch, the length, the data) and
+# a learning rate; every other flag keeps Megatron-LM's default. A group of defaults is left
+# out when the arguments give their own: the data and split with any data source (--data-path,
+# --mock-data, per-split paths, --data-args-path), the tokenizer with any tokenizer flag, the
+# length with --train-samples (Megatron-LM refuses the two together), the global batch with a
+# step schedule.
 MODEL_ARGS=(
     --num-layers 4 --hidden-size 256 --num-attention-heads 8
     --seq-length 256 --max-position-embeddings 256
-    --position-embedding-type learned_absolute --normalization LayerNorm
-    --hidden-dropout 0.0 --attention-dropout 0.0
 )
-TRAIN_ARGS=(
-    --micro-batch-size 4 --global-batch-size 16
-    --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine
-    --weight-decay 0.1 --clip-grad 1.0 --seed 1234
-)
-# The length and warm-up in iterations, unless the arguments count in samples (Megatron-LM
-# refuses the two together) or give the warm-up as a fraction.
+TRAIN_ARGS=(--micro-batch-size 4 --lr 1e-3)
+BATCH_ARGS=(--global-batch-size 16)
 LENGTH_ARGS=(--train-iters 200)
-WARMUP_ARGS=(--lr-warmup-iters 20)
+DATA_ARGS=(--data-path "$DATA/stdlib_text_document" --split 949,50,1)
+TOKENIZER_ARGS=(--tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tokenizer.model")
 for arg in "$@"; do
-    case "$arg" in
-        --train-samples | --train-samples=*) LENGTH_ARGS=() WARMUP_ARGS=() ;;
-        --lr-warmup-samples* | --lr-warmup-fraction*) WARMUP_ARGS=() ;;
+    case "${arg%%=*}" in
+        --train-samples) LENGTH_ARGS=() ;;
+        --step-batch-size-schedule) BATCH_ARGS=() ;;
+        --data-path | --mock-data | --train-data-path | --valid-data-path | --test-data-path | \
+            --data-args-path | --per-split-data-args-path) DATA_ARGS=() ;;
+        --tokenizer-type | --tokenizer-model | --vocab-file | --merge-file) TOKENIZER_ARGS=() ;;
     esac
 done
-DATA_ARGS=(
-    --data-path "$DATA/stdlib_text_document" --split 949,50,1
-    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tokenizer.model"
-)
 OUTPUT_ARGS=(--log-interval 10 --eval-interval 100 --eval-iters 4)
 
 # engine.launch is torchrun (same options) that first checks every flag, path and the layout
@@ -60,5 +59,7 @@ OUTPUT_ARGS=(--log-interval 10 --eval-interval 100 --eval-iters 4)
 exec "$PYTHON" -m engine.launch --nproc-per-node "$NPROC_PER_NODE" \
     --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-    -m engine.pretrain "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" ${LENGTH_ARGS[@]+"${LENGTH_ARGS[@]}"} \
-    ${WARMUP_ARGS[@]+"${WARMUP_ARGS[@]}"} "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
+    -m engine.pretrain "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" \
+    ${BATCH_ARGS[@]+"${BATCH_ARGS[@]}"} ${LENGTH_ARGS[@]+"${LENGTH_ARGS[@]}"} \
+    ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} ${TOKENIZER_ARGS[@]+"${TOKENIZER_ARGS[@]}"} \
+    "${OUTPUT_ARGS[@]}" "$@"

@@ -28,6 +28,8 @@ python tools/show_samples.py --data-path "$DATA/stdlib_text_document" \
 
 echo "== 5/7 training: TP2 x PP2 on 4 CPU processes (a few minutes)"
 NPROC_PER_NODE=4 DATA=$DATA bash examples/pretrain_gpt.sh \
+    --hidden-dropout 0.0 --attention-dropout 0.0 --lr-warmup-iters 20 --min-lr 1e-4 \
+    --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --seed 1234 \
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel \
     --train-iters ${TRAIN_ITERS:-100} --eval-interval 50 --save-interval 50 \
     --save "$RUN/checkpoints" --log-jsonl "$RUN/metrics.jsonl" --tensorboard-dir "$RUN/tensorboard"

@@ -291,7 +291,7 @@ def model_error(got: dict, expected: dict, initial: dict) -> dict[str, float]:
 
 def engine_steps(rank: int, world: int, extra: list[str], steps: int = 3):
     """`steps` training iterations of the engine set up from a tiny model's flags plus `extra`
-    on `world` data-parallel ranks (each rank its own fixed random micro-batch). Returns
+    on `world` ranks (each data-parallel rank its own fixed random micro-batch). Returns
     the parameters by name before and after, the losses, and the main grads' dtype."""
     from engine.preflight import check
     from engine.pretrain import parse
@@ -309,10 +309,12 @@ def engine_steps(rank: int, world: int, extra: list[str], steps: int = 3):
     ]  # fmt: skip
     cfg = parse(argv + extra)
     check(cfg, world)
-    engine = setup(cfg, ParallelState.build(1, 1))
+    par = cfg.parallel
+    state = ParallelState.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
+    engine = setup(cfg, state)
     model = engine.chunks[0].module
     before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    generator = torch.Generator().manual_seed(rank)
+    generator = torch.Generator().manual_seed(state.dp_rank)
     tokens = torch.randint(0, 64, (2, 17), generator=generator)
     losses = []
     for _ in range(steps):

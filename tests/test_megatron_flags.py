@@ -4,8 +4,10 @@ grouped-query attention and the tokenizer default."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -13,6 +15,8 @@ from engine.compat.megatron_flags import check_compat, flag_names, no_effect_lin
 from engine.errors import ConfigError
 from engine.preflight import check
 from engine.pretrain import parse
+from tests.distributed import run_ranks
+from tests.harness import engine_steps
 from tests.test_training import ROOT, base_args, pretrain, records
 
 UNSIZED = [
@@ -35,7 +39,6 @@ NO_EFFECT = [
     *("--ckpt-format", "torch_dist"),
     *("--context-parallel-size", "1"),
     *("--expert-model-parallel-size", "1"),
-    *("--rotary-percent", "1.0"),
     *("--position-embedding-type", "rope", "--no-position-embedding"),
 ]
 
@@ -62,7 +65,6 @@ def test_flags_without_effect_are_accepted_and_named_in_one_line():
         (["--moe-router-topk", "2"], "--moe-router-topk: mixture-of-experts (MoE) layers"),
         (["--expert-model-parallel-size", "8"], "--expert-model-parallel-size: mixture-of"),
         (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism"),
-        (["--rotary-percent", "0.5"], "--rotary-percent 0.5: rotating part of each head"),
         (["--ckpt-format", "torch"], "--ckpt-format torch: only torch_dist"),
         (["--no-position-embedding"], "--no-position-embedding goes with --position-embedding"),
     ],
@@ -359,3 +361,57 @@ def test_data_args_files(dataset_prefix, tmp_path):
     ):
         with pytest.raises(ConfigError, match=message):
             parse(flags + extra).data.validate()
+
+
+def test_rotary_percent_rotates_the_first_channels_as_megatron_core():
+    """--rotary-percent 0.5: RoPE on the first half of each head's channels, the rest passed
+    through, equal to megatron-core's tables (RotaryEmbedding) and rotation
+    (_apply_rotary_pos_emb_bshd) on CPU (its get_emb moves the table to CUDA, so the table is
+    taken from get_freqs_non_repeated and laid out as get_emb lays it out)."""
+    import torch
+
+    from engine.config import ModelConfig
+    from engine.model import BuildContext
+    from engine.model.attention import SelfAttention
+    from engine.model.rope import RotaryEmbedding
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    cfg = ModelConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        position_embedding_type="rope",
+        rotary_percent=0.5,
+        rotary_base=500,
+        vocab_size=64,
+    )
+    cfg.validate()
+    assert cfg.rotary_dim == 8
+    theirs_table = rotary_pos_embedding.RotaryEmbedding(
+        kv_channels=16, rotary_percent=0.5, rotary_base=500, use_cpu_initialization=True
+    )
+    freqs = theirs_table.get_freqs_non_repeated(12)
+    freqs = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+    x = torch.randn(12, 2, 4, 16, dtype=torch.float64)
+    theirs = rope_utils._apply_rotary_pos_emb_bshd(x, freqs.double())
+    attention = SelfAttention(BuildContext(cfg), 0)
+    cos, sin = RotaryEmbedding(cfg.rotary_dim, cfg.rotary_base)(12, x.device)
+    ours = attention._rotate(x, (cos.double(), sin.double()))
+    assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+    assert torch.equal(ours[..., 8:], x[..., 8:])
+    with pytest.raises(ConfigError, match="must be in"):
+        ModelConfig(rotary_percent=0.0).validate()
+    # it trains (TP 2: each rank's heads rotate their first channels), and the Hugging Face
+    # export, whose Llama rotates every channel, says so in one line
+    rope = ["--position-embedding-type", "rope", "--rotary-percent", "0.5"]
+    rope += ["--tensor-model-parallel-size", "2"]
+    for _, _, losses, _ in run_ranks(engine_steps, 2, rope):
+        assert losses[-1] < losses[0]
+    from engine.hf.architectures import style_of
+
+    llama = dataclasses.replace(cfg, normalization="RMSNorm", swiglu=True, add_bias_linear=False)
+    with pytest.raises(ConfigError, match="--rotary-percent 0.5 \\(Llama rotates every"):
+        style_of(llama)

@@ -303,5 +303,7 @@ def test_decoupled_lr_trains_the_embeddings_and_output_layer_at_their_own_rate()
     frozen = {n for n in before if torch.equal(before[n], after[n])}
     assert frozen == {"embedding.word_embeddings.weight", "output_layer.weight"}
     [(_, plain, _, _)] = run_ranks(engine_steps, 1, [])
-    [(_, same)] = run_ranks(engine_steps, 1, ["--decoupled-lr", "1e-2", "--decoupled-min-lr", "0"])
+    [(_, same, _, _)] = run_ranks(
+        engine_steps, 1, ["--decoupled-lr", "1e-2", "--decoupled-min-lr", "0"]
+    )
     assert all(torch.equal(plain[n], same[n]) for n in plain)

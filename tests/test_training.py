@@ -566,3 +566,27 @@ def test_end_to_end_through_the_launcher(dataset_prefix, tokenizer_model, tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     assert "iteration      6/6" in result.stdout and "valid at iteration 6" in result.stdout
     assert (tmp_path / "ckpt" / "iter_0000006" / "meta.json").exists()
+
+
+def test_evaluations_read_on_through_the_valid_split(dataset_prefix, tokenizer_model, tmp_path):
+    """As Megatron-LM: each evaluation reads the valid split's next --eval-iters batches (with
+    --lr 0 the model stays put, so only the batches change the loss), also across a resume,
+    whose checkpoint carries the count; the test split is read from its start."""
+    flags = {"--lr": "0", "--min-lr": "0", "--lr-warmup-iters": None, "--train-iters": "6"}
+    flags |= {"--eval-interval": "1", "--eval-iters": "1"}
+
+    def evaluations(log):
+        return [r["lm_loss"] for r in records(log) if r.get("split") == "valid"]
+
+    straight = str(tmp_path / "straight.jsonl")
+    pretrain(2, base_args(dataset_prefix, tokenizer_model, **flags, **{"--log-jsonl": straight}))
+    losses = evaluations(straight)
+    assert len(losses) == 6 and len(set(losses)) == 6  # five in the loop, one at the end
+    ckpt, parts = str(tmp_path / "ckpt"), str(tmp_path / "parts.jsonl")
+    first = {"--save": ckpt, "--exit-interval": "3", "--log-jsonl": parts}
+    pretrain(2, base_args(dataset_prefix, tokenizer_model, **flags, **first))
+    meta = json.loads(read(os.path.join(ckpt, "iter_0000003", "meta.json")))
+    assert meta["counters"]["consumed_valid_samples"] == 3 * 8
+    rest = {"--load": ckpt, "--log-jsonl": parts}
+    pretrain(2, base_args(dataset_prefix, tokenizer_model, **flags, **rest))
+    assert evaluations(parts) == losses

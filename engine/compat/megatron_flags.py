@@ -104,9 +104,6 @@ class MegatronCompatConfig:
     expert_model_parallel_size: int | None = option(
         None, "expert-parallel size (default 1; only 1: no mixture of experts here)"
     )
-    rotary_percent: float | None = option(
-        None, "share of each head's channels rotated by RoPE (default 1.0; only 1.0 here)"
-    )
     # --- refused: features this engine does not have ----------------------------------------
     fp8_format: str | None = option(
         None, "Megatron-LM: FP8 training (refused: no FP8 here)", choices=["e4m3", "hybrid"]
@@ -144,7 +141,6 @@ NO_EFFECT = (
     "add_position_embedding",
     "context_parallel_size",
     "expert_model_parallel_size",
-    "rotary_percent",
 )
 
 
@@ -184,11 +180,6 @@ def check_compat(compat: MegatronCompatConfig, position_embedding_type: str) -> 
         )
     if given.get("expert_model_parallel_size", 1) < 1:
         raise ConfigError("--expert-model-parallel-size must be at least 1")
-    if given.get("rotary_percent", 1.0) != 1.0:
-        raise ConfigError(
-            f"--rotary-percent {given['rotary_percent']}: rotating part of each head is not "
-            "available in this engine yet; use 1.0 (or leave it out)"
-        )
     if given.get("ckpt_format", "torch_dist") != "torch_dist":
         raise ConfigError(
             f"--ckpt-format {given['ckpt_format']}: only torch_dist is accepted (this engine "

@@ -40,6 +40,10 @@ def style_of(cfg: ModelConfig) -> str:
             (cfg.swiglu, "a GELU MLP without --swiglu (Llama uses SwiGLU)"),
             (not cfg.add_bias_linear, "linear biases (Llama has none: use --disable-bias-linear)"),
             (not cfg.openai_gelu, "--openai-gelu"),
+            (
+                cfg.rotary_percent == 1.0,
+                f"--rotary-percent {cfg.rotary_percent} (Llama rotates every channel of a head)",
+            ),
         ]
     else:
         checks = [

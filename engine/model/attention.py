@@ -76,6 +76,15 @@ class SelfAttention(nn.Module):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
 
+    def _rotate(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE on the first channels of each head that the tables cover (all of them unless
+        --rotary-percent is below 1); the rest pass through unrotated."""
+        width = rotary[0].shape[-1]
+        if width == x.shape[-1]:
+            return self.ctx.ops.rotary(x, *rotary)
+        turned = self.ctx.ops.rotary(x[..., :width].contiguous(), *rotary)
+        return torch.cat([turned, x[..., width:]], dim=-1)
+
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None):
         qkv = self.linear_qkv(x)  # [s, b, (heads + 2 groups) * d / tp]
         s, b = qkv.shape[:2]
@@ -85,7 +94,7 @@ class SelfAttention(nn.Module):
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
-            q, k = self.ctx.ops.rotary(q, *rotary), self.ctx.ops.rotary(k, *rotary)
+            q, k = self._rotate(q, rotary), self._rotate(k, rotary)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.selective_recompute and self.training:
             out = checkpoint(self._core, self.ctx.tracker, q, k, v)

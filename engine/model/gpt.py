@@ -112,7 +112,7 @@ class GPTModel(nn.Module):
         self.tied = not config.untie_embeddings_and_output_weights
         self.embedding = Embedding(ctx, tp_rank) if pre_process else None
         self.rotary = (
-            RotaryEmbedding(config.head_dim, config.rotary_base)
+            RotaryEmbedding(config.rotary_dim, config.rotary_base)
             if config.position_embedding_type == "rope"
             else None
         )
