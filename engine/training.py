@@ -97,6 +97,10 @@ def evaluate(run: Run, split: int) -> float | None:
             run.valid_iterator = data_iterator(run, dataset, 0, num_workers=0)
         iterator = run.valid_iterator
     else:
+        if c.consumed_valid_samples + train.eval_iters * run.batches.final > len(dataset):
+            # more evaluations than the split was built for (a run resumed with other flags):
+            # start it again, as Megatron-LM's cyclic loader would
+            c.consumed_valid_samples = 0
         iterator = data_iterator(run, dataset, c.consumed_valid_samples, num_workers=0)
     if split == 1:
         c.consumed_valid_samples += train.eval_iters * run.batches.final

@@ -153,7 +153,10 @@ class SafeFileSystemReader(FileSystemReader):
     The metadata is parsed once per reader and kept: read it first (`read_metadata()`) to get
     its error as is, then hand the same reader to dcp.load, which would otherwise catch the
     error, retry other file names and report something else; reuse the reader for several
-    loads from one checkpoint (the export reads tensor by tensor)."""
+    loads from one checkpoint (the export reads tensor by tensor). Set `foreign` to read a
+    Megatron-LM checkpoint (see load_metadata)."""
+
+    foreign = False
 
     def read_metadata(self, *args, **kwargs):
         rank = kwargs.get("rank")
@@ -179,4 +182,4 @@ class SafeFileSystemReader(FileSystemReader):
                 f"{path}: cannot read the checkpoint's metadata ({err.strerror or err}); the "
                 "checkpoint is incomplete or damaged"
             ) from None
-        return load_metadata(data, str(path))
+        return load_metadata(data, str(path), foreign=getattr(self, "foreign", False))

@@ -63,29 +63,50 @@ ALLOWED_GLOBALS = frozenset(
     # StorageMeta.checkpoint_id holds the path the checkpoint was saved to.
     | {("pathlib", "PosixPath"), ("pathlib._local", "PosixPath")}
 )
+# Megatron-LM's torch_dist checkpoints also hold byte entries (TransformerEngine's
+# `_extra_state`, pickled objects: dropped unread) and megatron-core's cached save plans in the
+# planner data (DCP's own plan classes: plain records, never used here).
+FOREIGN_GLOBALS = ALLOWED_GLOBALS | {
+    (f"{_DCP}.metadata", "BytesStorageMetadata"),
+    *(
+        (f"{_DCP}.planner", n)
+        for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+    ),
+}
 
 
 _DTYPE_OBJECTS = frozenset(getattr(torch, name) for name in TENSOR_DTYPES)
 
 
 class _AllowListUnpickler(pickle.Unpickler):
+    allowed = ALLOWED_GLOBALS
+
     def find_class(self, module: str, name: str):
-        if "." in name or (module, name) not in ALLOWED_GLOBALS:
+        if "." in name or (module, name) not in self.allowed:
             raise _Refused(f"{module}.{name}")
         return super().find_class(module, name)
+
+
+class _ForeignUnpickler(_AllowListUnpickler):
+    allowed = FOREIGN_GLOBALS
 
 
 class _Refused(Exception):
     """A global outside the allow-list; carries its dotted name."""
 
 
-def load_metadata(data: bytes, where: str) -> Metadata:
+def load_metadata(data: bytes, where: str, foreign: bool = False) -> Metadata:
     """The Metadata pickled in `data` (the bytes of the file `where`), or CheckpointError.
 
-    Nothing outside the allow-list is imported or called, whatever the bytes hold."""
+    Nothing outside the allow-list is imported or called, whatever the bytes hold. `foreign`:
+    a Megatron-LM checkpoint, whose byte entries are dropped (with their storage entries)
+    before the checks, so that nothing can ever unpickle them."""
     try:
         _check_opcodes(data)
-        metadata = _AllowListUnpickler(io.BytesIO(data)).load()
+        unpickler = _ForeignUnpickler if foreign else _AllowListUnpickler
+        metadata = unpickler(io.BytesIO(data)).load()
+        if foreign:
+            _drop_byte_entries(metadata)
     except _Refused as refused:
         raise CheckpointError(
             f"{where}: refers to {refused}, which no checkpoint holds; refusing to load it "
@@ -103,6 +124,20 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     if problem:
         raise CheckpointError(f"{where}: malformed checkpoint metadata: {problem}")
     return metadata
+
+
+def _drop_byte_entries(metadata) -> None:
+    tensors = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(tensors, dict) or not isinstance(storage, dict):
+        return  # reported by the checks
+    dropped = {k for k, v in tensors.items() if not isinstance(v, TensorStorageMetadata)}
+    dropped = {k for k in dropped if type(tensors[k]).__name__ == "BytesStorageMetadata"}
+    for key in dropped:
+        del tensors[key]
+    for index in [i for i in storage if getattr(i, "fqn", None) in dropped]:
+        del storage[index]
+    metadata.planner_data = None
 
 
 _MEMO_OPCODES = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"})

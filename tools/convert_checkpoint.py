@@ -1,8 +1,9 @@
-"""Convert between our checkpoints and Hugging Face folders.
+"""Convert between our checkpoints, Hugging Face folders and Megatron-LM checkpoints.
 
   export:  --load SAVE_DIR [--iteration N] --output HF_DIR [--max-shard-size 5GB] [--dtype ...]
   import:  --from-hf HF_DIR --output SAVE_DIR --tensor-model-parallel-size N
            --pipeline-model-parallel-size M
+  Megatron-LM:  --from-megatron CHECKPOINT_DIR_OR_ITER_DIR --output SAVE_DIR
 
 Export writes config.json, generation_config.json, model.safetensors (sharded with an index
 above --max-shard-size) and the training's tokenizer (or the one the tokenizer flags name),
@@ -10,6 +11,12 @@ loadable offline with transformers' AutoModelForCausalLM / AutoTokenizer: Llama-
 LlamaForCausalLM, GPT-2-style as GPT2LMHeadModel. Import writes iteration 0 of our checkpoint
 with a fresh optimizer and keeps the folder's tokenizer; continue with `pretrain --load
 SAVE_DIR --use-checkpoint-args`. Only safetensors, JSON and tokenizer files are read: no pickle.
+
+--from-megatron reads a Megatron-LM torch_dist checkpoint of a megatron-core GPT model (any
+TP/PP it was saved with; common.pt weights-only with an exact allow-list, .metadata with DCP's
+classes only) into our checkpoint at Megatron-LM's iteration and consumed samples, with a fresh
+optimizer (Megatron-LM's optimizer state is not read yet); continue with `pretrain --load
+SAVE_DIR --use-checkpoint-args` and the same data flags.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", help="our checkpoint directory (export)")
     parser.add_argument("--iteration", type=int, help="which iteration (default: the latest)")
     parser.add_argument("--from-hf", help="a Hugging Face model folder (import)")
+    parser.add_argument(
+        "--from-megatron", help="a Megatron-LM torch_dist checkpoint (its root or iter_N folder)"
+    )
     parser.add_argument("--output", required=True, help="folder to write")
     parser.add_argument("--max-shard-size", default="5GB", help="export: safetensors shard size")
     parser.add_argument(
@@ -48,9 +58,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
-    if bool(args.load) == bool(args.from_hf):
-        raise ConfigError("give exactly one of --load (export to HF) or --from-hf (import)")
-    if args.load:
+    if sum(map(bool, (args.load, args.from_hf, args.from_megatron))) != 1:
+        raise ConfigError(
+            "give exactly one of --load (export to HF), --from-hf or --from-megatron (import)"
+        )
+    if args.from_megatron:
+        from engine.compat.megatron_checkpoint import import_from_megatron
+
+        summary = import_from_megatron(
+            args.from_megatron,
+            args.output,
+            tp=args.tensor_model_parallel_size,
+            pp=args.pipeline_model_parallel_size,
+        )
+        print(
+            f"imported {args.from_megatron} (iteration {summary['iteration']}, "
+            f"{summary['tensors']} tensors) -> {summary['checkpoint']}; continue with --load "
+            f"{args.output} --use-checkpoint-args"
+        )
+    elif args.load:
         from engine.hf.export import export_to_hf
 
         summary = export_to_hf(

@@ -15,17 +15,16 @@ import dataclasses
 import json
 import os
 import shutil
-import warnings
 
 import torch
 
-from engine.checkpoint_files import commit, iteration_dir, write_meta
+from engine.checkpoint_convert import check_new_output, write_converted
+from engine.checkpoint_files import iteration_dir
 from engine.data.tokenizers import TokenizerConfig, build_tokenizer, tokenizer_record
 from engine.errors import InputError, UserError
 from engine.hf.architectures import hf_tensors, model_config_from_hf
-from parallel.dcp import BoxSavePlanner, LazyTensor
-from parallel.dcp_checksums import ChecksummingWriter
-from parallel.errors import describe_os_error, one_line, root_cause
+from parallel.dcp import LazyTensor
+from parallel.errors import one_line
 from parallel.pipeline.layout import stage_layers
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -157,14 +156,7 @@ def import_from_hf(folder: str, output: str, tp: int = 1, pp: int = 1) -> dict:
     """Write the checkpoint folder `output` (iteration 0 + latest file) from the HF folder;
     returns a summary. `output` must not exist yet (or be an empty folder): it is written
     under a temporary name and renamed into place once complete."""
-    import torch.distributed.checkpoint as dcp
-
-    output = os.path.abspath(output)
-    if os.path.exists(output) and not (os.path.isdir(output) and not os.listdir(output)):
-        raise InputError(
-            f"--output {output} already exists and is not empty; give a new folder (an "
-            "existing checkpoint is never overwritten)"
-        )
+    output = check_new_output(output)
     config_path = os.path.join(folder, "config.json")
     try:
         with open(config_path) as f:
@@ -183,29 +175,15 @@ def import_from_hf(folder: str, output: str, tp: int = 1, pp: int = 1) -> dict:
     for rank in range(pp):
         stage_layers(cfg.num_layers, pp, rank)
     state = _plan(folder, _SafetensorsFolder(folder), cfg, style)
-    staging = f"{output}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        os.makedirs(staging)
-        folder_0 = iteration_dir(staging, 0) + ".tmp"
-        writer = ChecksummingWriter(folder_0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "torch.distributed is not initialized": on purpose
-            dcp.save(state, storage_writer=writer, planner=BoxSavePlanner(), no_dist=True)
-        tokenizer = _copy_tokenizer(folder, staging, output)
-        write_meta(folder_0, _meta(cfg, style, state, tp, pp, tokenizer, folder, writer.files))
-        commit(folder_0, staging, 0)  # writes the latest file
-        if os.path.isdir(output):
-            os.rmdir(output)  # empty, checked above
-        os.replace(staging, output)
-    except BaseException as err:
-        shutil.rmtree(staging, ignore_errors=True)
-        cause = root_cause(err)  # DCP wraps what went wrong in its own exception
-        if isinstance(cause, UserError):
-            raise cause from None
-        if isinstance(cause, OSError):
-            raise InputError(describe_os_error(cause, cause.filename or output)) from None
-        raise
+    tokenizer = {}
+
+    def copy_tokenizer(staging: str) -> None:
+        tokenizer["record"] = _copy_tokenizer(folder, staging, output)
+
+    def meta(files: dict) -> dict:
+        return _meta(cfg, style, state, tp, pp, tokenizer["record"], folder, files)
+
+    write_converted(output, 0, state, meta, copy_tokenizer)
     return {
         "architecture": style,
         "tensors": len(state),

@@ -1,0 +1,320 @@
+"""Megatron-LM `torch_dist` checkpoints of GPT models (megatron-core's layout) -> ours.
+
+A Megatron-LM checkpoint folder `iter_NNNNNNN/` holds `metadata.json` (the backend),
+`.metadata` and `*.distcp` (torch.distributed.checkpoint: every tensor stored by its global
+shape, so whatever TP/PP it was saved with), and `common.pt` (a torch.save of what is not
+sharded: Megatron-LM's arguments, the iteration). Nothing of it runs code here: `.metadata` is
+unpickled with DCP's own classes only (byte entries, TransformerEngine's `_extra_state`, are
+dropped unread), and `common.pt` with torch's weights-only loader and an exact allow-list
+(`argparse.Namespace` and nothing else); anything else it names is refused in one line.
+
+The layer tensors carry the layer as their first dimension. megatron-core fuses, per query
+group, the group's query heads, then its key head, then its value head into `linear_qkv`, and
+SwiGLU's gate and up projections (all of the gate, then all of up) into `linear_fc1`; they are
+taken apart into our q, k, v and gate, up. Norm weights keep their values (with
+--apply-layernorm-1p both store them centred on zero).
+
+What is read today: the model weights, the model's shape (from the saved arguments, or the
+flags when there are none) and the iteration and consumed samples. Megatron-LM's optimizer
+state is not read yet: a converted checkpoint continues with a fresh optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import InputError
+from parallel.dcp import SafeFileSystemReader
+from parallel.errors import CheckpointError, one_line
+
+COMMON_ALLOWED = (argparse.Namespace,)
+
+
+def is_megatron_checkpoint(path: str) -> bool:
+    """An iteration folder Megatron-LM wrote with --ckpt-format torch_dist."""
+    try:
+        with open(os.path.join(path, "metadata.json")) as f:
+            return json.load(f).get("sharded_backend") == "torch_dist"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _latest_iteration(root: str) -> int | None:
+    """The iteration Megatron-LM's latest_checkpointed_iteration.txt names, or None."""
+    try:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def read_common(path: str) -> dict:
+    """common.pt, loaded weights-only with the exact allow-list; {} when there is none."""
+    file = os.path.join(path, "common.pt")
+    if not os.path.exists(file):
+        return {}
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+    except Exception as err:  # noqa: BLE001 - a damaged file
+        raise InputError(f"{file}: not a readable torch file ({one_line(err)})") from None
+    allowed = {f"{c.__module__}.{c.__qualname__}" for c in COMMON_ALLOWED}
+    refused = sorted(set(unsafe) - allowed)
+    if refused:
+        raise InputError(
+            f"{file}: refers to {refused[0]}, outside what a Megatron-LM checkpoint's common "
+            "state holds here (argparse.Namespace); refusing to load it (nothing was run)"
+        )
+    try:
+        with torch.serialization.safe_globals(list(COMMON_ALLOWED)):
+            common = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - damaged, or refused by the weights-only loader
+        raise InputError(f"{file}: cannot be read weights-only ({one_line(err)})") from None
+    if not isinstance(common, dict):
+        raise InputError(f"{file}: holds a {type(common).__name__}, not Megatron-LM's state")
+    return common
+
+
+def model_config_from_args(args) -> ModelConfig:
+    """Our ModelConfig from Megatron-LM's saved arguments (the padded vocabulary is the
+    vocabulary: Megatron-LM's softmax runs over every padded row too)."""
+    get = vars(args).get
+    swiglu = bool(get("swiglu"))
+    return ModelConfig(
+        num_layers=get("num_layers"),
+        hidden_size=get("hidden_size"),
+        num_attention_heads=get("num_attention_heads"),
+        group_query_attention=bool(get("group_query_attention")),
+        num_query_groups=get("num_query_groups") if get("group_query_attention") else None,
+        ffn_hidden_size=get("ffn_hidden_size"),
+        kv_channels=get("kv_channels"),
+        seq_length=get("seq_length"),
+        max_position_embeddings=get("max_position_embeddings"),
+        vocab_size=get("padded_vocab_size"),
+        make_vocab_size_divisible_by=1,
+        position_embedding_type=get("position_embedding_type") or "learned_absolute",
+        rotary_base=int(get("rotary_base") or 10000),
+        rotary_percent=float(get("rotary_percent") or 1.0),
+        normalization=get("normalization") or "LayerNorm",
+        norm_epsilon=float(get("norm_epsilon") or 1e-5),
+        apply_layernorm_1p=bool(get("apply_layernorm_1p")),
+        swiglu=swiglu,
+        add_bias_linear=bool(get("add_bias_linear", True)),
+        untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
+        qk_layernorm=bool(get("qk_layernorm")),
+        hidden_dropout=float(get("hidden_dropout") or 0.0),
+        attention_dropout=float(get("attention_dropout") or 0.0),
+        init_method_std=float(get("init_method_std") or 0.02),
+    )
+
+
+def _layer_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, str]]]:
+    """Our tensor (within layer i) -> [(megatron-core key, part)], first match wins: the norm
+    weights have two names (fused into the next linear, as TransformerEngine and the saved
+    layout of the local layers name them, or their own)."""
+    attn, mlp = "decoder.layers.self_attention", "decoder.layers.mlp"
+    out = {
+        "input_layernorm.weight": [
+            (f"{attn}.linear_qkv.layer_norm_weight", ""),
+            ("decoder.layers.input_layernorm.weight", ""),
+        ],
+        "pre_mlp_layernorm.weight": [
+            (f"{mlp}.linear_fc1.layer_norm_weight", ""),
+            ("decoder.layers.pre_mlp_layernorm.weight", ""),
+        ],
+        "self_attention.linear_qkv.weight.q": [(f"{attn}.linear_qkv.weight", "q")],
+        "self_attention.linear_qkv.weight.k": [(f"{attn}.linear_qkv.weight", "k")],
+        "self_attention.linear_qkv.weight.v": [(f"{attn}.linear_qkv.weight", "v")],
+        "self_attention.linear_proj.weight": [(f"{attn}.linear_proj.weight", "")],
+        "mlp.linear_fc2.weight": [(f"{mlp}.linear_fc2.weight", "")],
+    }
+    if cfg.swiglu:
+        out["mlp.linear_fc1.weight.gate"] = [(f"{mlp}.linear_fc1.weight", "gate")]
+        out["mlp.linear_fc1.weight.up"] = [(f"{mlp}.linear_fc1.weight", "up")]
+    else:
+        out["mlp.linear_fc1.weight"] = [(f"{mlp}.linear_fc1.weight", "")]
+    if cfg.normalization == "LayerNorm":
+        out["input_layernorm.bias"] = [
+            (f"{attn}.linear_qkv.layer_norm_bias", ""),
+            ("decoder.layers.input_layernorm.bias", ""),
+        ]
+        out["pre_mlp_layernorm.bias"] = [
+            (f"{mlp}.linear_fc1.layer_norm_bias", ""),
+            ("decoder.layers.pre_mlp_layernorm.bias", ""),
+        ]
+    if cfg.add_bias_linear:
+        for part in ("q", "k", "v"):
+            out[f"self_attention.linear_qkv.bias.{part}"] = [(f"{attn}.linear_qkv.bias", part)]
+        out["self_attention.linear_proj.bias"] = [(f"{attn}.linear_proj.bias", "")]
+        out["mlp.linear_fc2.bias"] = [(f"{mlp}.linear_fc2.bias", "")]
+        if cfg.swiglu:
+            out["mlp.linear_fc1.bias.gate"] = [(f"{mlp}.linear_fc1.bias", "gate")]
+            out["mlp.linear_fc1.bias.up"] = [(f"{mlp}.linear_fc1.bias", "up")]
+        else:
+            out["mlp.linear_fc1.bias"] = [(f"{mlp}.linear_fc1.bias", "")]
+    if cfg.qk_layernorm:
+        out["self_attention.q_layernorm.weight"] = [(f"{attn}.q_layernorm.weight", "")]
+        out["self_attention.k_layernorm.weight"] = [(f"{attn}.k_layernorm.weight", "")]
+    return out
+
+
+_GLOBAL_SOURCES = {
+    "embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+    "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+    "final_layernorm.weight": "decoder.final_layernorm.weight",
+    "final_layernorm.bias": "decoder.final_layernorm.bias",
+    "output_layer.weight": "output_layer.weight",
+}
+
+
+def split_part(tensor: torch.Tensor, part: str, cfg: ModelConfig) -> torch.Tensor:
+    """One of q, k, v of a fused per-group QKV weight or bias (rows first), or gate / up of a
+    fused SwiGLU fc1; the tensor itself for ''."""
+    if part in ("q", "k", "v"):
+        groups, per_group, d = cfg.query_groups, cfg.heads_per_group, cfg.head_dim
+        blocks = tensor.reshape(groups, per_group + 2, d, *tensor.shape[1:])
+        picked = {"q": blocks[:, :per_group], "k": blocks[:, per_group], "v": blocks[:, -1]}[part]
+        return picked.reshape(-1, *tensor.shape[1:])
+    if part in ("gate", "up"):
+        half = tensor.shape[0] // 2
+        return tensor[:half] if part == "gate" else tensor[half:]
+    return tensor
+
+
+class MegatronCheckpoint:
+    """Lazy access to the tensors of a Megatron-LM torch_dist iteration folder."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.reader = SafeFileSystemReader(path)
+        self.reader.foreign = True
+        try:
+            self.stored = self.reader.read_metadata().state_dict_metadata
+        except CheckpointError as err:
+            raise InputError(str(err)) from None
+
+    def read(self, key: str, layer: int | None = None) -> torch.Tensor:
+        """The whole tensor `key` (of one layer, for the layer-stacked ones)."""
+        from engine.checkpoint_load import read_tensors
+
+        entry = self.stored[key]
+        value = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        read_tensors(self.path, {key: value}, reader=self.reader)
+        return value if layer is None else value[layer]
+
+    def tensor_plan(self, cfg: ModelConfig) -> dict[str, tuple[str, int | None, str]]:
+        """Our checkpoint key -> (megatron-core key, layer or None, part), checked present."""
+        plan = {}
+        names = ["embedding.word_embeddings.weight", "final_layernorm.weight"]
+        if cfg.position_embedding_type == "learned_absolute":
+            names.append("embedding.position_embeddings.weight")
+        if cfg.normalization == "LayerNorm":
+            names.append("final_layernorm.bias")
+        if cfg.untie_embeddings_and_output_weights:
+            names.append("output_layer.weight")
+        for name in names:
+            plan[f"model/{name}"] = (self._present(_GLOBAL_SOURCES[name]), None, "")
+        for ours, sources in _layer_sources(cfg).items():
+            key = next((k for k, _ in sources if k in self.stored), None)
+            if key is None:
+                self._present(sources[0][0])
+            part = dict(sources)[key]
+            for layer in range(cfg.num_layers):
+                plan[f"model/layers.{layer}.{ours}"] = (key, layer, part)
+        return plan
+
+    def _present(self, key: str) -> str:
+        if key not in self.stored:
+            raise InputError(
+                f"{self.path}: no tensor {key}; not a megatron-core GPT checkpoint of this "
+                "model (check the model flags or the saved arguments)"
+            )
+        return key
+
+
+def import_from_megatron(
+    path: str, output: str, cfg: ModelConfig | None = None, tp: int = 1, pp: int = 1
+) -> dict:
+    """Write our checkpoint folder `output` from the Megatron-LM iteration folder `path` (or
+    a checkpoint root, whose latest iteration is taken): the model weights at Megatron-LM's
+    iteration and consumed samples, the learning-rate schedule's position, and a fresh
+    optimizer. `cfg`: the model, when common.pt holds no saved arguments."""
+    import dataclasses
+
+    from engine.checkpoint_convert import check_new_output, write_converted
+    from engine.checkpoint_files import iteration_dir
+    from engine.hf.import_hf import expected_shapes
+    from parallel.dcp import LazyTensor
+    from parallel.pipeline.layout import stage_layers
+
+    output = check_new_output(output)
+    if not is_megatron_checkpoint(path):
+        latest = _latest_iteration(path)
+        if latest is None or not is_megatron_checkpoint(iteration_dir(path, latest)):
+            raise InputError(
+                f"{path}: not a Megatron-LM torch_dist checkpoint (no metadata.json naming the "
+                "torch_dist backend, here or in the iteration its latest file names)"
+            )
+        path = iteration_dir(path, latest)
+    common = read_common(path)
+    args = common.get("args")
+    if args is not None:
+        cfg = model_config_from_args(args)
+    elif cfg is None:
+        raise InputError(
+            f"{path}/common.pt holds no saved arguments; give the model's flags (--num-layers, "
+            "--hidden-size, ...) to describe it"
+        )
+    cfg.validate(tp)
+    for rank in range(pp):
+        stage_layers(cfg.num_layers, pp, rank)
+    source = MegatronCheckpoint(path)
+    expected = expected_shapes(cfg)
+    state = {}
+    for ours, (key, layer, part) in source.tensor_plan(cfg).items():
+        entry = source.stored[key]
+        whole = tuple(entry.size)[1:] if layer is not None else tuple(entry.size)
+        probe = split_part(torch.empty(whole, device="meta"), part, cfg)
+        if tuple(probe.shape) != expected[ours]:
+            raise InputError(
+                f"{path}: tensor {key} gives {ours.removeprefix('model/')} the shape "
+                f"{list(probe.shape)}, but the model has {list(expected[ours])}; the weights "
+                "do not belong to this model"
+            )
+
+        def load(key=key, layer=layer, part=part):
+            return split_part(source.read(key, layer), part, cfg).contiguous()
+
+        state[ours] = LazyTensor(torch.Size(expected[ours]), entry.properties.dtype, load)
+    iteration = int(common.get("iteration", 0) or 0)
+    consumed = int(getattr(args, "consumed_train_samples", 0) or 0) if args else 0
+    schedule = common.get("opt_param_scheduler") or {}
+    dtypes = {str(v.dtype).replace("torch.", "") for v in state.values()}
+
+    def meta(files: dict) -> dict:
+        return {
+            "iteration": iteration,
+            "consumed_samples": consumed,
+            "layout": {"tp": tp, "pp": pp, "dp": 1, "virtual": 1, "distributed_optimizer": False},
+            "model": dataclasses.asdict(cfg),
+            "dtype": dtypes.pop() if len(dtypes) == 1 else "float32",
+            "tokenizer": None,
+            # Megatron-LM's schedule counts samples; its updates are the iterations
+            "scheduler": {
+                "num_steps": iteration,
+                "num_samples": int(schedule.get("num_steps", consumed)),
+            },
+            "grad_scaler": None,
+            "optimizer_step": 0,
+            "counters": {"skipped_iters": 0, "nan_iters": 0},
+            "spikes": {},
+            "source": {"megatron_checkpoint": os.path.abspath(path)},
+            "files": files,
+        }
+
+    folder = write_converted(output, iteration, state, meta)
+    return {"tensors": len(state), "checkpoint": folder, "iteration": iteration}

@@ -1,0 +1,227 @@
+"""Megatron-LM torch_dist checkpoints into ours: megatron-core 0.16.1 builds GPT models (its
+local layer spec, no TransformerEngine) on CPU gloo ranks, saves them with its own
+dist_checkpointing under TP 2 and PP 2, and loads them back at TP 1 to compute its own
+logits; tools/convert_checkpoint.py --from-megatron converts the same folder, and our model's
+logits from the converted checkpoint must equal megatron-core's.
+
+megatron-core asks CUDA for a few things at run time even on CPU; each rank replaces exactly
+these, and nothing else, before building the model: torch.cuda.current_device (the rotary table
+is moved to it), torch.cuda.synchronize (called around the checkpoint writer), and the CUDA RNG
+state getters and setters that megatron's model-parallel RNG tracker uses
+(torch.cuda.get_rng_state and megatron's own two; used around attention dropout, 0 here). The
+causal mask is passed in, since its default is made on "cuda". common.pt holds Megatron-LM's
+arguments (an argparse.Namespace) and the iteration, as megatron.training saves them
+(megatron.training itself is not installed)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from engine.checkpoint_files import find_latest, iteration_dir, read_meta
+from engine.checkpoint_load import load_model_weights
+from engine.config import ModelConfig
+from engine.errors import InputError
+from engine.model import BuildContext, GPTModel
+from tests.distributed import rel_err, run_ranks
+from tests.test_training import ROOT
+
+SEQ, VOCAB = 16, 64
+STYLES = {
+    "llama": dict(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        group_query_attention=True,
+        num_query_groups=2,
+        ffn_hidden_size=48,
+        swiglu=True,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        position_embedding_type="rope",
+        rotary_base=500,
+        untie_embeddings_and_output_weights=True,
+    ),
+    "gpt": dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        group_query_attention=False,
+        num_query_groups=None,
+        ffn_hidden_size=64,
+        swiglu=False,
+        normalization="LayerNorm",
+        add_bias_linear=True,
+        position_embedding_type="learned_absolute",
+        rotary_base=10000,
+        untie_embeddings_and_output_weights=False,
+    ),
+}
+
+
+def _cpu_stand_ins():
+    import megatron.core.tensor_parallel.random as megatron_random
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+
+def _megatron_model(style: str, tp: int, pp: int):
+    warnings.simplefilter("ignore")
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel as MegatronGPT
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    _cpu_stand_ins()
+    parallel_state.initialize_model_parallel(tp, pp)
+    get_cuda_rng_tracker().add("model-parallel-rng", 1234)
+    s = STYLES[style]
+    config = TransformerConfig(
+        num_layers=s["num_layers"],
+        hidden_size=s["hidden_size"],
+        num_attention_heads=s["num_attention_heads"],
+        num_query_groups=s["num_query_groups"],
+        ffn_hidden_size=s["ffn_hidden_size"],
+        gated_linear_unit=s["swiglu"],
+        activation_func=F.silu if s["swiglu"] else F.gelu,
+        normalization=s["normalization"],
+        add_bias_linear=s["add_bias_linear"],
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        init_method_std=0.2,  # large enough that every weight shows in the logits
+    )
+    return MegatronGPT(
+        config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=s["normalization"]),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type=s["position_embedding_type"],
+        rotary_base=s["rotary_base"],
+        share_embeddings_and_output_weights=not s["untie_embeddings_and_output_weights"],
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+
+
+def _args(style: str) -> argparse.Namespace:
+    """Megatron-LM's arguments as its training saves them in common.pt (the fields read)."""
+    s = STYLES[style]
+    return argparse.Namespace(
+        **s,
+        kv_channels=s["hidden_size"] // s["num_attention_heads"],
+        seq_length=SEQ,
+        max_position_embeddings=SEQ,
+        padded_vocab_size=VOCAB,
+        rotary_percent=1.0,
+        norm_epsilon=1e-5,
+        apply_layernorm_1p=False,
+        qk_layernorm=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.2,
+        consumed_train_samples=56,
+    )
+
+
+def _save(rank, world, style, tp, pp, path):
+    from megatron.core import dist_checkpointing
+
+    torch.manual_seed(100 + rank)
+    model = _megatron_model(style, tp, pp)
+    state = model.sharded_state_dict()
+    state.update({"args": _args(style), "iteration": 7, "checkpoint_version": 3.0})
+    state["opt_param_scheduler"] = {"num_steps": 56}
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save(state, path)
+
+
+def _megatron_logits(rank, world, style, path, tokens):
+    from megatron.core import dist_checkpointing
+
+    model = _megatron_model(style, 1, 1)
+    state = model.sharded_state_dict()
+    model.load_state_dict(dist_checkpointing.load(state, path), strict=False)
+    model.eval()
+    mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+    positions = torch.arange(SEQ)[None].expand(tokens.shape[0], SEQ)
+    with torch.no_grad():
+        return model(tokens, positions, attention_mask=mask)
+
+
+def _convert(source: str, output: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "tools/convert_checkpoint.py", "--from-megatron", source]
+        + ["--output", output],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("style, tp, pp", [("llama", 2, 1), ("llama", 1, 2), ("gpt", 2, 1)])
+def test_a_megatron_core_checkpoint_converts_to_the_same_logits(style, tp, pp, tmp_path):
+    root = tmp_path / "megatron"
+    folder = str(root / "iter_0000007")
+    run_ranks(_save, tp * pp, style, tp, pp, folder)
+    (root / "latest_checkpointed_iteration.txt").write_text("7")
+    assert sorted(os.listdir(folder))[:2] == [".metadata", "__0_0.distcp"]
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    [theirs] = run_ranks(_megatron_logits, 1, style, folder, tokens)
+
+    ours_root = str(tmp_path / "ours")
+    result = _convert(str(root), ours_root)
+    assert result.returncode == 0, result.stderr
+    path = iteration_dir(ours_root, find_latest(ours_root))
+    meta = read_meta(path)
+    assert (meta["iteration"], meta["consumed_samples"]) == (7, 56)
+    assert meta["scheduler"] == {"num_steps": 7, "num_samples": 56}
+    cfg = ModelConfig(**meta["model"])
+    model = GPTModel(cfg, BuildContext(cfg))
+    load_model_weights(path, model)
+    with torch.no_grad():
+        ours = model.full_logits(model.eval()(tokens=tokens))
+    assert ours.shape == theirs.shape == (2, SEQ, VOCAB)
+    assert rel_err(ours, theirs) < 1e-5
+
+
+def test_common_pt_is_read_without_running_code(tmp_path):
+    """A common.pt naming anything but argparse.Namespace is refused in one line, before
+    anything is unpickled."""
+    from engine.compat.megatron_checkpoint import read_common
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    folder = tmp_path / "iter_0000001"
+    folder.mkdir()
+    torch.save({"args": argparse.Namespace(num_layers=2), "evil": Payload()}, folder / "common.pt")
+    with pytest.raises(InputError, match="refers to .*system.*refusing to load it") as err:
+        read_common(str(folder))
+    assert "\n" not in str(err.value) and not (tmp_path / "ran").exists()
+    torch.save({"args": argparse.Namespace(num_layers=2), "iteration": 3}, folder / "common.pt")
+    assert read_common(str(folder))["iteration"] == 3
