@@ -176,6 +176,12 @@ def commit(tmp: str, root: str, iteration: int) -> None:
     """Rename a fully written iteration folder into place, then point the latest file at it
     (itself written under a temporary name and renamed)."""
     final = iteration_dir(root, iteration)
+    if os.path.exists(final) and not os.path.isfile(os.path.join(final, META)):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"{final} exists and is not a checkpoint of this engine (Megatron-LM's?); it is "
+            "kept: save to another folder (--save) or at another iteration"
+        )
     if os.path.exists(final):
         old = final + ".old"
         os.replace(final, old)

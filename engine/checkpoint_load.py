@@ -103,13 +103,14 @@ def open_checkpoint(path: str, group=None) -> SafeFileSystemReader:
     return reader
 
 
-def read_tensors(path: str, state: dict, group=None, reader=None) -> None:
+def read_tensors(path: str, state: dict, group=None, reader=None, local: bool = False) -> None:
     """dcp.load of `state` (boxes and tensors, filled in place) from the checkpoint `path`,
     any failure as one CheckpointError (DCP reports a failure on every rank). `reader`: from
-    open_checkpoint, to parse the metadata once for several reads."""
+    open_checkpoint, to parse the metadata once for several reads. `local`: this rank alone
+    reads (no collective; the ranks may read different tensors)."""
     import warnings
 
-    distributed = is_distributed(group)
+    distributed = is_distributed(group) and not local
     reader = reader or open_checkpoint(path, group)
     try:
         with warnings.catch_warnings():

@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 
 from engine import faults
 from engine.checkpoint_files import (
+    META,
     commit,
     find_latest,
     is_iteration_name,
@@ -252,11 +253,16 @@ class Checkpointer:
 
     def _prune(self) -> None:
         """--keep-last-n: remove the oldest committed checkpoints (best effort: one left behind
-        is removed by a later save)."""
+        is removed by a later save). Only ours: folders of another writer in the same place
+        (Megatron-LM's, when --save is the --load it resumed from) are left alone."""
         if not self.keep_last_n:
             return
         try:
-            committed = sorted(int(n[5:]) for n in os.listdir(self.root) if is_iteration_name(n))
+            committed = sorted(
+                int(n[5:])
+                for n in os.listdir(self.root)
+                if is_iteration_name(n) and os.path.isfile(os.path.join(self.root, n, META))
+            )
         except OSError:
             return
         for old_iteration in committed[: -self.keep_last_n]:

@@ -16,6 +16,11 @@ import torch
 
 from engine.checkpoint_files import find_latest, iteration_dir, read_meta
 from engine.checkpoint_load import verify_checkpoint
+from engine.compat.megatron_checkpoint import (
+    megatron_latest,
+    megatron_progress,
+    model_config_from_args,
+)
 from engine.compat.megatron_flags import check_compat
 from engine.config import ModelConfig
 from engine.data.builder import data_format, split_blends
@@ -56,7 +61,27 @@ ARCHITECTURE_FIELDS = (
 )
 
 
+def _use_megatron_args(cfg, path: str) -> None:
+    """--use-checkpoint-args with a Megatron-LM checkpoint: the shape from its saved arguments
+    (its padded vocabulary is the vocabulary, as its softmax covers every padded row)."""
+    args = megatron_progress(path)["args"]
+    if args is None:
+        raise ConfigError(
+            f"--use-checkpoint-args: {path}/common.pt holds no saved arguments; give the model's "
+            "flags instead"
+        )
+    saved = model_config_from_args(args)
+    for name in (*ARCHITECTURE_FIELDS, "make_vocab_size_divisible_by", "rotary_percent"):
+        setattr(cfg.model, name, getattr(saved, name))
+    if "--seq-length" not in cfg.given:
+        cfg.model.seq_length = saved.seq_length
+
+
 def use_checkpoint_args(cfg) -> None:
+    megatron = megatron_latest(cfg.train.load)
+    if megatron is not None:
+        _use_megatron_args(cfg, megatron)
+        return
     iteration = find_latest(cfg.train.load)
     if iteration is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint in {cfg.train.load}")
@@ -109,7 +134,7 @@ def check(cfg, world_size: int) -> None:
     _check_device(train)
     _check_data(cfg, vocab_flag)
     _check_outputs(train)
-    if train.load:
+    if train.load and megatron_latest(train.load) is None:
         iteration = find_latest(train.load)  # a broken latest file is reported now
         if iteration is not None:  # files present with their sizes; checksums in the ranks
             verify_checkpoint(iteration_dir(train.load, iteration), digests=False)

@@ -6,6 +6,7 @@ import dataclasses
 
 from engine.checkpoint_files import find_latest, iteration_dir
 from engine.checkpoint_load import load_checkpoint
+from engine.compat.megatron_checkpoint import load_weights, megatron_latest, megatron_progress
 from engine.data.streaming import StreamingDataset
 from engine.data.tokenizers import tokenizer_record
 from engine.run_state import Counters, Run, layout_of
@@ -16,6 +17,10 @@ def resume(run: Run) -> None:
     """Load the latest checkpoint of --load into the run (as --finetune, --no-load-optim and
     --no-load-rng say)."""
     train = run.cfg.train
+    megatron = megatron_latest(train.load)
+    if megatron is not None:
+        _resume_from_megatron(run, megatron)
+        return
     iteration = find_latest(train.load)
     if iteration is None:
         run.writer.print(f"no checkpoint in {train.load}; starting from scratch")
@@ -73,6 +78,36 @@ def resume(run: Run) -> None:
     run.writer.print(f"resumed from {path} at iteration {meta['iteration']} ({how}; {checked})")
     if not meta["rng_restored"]:
         reseed(run, meta["iteration"])
+
+
+def _resume_from_megatron(run: Run, path: str) -> None:
+    """--load of a Megatron-LM torch_dist checkpoint: its weights (any layout), and unless
+    --finetune its iteration, consumed samples and (unless --no-load-optim) learning-rate
+    schedule. Its optimizer state is not read yet: the optimizer starts from the weights."""
+    train = run.cfg.train
+    load_weights(path, run.chunks, run.cfg.model)
+    for piece in run.optimizer.pieces:
+        if piece.master is not piece.data:
+            piece.master.copy_(piece.data)
+    if train.finetune:
+        run.writer.print(f"fine-tuning from the weights of Megatron-LM's {path}; iteration 0")
+        reseed(run, 0)
+        return
+    progress = megatron_progress(path)
+    run.counters = Counters(
+        iteration=progress["iteration"], consumed_samples=progress["consumed_samples"]
+    )
+    if not train.no_load_optim:
+        run.scheduler.load_state_dict(
+            {"num_steps": progress["iteration"], "num_samples": progress["schedule_samples"]}
+        )
+    run.writer.print(
+        f"resumed from Megatron-LM's {path} at iteration {progress['iteration']} (weights, "
+        "samples consumed and learning-rate schedule; its optimizer state is not read yet, so "
+        "the optimizer starts afresh from the weights; random streams re-seeded)"
+    )
+    run.last_saved = progress["iteration"]  # its folder is Megatron-LM's: never re-saved
+    reseed(run, progress["iteration"])
 
 
 def reseed(run: Run, iteration: int) -> None:

@@ -225,3 +225,50 @@ def test_common_pt_is_read_without_running_code(tmp_path):
     assert "\n" not in str(err.value) and not (tmp_path / "ran").exists()
     torch.save({"args": argparse.Namespace(num_layers=2), "iteration": 3}, folder / "common.pt")
     assert read_common(str(folder))["iteration"] == 3
+
+
+def test_load_resumes_a_megatron_checkpoint_where_it_stopped(tmp_path):
+    """--load of Megatron-LM's checkpoint folder itself (as its scripts pass --save and --load
+    the same folder), under another layout (saved TP 2, resumed PP 2): the weights are the
+    converted ones, training goes on from iteration 8 at 56 samples consumed with the learning
+    rate after 56 samples, and Megatron-LM's own folder is left as it was."""
+    from engine.optim import LRScheduler
+    from engine.pretrain import parse
+    from tests.harness import engine_steps
+    from tests.test_training import records
+
+    root = tmp_path / "megatron"
+    folder = str(root / "iter_0000007")
+    run_ranks(_save, 2, "llama", 2, 1, folder)
+    (root / "latest_checkpointed_iteration.txt").write_text("7")
+    before = {name: os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder)}
+    assert _convert(str(root), str(tmp_path / "ours")).returncode == 0
+    path = iteration_dir(str(tmp_path / "ours"), 7)
+    cfg = ModelConfig(**read_meta(path)["model"])
+    converted = GPTModel(cfg, BuildContext(cfg))
+    load_model_weights(path, converted)
+
+    load = ["--load", str(root), "--use-checkpoint-args", "--seq-length", str(SEQ)]
+    [(loaded, _, _, _)] = run_ranks(engine_steps, 1, load)
+    for name, value in converted.named_parameters():
+        assert torch.equal(loaded[name], value.detach()), name
+
+    log = str(tmp_path / "log.jsonl")
+    flags = [
+        *load, "--save", str(root), "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--train-iters", "9", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", str(VOCAB), "--lr", "1e-3", "--min-lr", "1e-4",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--log-interval", "1",
+        "--eval-iters", "1", "--num-workers", "0", "--log-jsonl", log,
+        "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--max-position-embeddings", str(SEQ),
+    ]  # fmt: skip
+    from tests.test_training import pretrain
+
+    assert pretrain(2, flags) == [0, 0]
+    found = [r for r in records(log) if "split" not in r]
+    assert [(r["iteration"], r["consumed_samples"]) for r in found] == [(8, 64), (9, 72)]
+    scheduler = LRScheduler(parse(flags).optimizer, 9, 8)
+    assert found[0]["lr"] == scheduler.lr_after(56)
+    assert {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)} == before
+    assert find_latest(str(root)) == 9

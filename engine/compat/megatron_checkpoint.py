@@ -198,13 +198,27 @@ class MegatronCheckpoint:
             raise InputError(str(err)) from None
 
     def read(self, key: str, layer: int | None = None) -> torch.Tensor:
-        """The whole tensor `key` (of one layer, for the layer-stacked ones)."""
+        """The whole tensor `key`, or one layer of a layer-stacked one (only that layer's
+        bytes are read)."""
         from engine.checkpoint_load import read_tensors
+        from parallel.dcp import BoxTensor
 
         entry = self.stored[key]
-        value = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-        read_tensors(self.path, {key: value}, reader=self.reader)
-        return value if layer is None else value[layer]
+        shape, dtype = tuple(entry.size), entry.properties.dtype
+        if layer is None:
+            value = torch.empty(shape, dtype=dtype)
+            read_tensors(self.path, {key: value}, reader=self.reader, local=True)
+            return value
+        value = torch.empty((1, *shape[1:]), dtype=dtype)
+        offset = (layer,) + (0,) * (len(shape) - 1)
+        box = BoxTensor(torch.Size(shape), dtype, [(offset, value)])
+        read_tensors(self.path, {key: box}, reader=self.reader, local=True)
+        return value[0]
+
+    def logical(self, plan_entry: tuple[str, int | None, str], cfg: ModelConfig) -> torch.Tensor:
+        """One of our tensors, whole, from its plan entry (see tensor_plan)."""
+        key, layer, part = plan_entry
+        return split_part(self.read(key, layer), part, cfg).contiguous()
 
     def tensor_plan(self, cfg: ModelConfig) -> dict[str, tuple[str, int | None, str]]:
         """Our checkpoint key -> (megatron-core key, layer or None, part), checked present."""
@@ -286,8 +300,8 @@ def import_from_megatron(
                 "do not belong to this model"
             )
 
-        def load(key=key, layer=layer, part=part):
-            return split_part(source.read(key, layer), part, cfg).contiguous()
+        def load(entry=(key, layer, part)):
+            return source.logical(entry, cfg)
 
         state[ours] = LazyTensor(torch.Size(expected[ours]), entry.properties.dtype, load)
     iteration = int(common.get("iteration", 0) or 0)
@@ -318,3 +332,54 @@ def import_from_megatron(
 
     folder = write_converted(output, iteration, state, meta)
     return {"tensors": len(state), "checkpoint": folder, "iteration": iteration}
+
+
+def megatron_latest(root: str | None) -> str | None:
+    """The latest iteration folder of `root` when Megatron-LM wrote it (torch_dist), else
+    None (ours, or nothing there)."""
+    from engine.checkpoint_files import META, iteration_dir
+
+    iteration = _latest_iteration(root) if root else None
+    if iteration is None:
+        return None
+    path = iteration_dir(root, iteration)
+    if os.path.isfile(os.path.join(path, META)) or not is_megatron_checkpoint(path):
+        return None
+    return path
+
+
+def megatron_progress(path: str) -> dict:
+    """Iteration, consumed samples and the learning-rate schedule's samples of a Megatron-LM
+    checkpoint (from common.pt; zeros where it holds none)."""
+    common = read_common(path)
+    args = common.get("args")
+    consumed = int(getattr(args, "consumed_train_samples", 0) or 0) if args is not None else 0
+    schedule = common.get("opt_param_scheduler") or {}
+    return {
+        "iteration": int(common.get("iteration", 0) or 0),
+        "consumed_samples": consumed,
+        "schedule_samples": int(schedule.get("num_steps", consumed) or 0),
+        "args": args,
+    }
+
+
+def load_weights(path: str, chunks, cfg: ModelConfig) -> None:
+    """Fill this rank's model chunks (any TP/PP/virtual layout) with the weights of the
+    Megatron-LM iteration folder `path`, one tensor (one layer of it) at a time."""
+    from engine.checkpoint_state import model_state
+
+    source = MegatronCheckpoint(path)
+    plan = source.tensor_plan(cfg)
+    for key, boxes in model_state(chunks, for_save=False).items():
+        if key not in plan:
+            raise InputError(f"{path}: nothing in it gives {key.removeprefix('model/')}")
+        full = source.logical(plan[key], cfg)
+        if tuple(full.shape) != tuple(boxes.global_shape):
+            raise InputError(
+                f"{path}: {plan[key][0]} gives {key.removeprefix('model/')} the shape "
+                f"{list(full.shape)}, but the model has {list(boxes.global_shape)}; the flags "
+                "describe another model (--use-checkpoint-args takes the saved one)"
+            )
+        for offset, tensor in boxes.boxes:
+            region = tuple(slice(o, o + n) for o, n in zip(offset, tensor.shape))
+            tensor.copy_(full[region])
