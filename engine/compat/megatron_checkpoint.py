@@ -84,6 +84,22 @@ def model_config_from_args(args) -> ModelConfig:
     vocabulary: Megatron-LM's softmax runs over every padded row too)."""
     get = vars(args).get
     swiglu = bool(get("swiglu"))
+    position = get("position_embedding_type") or "learned_absolute"
+    normalization = get("normalization") or "LayerNorm"
+    if position not in ("learned_absolute", "rope") or normalization not in (
+        "LayerNorm",
+        "RMSNorm",
+    ):
+        raise InputError(
+            f"the checkpoint's model uses --position-embedding-type {position} and "
+            f"--normalization {normalization}; only learned_absolute/rope and LayerNorm/RMSNorm "
+            "are available here"
+        )
+    if get("num_experts"):
+        raise InputError(
+            "the checkpoint's model has mixture-of-experts layers (--num-experts), which are "
+            "not available in this engine yet"
+        )
     return ModelConfig(
         num_layers=get("num_layers"),
         hidden_size=get("hidden_size"),
@@ -96,10 +112,10 @@ def model_config_from_args(args) -> ModelConfig:
         max_position_embeddings=get("max_position_embeddings"),
         vocab_size=get("padded_vocab_size"),
         make_vocab_size_divisible_by=1,
-        position_embedding_type=get("position_embedding_type") or "learned_absolute",
+        position_embedding_type=position,
         rotary_base=int(get("rotary_base") or 10000),
         rotary_percent=float(get("rotary_percent") or 1.0),
-        normalization=get("normalization") or "LayerNorm",
+        normalization=normalization,
         norm_epsilon=float(get("norm_epsilon") or 1e-5),
         apply_layernorm_1p=bool(get("apply_layernorm_1p")),
         swiglu=swiglu,
