@@ -83,28 +83,34 @@ def resume(run: Run) -> None:
 def _resume_from_megatron(run: Run, path: str) -> None:
     """--load of a Megatron-LM torch_dist checkpoint: its weights (any layout), and unless
     --finetune its iteration, consumed samples and (unless --no-load-optim) learning-rate
-    schedule. Its optimizer state is not read yet: the optimizer starts from the weights."""
+    schedule and Adam state (when saved in model space; otherwise the optimizer starts from
+    the weights, and the resume line says so)."""
     train = run.cfg.train
-    load_weights(path, run.chunks, run.cfg.model)
-    for piece in run.optimizer.pieces:
-        if piece.master is not piece.data:
-            piece.master.copy_(piece.data)
+    load_optimizer = not (train.finetune or train.no_load_optim)
+    step = load_weights(path, run.chunks, run.cfg.model, run.optimizer if load_optimizer else None)
     if train.finetune:
         run.writer.print(f"fine-tuning from the weights of Megatron-LM's {path}; iteration 0")
         reseed(run, 0)
         return
     progress = megatron_progress(path)
     run.counters = Counters(
-        iteration=progress["iteration"], consumed_samples=progress["consumed_samples"]
+        iteration=progress["iteration"],
+        consumed_samples=progress["consumed_samples"],
+        optimizer_step=step or 0,
     )
-    if not train.no_load_optim:
+    if load_optimizer:
         run.scheduler.load_state_dict(
             {"num_steps": progress["iteration"], "num_samples": progress["schedule_samples"]}
         )
+    if step is not None:
+        optim = f"Adam state at step {step}"
+    elif load_optimizer:
+        optim = "it holds no optimizer state, so the optimizer starts afresh from the weights"
+    else:
+        optim = "the optimizer starts afresh (--no-load-optim)"
     run.writer.print(
         f"resumed from Megatron-LM's {path} at iteration {progress['iteration']} (weights, "
-        "samples consumed and learning-rate schedule; its optimizer state is not read yet, so "
-        "the optimizer starts afresh from the weights; random streams re-seeded)"
+        f"samples consumed and learning-rate schedule; {optim}; random streams re-seeded)"
     )
     run.last_saved = progress["iteration"]  # its folder is Megatron-LM's: never re-saved
     reseed(run, progress["iteration"])

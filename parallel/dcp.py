@@ -114,10 +114,50 @@ class LazyTensor:
         ]
 
 
+@dataclass
+class LazyLayers:
+    """A global tensor whose first dimension is the layer (megatron-core stacks every layer's
+    tensor so), written one layer at a time: load(i) gives layer i without the leading 1."""
+
+    global_shape: torch.Size
+    dtype: torch.dtype
+    load: Callable[[int], torch.Tensor]
+
+    def size(self) -> torch.Size:
+        return self.global_shape
+
+    def tensor_at(self, offsets) -> torch.Tensor:
+        tensor = self.load(int(offsets[0]))
+        if tuple(tensor.shape) != tuple(self.global_shape[1:]) or tensor.dtype != self.dtype:
+            raise ValueError(
+                f"layer {int(offsets[0])}: loaded {tuple(tensor.shape)} {tensor.dtype}, "
+                f"expected {tuple(self.global_shape[1:])} {self.dtype}"
+            )
+        return tensor.unsqueeze(0)
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        sizes = torch.Size([1, *self.global_shape[1:]])
+        items = []
+        for layer in range(self.global_shape[0]):
+            offsets = torch.Size([layer] + [0] * (len(self.global_shape) - 1))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(fqn, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                        properties=TensorProperties(dtype=self.dtype),
+                        size=self.global_shape,
+                    ),
+                )
+            )
+        return items
+
+
 class BoxSavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex):
         value = self.state_dict[index.fqn]
-        if isinstance(value, BoxTensor | LazyTensor):
+        if isinstance(value, BoxTensor | LazyTensor | LazyLayers):
             return value.tensor_at(index.offset)
         return super().lookup_object(index)
 

@@ -75,7 +75,7 @@ def _cpu_stand_ins():
     megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
 
-def _megatron_model(style: str, tp: int, pp: int):
+def _megatron_model(style: str, tp: int, pp: int, vocab: int = VOCAB):
     warnings.simplefilter("ignore")
     import torch.nn.functional as F
     from megatron.core import parallel_state
@@ -115,7 +115,7 @@ def _megatron_model(style: str, tp: int, pp: int):
     return MegatronGPT(
         config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=s["normalization"]),
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         max_sequence_length=SEQ,
         position_embedding_type=s["position_embedding_type"],
         rotary_base=s["rotary_base"],

@@ -4,6 +4,8 @@
   import:  --from-hf HF_DIR --output SAVE_DIR --tensor-model-parallel-size N
            --pipeline-model-parallel-size M
   Megatron-LM:  --from-megatron CHECKPOINT_DIR_OR_ITER_DIR --output SAVE_DIR
+                --load SAVE_DIR [--iteration N] --to-megatron --output CHECKPOINT_DIR
+                [--tensor-model-parallel-size N]
 
 Export writes config.json, generation_config.json, model.safetensors (sharded with an index
 above --max-shard-size) and the training's tokenizer (or the one the tokenizer flags name),
@@ -14,9 +16,15 @@ SAVE_DIR --use-checkpoint-args`. Only safetensors, JSON and tokenizer files are 
 
 --from-megatron reads a Megatron-LM torch_dist checkpoint of a megatron-core GPT model (any
 TP/PP it was saved with; common.pt weights-only with an exact allow-list, .metadata with DCP's
-classes only) into our checkpoint at Megatron-LM's iteration and consumed samples, with a fresh
-optimizer (Megatron-LM's optimizer state is not read yet); continue with `pretrain --load
-SAVE_DIR --use-checkpoint-args` and the same data flags.
+classes only) into our checkpoint at Megatron-LM's iteration and consumed samples, with its
+Adam state where megatron-core saved it per parameter (else a fresh optimizer); continue with
+`pretrain --load SAVE_DIR --use-checkpoint-args` and the same data flags.
+
+--to-megatron writes our checkpoint as a Megatron-LM torch_dist checkpoint root (megatron-core's
+GPT layout, loadable under any TP/PP; the vocabulary padded for --tensor-model-parallel-size):
+the weights, the iteration, consumed samples and the model's arguments, no optimizer state.
+Continue in Megatron-LM with `--load CHECKPOINT_DIR --no-load-optim --no-load-rng` (or
+`--finetune` to start at iteration 0).
 """
 
 from __future__ import annotations
@@ -42,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--from-megatron", help="a Megatron-LM torch_dist checkpoint (its root or iter_N folder)"
     )
+    parser.add_argument(
+        "--to-megatron",
+        action="store_true",
+        help="with --load: write a Megatron-LM torch_dist checkpoint instead of a HF folder",
+    )
     parser.add_argument("--output", required=True, help="folder to write")
     parser.add_argument("--max-shard-size", default="5GB", help="export: safetensors shard size")
     parser.add_argument(
@@ -58,11 +71,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.to_megatron and not args.load:
+        raise ConfigError("--to-megatron converts the checkpoint --load names; give --load")
     if sum(map(bool, (args.load, args.from_hf, args.from_megatron))) != 1:
         raise ConfigError(
-            "give exactly one of --load (export to HF), --from-hf or --from-megatron (import)"
+            "give exactly one of --load (export to HF, or with --to-megatron to Megatron-LM), "
+            "--from-hf or --from-megatron (import)"
         )
-    if args.from_megatron:
+    if args.to_megatron:
+        from engine.compat.megatron_export import export_to_megatron
+
+        summary = export_to_megatron(
+            args.load,
+            args.output,
+            args.iteration,
+            tp=args.tensor_model_parallel_size,
+            verify=not args.no_verify,
+        )
+        print(
+            f"wrote {summary['checkpoint']} (iteration {summary['iteration']}, "
+            f"{summary['tensors']} tensors) as a Megatron-LM torch_dist checkpoint; in "
+            f"Megatron-LM: --load {args.output} --no-load-optim --no-load-rng"
+        )
+    elif args.from_megatron:
         from engine.compat.megatron_checkpoint import import_from_megatron
 
         summary = import_from_megatron(

@@ -14,9 +14,9 @@ SwiGLU's gate and up projections (all of the gate, then all of up) into `linear_
 taken apart into our q, k, v and gate, up. Norm weights keep their values (with
 --apply-layernorm-1p both store them centred on zero).
 
-What is read today: the model weights, the model's shape (from the saved arguments, or the
-flags when there are none) and the iteration and consumed samples. Megatron-LM's optimizer
-state is not read yet: a converted checkpoint continues with a fresh optimizer.
+What is read: the model weights, the model's shape (from the saved arguments, or the flags
+when there are none), the iteration and consumed samples, and Adam's state where megatron-core
+saved it per parameter (engine/compat/megatron_optimizer.py). Random states are not read.
 """
 
 from __future__ import annotations
@@ -201,6 +201,31 @@ def split_part(tensor: torch.Tensor, part: str, cfg: ModelConfig) -> torch.Tenso
     return tensor
 
 
+def join_parts(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The inverse of split_part: megatron-core's fused tensor from its parts ({'': t}, q/k/v
+    or gate/up)."""
+    if "q" in parts:
+        groups, d = cfg.query_groups, cfg.head_dim
+        rest = parts["q"].shape[1:]
+        q = parts["q"].reshape(groups, cfg.heads_per_group, d, *rest)
+        k = parts["k"].reshape(groups, 1, d, *rest)
+        v = parts["v"].reshape(groups, 1, d, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+    if "gate" in parts:
+        return torch.cat([parts["gate"], parts["up"]], dim=0)
+    return parts[""]
+
+
+def megatron_layer_keys(cfg: ModelConfig) -> dict[str, dict[str, str]]:
+    """megatron-core's layer-stacked key (the name its checkpoints use, TransformerEngine's
+    and the local layers' alike) -> {part: our tensor within the layer}."""
+    out: dict[str, dict[str, str]] = {}
+    for ours, sources in _layer_sources(cfg).items():
+        key, part = sources[0]
+        out.setdefault(key, {})[part] = ours
+    return out
+
+
 class MegatronCheckpoint:
     """Lazy access to the tensors of a Megatron-LM torch_dist iteration folder."""
 
@@ -271,12 +296,18 @@ def import_from_megatron(
 ) -> dict:
     """Write our checkpoint folder `output` from the Megatron-LM iteration folder `path` (or
     a checkpoint root, whose latest iteration is taken): the model weights at Megatron-LM's
-    iteration and consumed samples, the learning-rate schedule's position, and a fresh
-    optimizer. `cfg`: the model, when common.pt holds no saved arguments."""
+    iteration and consumed samples, the learning-rate schedule's position, and Adam's state
+    when the checkpoint holds it in model space (else a fresh optimizer). `cfg`: the model,
+    when common.pt holds no saved arguments."""
     import dataclasses
 
     from engine.checkpoint_convert import check_new_output, write_converted
     from engine.checkpoint_files import iteration_dir
+    from engine.compat.megatron_optimizer import (
+        check_optimizer_format,
+        optimizer_key,
+        optimizer_step,
+    )
     from engine.hf.import_hf import expected_shapes
     from parallel.dcp import LazyTensor
     from parallel.pipeline.layout import stage_layers
@@ -320,6 +351,23 @@ def import_from_megatron(
             return source.logical(entry, cfg)
 
         state[ours] = LazyTensor(torch.Size(expected[ours]), entry.properties.dtype, load)
+    step = 0
+    if check_optimizer_format(path, common, source.stored):
+        step = optimizer_step(common)
+        for ours, (key, layer, part) in source.tensor_plan(cfg).items():
+            name = ours.removeprefix("model/")
+            for kind in ("exp_avg", "exp_avg_sq", "master"):
+                stored = optimizer_key(source.stored, kind, key)
+                if stored is None:
+                    continue
+
+                def load_state(entry=(stored, layer, part)):
+                    return source.logical(entry, cfg)
+
+                dtype = source.stored[stored].properties.dtype
+                state[f"optim/{name}/{kind}"] = LazyTensor(
+                    state[ours].global_shape, dtype, load_state
+                )
     iteration = int(common.get("iteration", 0) or 0)
     consumed = int(getattr(args, "consumed_train_samples", 0) or 0) if args else 0
     schedule = common.get("opt_param_scheduler") or {}
@@ -339,7 +387,7 @@ def import_from_megatron(
                 "num_samples": int(schedule.get("num_steps", consumed)),
             },
             "grad_scaler": None,
-            "optimizer_step": 0,
+            "optimizer_step": step,
             "counters": {"skipped_iters": 0, "nan_iters": 0},
             "spikes": {},
             "source": {"megatron_checkpoint": os.path.abspath(path)},
@@ -379,23 +427,57 @@ def megatron_progress(path: str) -> dict:
     }
 
 
-def load_weights(path: str, chunks, cfg: ModelConfig) -> None:
+def _fill(source: MegatronCheckpoint, key: str, entry: tuple, boxes, cfg: ModelConfig) -> None:
+    """Copy megatron-core's tensor `entry` (key, layer, part) into the boxes of our `key`."""
+    full = source.logical(entry, cfg)
+    if tuple(full.shape) != tuple(boxes.global_shape):
+        raise InputError(
+            f"{source.path}: {entry[0]} gives {key.removeprefix('model/')} the shape "
+            f"{list(full.shape)}, but the model has {list(boxes.global_shape)}; the flags "
+            "describe another model (--use-checkpoint-args takes the saved one)"
+        )
+    for offset, tensor in boxes.boxes:
+        region = tuple(slice(o, o + n) for o, n in zip(offset, tensor.shape))
+        tensor.copy_(full[region])
+
+
+def load_weights(path: str, chunks, cfg: ModelConfig, optimizer=None) -> int | None:
     """Fill this rank's model chunks (any TP/PP/virtual layout) with the weights of the
-    Megatron-LM iteration folder `path`, one tensor (one layer of it) at a time."""
-    from engine.checkpoint_state import model_state
+    Megatron-LM iteration folder `path`, one tensor (one layer of it) at a time; with
+    `optimizer`, also its Adam state when the checkpoint holds it in model space (see
+    engine/compat/megatron_optimizer.py). Returns Adam's step when optimizer state was read."""
+    from engine.checkpoint_state import model_state, optimizer_state, prime_optimizer_state
+    from engine.compat.megatron_optimizer import (
+        check_optimizer_format,
+        optimizer_key,
+        optimizer_step,
+    )
 
     source = MegatronCheckpoint(path)
     plan = source.tensor_plan(cfg)
     for key, boxes in model_state(chunks, for_save=False).items():
         if key not in plan:
             raise InputError(f"{path}: nothing in it gives {key.removeprefix('model/')}")
-        full = source.logical(plan[key], cfg)
-        if tuple(full.shape) != tuple(boxes.global_shape):
-            raise InputError(
-                f"{path}: {plan[key][0]} gives {key.removeprefix('model/')} the shape "
-                f"{list(full.shape)}, but the model has {list(boxes.global_shape)}; the flags "
-                "describe another model (--use-checkpoint-args takes the saved one)"
-            )
-        for offset, tensor in boxes.boxes:
-            region = tuple(slice(o, o + n) for o, n in zip(offset, tensor.shape))
-            tensor.copy_(full[region])
+        _fill(source, key, plan[key], boxes, cfg)
+    for piece in optimizer.pieces if optimizer is not None else ():
+        if piece.master is not piece.data:
+            piece.master.copy_(piece.data)
+    common = read_common(path)
+    if optimizer is None or not check_optimizer_format(path, common, source.stored):
+        return None
+    prime_optimizer_state(optimizer)
+    for key, boxes in optimizer_state(optimizer, chunks, for_save=False).items():
+        name, kind = key.removeprefix("optim/").rsplit("/", 1)
+        model_key, layer, part = plan[f"model/{name}"]
+        stored = optimizer_key(source.stored, kind, model_key)
+        if stored is None and kind == "master":
+            continue  # the master starts from the weights, as Megatron-LM's fp32 runs have it
+        if stored is None:
+            raise InputError(f"{path}: its optimizer state has no {kind} for {model_key}")
+        _fill(source, key, (stored, layer, part), boxes, cfg)
+    step = optimizer_step(common)
+    for piece in optimizer.pieces:
+        entry = optimizer.optimizer.state.get(piece.master, {})
+        if torch.is_tensor(entry.get("step")):
+            entry["step"].fill_(float(step))
+    return step

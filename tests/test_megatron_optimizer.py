@@ -1,0 +1,142 @@
+"""Megatron-LM's Adam state read from its torch_dist checkpoint: megatron-core 0.16.1 trains its
+Llama-style GPT model (tests/test_megatron_checkpoint.py's rig) with its own optimizer
+(get_megatron_optimizer, Adam, no distributed optimizer), saves model and optimizer after two
+steps and takes a third; --load of that checkpoint here (under PP 2), and of its conversion,
+takes the same third step to the same weights, which a fresh optimizer does not.
+
+Besides the rig's CUDA stand-ins, the ranks that run megatron-core's optimizer put on the CPU
+the few tensors its optimizer and DDP wrapper create with device="cuda" (torch.tensor, zeros,
+empty, ...), and gradient clipping is off (megatron-core's clipping asserts CUDA tensors).
+megatron-core's distributed optimizer cannot be built on CPU (it checks for torch.cuda tensor
+types), so its fully-reshardable format, which stores the same per-parameter keys, is not
+produced here."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.checkpoint_files import iteration_dir, read_meta
+from tests.distributed import rel_err, run_ranks
+from tests.harness import engine_steps
+from tests.test_megatron_checkpoint import SEQ, VOCAB, _args, _convert, _megatron_model
+
+LR = 1e-3
+
+
+def _tokens() -> torch.Tensor:
+    # the batch tests.harness.engine_steps trains on (data-parallel rank 0)
+    return torch.randint(0, 64, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
+
+
+def _cuda_tensors_on_cpu():
+    for name in ("tensor", "zeros", "empty", "ones", "full", "zeros_like", "empty_like"):
+        original = getattr(torch, name)
+
+        def on_cpu(*args, _original=original, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return _original(*args, **kwargs)
+
+        setattr(torch, name, on_cpu)
+
+
+def _train_save_and_step(rank, world, path):
+    """Two Adam steps, save (model, optimizer, arguments, iteration 2), a third step; returns
+    the weights after the third."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    torch.manual_seed(5)
+    model = _megatron_model("llama", 1, 1)
+    _cuda_tensors_on_cpu()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, clip_grad=0.0)
+    optimizer = get_megatron_optimizer(config, [ddp])
+    tokens = _tokens()
+    mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+    positions = torch.arange(SEQ)[None].expand(2, SEQ)
+
+    def step():
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = ddp(tokens[:, :-1], positions, attention_mask=mask, labels=tokens[:, 1:])
+        loss.float().mean().backward()
+        ddp.finish_grad_sync()
+        assert optimizer.step()[0]
+
+    step()
+    step()
+    state = model.sharded_state_dict()
+    state["optimizer"] = optimizer.sharded_state_dict(state)
+    args = _args("llama")
+    args.consumed_train_samples = 4
+    state.update({"args": args, "iteration": 2, "checkpoint_version": 3.0})
+    state["opt_param_scheduler"] = {"num_steps": 4}
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save(state, path)
+    step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "extra" not in k}
+
+
+def _ours_after_one_step(rank, world, load, extra):
+    flags = [
+        "--load", load, "--use-checkpoint-args", "--lr", str(LR), "--lr-decay-style",
+        "constant", "--clip-grad", "0", "--weight-decay", "0.1", "--vocab-size", str(VOCAB),
+        "--global-batch-size", "2", *extra,
+    ]  # fmt: skip
+    _, after, _, _ = engine_steps(rank, world, flags, steps=1)
+    return after
+
+
+def test_adam_state_from_megatron_core_continues_its_training(tmp_path):
+    root = tmp_path / "megatron"
+    [theirs] = run_ranks(_train_save_and_step, 1, str(root / "iter_0000002"))
+    (root / "latest_checkpointed_iteration.txt").write_text("2")
+    # the unfused tensors of pipeline stage 0 (layers 0 and 1) under both names
+    names = {"embedding.word_embeddings.weight": "embedding.word_embeddings.weight"}
+    for layer in (0, 1):
+        for part in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
+            names[f"layers.{layer}.{part}"] = f"decoder.layers.{layer}.{part}"
+
+    def error(after: dict) -> float:
+        # (our embedding has padding rows past Megatron-LM's 64)
+        return max(
+            rel_err(after[ours][: theirs[key].shape[0]], theirs[key]) for ours, key in names.items()
+        )
+
+    assert _convert(str(root), str(tmp_path / "ours")).returncode == 0
+    meta = read_meta(iteration_dir(str(tmp_path / "ours"), 2))
+    assert meta["optimizer_step"] == 2
+    results = {}
+    for name, load, extra in (
+        ("direct", str(root), ["--pipeline-model-parallel-size", "2"]),
+        ("converted", str(tmp_path / "ours"), []),
+        ("fresh", str(root), ["--no-load-optim"]),
+    ):
+        world = 2 if extra[:1] == ["--pipeline-model-parallel-size"] else 1
+        results[name] = run_ranks(_ours_after_one_step, world, load, extra)[0]
+    assert error(results["direct"]) < 1e-5
+    assert error(results["converted"]) < 1e-5
+    # a fresh Adam's first step differs: the test sees the loaded state
+    assert error(results["fresh"]) > 1e-3
+
+
+def test_optimizer_state_tied_to_megatron_buffers_is_refused(tmp_path):
+    """The distributed optimizer's default dp_reshardable layout: one line, exit 2, the fix."""
+    from engine.compat.megatron_checkpoint import read_common
+
+    root = tmp_path / "megatron"
+    folder = root / "iter_0000002"
+    run_ranks(_train_save_and_step, 1, str(folder))
+    (root / "latest_checkpointed_iteration.txt").write_text("2")
+    common = read_common(str(folder))
+    common["optimizer"] = {"param_state_sharding_type": "dp_reshardable", "optimizer": {}}
+    torch.save(common, folder / "common.pt")
+    result = _convert(str(root), str(tmp_path / "ours"))
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "'dp_reshardable'" in line and "--dist-ckpt-optim-fully-reshardable" in line
+    assert "--no-load-optim" in line and not (tmp_path / "ours").exists()
