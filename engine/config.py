@@ -373,6 +373,13 @@ class ParallelConfig:
         False, "interleaved schedule: pipeline transfers run during compute"
     )
     sequence_parallel: bool = option(False, "split norms/dropout/residuals along the sequence")
+    gradient_accumulation_fusion: bool = option(
+        True,
+        "linear layers add their weight gradients straight into the fp32 main_grad buffer, "
+        "with no .grad per micro-batch",
+        flag="--no-gradient-accumulation-fusion",
+        action="store_false",
+    )
     use_distributed_optimizer: bool = option(False, "shard optimizer state over DP (ZeRO)")
     overlap_grad_reduce: bool = option(False, "reduce gradient buckets during backward")
     overlap_param_gather: bool = option(

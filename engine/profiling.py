@@ -6,11 +6,18 @@ range (cudaProfilerStart/Stop) around those iterations, for
 With --use-pytorch-profiler, and on a CPU (where there is no CUDA profiler), it runs
 torch.profiler over them and writes a Chrome trace per profiled rank to
 <--tensorboard-dir>/../torch_profile/rank-<rank>.json.gz, where Megatron-LM writes it.
+
+torch.profiler must not change state while an asynchronous collective is in flight: the
+collective's end-of-record callback would then run against a profiler that has stopped, and
+torch crashes (a SIGSEGV in the wait of a gloo all-gather, seen with --overlap-param-gather).
+So `settle` (the optimizer's finish_param_sync: those gathers are the only collectives that
+outlive an iteration) is called before every profiler step and stop.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -38,7 +45,8 @@ class StepProfiler:
     """Called at the top of every iteration and after it; inert unless --profile names this
     rank (--profile-ranks, default every rank)."""
 
-    def __init__(self, train, rank: int, device: torch.device):
+    def __init__(self, train, rank: int, device: torch.device, settle: Callable[[], None]):
+        self.settle = settle
         ranks = train.profile_ranks or []
         self.enabled = bool(train.profile) and (not ranks or rank in ranks)
         self.start, self.end = train.profile_step_start, train.profile_step_end
@@ -77,6 +85,7 @@ class StepProfiler:
     def before_iteration(self, completed: int) -> None:
         """`completed`: iterations done so far (the one about to run is completed + 1)."""
         if self.torch_profiler is not None:
+            self.settle()
             self.torch_profiler.step()
         elif self.cuda_range and completed == self.start:
             torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
@@ -85,6 +94,7 @@ class StepProfiler:
         if not self.enabled or completed != self.end:
             return
         if self.torch_profiler is not None:
+            self.settle()
             self.torch_profiler.stop()
             self.torch_profiler = None
         elif self.cuda_range:
@@ -94,5 +104,6 @@ class StepProfiler:
     def close(self) -> None:
         """A run that stops before --profile-step-end still writes what it profiled."""
         if self.torch_profiler is not None:
+            self.settle()
             self.torch_profiler.stop()
             self.torch_profiler = None

@@ -64,6 +64,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         params_dtype=dtype,
         seed=train.seed,
         sequence_parallel=par.sequence_parallel,
+        gradient_accumulation_fusion=par.gradient_accumulation_fusion,
         tracker=tracker,
         virtual_size=virtual,
         first_stage_layers=par.decoder_first_pipeline_num_layers,
@@ -149,7 +150,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         exit_conditions=ExitConditions(
             train.exit_duration_in_mins, train.exit_signal_handler, started=started
         ),
-        profiler=StepProfiler(train, state.rank, state.device),
+        profiler=StepProfiler(train, state.rank, state.device, optimizer.finish_param_sync),
     )
     if batches.describe():
         run.writer.print(batches.describe())

@@ -2,7 +2,7 @@
 
 Tensor parallel (TP) region helpers (Megatron-LM's names):
   copy_to_tensor_parallel_region       forward identity,         backward all-reduce
-  reduce_from_tensor_parallel_region   forward all-reduce,       backward identity
+  reduce_from_tensor_parallel_region   forward all-reduce (in place), backward identity
   scatter_to_tensor_parallel_region    forward split last dim,   backward all-gather last dim
   gather_from_tensor_parallel_region   forward all-gather last,  backward split last dim
 Sequence parallel (SP) helpers, along dim 0 (activations are [sequence, batch, hidden]):
@@ -121,13 +121,21 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # A copy: autograd may hand the same gradient tensor to other branches. The linears
+        # do not come here; their input gradient is fresh and reduced in place (tp_linear.py).
         return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        if group is None or not x.is_contiguous() or (x.is_leaf and x.requires_grad):
+            return _all_reduce(x, group)
+        # In place, no copy: callers pass a fresh product (a linear's partial output) that no
+        # other operation saved; mark_dirty makes autograd refuse, not miscompute, otherwise.
+        dist.all_reduce(x, group=group)
+        ctx.mark_dirty(x)
+        return x
 
     @staticmethod
     def backward(ctx, grad):

@@ -4,7 +4,8 @@
 `.data` become views of it) and gives each a `main_grad`: a view of a second buffer
 ("main grads": fp32, also for bf16/fp16 parameters, unless --grad-reduce-in-bf16 makes it
 bf16). A hook adds every new `.grad` into `main_grad` and drops `.grad`, so gradients
-accumulate locally over the micro-batches of a step.
+accumulate locally over the micro-batches of a step. Linear layers with gradient-accumulation
+fusion write into `main_grad` themselves and call `param.on_main_grad_added` instead.
 
 The buffers are cut into buckets of about `bucket_size` elements, in the reverse order of the
 parameters (roughly the order backward produces them). After the last micro-batch
@@ -20,8 +21,10 @@ parallel/grads.py), so it waits for `finish_grad_sync()`.
 
 With the distributed optimizer, buckets are padded to a multiple of 16 x DP elements so each
 rank's shard has the same size, and after the optimizer step `start_param_sync()` all-gathers
-the updated parameter shards; with `overlap_param_gather` the wait happens per module, in a
-forward pre-hook, just before the parameters are used.
+the updated parameter shards, issued in forward order (the reverse of the bucket order), so
+the first layers' parameters arrive first; with `overlap_param_gather` the wait happens per
+module, in a forward pre-hook, just before the parameters are used (a tied output layer reads
+the embedding table through the table's module call, so its hook runs too).
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ class DistributedDataParallel(nn.Module):
             self.param_buffer[start:end].copy_(param.data.reshape(-1))
             param.data = self.param_buffer[start:end].view_as(param)
             param.main_grad = self.grad_buffer[start:end].view_as(param)
+            param.on_main_grad_added = self._main_grad_added  # fused linears (tp_linear.py)
         for bucket in self.buckets:
             bucket.grad = self.grad_buffer[bucket.start : bucket.end]
             bucket.data = self.param_buffer[bucket.start : bucket.end]
@@ -155,6 +159,11 @@ class DistributedDataParallel(nn.Module):
         if param.grad is not None:
             param.main_grad.add_(param.grad)
             param.grad = None
+        self._main_grad_added(param)
+
+    def _main_grad_added(self, param: nn.Parameter) -> None:
+        """This micro-batch's gradient of param is in main_grad: with overlap, launch its
+        bucket's reduction once every parameter in it is in."""
         if self.overlap_grad_reduce and self.is_last_microbatch and self.dp_group is not None:
             bucket = self.bucket_of[param]
             bucket.pending.discard(param)
@@ -223,7 +232,7 @@ class DistributedDataParallel(nn.Module):
         parameters (waited for now, or lazily per module with overlap_param_gather)."""
         if not self.use_distributed_optimizer or self.dp_group is None:
             return
-        for bucket in self.buckets:
+        for bucket in reversed(self.buckets):  # forward order: the first layers' come first
             start, end = self.shard_range(bucket)
             shard = self.param_buffer[start:end].clone()
             bucket.param_work = all_gather_into(

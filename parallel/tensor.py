@@ -19,8 +19,6 @@ from torch import nn
 
 from parallel.comm import (
     all_reduce,
-    copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     group_rank,
     group_size,
@@ -37,6 +35,7 @@ from parallel.sharding import (
     set_tp_sharding,
     split_sharding,
 )
+from parallel.tp_linear import tensor_parallel_linear
 
 InitMethod = Callable[[torch.Tensor, torch.Generator], None]
 
@@ -78,7 +77,10 @@ class ColumnParallelLinear(nn.Module):
 
     partition_sizes stacks several logical outputs (e.g. q, k, v) that are split separately,
     so rank r holds [q_r; k_r; v_r]; the local output is in that order. With sequence_parallel
-    the [s/tp, b, h] input is all-gathered along the sequence first.
+    the [s/tp, b, h] input is all-gathered along the sequence first (and only the shard is kept
+    for backward). The input-gradient communication overlaps the weight-gradient GEMM, and with
+    gradient_accumulation_fusion the weight gradient goes straight into `main_grad` (see
+    parallel/tp_linear.py).
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class ColumnParallelLinear(nn.Module):
         partition_sizes: list[int] | None = None,
         partition_names: list[str] | None = None,
         initialized_rows: int | None = None,
+        gradient_accumulation_fusion: bool = False,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
@@ -113,6 +116,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("gather_output needs a single partition")
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and tp > 1
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.output_size_per_partition = output_size // tp
         sharding = split_sharding(0, sizes, rank, tp, partition_names)
         rows = output_size if initialized_rows is None else initialized_rows
@@ -128,11 +132,14 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+        y = tensor_parallel_linear(
+            x,
+            self.weight,
+            self.bias,
+            self.tp_group,
+            "gather" if self.sequence_parallel else "copy",
+            self.gradient_accumulation_fusion,
+        )
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y
@@ -154,6 +161,7 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
+        gradient_accumulation_fusion: bool = False,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
@@ -166,6 +174,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError("sequence_parallel needs input_is_parallel")
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel and tp > 1
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         sharding = split_sharding(1, [input_size], rank, tp)
         full = draw_full((output_size, input_size), init_method, init_seed)
         self.weight = _sharded_param(full, sharding, device, params_dtype)
@@ -180,7 +189,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = tensor_parallel_linear(
+            x, self.weight, None, self.tp_group, "none", self.gradient_accumulation_fusion
+        )
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
@@ -228,7 +239,14 @@ class VocabParallelEmbedding(nn.Module):
         if vocab_size != padded_vocab_size:
             self.weight.real_rows = vocab_size  # rows past it are padding, not part of the model
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, tied_output: str | None = None) -> torch.Tensor:
+        """Embeddings of ids [s, b]. With tied_output ("copy", or "gather" under SP; see
+        parallel/tp_linear.py) the table serves as the tied output layer instead: the input is
+        the final hidden states and the result their logits over this rank's vocabulary rows.
+        That goes through the module call too, so hooks on the module (the parameter gather
+        of --overlap-param-gather) run before the table is read."""
+        if tied_output is not None:
+            return tensor_parallel_linear(ids, self.weight, None, self.tp_group, tied_output)
         if self.tp_group is None:
             out = F.embedding(ids, self.weight)
         else:

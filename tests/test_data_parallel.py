@@ -1,12 +1,14 @@
 """Data parallelism and the distributed optimizer against a single-process run on the same
 global batch: parameters after 5 steps, DP 2 and 4, ZeRO on and off, overlap on and off,
 TP2 x DP2; optimizer-state memory per rank; fp16 loss scaling; bf16 tracking fp32;
-gradients reduced in bf16."""
+gradients reduced in bf16; the order and the waits of --overlap-param-gather's gathers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from parallel.state import ParallelState
 from tests.distributed import rel_err, run_ranks
@@ -210,3 +212,74 @@ def test_grad_reduce_in_bf16_keeps_and_reduces_main_grads_in_bf16():
     flagged = run_ranks(engine_steps, 2, ["--grad-reduce-in-bf16"])
     assert flagged[0][3] == torch.float32
     assert all(torch.equal(plain[0][1][n], flagged[0][1][n]) for n in plain[0][1])
+
+
+class _ParamReads(TorchDispatchMode):
+    """Checks every op that reads a parameter buffer: the bucket it reads must not have an
+    all-gather in flight. Also records the buckets of the parameter all-gathers, in order."""
+
+    def __init__(self, ddps):
+        super().__init__()
+        self.ddps, self.unwaited, self.reads, self.gathers = ddps, [], 0, []
+
+    def _bucket(self, tensor):
+        for chunk, ddp in enumerate(self.ddps):
+            buffer = ddp.param_buffer.untyped_storage()
+            if tensor.untyped_storage().data_ptr() == buffer.data_ptr():
+                offset = tensor.storage_offset()
+                return chunk, next(b for b in ddp.buckets if b.start <= offset < b.end)
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        found = [(t, self._bucket(t)) for t in tensors]
+        found = [(t, hit) for t, hit in found if hit is not None]
+        if "allgather" in str(func):
+            self.gathers += [(hit[0], hit[1].index) for _, hit in found]
+        elif "c10d" not in str(func) and not func.is_view:  # a view reads nothing
+            for _, (chunk, bucket) in found:
+                self.reads += 1
+                if bucket.param_work is not None:
+                    self.unwaited.append((str(func), chunk, bucket.index))
+        return func(*args, **(kwargs or {}))
+
+
+def _param_gather_order(rank, world):
+    state = ParallelState.build(tp=1, pp=2)
+    cfg, ocfg = tiny_config("gpt2"), opt_config()  # tied embeddings: the last stage has a copy
+    ref_losses, _, ref_params, initial = reference_run(cfg, ocfg, STEPS, GBS)
+    modes = []
+
+    def watch(step, ddps, optimizer):
+        if step == 1:  # from here on the previous step's gathers are in flight
+            modes.append(_ParamReads(ddps))
+            modes[0].__enter__()
+
+    outputs, ddps, _ = engine_run(
+        state, cfg, ocfg, STEPS, GBS, MBS, zero=True, overlap_param_gather=True, hook=watch
+    )
+    modes[0].__exit__(None, None, None)
+    mode = modes[0]
+    return {
+        "stage": state.pp_rank,
+        "unwaited": mode.unwaited,
+        "reads": mode.reads,
+        "gathers": mode.gathers,
+        "buckets": len(ddps[0].buckets),
+        **model_error(full_params(ddps, state), ref_params, initial),
+    }
+
+
+def test_param_gathers_go_in_forward_order_and_every_read_waits_for_its_gather():
+    """PP2 x DP2 with tied embeddings, --overlap-param-gather: the gathers of a step are issued
+    from the first layers' bucket to the last, and no operation (the last stage's tied output
+    layer included) reads a parameter whose gather is still in flight; the result equals one
+    process's."""
+    for r in run_ranks(_param_gather_order, 4):
+        assert r["buckets"] > 2, r["buckets"]
+        assert r["reads"] > 0 and r["unwaited"] == [], r["unwaited"][:5]
+        per_step = [index for _, index in r["gathers"]]
+        steps = STEPS - 1  # gathers issued by steps 1.. after the watch began
+        expected = list(reversed(range(r["buckets"]))) * steps
+        assert per_step == expected, (per_step, expected)
+        assert r["model"] < 1e-6 and r["worst_tensor"] < 1e-5, r

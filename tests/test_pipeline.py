@@ -65,6 +65,7 @@ def _pp_parity(rank, world, pp):
                         "params": len(errors),
                         "loss": loss,
                         "peak": stats["peak_held"],
+                        "output_bytes": stats["peak_output_bytes"],
                         "overlapped": stats.get("computes_overlapped"),
                         "rank": state.pp_rank,
                     }
@@ -84,6 +85,9 @@ def test_schedules_match_unpipelined_model(pp):
             assert r["params"] > 0
             if r["rank"] == pp - 1:
                 assert r["loss"] is not None and r["loss"] < 1e-6, r
+            # Sent outputs are freed: one element each is left (a held [s, b, h] output would
+            # be 16 x 2 x 32 x 4 bytes); the last stage holds its scalar losses.
+            assert r["output_bytes"] <= r["peak"] * 4, r
             if kind == "gpipe":
                 assert r["peak"] == m, r
             elif kind == "1f1b":

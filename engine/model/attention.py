@@ -38,6 +38,7 @@ class SelfAttention(nn.Module):
             sequence_parallel=ctx.sequence_parallel,
             partition_sizes=[n * d, g * d, g * d],
             partition_names=[".q", ".k", ".v"],
+            gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )
@@ -49,6 +50,7 @@ class SelfAttention(nn.Module):
             init_seed=ctx.param_seed(f"{prefix}.linear_proj.weight"),
             bias=cfg.add_bias_linear,
             sequence_parallel=ctx.sequence_parallel,
+            gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )

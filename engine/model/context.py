@@ -22,6 +22,7 @@ class BuildContext:
     tp_group: object = None
     tp_size: int = 1
     sequence_parallel: bool = False
+    gradient_accumulation_fusion: bool = True  # weight gradients straight into main_grad
     tracker: RNGStatesTracker | None = None
     params_dtype: torch.dtype = torch.float32
     device: torch.device | str = "cpu"

@@ -19,7 +19,6 @@ from engine.model.context import BuildContext
 from engine.model.layer import TransformerLayer
 from engine.model.norm import Norm
 from engine.model.rope import RotaryEmbedding
-from parallel.comm import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 from parallel.random import checkpoint
 from parallel.sharding import mark_tp_partial_grad
 from parallel.tensor import (
@@ -140,6 +139,7 @@ class GPTModel(nn.Module):
                     bias=False,
                     sequence_parallel=ctx.sequence_parallel,
                     initialized_rows=config.vocab_size,
+                    gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
                     params_dtype=ctx.params_dtype,
                     device=ctx.device,
                 )
@@ -181,12 +181,12 @@ class GPTModel(nn.Module):
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.output_layer is not None:
             return self.output_layer(x)
-        weight = self.shared_embedding_weight()
-        if self.ctx.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.ctx.tp_group)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.ctx.tp_group)
-        return F.linear(x, weight)
+        # Tied: the embedding table projects (its gradient stays with autograd, no fusion into
+        # main_grad: the table has two uses on one stage; see parallel/tp_linear.py).
+        head = self.word_embeddings_for_head
+        if head is None:
+            head = self.embedding.word_embeddings
+        return head(x, tied_output="gather" if self.ctx.sequence_parallel else "copy")
 
     def _run_layers(self, x: torch.Tensor, rotary) -> torch.Tensor:
         cfg = self.config

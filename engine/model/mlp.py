@@ -29,6 +29,7 @@ class MLP(nn.Module):
             sequence_parallel=ctx.sequence_parallel,
             partition_sizes=[f, f] if cfg.swiglu else None,
             partition_names=[".gate", ".up"] if cfg.swiglu else None,
+            gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )
@@ -40,6 +41,7 @@ class MLP(nn.Module):
             init_seed=ctx.param_seed(f"{prefix}.linear_fc2.weight"),
             bias=cfg.add_bias_linear,
             sequence_parallel=ctx.sequence_parallel,
+            gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )

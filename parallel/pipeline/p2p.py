@@ -7,6 +7,10 @@ schedule waits only when it needs what was received, so transfers run during com
 are known ahead ([s, micro-batch, h], with s divided by TP under sequence parallelism), so no
 shape metadata is exchanged. Neighbours wrap around: the last stage's
 next rank is the first stage, which the interleaved schedule uses between model chunks.
+
+Once posted, a stage's output activation is needed only as the root of its autograd graph: the
+schedules free its data with `free_sent_output` (the transfer keeps its own reference until it
+completes), and `backward_from` runs backward from such a root, as Megatron-LM does.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.autograd.variable import Variable
 
 from parallel.state import ParallelState
 
@@ -109,3 +114,20 @@ class P2P:
 
     def send_backward(self, input_grad: torch.Tensor | None) -> None:
         self.exchange(send_prev=input_grad)
+
+
+def free_sent_output(output: torch.Tensor | None) -> None:
+    """After `post` took the output for sending: drop its data, keep its autograd graph. Views
+    are left alone (their data belongs to another tensor)."""
+    if output is None or output._base is not None or output.grad_fn is None:
+        return
+    output.data = torch.empty((1,), dtype=output.dtype, device=output.device)
+
+
+def backward_from(output: torch.Tensor, output_grad: torch.Tensor | None) -> None:
+    """Backward from a stage output whose data may have been freed: the gradient's shape is
+    checked against the graph's record of the output, not against the emptied tensor."""
+    if output_grad is None:
+        torch.autograd.backward(output)
+        return
+    Variable._execution_engine.run_backward((output,), (output_grad,), False, False, (), True, True)

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from parallel.pipeline.p2p import backward_from, free_sent_output
+
 
 def _no_sync(ddps, last: bool):
     if last:
@@ -60,7 +62,9 @@ def forward_backward_no_pipelining(
 class _Stage:
     """One rank's bookkeeping: running chunks forward and backward. `stats` (optional) gets
     'peak_held', the most micro-batches whose activations were held at once (forward done,
-    backward not yet), and 'compute_s', the time spent in forward and backward."""
+    backward not yet), 'peak_output_bytes', the most bytes their output tensors held at once
+    when a forward starts (sent outputs are freed: p2p.free_sent_output), and 'compute_s',
+    the time spent in forward and backward."""
 
     def __init__(self, chunks, batches, forward_step, loss_func, forward_only, stats):
         self.chunks, self.batches = chunks, batches
@@ -70,10 +74,14 @@ class _Stage:
         self.held = 0
         self.stats = stats if stats is not None else {}
         self.stats["peak_held"] = 0
+        self.stats["peak_output_bytes"] = 0
         self.stats["compute_s"] = 0.0
+        self.held_outputs: list[torch.Tensor] = []
 
     def forward(self, chunk_index: int, microbatch: int, input_tensor, is_last_stage: bool):
         chunk, batch = self.chunks[chunk_index], self.batches[microbatch]
+        held_bytes = sum(o.untyped_storage().nbytes() for o in self.held_outputs)
+        self.stats["peak_output_bytes"] = max(self.stats["peak_output_bytes"], held_bytes)
         start = time.perf_counter()
         with torch.set_grad_enabled(not self.forward_only):
             output = self.forward_step(chunk, batch, input_tensor)
@@ -85,6 +93,7 @@ class _Stage:
         if not self.forward_only:
             self.held += 1
             self.stats["peak_held"] = max(self.stats["peak_held"], self.held)
+            self.held_outputs.append(output)
         return output
 
     def backward(self, chunk_index: int, last_microbatch: bool, input_tensor, output, output_grad):
@@ -96,10 +105,8 @@ class _Stage:
         if input_tensor is not None:
             input_tensor.retain_grad()
         start = time.perf_counter()
-        if output_grad is None:
-            torch.autograd.backward(output)
-        else:
-            torch.autograd.backward(output, grad_tensors=output_grad)
+        backward_from(output, output_grad)
+        self.held_outputs = [o for o in self.held_outputs if o is not output]
         self.stats["compute_s"] += time.perf_counter() - start
         if hasattr(ddp, "is_last_microbatch"):
             ddp.is_last_microbatch = True
@@ -118,6 +125,7 @@ def forward_backward_gpipe(
         input_tensor = p2p.recv_forward(not state.is_first_stage)
         output = stage.forward(0, k, input_tensor, state.is_last_stage)
         p2p.send_forward(None if state.is_last_stage else output)
+        free_sent_output(None if state.is_last_stage else output)
         if not forward_only:
             saved.append((input_tensor, output))
     if forward_only:
@@ -149,11 +157,13 @@ def forward_backward_1f1b(
         input_tensor = p2p.recv_forward(not first)
         output = stage.forward(0, k, input_tensor, last)
         p2p.send_forward(None if last else output)
+        free_sent_output(None if last else output)
         saved.append((input_tensor, output))
     input_tensor = p2p.recv_forward(not first) if steady else None
     for k in range(steady):
         output = stage.forward(0, warmup + k, input_tensor, last)
         output_grad = p2p.exchange(send_next=None if last else output, recv_next=not last)[1]
+        free_sent_output(None if last else output)
         saved.append((input_tensor, output))
         held_input, held_output = saved.pop(0)
         grad = stage.backward(0, k == m - 1, held_input, held_output, output_grad)
@@ -194,6 +204,7 @@ class _Mailbox:
     def _add(self, direction: str, into, **transfers) -> None:
         if self.overlap:
             self.waiting.append((direction, self.p2p.post(**transfers), into))
+            free_sent_output(transfers.get("send_next"))
             return
         self.staged.update(transfers)
         self.into[direction] = into
@@ -202,6 +213,7 @@ class _Mailbox:
         if self.overlap or not self.staged:
             return
         pending = self.p2p.post(**self.staged)
+        free_sent_output(self.staged.get("send_next"))
         self.waiting = [(direction, pending, into) for direction, into in self.into.items()]
         self.staged, self.into = {}, {}
         self.settle()
