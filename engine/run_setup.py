@@ -29,7 +29,7 @@ from engine.metrics import (
     model_flops_per_token,
 )
 from engine.model.builder import build_model_chunks
-from engine.ops import select_ops
+from engine.ops import agree_on_ops, select_ops
 from engine.optim import LRScheduler, build_optimizer
 from engine.profiling import StepProfiler
 from engine.run_checkpoint import resume
@@ -55,7 +55,9 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     tracker = model_parallel_seed(train.seed, state.tp_rank, state.pp_rank, state.device)
     dtype = params_dtype(train)
     virtual = par.virtual_size(m.num_layers)
-    ops = select_ops(state.device, train.use_fused_kernels)
+    ops = agree_on_ops(
+        select_ops(state.device, train.use_fused_kernels), state.world_group, state.device
+    )
     if state.rank == 0:
         print(f"ops: {ops.name}", flush=True)
     chunks = build_model_chunks(

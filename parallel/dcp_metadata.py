@@ -135,8 +135,11 @@ def _drop_byte_entries(metadata) -> None:
     dropped = {k for k in dropped if type(tensors[k]).__name__ == "BytesStorageMetadata"}
     for key in dropped:
         del tensors[key]
+    # Where each dropped entry's bytes are (file, offset, length), for a caller that reads one
+    # itself with a restricted loader (Megatron-LM's common state); DCP never sees them.
+    metadata.dropped_objects = {}
     for index in [i for i in storage if getattr(i, "fqn", None) in dropped]:
-        del storage[index]
+        metadata.dropped_objects[index.fqn] = storage.pop(index)
     metadata.planner_data = None
 
 

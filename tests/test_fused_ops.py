@@ -1,6 +1,7 @@
 """Fused ops: the PyTorch ops against independent references, the fused autograd glue driven by
 the kernel interface's PyTorch implementation (CPU, TP2 on real gloo ranks), the selection
-rules, the CUDA sources compiling, and (on a GPU) the CUDA kernels against the reference."""
+rules and the ranks' agreement on one op set, RoPE's precision on both paths, the CUDA sources
+compiling, and (on a GPU) the CUDA kernels against the reference."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ConfigError
-from engine.ops import TorchOps, select_ops
+from engine.ops import TorchOps, agree_on_ops, select_ops
 from engine.ops import reference_kernels as reference
 from engine.ops.fused import CSRC, FusedOps
 from tests.distributed import rel_err, run_ranks
@@ -138,6 +139,37 @@ def _tp2_cross_entropy(rank, world):
 def test_fused_cross_entropy_glue_over_tp2():
     for errors in run_ranks(_tp2_cross_entropy, 2):
         assert max(errors) < 1e-5, errors
+
+
+def test_rotary_gives_the_same_numbers_on_both_paths_in_bf16():
+    """Both paths rotate in fp32 and cast back once: equal in bf16, forward and backward."""
+    cos, sin = _tables(16, 32)
+    x = _random(16, 2, 4, 32, dtype=torch.bfloat16, seed=3)
+    dy = _random(16, 2, 4, 32, dtype=torch.bfloat16, seed=4)
+    results = []
+    for ops in (TORCH_OPS, FusedOps(reference)):
+        leaf = x.clone().requires_grad_(True)
+        out = ops.rotary(leaf, cos, sin)
+        out.backward(dy)
+        results.append((out.detach(), leaf.grad))
+    (torch_out, torch_grad), (fused_out, fused_grad) = results
+    assert torch.equal(torch_out, fused_out)
+    assert rel_err(torch_grad, fused_grad) < 1e-3  # within one bf16 rounding of each other
+
+
+def _agreement(rank, world):
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    cpu = torch.device("cpu")
+    mixed = agree_on_ops(FusedOps(reference) if rank == 0 else TorchOps(), group, cpu)
+    everywhere = agree_on_ops(FusedOps(reference), group, cpu)
+    return type(mixed).__name__, type(everywhere).__name__
+
+
+def test_ranks_agree_on_one_op_set():
+    """A rank without the fused kernels makes every rank use the PyTorch ops."""
+    assert run_ranks(_agreement, 2) == [("TorchOps", "FusedOps")] * 2
 
 
 def test_selection_rules():

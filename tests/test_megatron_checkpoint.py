@@ -47,6 +47,7 @@ STYLES = {
         position_embedding_type="rope",
         rotary_base=500,
         untie_embeddings_and_output_weights=True,
+        qk_layernorm=False,
     ),
     "gpt": dict(
         num_layers=2,
@@ -61,8 +62,11 @@ STYLES = {
         position_embedding_type="learned_absolute",
         rotary_base=10000,
         untie_embeddings_and_output_weights=False,
+        qk_layernorm=False,
     ),
 }
+# GPT-2 style with per-head LayerNorm on queries and keys (weights and biases).
+STYLES["gpt-qkln"] = dict(STYLES["gpt"], qk_layernorm=True)
 
 
 def _cpu_stand_ins():
@@ -114,7 +118,9 @@ def _megatron_model(style: str, tp: int, pp: int, vocab: int = VOCAB):
     )
     return MegatronGPT(
         config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=s["normalization"]),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization=s["normalization"], qk_layernorm=s["qk_layernorm"]
+        ),
         vocab_size=vocab,
         max_sequence_length=SEQ,
         position_embedding_type=s["position_embedding_type"],
@@ -126,10 +132,19 @@ def _megatron_model(style: str, tp: int, pp: int, vocab: int = VOCAB):
 
 
 def _args(style: str) -> argparse.Namespace:
-    """Megatron-LM's arguments as its training saves them in common.pt (the fields read)."""
+    """Megatron-LM's arguments as its training saves them in common.pt: the fields read, and
+    the megatron-core objects every real run's arguments hold (its enums, --exit-signal)."""
+    import signal
+
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.enums import AttnBackend
+
     s = STYLES[style]
     return argparse.Namespace(
         **s,
+        attention_backend=AttnBackend.auto,
+        model_type=ModelType.encoder_or_decoder,
+        exit_signal=signal.SIGTERM,
         kv_channels=s["hidden_size"] // s["num_attention_heads"],
         seq_length=SEQ,
         max_position_embeddings=SEQ,
@@ -137,22 +152,32 @@ def _args(style: str) -> argparse.Namespace:
         rotary_percent=1.0,
         norm_epsilon=1e-5,
         apply_layernorm_1p=False,
-        qk_layernorm=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=0.2,
         consumed_train_samples=56,
+        make_vocab_size_divisible_by=128,
+        tokenizer_type="GPT2BPETokenizer",
     )
 
 
-def _save(rank, world, style, tp, pp, path):
+def _save(rank, world, style, tp, pp, path, common_inside=False):
+    """common_inside: the common state as newer megatron-core keeps it, the sharded object
+    `common_state` inside the checkpoint (Megatron-LM's HEAD does that in
+    dist_checkpointing.save; 0.16.1's own ShardedObject writes it here). The test removes the
+    common.pt 0.16.1 still writes, after 0.16.1's own load (which needs it) is done."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedObject
 
     torch.manual_seed(100 + rank)
     model = _megatron_model(style, tp, pp)
     state = model.sharded_state_dict()
-    state.update({"args": _args(style), "iteration": 7, "checkpoint_version": 3.0})
-    state["opt_param_scheduler"] = {"num_steps": 56}
+    common = {"args": _args(style), "iteration": 7, "checkpoint_version": 3.0}
+    common["opt_param_scheduler"] = {"num_steps": 56}
+    if common_inside:
+        state["common_state"] = ShardedObject("common_state", common, (1,), (0,), replica_id=rank)
+    else:
+        state.update(common)
     os.makedirs(path, exist_ok=True)
     dist_checkpointing.save(state, path)
 
@@ -170,10 +195,10 @@ def _megatron_logits(rank, world, style, path, tokens):
         return model(tokens, positions, attention_mask=mask)
 
 
-def _convert(source: str, output: str) -> subprocess.CompletedProcess:
+def _convert(source: str, output: str, extra=()) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "tools/convert_checkpoint.py", "--from-megatron", source]
-        + ["--output", output],
+        + ["--output", output, *extra],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -182,15 +207,26 @@ def _convert(source: str, output: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("style, tp, pp", [("llama", 2, 1), ("llama", 1, 2), ("gpt", 2, 1)])
-def test_a_megatron_core_checkpoint_converts_to_the_same_logits(style, tp, pp, tmp_path):
+@pytest.mark.parametrize(
+    "style, tp, pp, inside",
+    [
+        ("llama", 2, 1, False),
+        ("llama", 1, 2, True),
+        ("gpt", 2, 1, False),
+        ("gpt-qkln", 2, 1, True),
+    ],
+)
+def test_a_megatron_core_checkpoint_converts_to_the_same_logits(style, tp, pp, inside, tmp_path):
+    """inside: the common state inside the checkpoint (no common.pt), as newer Megatron-LM."""
     root = tmp_path / "megatron"
     folder = str(root / "iter_0000007")
-    run_ranks(_save, tp * pp, style, tp, pp, folder)
+    run_ranks(_save, tp * pp, style, tp, pp, folder, inside)
     (root / "latest_checkpointed_iteration.txt").write_text("7")
     assert sorted(os.listdir(folder))[:2] == [".metadata", "__0_0.distcp"]
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     [theirs] = run_ranks(_megatron_logits, 1, style, folder, tokens)
+    if inside:
+        os.remove(os.path.join(folder, "common.pt"))  # as Megatron-LM's HEAD: none at all
 
     ours_root = str(tmp_path / "ours")
     result = _convert(str(root), ours_root)
@@ -206,6 +242,23 @@ def test_a_megatron_core_checkpoint_converts_to_the_same_logits(style, tp, pp, t
         ours = model.full_logits(model.eval()(tokens=tokens))
     assert ours.shape == theirs.shape == (2, SEQ, VOCAB)
     assert rel_err(ours, theirs) < 1e-5
+    assert meta["dtype"] == "float32"
+    if inside:
+        # back to Megatron-LM: what its load compares with the run's flags is what it saved
+        back = tmp_path / "back"
+        result = subprocess.run(
+            [sys.executable, "tools/convert_checkpoint.py", "--to-megatron", "--load", ours_root]
+            + ["--output", str(back)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr
+        saved = torch.load(back / "iter_0000007" / "common.pt", weights_only=False)["args"]
+        assert saved.make_vocab_size_divisible_by == 128
+        assert saved.tokenizer_type == "GPT2BPETokenizer"
 
 
 def test_common_pt_is_read_without_running_code(tmp_path):
@@ -272,3 +325,37 @@ def test_load_resumes_a_megatron_checkpoint_where_it_stopped(tmp_path):
     assert found[0]["lr"] == scheduler.lr_after(56)
     assert {n: os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)} == before
     assert find_latest(str(root)) == 9
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"num_experts": 8}, "mixture-of-experts"),
+        ({"position_embedding_type": "mrope"}, "--position-embedding-type mrope"),
+        ({"add_bias_linear": False, "add_qkv_bias": True}, "--add-qkv-bias"),
+        ({"rotary_interleaved": True}, "--rotary-interleaved"),
+        ({"use_rope_scaling": True}, "--use-rope-scaling"),
+        ({"squared_relu": True}, "--squared-relu"),
+        (
+            {"apply_residual_connection_post_layernorm": True},
+            "--apply-residual-connection-post-layernorm",
+        ),
+    ],
+)
+def test_saved_models_this_engine_cannot_build_are_refused(change, says):
+    """A model the saved arguments describe but this engine would build differently is named in
+    one line rather than loaded as something else; --openai-gelu is kept."""
+    from engine.compat.megatron_checkpoint import model_config_from_args
+
+    args = argparse.Namespace(**{**vars(_plain_args("llama")), **change})
+    with pytest.raises(InputError, match=says):
+        model_config_from_args(args)
+    gelu = argparse.Namespace(**{**vars(_plain_args("gpt")), "openai_gelu": True})
+    assert model_config_from_args(gelu).openai_gelu
+
+
+def _plain_args(style: str) -> argparse.Namespace:
+    s = STYLES[style]
+    return argparse.Namespace(
+        **s, kv_channels=8, seq_length=SEQ, max_position_embeddings=SEQ, padded_vocab_size=VOCAB
+    )

@@ -159,3 +159,27 @@ def test_to_megatron_refuses_an_existing_output_and_needs_load(tmp_path):
         env=dict(os.environ, PYTHONPATH=ROOT),
     )
     assert result.returncode == 2 and "give --load" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size 0"),
+        (["--pipeline-model-parallel-size", "-2"], "--pipeline-model-parallel-size -2"),
+        (["--dtype", "bfloat16"], "drop --dtype"),
+        (["--pipeline-model-parallel-size", "2"], "drop --dtype"),
+        (["--no-load-optim"], "--no-load-optim applies to --from-megatron only"),
+    ],
+)
+def test_converter_flags_that_cannot_apply_are_one_line(flags, says, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "tools/convert_checkpoint.py", "--to-megatron", "--load", "x"]
+        + ["--output", str(tmp_path / "out"), *flags],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
+    [line] = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and line.startswith("error: ") and says in line, line
+    assert not (tmp_path / "out").exists()

@@ -125,14 +125,13 @@ def test_adam_state_from_megatron_core_continues_its_training(tmp_path):
 
 
 def test_optimizer_state_tied_to_megatron_buffers_is_refused(tmp_path):
-    """The distributed optimizer's default dp_reshardable layout: one line, exit 2, the fix."""
-    from engine.compat.megatron_checkpoint import read_common
-
+    """The distributed optimizer's default dp_reshardable layout: one line, exit 2, the fix;
+    with that fix (--no-load-optim) the weights convert."""
     root = tmp_path / "megatron"
     folder = root / "iter_0000002"
     run_ranks(_train_save_and_step, 1, str(folder))
     (root / "latest_checkpointed_iteration.txt").write_text("2")
-    common = read_common(str(folder))
+    common = torch.load(folder / "common.pt", weights_only=False)  # the test's own file
     common["optimizer"] = {"param_state_sharding_type": "dp_reshardable", "optimizer": {}}
     torch.save(common, folder / "common.pt")
     result = _convert(str(root), str(tmp_path / "ours"))
@@ -140,3 +139,7 @@ def test_optimizer_state_tied_to_megatron_buffers_is_refused(tmp_path):
     [line] = result.stderr.strip().splitlines()
     assert "'dp_reshardable'" in line and "--dist-ckpt-optim-fully-reshardable" in line
     assert "--no-load-optim" in line and not (tmp_path / "ours").exists()
+    result = _convert(str(root), str(tmp_path / "ours"), ["--no-load-optim"])
+    assert result.returncode == 0, result.stderr
+    meta = read_meta(iteration_dir(str(tmp_path / "ours"), 2))
+    assert meta["optimizer_step"] == 0 and meta["iteration"] == 2

@@ -70,7 +70,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="--from-megatron: leave Megatron-LM's optimizer state out (the run starts Adam "
+        "afresh from the weights)",
+    )
     args = parser.parse_args(argv)
+    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(
+                f"--{flag.replace('_', '-')} {getattr(args, flag)}: a parallel size is 1 or more"
+            )
+    if args.no_load_optim and not args.from_megatron:
+        raise ConfigError("--no-load-optim applies to --from-megatron only; drop it")
+    if args.to_megatron and (
+        args.dtype or tokenizer_flags_given(args) or args.pipeline_model_parallel_size != 1
+    ):
+        raise ConfigError(
+            "--to-megatron writes the checkpoint's own dtype and tokenizer, with the stages "
+            "in one checkpoint that Megatron-LM reads under any PP; drop --dtype, the "
+            "tokenizer flags and --pipeline-model-parallel-size"
+        )
     if args.to_megatron and not args.load:
         raise ConfigError("--to-megatron converts the checkpoint --load names; give --load")
     if sum(map(bool, (args.load, args.from_hf, args.from_megatron))) != 1:
@@ -101,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             args.output,
             tp=args.tensor_model_parallel_size,
             pp=args.pipeline_model_parallel_size,
+            load_optim=not args.no_load_optim,
         )
         print(
             f"imported {args.from_megatron} (iteration {summary['iteration']}, "

@@ -3,10 +3,11 @@
 A Megatron-LM checkpoint folder `iter_NNNNNNN/` holds `metadata.json` (the backend),
 `.metadata` and `*.distcp` (torch.distributed.checkpoint: every tensor stored by its global
 shape, so whatever TP/PP it was saved with), and `common.pt` (a torch.save of what is not
-sharded: Megatron-LM's arguments, the iteration). Nothing of it runs code here: `.metadata` is
-unpickled with DCP's own classes only (byte entries, TransformerEngine's `_extra_state`, are
-dropped unread), and `common.pt` with torch's weights-only loader and an exact allow-list
-(`argparse.Namespace` and nothing else); anything else it names is refused in one line.
+sharded: Megatron-LM's arguments, the iteration; newer megatron-core keeps it inside, as the
+entry `common_state`). Nothing of it runs code here: `.metadata` is unpickled with DCP's own
+classes only (byte entries, TransformerEngine's `_extra_state`, are dropped unread), and the
+common state with torch's weights-only loader and an exact allow-list
+(engine/compat/megatron_common.py); anything else it names is refused in one line.
 
 The layer tensors carry the layer as their first dimension. megatron-core fuses, per query
 group, the group's query heads, then its key head, then its value head into `linear_qkv`, and
@@ -21,18 +22,26 @@ saved it per parameter (engine/compat/megatron_optimizer.py). Random states are 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import torch
 
+from engine.compat.megatron_common import read_common
 from engine.config import ModelConfig
 from engine.errors import InputError
 from parallel.dcp import SafeFileSystemReader
-from parallel.errors import CheckpointError, one_line
+from parallel.errors import CheckpointError
 
-COMMON_ALLOWED = (argparse.Namespace,)
+# Megatron-LM's arguments it checks against a checkpoint's on load (with --vocab-file), kept
+# on import so that an export back to Megatron-LM passes that check.
+_ROUND_TRIP_ARGS = (
+    "make_vocab_size_divisible_by",
+    "tokenizer_type",
+    "tokenizer_model",
+    "vocab_file",
+    "merge_file",
+)
 
 
 def is_megatron_checkpoint(path: str) -> bool:
@@ -53,32 +62,6 @@ def _latest_iteration(root: str) -> int | None:
         return None
 
 
-def read_common(path: str) -> dict:
-    """common.pt, loaded weights-only with the exact allow-list; {} when there is none."""
-    file = os.path.join(path, "common.pt")
-    if not os.path.exists(file):
-        return {}
-    try:
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
-    except Exception as err:  # noqa: BLE001 - a damaged file
-        raise InputError(f"{file}: not a readable torch file ({one_line(err)})") from None
-    allowed = {f"{c.__module__}.{c.__qualname__}" for c in COMMON_ALLOWED}
-    refused = sorted(set(unsafe) - allowed)
-    if refused:
-        raise InputError(
-            f"{file}: refers to {refused[0]}, outside what a Megatron-LM checkpoint's common "
-            "state holds here (argparse.Namespace); refusing to load it (nothing was run)"
-        )
-    try:
-        with torch.serialization.safe_globals(list(COMMON_ALLOWED)):
-            common = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - damaged, or refused by the weights-only loader
-        raise InputError(f"{file}: cannot be read weights-only ({one_line(err)})") from None
-    if not isinstance(common, dict):
-        raise InputError(f"{file}: holds a {type(common).__name__}, not Megatron-LM's state")
-    return common
-
-
 def model_config_from_args(args) -> ModelConfig:
     """Our ModelConfig from Megatron-LM's saved arguments (the padded vocabulary is the
     vocabulary: Megatron-LM's softmax runs over every padded row too)."""
@@ -95,6 +78,19 @@ def model_config_from_args(args) -> ModelConfig:
             f"--normalization {normalization}; only learned_absolute/rope and LayerNorm/RMSNorm "
             "are available here"
         )
+    unsupported = {
+        "add_qkv_bias": get("add_qkv_bias") and not get("add_bias_linear", True),
+        "rotary_interleaved": get("rotary_interleaved"),
+        "use_rope_scaling": get("use_rope_scaling"),
+        "squared_relu": get("squared_relu"),
+        "apply_residual_connection_post_layernorm": get("apply_residual_connection_post_layernorm"),
+    }
+    for name, used in unsupported.items():
+        if used:
+            raise InputError(
+                f"the checkpoint's model uses --{name.replace('_', '-')}, which this engine's "
+                "model does not have yet; it cannot be loaded as the same model"
+            )
     if get("num_experts"):
         raise InputError(
             "the checkpoint's model has mixture-of-experts layers (--num-experts), which are "
@@ -119,6 +115,7 @@ def model_config_from_args(args) -> ModelConfig:
         norm_epsilon=float(get("norm_epsilon") or 1e-5),
         apply_layernorm_1p=bool(get("apply_layernorm_1p")),
         swiglu=swiglu,
+        openai_gelu=bool(get("openai_gelu")),
         add_bias_linear=bool(get("add_bias_linear", True)),
         untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
         qk_layernorm=bool(get("qk_layernorm")),
@@ -173,8 +170,10 @@ def _layer_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, str]]]:
         else:
             out["mlp.linear_fc1.bias"] = [(f"{mlp}.linear_fc1.bias", "")]
     if cfg.qk_layernorm:
-        out["self_attention.q_layernorm.weight"] = [(f"{attn}.q_layernorm.weight", "")]
-        out["self_attention.k_layernorm.weight"] = [(f"{attn}.k_layernorm.weight", "")]
+        for norm in ("q_layernorm", "k_layernorm"):
+            out[f"self_attention.{norm}.weight"] = [(f"{attn}.{norm}.weight", "")]
+            if cfg.normalization == "LayerNorm":
+                out[f"self_attention.{norm}.bias"] = [(f"{attn}.{norm}.bias", "")]
     return out
 
 
@@ -292,13 +291,18 @@ class MegatronCheckpoint:
 
 
 def import_from_megatron(
-    path: str, output: str, cfg: ModelConfig | None = None, tp: int = 1, pp: int = 1
+    path: str,
+    output: str,
+    cfg: ModelConfig | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    load_optim: bool = True,
 ) -> dict:
     """Write our checkpoint folder `output` from the Megatron-LM iteration folder `path` (or
     a checkpoint root, whose latest iteration is taken): the model weights at Megatron-LM's
     iteration and consumed samples, the learning-rate schedule's position, and Adam's state
-    when the checkpoint holds it in model space (else a fresh optimizer). `cfg`: the model,
-    when common.pt holds no saved arguments."""
+    when the checkpoint holds it in model space (else, or without `load_optim`, a fresh
+    optimizer). `cfg`: the model, when the common state holds no saved arguments."""
     import dataclasses
 
     from engine.checkpoint_convert import check_new_output, write_converted
@@ -352,14 +356,16 @@ def import_from_megatron(
 
         state[ours] = LazyTensor(torch.Size(expected[ours]), entry.properties.dtype, load)
     step = 0
-    if check_optimizer_format(path, common, source.stored):
+    if load_optim and check_optimizer_format(path, common, source.stored):
         step = optimizer_step(common)
         for ours, (key, layer, part) in source.tensor_plan(cfg).items():
             name = ours.removeprefix("model/")
             for kind in ("exp_avg", "exp_avg_sq", "master"):
                 stored = optimizer_key(source.stored, kind, key)
+                if stored is None and kind == "master":
+                    continue  # the master starts from the weights
                 if stored is None:
-                    continue
+                    raise InputError(f"{path}: its optimizer state has no {kind} for {key}")
 
                 def load_state(entry=(stored, layer, part)):
                     return source.logical(entry, cfg)
@@ -371,7 +377,9 @@ def import_from_megatron(
     iteration = int(common.get("iteration", 0) or 0)
     consumed = int(getattr(args, "consumed_train_samples", 0) or 0) if args else 0
     schedule = common.get("opt_param_scheduler") or {}
-    dtypes = {str(v.dtype).replace("torch.", "") for v in state.values()}
+    dtypes = {
+        str(v.dtype).replace("torch.", "") for k, v in state.items() if k.startswith("model/")
+    }
 
     def meta(files: dict) -> dict:
         return {
@@ -390,7 +398,15 @@ def import_from_megatron(
             "optimizer_step": step,
             "counters": {"skipped_iters": 0, "nan_iters": 0},
             "spikes": {},
-            "source": {"megatron_checkpoint": os.path.abspath(path)},
+            "source": {
+                "megatron_checkpoint": os.path.abspath(path),
+                # what Megatron-LM compares on load, written back by --to-megatron
+                "megatron_args": {
+                    name: getattr(args, name, None)
+                    for name in _ROUND_TRIP_ARGS
+                    if isinstance(getattr(args, name, None), str | int | float | bool)
+                },
+            },
             "files": files,
         }
 
@@ -449,6 +465,7 @@ def load_weights(path: str, chunks, cfg: ModelConfig, optimizer=None) -> int | N
     from engine.checkpoint_state import model_state, optimizer_state, prime_optimizer_state
     from engine.compat.megatron_optimizer import (
         check_optimizer_format,
+        check_state_kinds,
         optimizer_key,
         optimizer_step,
     )
@@ -466,7 +483,9 @@ def load_weights(path: str, chunks, cfg: ModelConfig, optimizer=None) -> int | N
     if optimizer is None or not check_optimizer_format(path, common, source.stored):
         return None
     prime_optimizer_state(optimizer)
-    for key, boxes in optimizer_state(optimizer, chunks, for_save=False).items():
+    wanted = optimizer_state(optimizer, chunks, for_save=False)
+    check_state_kinds(path, {key.rsplit("/", 1)[1] for key in wanted})
+    for key, boxes in wanted.items():
         name, kind = key.removeprefix("optim/").rsplit("/", 1)
         model_key, layer, part = plan[f"model/{name}"]
         stored = optimizer_key(source.stored, kind, model_key)

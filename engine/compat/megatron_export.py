@@ -58,7 +58,9 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
     dtype = meta.get("dtype", "float32")
     rope = cfg.position_embedding_type == "rope"
     tokenizer = meta.get("tokenizer") or {}
-    return argparse.Namespace(
+    # A checkpoint imported from Megatron-LM gives back the values Megatron-LM compares on load.
+    kept = ((meta.get("source") or {}).get("megatron_args") or {}) if not tokenizer else {}
+    args = argparse.Namespace(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size,
@@ -78,6 +80,7 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
         norm_epsilon=cfg.norm_epsilon,
         apply_layernorm_1p=cfg.apply_layernorm_1p,
         swiglu=cfg.swiglu,
+        openai_gelu=cfg.openai_gelu,
         squared_relu=False,
         add_bias_linear=cfg.add_bias_linear,
         add_qkv_bias=cfg.add_bias_linear,
@@ -106,6 +109,9 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
         consumed_train_samples=meta["consumed_samples"],
         consumed_valid_samples=(meta.get("counters") or {}).get("consumed_valid_samples", 0),
     )
+    for name, value in kept.items():
+        setattr(args, name, value)
+    return args
 
 
 def _state(path: str, reader, stored, cfg: ModelConfig, padded_vocab: int) -> dict:

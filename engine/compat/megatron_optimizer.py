@@ -6,8 +6,9 @@ its parameter, with the parameter's global shape, so any TP/PP reads it) in two 
   `...exp_avg_sq...`, the fp32 master of a bf16/fp16 parameter under `optimizer.state.fp32_param`,
   and Adam's step as `common_step` in common.pt;
 - the distributed optimizer saved with --dist-ckpt-optim-fully-reshardable
-  (`param_state_sharding_type` fully_reshardable): the same moments, the master under
-  `optimizer.state.param`, and the step in each parameter group.
+  (`param_state_sharding_type` fully_reshardable, or the older fully_sharded_model_space):
+  the same moments, the master under `optimizer.state.param`, and the step in each parameter
+  group.
 Megatron-LM's default for the distributed optimizer (`dp_reshardable`) and the older bucket
 formats store its flat gradient buffers as they are laid out in memory, which only a run with
 megatron-core's own buffers can read; they are refused in one line naming the fix.
@@ -19,7 +20,8 @@ import torch
 
 from engine.errors import InputError
 
-_MODEL_SPACE = ("fully_reshardable",)
+# Both keep every state tensor under its parameter's key and global shape.
+_MODEL_SPACE = ("fully_reshardable", "fully_sharded_model_space")
 # our optimizer state kind -> megatron-core's names for it, first present wins
 _KINDS = {
     "exp_avg": ("exp_avg",),
@@ -62,6 +64,16 @@ def check_optimizer_format(path: str, common: dict, stored) -> bool:
             "(weights, iteration and samples only)"
         )
     return any(k.startswith("optimizer.state.exp_avg.") for k in stored)
+
+
+def check_state_kinds(path: str, kinds) -> None:
+    """InputError unless every state kind of this run's optimizer is one Adam saves."""
+    others = sorted(set(kinds) - set(_KINDS))
+    if others:
+        raise InputError(
+            f"{path}: holds Adam's state, but this run's optimizer keeps {others[0]}; use "
+            "--optimizer adam, or --no-load-optim to start the optimizer afresh"
+        )
 
 
 def optimizer_key(stored, kind: str, model_key: str) -> str | None:

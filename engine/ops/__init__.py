@@ -3,6 +3,9 @@
 `select_ops(device, use_fused)` is called once at start: on CUDA the fused kernels are used
 when they build (--use-fused-kernels / --no-use-fused-kernels force it either way); on CPU the
 PyTorch ops always are, and asking for fused kernels there is a clear error.
+`agree_on_ops` then makes every rank run the same set: if the kernels failed to build on any
+rank, all ranks use the PyTorch ops (ranks that computed with different numerics would drift
+apart silently).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
 from engine.errors import ConfigError
 from engine.ops.torch_ops import TorchOps
@@ -41,4 +45,17 @@ def select_ops(device: torch.device, use_fused: bool | None = None):
         return TorchOps()
 
 
-__all__ = ["select_ops", "TorchOps"]
+def agree_on_ops(ops, group, device: torch.device):
+    """ops where every rank of group chose the fused kernels, else the PyTorch ops on every
+    rank (with a warning where the fused ones are given up). Collective over group."""
+    if group is None or dist.get_world_size(group) == 1:
+        return ops
+    fused = torch.tensor([0 if isinstance(ops, TorchOps) else 1], device=device)
+    dist.all_reduce(fused, op=dist.ReduceOp.MIN, group=group)
+    if fused.item() == 1 or isinstance(ops, TorchOps):
+        return ops
+    log.warning("the fused kernels did not build on every rank; all ranks use the PyTorch ops")
+    return TorchOps()
+
+
+__all__ = ["agree_on_ops", "select_ops", "TorchOps"]

@@ -27,9 +27,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [s, b, heads, d] by position; cos/sin are [s, 1, 1, d]."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    """Rotate x [s, b, heads, d] by position; cos/sin are [s, 1, 1, d]. Computed in fp32 and
+    cast back, as the fused kernel does, so both paths give the same numbers in bf16."""
+    x32 = x.float()
+    return (x32 * cos.float() + rotate_half(x32) * sin.float()).to(x.dtype)
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
