@@ -21,6 +21,20 @@ def _param_names(chunks) -> dict:
     return names
 
 
+def _held(chunks) -> dict:
+    """param -> [(offset, numel, flat values)] of what this rank holds of it: the whole
+    parameter, or under sharded parameters the part in its DP shard."""
+    held = {}
+    for chunk in chunks:
+        pieces = getattr(chunk, "held_pieces", None)
+        for param in chunk.module.parameters():
+            if pieces is not None and param in chunk.bucket_of:
+                held[param] = pieces(param)
+            else:
+                held[param] = [(0, param.numel(), param.data.reshape(-1))]
+    return held
+
+
 def _add_boxes(out: dict, key: str, box, tensor: torch.Tensor, dtype: torch.dtype) -> None:
     entry = out.get(key)
     if entry is None:
@@ -32,15 +46,20 @@ def model_state(chunks, for_save: bool) -> dict[str, BoxTensor]:
     """'model/<name><part>' -> boxes of every parameter this rank holds. Saving skips the last
     stage's copy of a tied embedding (the first stage writes the same tensor)."""
     out: dict[str, BoxTensor] = {}
+    held = _held(chunks)
     for param, name in _param_names(chunks).items():
         if for_save and getattr(param, "shared_embedding", False):
             continue
-        flat = param.data.reshape(-1)
-        for box in checkpoint_boxes(
-            param.shape, tp_sharding_of(param), real_rows=getattr(param, "real_rows", None)
-        ):
-            view = flat[box.flat_start : box.flat_end].view(box.sizes)
-            _add_boxes(out, f"model/{name}{box.suffix}", box, view, param.dtype)
+        for offset, numel, flat in held[param]:
+            for box in checkpoint_boxes(
+                param.shape,
+                tp_sharding_of(param),
+                offset,
+                offset + numel,
+                getattr(param, "real_rows", None),
+            ):
+                view = flat[box.flat_start - offset : box.flat_end - offset].view(box.sizes)
+                _add_boxes(out, f"model/{name}{box.suffix}", box, view, param.dtype)
     return out
 
 

@@ -381,6 +381,18 @@ class ParallelConfig:
         action="store_false",
     )
     use_distributed_optimizer: bool = option(False, "shard optimizer state over DP (ZeRO)")
+    use_megatron_fsdp: bool = option(
+        False,
+        "fully sharded data parallelism with --data-parallel-sharding-strategy (implies "
+        "--use-distributed-optimizer)",
+    )
+    data_parallel_sharding_strategy: str | None = option(
+        None,
+        "with --use-megatron-fsdp, what DP ranks shard (default optim_grads_params): "
+        "optimizer state (optim), also gradients (optim_grads), also parameters; without "
+        "it no effect (as in Megatron-LM)",
+        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+    )
     overlap_grad_reduce: bool = option(False, "reduce gradient buckets during backward")
     overlap_param_gather: bool = option(
         False, "with the distributed optimizer: gather parameters during the next forward"
@@ -389,6 +401,15 @@ class ParallelConfig:
     distributed_timeout_minutes: float = option(
         10.0, "a collective waiting longer than this fails the run (e.g. a dead rank)"
     )
+
+    def sharding_strategy(self) -> str:
+        """What DP ranks shard (parallel/ddp.py): Megatron-LM's strategy names."""
+        if self.use_megatron_fsdp:
+            return self.data_parallel_sharding_strategy or "optim_grads_params"
+        return "optim" if self.use_distributed_optimizer else "no_shard"
+
+    def shards_optimizer(self) -> bool:
+        return self.sharding_strategy() != "no_shard"
 
     def virtual_size(self, num_layers: int) -> int:
         if not self.num_layers_per_virtual_pipeline_stage:
@@ -429,8 +450,12 @@ class ParallelConfig:
                 "--overlap-p2p-communication runs with the interleaved schedule only; add "
                 "--num-layers-per-virtual-pipeline-stage or drop the flag"
             )
-        if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
+        if self.overlap_param_gather and not self.shards_optimizer():
+            # with optim_grads_params the gathers always run ahead of the forward (prefetch)
+            raise ConfigError(
+                "--overlap-param-gather needs --use-distributed-optimizer (with "
+                "--use-megatron-fsdp: a --data-parallel-sharding-strategy other than no_shard)"
+            )
         if (
             self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers
         ) and pp < 2:
@@ -575,6 +600,18 @@ class TrainConfig:
     seed: int = option(1234, "random seed (initialisation, data order, dropout)")
     bf16: bool = option(False, "bf16 parameters and activations, fp32 master weights and grads")
     fp16: bool = option(False, "fp16 with dynamic loss scaling, fp32 master weights and grads")
+    tf32: bool = option(
+        True,
+        "on GPUs, fp32 matmuls run on TF32 tensor cores (torch's 'high' float32 matmul "
+        "precision); --no-tf32 keeps them in full fp32",
+        flag="--no-tf32",
+        action="store_false",
+    )
+    torch_compile: bool = option(
+        False,
+        "compile each transformer layer's forward with torch.compile (off by default until "
+        "measured on a GPU)",
+    )
     grad_reduce_in_bf16: bool = option(
         False,
         "with --bf16: accumulate and reduce gradients in bf16 (half the traffic; default fp32); "

@@ -40,7 +40,7 @@ def before_iteration(rank: int, iteration: int, batches: list[dict], vocab_size:
         os.kill(os.getpid(), signal.SIGTERM)
     if iteration in _iterations("TRIPOD_FAULT_RANDOM_BATCH_AT"):
         generator = torch.Generator().manual_seed(iteration)
-        for batch in batches:
+        for batch in (b for b in batches if "tokens" in b):  # a middle stage reads none
             noise = torch.randint(0, vocab_size, batch["tokens"].shape, generator=generator)
             batch["tokens"] = noise.to(batch["tokens"].device)
             batch["labels"] = noise.roll(-1, dims=1).to(batch["labels"].device)
@@ -48,7 +48,9 @@ def before_iteration(rank: int, iteration: int, batches: list[dict], vocab_size:
 
 def after_backward(rank: int, iteration: int, chunks) -> None:
     if rank == 0 and iteration in _iterations("TRIPOD_FAULT_NAN_GRAD_AT"):
-        chunks[0].params[0].main_grad.view(-1)[0] = float("nan")
+        ddp = chunks[0]  # this rank's gradient, whole or (sharded gradients) its shard
+        grad = next(g for p in ddp.params for g in ddp.reduced_grads(p) if g.numel())
+        grad[0] = float("nan")
 
 
 def storage_writer(path: str, rank: int, iteration: int):

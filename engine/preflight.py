@@ -122,7 +122,7 @@ def check(cfg, world_size: int) -> None:
     if par.sequence_parallel and tp == 1:
         par.sequence_parallel = False  # nothing to split, as in Megatron-LM
     dp = check_layout(world_size, tp, pp)
-    check_compat(cfg.megatron, m.position_embedding_type)
+    check_compat(cfg.megatron, m.position_embedding_type, cfg.parallel.use_megatron_fsdp)
     m.validate(tp, par.sequence_parallel)
     par.validate(m.num_layers)
     train.validate()

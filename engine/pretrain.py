@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_minutes=cfg.parallel.distributed_timeout_minutes,
     )
     run = setup(cfg, state, started)
-    accepted = no_effect_line(cfg.megatron, cfg.model, cfg.train)
+    accepted = no_effect_line(cfg.megatron, cfg.model, cfg.train, cfg.parallel)
     if accepted:
         run.writer.print(accepted)
     code = 0

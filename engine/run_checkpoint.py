@@ -147,8 +147,8 @@ def save(run: Run) -> None:
         },
         "spikes": run.spikes.state_dict(),
     }
-    if isinstance(run.datasets[0], StreamingDataset):
-        meta["data"] = run.train_iterator.state_dict()
+    if isinstance(run.datasets[0], StreamingDataset) and run.train_iterator is not None:
+        meta["data"] = run.train_iterator.state_dict()  # rank 0 (a first stage) writes meta
     stall = run.checkpointer.save(c.iteration, run.chunks, run.optimizer, meta, run.tracker)
     run.last_saved = c.iteration
     kind = "started (async)" if run.cfg.train.async_save else "saved"

@@ -52,6 +52,8 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     train.resolve_length(state.dp_size, m.seq_length)
     random.seed(train.seed)
     np.random.seed(train.seed % 2**32)
+    if state.device.type == "cuda" and train.tf32:
+        torch.set_float32_matmul_precision("high")  # TF32 tensor cores for fp32 matmuls
     tracker = model_parallel_seed(train.seed, state.tp_rank, state.pp_rank, state.device)
     dtype = params_dtype(train)
     virtual = par.virtual_size(m.num_layers)
@@ -72,6 +74,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         first_stage_layers=par.decoder_first_pipeline_num_layers,
         last_stage_layers=par.decoder_last_pipeline_num_layers,
         ops=ops,
+        torch_compile=train.torch_compile,
     )
     ddps = [
         DistributedDataParallel(
@@ -79,7 +82,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
             state.dp_group,
             bucket_size=par.ddp_bucket_size,
             overlap_grad_reduce=par.overlap_grad_reduce,
-            use_distributed_optimizer=par.use_distributed_optimizer,
+            sharding=par.sharding_strategy(),
             overlap_param_gather=par.overlap_param_gather,
             grad_dtype=torch.bfloat16
             if train.bf16 and train.grad_reduce_in_bf16
@@ -90,7 +93,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     optimizer = build_optimizer(
         ddps,
         cfg.optimizer,
-        use_distributed_optimizer=par.use_distributed_optimizer,
+        use_distributed_optimizer=par.shards_optimizer(),
         fp16=train.fp16,
         tp_rank=state.tp_rank,
         model_parallel_group=state.model_parallel_group,

@@ -83,7 +83,7 @@ def layout_of(state: ParallelState, cfg: Configs) -> dict:
         "pp": state.pp_size,
         "dp": state.dp_size,
         "virtual": cfg.parallel.virtual_size(cfg.model.num_layers),
-        "distributed_optimizer": cfg.parallel.use_distributed_optimizer,
+        "distributed_optimizer": cfg.parallel.shards_optimizer(),
     }
 
 

@@ -106,17 +106,36 @@ def evaluate(run: Run, split: int) -> float | None:
         c.consumed_valid_samples += train.eval_iters * run.batches.final
     total, count = 0.0, micro_batches_per_step(run, run.batches.final)
     for _ in range(train.eval_iters):
-        batches = [to_device(next(iterator), state.device) for _ in range(count)]
+        batches = next_batches(iterator, count, state.device)
         total += eval_step(run.chunks, batches, state, run.schedule)
     return total / train.eval_iters
 
 
+def loads_batches(state) -> bool:
+    """Only the first pipeline stage (tokens) and the last (labels) read token batches, as in
+    Megatron-LM; a stage in between gets its input from the previous stage alone."""
+    return state.is_first_stage or state.is_last_stage
+
+
 def data_iterator(run: Run, dataset, consumed: int, num_workers: int, state=None):
-    """This DP rank's micro-batches of a split from `consumed` samples on."""
+    """This DP rank's micro-batches of a split from `consumed` samples on; None on a pipeline
+    stage that reads no batches."""
+    if not loads_batches(run.state):
+        if isinstance(dataset, StreamingDataset):
+            dataset.resume_positions(consumed, state)  # a bad data state fails on every rank
+        return None
     mbs, dp_rank, dp_size = run.cfg.train.micro_batch_size, run.state.dp_rank, run.state.dp_size
+    pin = run.state.device.type == "cuda"  # page-locked batches copy to the GPU asynchronously
     if isinstance(dataset, StreamingDataset):
-        return dataset.iterator(consumed, mbs, dp_rank, dp_size, num_workers, state)
-    return build_data_iterator(dataset, consumed, mbs, dp_rank, dp_size, num_workers)
+        return dataset.iterator(consumed, mbs, dp_rank, dp_size, num_workers, state, pin)
+    return build_data_iterator(dataset, consumed, mbs, dp_rank, dp_size, num_workers, pin)
+
+
+def next_batches(iterator, count: int, device: torch.device) -> list[dict]:
+    """`count` micro-batches on `device` (empty ones where this stage reads none)."""
+    if iterator is None:
+        return [{} for _ in range(count)]
+    return [to_device(next(iterator), device) for _ in range(count)]
 
 
 class NaNLimit(Exception):
@@ -137,7 +156,7 @@ def train(run: Run) -> Counters:
         run.profiler.before_iteration(c.iteration)
         global_batch = run.batches.at(c.consumed_samples)
         count = micro_batches_per_step(run, global_batch)
-        batches = [to_device(next(iterator), state.device) for _ in range(count)]
+        batches = next_batches(iterator, count, state.device)
         record = train_iteration(run, batches, global_batch)
         c.iteration += 1
         run.profiler.after_iteration(c.iteration)

@@ -6,8 +6,13 @@
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   for several machines (default: one)
 #   DATA             folder with the quickstart's dataset and tokenizer (default data/quickstart)
 #   PYTHON           the interpreter with the engine installed (default: python on PATH)
+#   PRECISION        bf16 (the default with GPUs: bf16 weights and activations, fp32 master
+#                    weights and gradients) or fp32 (the default without); --fp16 or --bf16
+#                    among the arguments decide instead
 #
-# Without GPUs the ranks use gloo on the CPU with one thread each.
+# Without GPUs the ranks use gloo on the CPU with one thread each. On GPUs the engine also
+# turns on TF32 for fp32 matmuls, pins the batches' memory for asynchronous copies and lets
+# PyTorch's attention pick FlashAttention (bf16).
 set -euo pipefail
 
 gpus=0
@@ -26,6 +31,12 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 DATA=${DATA:-data/quickstart}
 PYTHON=${PYTHON:-python}
+if [ "$gpus" -gt 0 ]; then PRECISION=${PRECISION:-bf16}; else PRECISION=${PRECISION:-fp32}; fi
+case "$PRECISION" in
+    bf16) PRECISION_ARGS=(--bf16) ;;
+    fp32) PRECISION_ARGS=() ;;
+    *) echo "PRECISION=$PRECISION: use bf16 or fp32 (or pass --fp16)" >&2; exit 2 ;;
+esac
 
 # Defaults: what Megatron-LM requires (the model's shape, the batch, the length, the data) and
 # a learning rate; every other flag keeps Megatron-LM's default. A group of defaults is left
@@ -49,6 +60,7 @@ for arg in "$@"; do
         --data-path | --mock-data | --train-data-path | --valid-data-path | --test-data-path | \
             --data-args-path | --per-split-data-args-path) DATA_ARGS=() ;;
         --tokenizer-type | --tokenizer-model | --vocab-file | --merge-file) TOKENIZER_ARGS=() ;;
+        --fp16 | --bf16) PRECISION_ARGS=() ;;
     esac
 done
 OUTPUT_ARGS=(--log-interval 10 --eval-interval 100 --eval-iters 4)
@@ -62,4 +74,4 @@ exec "$PYTHON" -m engine.launch --nproc-per-node "$NPROC_PER_NODE" \
     -m engine.pretrain "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" \
     ${BATCH_ARGS[@]+"${BATCH_ARGS[@]}"} ${LENGTH_ARGS[@]+"${LENGTH_ARGS[@]}"} \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} ${TOKENIZER_ARGS[@]+"${TOKENIZER_ARGS[@]}"} \
-    "${OUTPUT_ARGS[@]}" "$@"
+    ${PRECISION_ARGS[@]+"${PRECISION_ARGS[@]}"} "${OUTPUT_ARGS[@]}" "$@"

@@ -1,30 +1,46 @@
-"""Data parallelism: contiguous gradient buffers reduced in buckets, overlapped with backward.
+"""Data parallelism: contiguous gradient buffers reduced in buckets, overlapped with backward,
+with Megatron-LM's sharding strategies (--data-parallel-sharding-strategy).
 
-`DistributedDataParallel` moves a module's parameters into one contiguous buffer (their
-`.data` become views of it) and gives each a `main_grad`: a view of a second buffer
-("main grads": fp32, also for bf16/fp16 parameters, unless --grad-reduce-in-bf16 makes it
-bf16). A hook adds every new `.grad` into `main_grad` and drops `.grad`, so gradients
-accumulate locally over the micro-batches of a step. Linear layers with gradient-accumulation
-fusion write into `main_grad` themselves and call `param.on_main_grad_added` instead.
+`DistributedDataParallel` moves a module's parameters into contiguous buffers (their `.data`
+become views) and gives each a `main_grad`: a view of a gradient buffer ("main grads": fp32,
+also for bf16/fp16 parameters, unless --grad-reduce-in-bf16 makes it bf16). A hook adds every
+new `.grad` into `main_grad` and drops `.grad`, so gradients accumulate locally over the
+micro-batches of a step. Linear layers with gradient-accumulation fusion write into
+`main_grad` themselves (after `param.prepare_main_grad`) and call `param.on_main_grad_added`.
 
 The buffers are cut into buckets of about `bucket_size` elements, in the reverse order of the
-parameters (roughly the order backward produces them). After the last micro-batch
-(`no_sync()` marks the others) each bucket is reduced over the DP group: all-reduced, or with
-the distributed optimizer reduce-scattered, so each rank gets its shard of the reduced
-gradient. With `overlap_grad_reduce` a bucket's reduction starts inside backward as soon as
-its last gradient is ready; `finish_grad_sync()` waits for all of them. Gradients are
-pre-scaled by 1/DP, so the result is the average over data-parallel ranks.
+parameters (roughly the order backward produces them). Each bucket is reduced over the DP
+group; gradients are pre-scaled by 1/DP, so the result is the average over DP ranks. What a
+rank keeps depends on the strategy:
 
-A bucket holding a weight shared between pipeline stages (a tied embedding) is not reduced
-inside backward: its gradient must first be summed with the other stage's copy (see
-parallel/grads.py), so it waits for `finish_grad_sync()`.
+- `no_shard`: everything whole on every rank; buckets are all-reduced after the last
+  micro-batch (`no_sync()` marks the others).
+- `optim` (--use-distributed-optimizer, ZeRO-1): buckets are reduce-scattered after the last
+  micro-batch, so each rank gets its 1/DP shard of the reduced gradient; the optimizer
+  (parallel/zero.py) updates that shard and `start_param_sync()` all-gathers the parameters,
+  in forward order (the reverse of the bucket order); with `overlap_param_gather` the wait
+  happens per module, in a forward pre-hook, just before the parameters are used (a tied
+  output layer reads the embedding table through the table's module call, so its hook runs).
+- `optim_grads` (ZeRO-2): a rank keeps only its shard of the reduced gradient. A bucket's full
+  gradient exists only while its micro-batch's backward fills it: once every parameter in it
+  has its gradient, it is reduce-scattered, added to the shard and its memory released (every
+  micro-batch; `end_backward()`, which the schedules call after each backward, flushes the
+  rest). Memory per parameter, bf16 with fp32 masters: 2 + (4 + 12) / DP bytes.
+- `optim_grads_params` (ZeRO-3): the parameters are sharded too; see parallel/fsdp_params.py.
+  Buckets follow the model's sharding units (a transformer layer, the embedding, ...), whose
+  parameters are all-gathered just before their forward and again before their backward, and
+  released after. 18 / DP bytes per parameter.
 
-With the distributed optimizer, buckets are padded to a multiple of 16 x DP elements so each
-rank's shard has the same size, and after the optimizer step `start_param_sync()` all-gathers
-the updated parameter shards, issued in forward order (the reverse of the bucket order), so
-the first layers' parameters arrive first; with `overlap_param_gather` the wait happens per
-module, in a forward pre-hook, just before the parameters are used (a tied output layer reads
-the embedding table through the table's module call, so its hook runs too).
+With `overlap_grad_reduce` a bucket's reduction starts inside backward as soon as its last
+gradient is ready (always so with sharded gradients); `finish_grad_sync()` waits for all.
+A bucket holding a weight shared between pipeline stages (a tied embedding) is reduced only
+in `finish_grad_sync()`: its gradient must first be summed with the other stage's copy (see
+parallel/grads.py), so its full gradient is kept under every strategy.
+
+With any sharding, buckets are padded to a multiple of 16 x DP elements so each rank's shard
+has the same size. Memory is released by shrinking a tensor's storage to zero bytes and
+allocated again in place, so views of it (parameters, main grads, tensors autograd saved)
+stay valid.
 """
 
 from __future__ import annotations
@@ -39,23 +55,42 @@ from torch import nn
 from parallel.comm import all_gather_into, group_rank, group_size, reduce_scatter_into
 
 SHARD_ALIGNMENT = 16
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def release(tensor: torch.Tensor) -> None:
+    """Free the memory of a tensor that owns its storage; its views stay valid objects."""
+    tensor.untyped_storage().resize_(0)
+
+
+def allocate(tensor: torch.Tensor) -> None:
+    """Give a released tensor its memory back (uninitialized)."""
+    tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+
+
+def is_allocated(tensor: torch.Tensor) -> bool:
+    return tensor.untyped_storage().nbytes() > 0
 
 
 @dataclass(eq=False)
 class Bucket:
-    """A contiguous slice [start, end) of both buffers and the parameters inside it."""
+    """A contiguous slice [start, end) of the flattened parameters and the parameters inside."""
 
     index: int
     params: list[nn.Parameter]
     start: int
     end: int  # includes the padding
-    grad: torch.Tensor  # view of the grad buffer
-    data: torch.Tensor  # view of the parameter buffer
+    grad: torch.Tensor  # full gradient: a view of grad_buffer, or its own (released) storage
+    data: torch.Tensor  # full parameters: a view of param_buffer, or its own storage
+    grad_shard: torch.Tensor | None = None  # sharded gradients: this rank's reduced shard
+    data_shard: torch.Tensor | None = None  # sharded parameters: this rank's shard
+    unit: nn.Module | None = None  # sharded parameters: the module whose forward uses them
     pending: set = field(default_factory=set)
     delayed: bool = False  # holds a pipeline-shared weight: reduce in finish_grad_sync only
     grad_work: object = None
     grad_shard_tmp: torch.Tensor | None = None
     param_work: object = None
+    gathered: bool = False  # sharded parameters: data holds the full parameters now
 
     @property
     def numel(self) -> int:
@@ -63,7 +98,10 @@ class Bucket:
 
 
 class DistributedDataParallel(nn.Module):
-    """Wraps one model chunk; forward is the module's forward."""
+    """Wraps one model chunk; forward is the module's forward. `sharding` is one of
+    STRATEGIES (default: `optim` with use_distributed_optimizer, else `no_shard`); with
+    `optim_grads_params`, `units` are the modules whose parameters are gathered together
+    (default: the module's `sharding_units()`, else the whole module)."""
 
     def __init__(
         self,
@@ -75,15 +113,23 @@ class DistributedDataParallel(nn.Module):
         use_distributed_optimizer: bool = False,
         overlap_param_gather: bool = False,
         grad_dtype: torch.dtype = torch.float32,
+        sharding: str | None = None,
+        units: list[nn.Module] | None = None,
     ):
         super().__init__()
+        sharding = sharding or ("optim" if use_distributed_optimizer else "no_shard")
+        if sharding not in STRATEGIES:
+            raise ValueError(f"sharding strategy {sharding!r} is not one of {STRATEGIES}")
         self.module = module
         self.dp_group = dp_group
         self.dp_size = group_size(dp_group)
         self.dp_rank = group_rank(dp_group)
+        self.sharding = sharding
+        self.use_distributed_optimizer = sharding != "no_shard"
+        self.shard_grads = sharding in ("optim_grads", "optim_grads_params")
+        self.shard_params = sharding == "optim_grads_params"
         self.overlap_grad_reduce = overlap_grad_reduce
-        self.use_distributed_optimizer = use_distributed_optimizer
-        self.overlap_param_gather = overlap_param_gather and use_distributed_optimizer
+        self.overlap_param_gather = overlap_param_gather and sharding in ("optim", "optim_grads")
         if bucket_size is None:
             bucket_size = max(40_000_000, 1_000_000 * self.dp_size)  # Megatron-LM's default
         self.bucket_size = bucket_size
@@ -96,49 +142,120 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"parameters of one chunk must share a dtype, found {dtypes}")
         self.param_dtype = dtypes.pop()
         self.param_range: dict[nn.Parameter, tuple[int, int]] = {}
-        self._layout_buckets()
-        device = self.params[0].device
-        self.param_buffer = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
-        self.grad_buffer = torch.zeros(self.numel, dtype=grad_dtype, device=device)
-        for param in self.params:
-            start, end = self.param_range[param]
-            self.param_buffer[start:end].copy_(param.data.reshape(-1))
-            param.data = self.param_buffer[start:end].view_as(param)
-            param.main_grad = self.grad_buffer[start:end].view_as(param)
-            param.on_main_grad_added = self._main_grad_added  # fused linears (tp_linear.py)
-        for bucket in self.buckets:
-            bucket.grad = self.grad_buffer[bucket.start : bucket.end]
-            bucket.data = self.param_buffer[bucket.start : bucket.end]
-            bucket.pending = set(bucket.params)
-            bucket.delayed = any(getattr(p, "pipeline_shared", False) for p in bucket.params)
+        if self.shard_params:
+            if units is None:
+                get_units = getattr(module, "sharding_units", None)
+                units = get_units() if get_units is not None else []
+            self._layout_unit_buckets(units)
+        else:
+            self._layout_buckets()
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._make_buffers(self.params[0].device, grad_dtype)
+        for param in self.params:
+            param.on_main_grad_added = self._main_grad_added  # fused linears (tp_linear.py)
+            param.prepare_main_grad = self._prepare_main_grad
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
-        if self.overlap_param_gather:
+        self.gathering = None
+        if self.shard_params:
+            from parallel.fsdp_params import UnitGathering
+
+            self.gathering = UnitGathering(self, list(reversed(self.buckets)))
+        elif self.overlap_param_gather:
             for submodule in module.modules():
                 if any(p in self.bucket_of for p in submodule.parameters(recurse=False)):
                     self._hooks.append(submodule.register_forward_pre_hook(self._wait_params))
+
+    # --- layout ---------------------------------------------------------------------------
+
+    def _alignment(self) -> int:
+        return SHARD_ALIGNMENT * self.dp_size if self.use_distributed_optimizer else 1
+
+    def _close_bucket(self, params, start: int, offset: int, unit=None) -> int:
+        end = -(-offset // self._alignment()) * self._alignment()
+        bucket = Bucket(len(self.buckets), params, start, end, None, None, unit=unit)
+        bucket.delayed = any(getattr(p, "pipeline_shared", False) for p in params)
+        bucket.pending = set(params)
+        self.buckets.append(bucket)
+        return end
 
     def _layout_buckets(self) -> None:
         """Reverse parameter order; cut a bucket once it holds bucket_size elements."""
         self.buckets: list[Bucket] = []
         offset, current, start = 0, [], 0
-        alignment = SHARD_ALIGNMENT * self.dp_size if self.use_distributed_optimizer else 1
-
-        def close(current, start, offset):
-            end = -(-offset // alignment) * alignment
-            self.buckets.append(Bucket(len(self.buckets), current, start, end, None, None))
-            return end
-
         for param in reversed(self.params):
             self.param_range[param] = (offset, offset + param.numel())
             offset += param.numel()
             current.append(param)
             if offset - start >= self.bucket_size:
-                offset = start = close(current, start, offset)
+                offset = start = self._close_bucket(current, start, offset)
                 current = []
         if current:
-            offset = close(current, start, offset)
+            offset = self._close_bucket(current, start, offset)
         self.numel = offset
+
+    def _layout_unit_buckets(self, units: list[nn.Module]) -> None:
+        """One bucket per sharding unit, in reverse forward order; the parameters of no unit
+        make a last unit, the whole module (gathered for its whole forward)."""
+        trainable = set(self.params)
+        owner, seen = {}, set()
+        # a parameter belongs to the innermost unit holding it (fewest parameters first)
+        for unit in sorted(units, key=lambda u: sum(1 for _ in u.parameters())):
+            owner[unit] = [p for p in unit.parameters() if p in trainable and p not in seen]
+            seen.update(owner[unit])
+        groups = [(unit, owner[unit]) for unit in units if owner[unit]]
+        rest = [p for p in self.params if p not in seen]
+        if rest:
+            groups.insert(0, (self.module, rest))
+        self.buckets = []
+        offset = 0
+        for unit, params in reversed(groups):
+            start = offset
+            for param in reversed(params):
+                self.param_range[param] = (offset, offset + param.numel())
+                offset += param.numel()
+            offset = self._close_bucket(list(reversed(params)), start, offset, unit)
+        self.numel = offset
+
+    def _make_buffers(self, device, grad_dtype) -> None:
+        """Where parameters and gradients live for the strategy (module docstring)."""
+        shard_numel = self.numel // self.dp_size if self.use_distributed_optimizer else 0
+        if self.shard_params:
+            self.param_buffer = None
+            self.param_shard_buffer = torch.zeros(
+                shard_numel, dtype=self.param_dtype, device=device
+            )
+        else:
+            self.param_buffer = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
+        if self.shard_grads:
+            self.grad_buffer = None
+            self.grad_shard_buffer = torch.zeros(shard_numel, dtype=grad_dtype, device=device)
+        else:
+            self.grad_buffer = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        for bucket in self.buckets:
+            base = bucket.start // self.dp_size
+            size = bucket.numel // self.dp_size
+            if self.shard_params:
+                bucket.data = torch.zeros(bucket.numel, dtype=self.param_dtype, device=device)
+                bucket.data_shard = self.param_shard_buffer[base : base + size]
+            else:
+                bucket.data = self.param_buffer[bucket.start : bucket.end]
+            if self.shard_grads:
+                bucket.grad = torch.zeros(bucket.numel, dtype=grad_dtype, device=device)
+                bucket.grad_shard = self.grad_shard_buffer[base : base + size]
+            else:
+                bucket.grad = self.grad_buffer[bucket.start : bucket.end]
+            for param in bucket.params:
+                start, end = self.param_range[param]
+                local = slice(start - bucket.start, end - bucket.start)
+                bucket.data[local].copy_(param.data.reshape(-1))
+                param.data = bucket.data[local].view_as(param)
+                param.main_grad = bucket.grad[local].view_as(param)
+            if self.shard_params:
+                lo, hi = self.shard_range(bucket)
+                bucket.data_shard.copy_(bucket.data[lo - bucket.start : hi - bucket.start])
+                release(bucket.data)
+            if self.shard_grads and not bucket.delayed:
+                release(bucket.grad)
 
     # --- forward / backward -----------------------------------------------------------
 
@@ -147,7 +264,8 @@ class DistributedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Micro-batches inside only accumulate gradients; no reduction is started."""
+        """Micro-batches inside only accumulate gradients; no reduction is started (with
+        sharded gradients every micro-batch is reduced: nothing to do)."""
         previous = self.is_last_microbatch
         self.is_last_microbatch = False
         try:
@@ -155,17 +273,37 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.is_last_microbatch = previous
 
+    def _prepare_main_grad(self, param: nn.Parameter) -> None:
+        """Before a gradient is added into main_grad: a released bucket gradient is allocated
+        again, zeroed."""
+        bucket = self.bucket_of[param]
+        if self.shard_grads and not is_allocated(bucket.grad):
+            allocate(bucket.grad)
+            bucket.grad.zero_()
+
     def _grad_ready(self, param: nn.Parameter) -> None:
         if param.grad is not None:
+            self._prepare_main_grad(param)
             param.main_grad.add_(param.grad)
             param.grad = None
         self._main_grad_added(param)
 
     def _main_grad_added(self, param: nn.Parameter) -> None:
-        """This micro-batch's gradient of param is in main_grad: with overlap, launch its
-        bucket's reduction once every parameter in it is in."""
-        if self.overlap_grad_reduce and self.is_last_microbatch and self.dp_group is not None:
-            bucket = self.bucket_of[param]
+        """This micro-batch's gradient of param is in main_grad: once every parameter of its
+        bucket is in, reduce it (with overlap or sharded gradients) and release the gathered
+        parameters (sharded parameters)."""
+        bucket = self.bucket_of[param]
+        if self.shard_grads:
+            if param not in bucket.pending:  # told twice (a fused linear, then autograd)
+                return
+            bucket.pending.discard(param)
+            if not bucket.pending:
+                if not bucket.delayed and bucket.grad_work is None:
+                    self._start_bucket_reduce(bucket, async_op=self.overlap_grad_reduce)
+                    self._complete_earlier_reduces(bucket)
+                if self.gathering is not None:
+                    self.gathering.release(bucket)
+        elif self.overlap_grad_reduce and self.is_last_microbatch and self.dp_group is not None:
             bucket.pending.discard(param)
             if not bucket.pending and bucket.grad_work is None and not bucket.delayed:
                 self._start_bucket_reduce(bucket, async_op=True)
@@ -176,33 +314,71 @@ class DistributedDataParallel(nn.Module):
             bucket.grad_shard_tmp = torch.empty(
                 bucket.numel // self.dp_size, dtype=bucket.grad.dtype, device=bucket.grad.device
             )
-            work = reduce_scatter_into(bucket.grad_shard_tmp, bucket.grad, self.dp_group, async_op)
+            if self.dp_group is None:  # one rank: its shard is the whole bucket
+                bucket.grad_shard_tmp.copy_(bucket.grad)
+                work = None
+            else:
+                work = reduce_scatter_into(
+                    bucket.grad_shard_tmp, bucket.grad, self.dp_group, async_op
+                )
         else:
             work = dist.all_reduce(bucket.grad, group=self.dp_group, async_op=async_op)
-        bucket.grad_work = work if async_op else True
-        if not async_op:
+        bucket.grad_work = work if async_op and work is not None else True
+        if bucket.grad_work is True:
             self._complete_bucket_reduce(bucket)
+
+    def _complete_earlier_reduces(self, started: Bucket) -> None:
+        """Sharded gradients: one reduction in flight at a time. Starting one completes the
+        one before (it ran during this bucket's backward) and releases its full gradient, so
+        a rank holds at most two full bucket gradients at once."""
+        for bucket in self.buckets:
+            in_flight = bucket.grad_work is not None and bucket.grad_work is not True
+            if bucket is not started and in_flight and not bucket.delayed:
+                self._complete_bucket_reduce(bucket)
 
     def _complete_bucket_reduce(self, bucket: Bucket) -> None:
         if bucket.grad_work not in (None, True):
             bucket.grad_work.wait()
         if bucket.grad_shard_tmp is not None:
-            start, end = self.shard_range(bucket)
-            self.grad_buffer[start:end].copy_(bucket.grad_shard_tmp)
+            if self.shard_grads:
+                bucket.grad_shard.add_(bucket.grad_shard_tmp)
+                if not bucket.delayed:
+                    release(bucket.grad)
+            else:
+                start, end = self.shard_range(bucket)
+                self.grad_buffer[start:end].copy_(bucket.grad_shard_tmp)
             bucket.grad_shard_tmp = None
         bucket.grad_work = None
 
-    def start_grad_sync(self) -> None:
-        """Launch the reduction of every bucket not launched yet (non-overlapped path)."""
-        if self.dp_group is None:
+    def end_backward(self) -> None:
+        """After each micro-batch's backward (the schedules call it). With sharded gradients:
+        reduce what is still held (parameters that got no gradient leave a bucket pending),
+        wait for the reductions in flight and release gathered parameters."""
+        if not self.shard_grads:
             return
         for bucket in self.buckets:
-            if bucket.grad_work is None:
+            live = is_allocated(bucket.grad) and not bucket.delayed
+            if live and bucket.grad_work is None:
+                self._start_bucket_reduce(bucket, async_op=False)
+        for bucket in self.buckets:
+            if bucket.grad_work is not None:
+                self._complete_bucket_reduce(bucket)
+            bucket.pending = set(bucket.params)
+        if self.gathering is not None:
+            self.gathering.release_all()
+
+    def start_grad_sync(self) -> None:
+        """Launch the reduction of every bucket not launched yet (non-overlapped path)."""
+        if self.dp_group is None and not self.shard_grads:
+            return
+        for bucket in self.buckets:
+            if bucket.grad_work is None and (bucket.delayed or not self.shard_grads):
                 self._start_bucket_reduce(bucket, async_op=self.overlap_grad_reduce)
 
     def finish_grad_sync(self) -> None:
         """After the last micro-batch's backward: every bucket reduced over DP."""
-        if self.dp_group is None:
+        self.end_backward()
+        if self.dp_group is None and not self.shard_grads:
             return
         self.start_grad_sync()
         for bucket in self.buckets:
@@ -212,25 +388,92 @@ class DistributedDataParallel(nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Start of a step: clear main grads and re-arm the overlap bookkeeping."""
-        self.grad_buffer.zero_()
         for param in self.params:
             param.grad = None
+        if self.shard_grads:
+            self.grad_shard_buffer.zero_()
+        else:
+            self.grad_buffer.zero_()
         for bucket in self.buckets:
+            if self.shard_grads and is_allocated(bucket.grad):
+                if bucket.delayed:
+                    bucket.grad.zero_()
+                else:
+                    release(bucket.grad)
             bucket.pending = set(bucket.params)
             bucket.grad_work = None
 
-    # --- distributed optimizer support -------------------------------------------------
+    # --- where this rank's values live --------------------------------------------------
 
     def shard_range(self, bucket: Bucket, dp_rank: int | None = None) -> tuple[int, int]:
-        """[start, end) in the buffers of a DP rank's shard of a bucket."""
+        """[start, end) in the flattened parameters of a DP rank's shard of a bucket."""
         rank = self.dp_rank if dp_rank is None else dp_rank
         size = bucket.numel // self.dp_size
         return bucket.start + rank * size, bucket.start + (rank + 1) * size
 
+    def _in_shard(self, bucket: Bucket, start: int, end: int) -> slice:
+        lo, hi = self.shard_range(bucket)
+        if not lo <= start <= end <= hi:
+            raise ValueError(f"[{start}, {end}) is not inside this rank's shard [{lo}, {hi})")
+        base = bucket.start // self.dp_size
+        return slice(base + start - lo, base + end - lo)
+
+    def data_of(self, bucket: Bucket, start: int, end: int) -> torch.Tensor:
+        """Where this rank keeps the parameters [start, end) (flattened offsets) of bucket."""
+        if self.shard_params:
+            return self.param_shard_buffer[self._in_shard(bucket, start, end)]
+        return self.param_buffer[start:end]
+
+    def grad_of(self, bucket: Bucket, start: int, end: int) -> torch.Tensor:
+        """Where this rank finds the reduced gradient of [start, end) after finish_grad_sync."""
+        if self.shard_grads:
+            return self.grad_shard_buffer[self._in_shard(bucket, start, end)]
+        return self.grad_buffer[start:end]
+
+    def held_pieces(self, param: nn.Parameter) -> list[tuple[int, int, torch.Tensor]]:
+        """(offset, numel, flat values) of the parts of param this rank holds at rest: the
+        whole parameter, or with sharded parameters the part inside this rank's shard."""
+        if not self.shard_params:
+            return [(0, param.numel(), param.data.reshape(-1))]
+        bucket = self.bucket_of[param]
+        start, end = self.param_range[param]
+        lo, hi = self.shard_range(bucket)
+        a, b = max(start, lo), min(end, hi)
+        return [(a - start, b - a, self.data_of(bucket, a, b))] if a < b else []
+
+    def reduced_grads(self, param: nn.Parameter) -> list[torch.Tensor]:
+        """The reduced gradient of param this rank holds after finish_grad_sync (whole, or
+        the part inside its shard), as flat tensors."""
+        if not self.shard_grads:
+            return [param.main_grad.reshape(-1)]
+        bucket = self.bucket_of[param]
+        start, end = self.param_range[param]
+        lo, hi = self.shard_range(bucket)
+        a, b = max(start, lo), min(end, hi)
+        return [self.grad_of(bucket, a, b)] if a < b else []
+
+    @contextlib.contextmanager
+    def gathered_parameters(self):
+        """Every parameter whole inside (sharded parameters are gathered, then released):
+        for reading them outside forward, e.g. in tests."""
+        if self.gathering is None:
+            self.finish_param_sync()
+            yield
+            return
+        for bucket in self.buckets:
+            self.gathering.wait_gather(bucket)
+        try:
+            yield
+        finally:
+            self.gathering.release_all()
+
+    # --- parameter gathers after the optimizer step ---------------------------------------
+
     def start_param_sync(self) -> None:
         """After the optimizer updated this rank's shards: all-gather every bucket's
-        parameters (waited for now, or lazily per module with overlap_param_gather)."""
-        if not self.use_distributed_optimizer or self.dp_group is None:
+        parameters (waited for now, or lazily per module with overlap_param_gather). Sharded
+        parameters are gathered by their units' forward instead."""
+        if self.sharding not in ("optim", "optim_grads") or self.dp_group is None:
             return
         for bucket in reversed(self.buckets):  # forward order: the first layers' come first
             start, end = self.shard_range(bucket)
@@ -242,7 +485,12 @@ class DistributedDataParallel(nn.Module):
                 bucket.param_work = None
 
     def finish_param_sync(self) -> None:
-        """Wait for every pending parameter all-gather (before reading the parameters)."""
+        """Wait for every pending parameter all-gather (before reading the parameters). With
+        sharded parameters: release every unit still gathered (a forward-only pass can leave
+        a prefetched unit that never ran), waiting for its gather first."""
+        if self.gathering is not None:
+            self.gathering.release_all()
+            return
         for bucket in self.buckets:
             if bucket.param_work is not None:
                 bucket.param_work.wait()

@@ -7,7 +7,8 @@ TP-replicated parameters over the TP group (see parallel.sharding). Every step i
 the order is free mathematically, but (1) must come before (2): with the distributed optimizer
 a rank's main_grad is only valid inside its own shard after (2), and the two stages shard
 their copies of the embedding differently. (3) is safe after (2) because the TP ranks of one
-DP rank lay out their buffers identically.
+DP rank lay out their buffers identically: with sharded gradients it sums the parts of the
+TP-replicated parameters inside each rank's shard, which are the same parts on every TP rank.
 
 Global gradient norm: every parameter counted once across TP, PP and DP: replicated
 parameters only on TP rank 0, the last stage's copy of a tied embedding not at all, and (with
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from parallel.comm import all_reduce
-from parallel.tensor import all_reduce_partial_grads
+from parallel.tensor import all_reduce_flat, has_tp_partial_grad
 
 
 def finalize_model_grads(ddps, tp_group, embedding_group=None, shared_embeddings=()) -> None:
@@ -29,8 +30,14 @@ def finalize_model_grads(ddps, tp_group, embedding_group=None, shared_embeddings
             all_reduce(weight.main_grad, embedding_group)
     for ddp in ddps:
         ddp.finish_grad_sync()
-    params = [p for ddp in ddps for p in ddp.params]
-    all_reduce_partial_grads(params, tp_group, grad_attr="main_grad")
+    partial = [
+        grad
+        for ddp in ddps
+        for param in ddp.params
+        if has_tp_partial_grad(param)
+        for grad in ddp.reduced_grads(param)
+    ]
+    all_reduce_flat(partial, tp_group)
 
 
 def counts_toward_norm(param, tp_rank: int) -> bool:

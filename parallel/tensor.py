@@ -329,10 +329,16 @@ def all_reduce_partial_grads(parameters, tp_group, grad_attr: str = "grad") -> N
         for p in parameters
         if has_tp_partial_grad(p) and getattr(p, grad_attr, None) is not None
     ]
-    if not grads:
+    all_reduce_flat(grads, tp_group)
+
+
+def all_reduce_flat(grads: list[torch.Tensor], group) -> None:
+    """Sum every tensor of `grads` over `group` in place, in one flat fp32 all-reduce."""
+    grads = [g for g in grads if g.numel()]
+    if group is None or not grads:
         return
     flat = torch.cat([g.reshape(-1).float() for g in grads])
-    all_reduce(flat, tp_group)
+    all_reduce(flat, group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

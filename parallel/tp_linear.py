@@ -89,6 +89,9 @@ def _weight_grad(weight, grad_output_2d, input_2d, ctx):
     added = getattr(weight, "on_main_grad_added", None)
     if not (ctx.fuse_wgrad and main_grad is not None and added is not None):
         return grad_output_2d.t().matmul(input_2d)
+    prepare = getattr(weight, "prepare_main_grad", None)
+    if prepare is not None:
+        prepare(weight)  # sharded gradients: the bucket's buffer may be released
     if main_grad.dtype == grad_output_2d.dtype:
         main_grad.addmm_(grad_output_2d.t(), input_2d)
     else:

@@ -1,18 +1,21 @@
-"""The mixed-precision optimizer, optionally sharded over data parallelism (ZeRO-1/2).
+"""The mixed-precision optimizer, optionally sharded over data parallelism (ZeRO-1, 2 or 3,
+following the DDP wrapper's sharding strategy).
 
 The optimizer works on fp32 "pieces" of the parameters:
 
 - without sharding, a piece is a whole parameter, on every DP rank;
-- with `shard=True` (--use-distributed-optimizer), each DP rank owns a 1/DP slice of every
-  gradient bucket (parallel/ddp.py) and its pieces are the parts of parameters inside that
-  slice. fp32 master weights and the Adam moments exist only for those pieces, the bucket
-  gradients arrive reduce-scattered (each rank keeps the reduced gradient of its slice), and
-  after the step the updated slices are all-gathered back into every rank's parameters.
+- with `shard=True` (--use-distributed-optimizer or a sharding strategy), each DP rank owns a
+  1/DP slice of every gradient bucket (parallel/ddp.py) and its pieces are the parts of
+  parameters inside that slice. fp32 master weights and the Adam moments exist only for those
+  pieces, the bucket gradients arrive reduce-scattered (each rank keeps the reduced gradient
+  of its slice), and after the step the updated slices are all-gathered back into every
+  rank's parameters (with sharded parameters, by the next forward).
 
 A piece's master weight is a view of the parameter itself when parameters are fp32, else an
 fp32 copy (bf16/fp16 training) that is cast back after the step. Its gradient is a view of
-the fp32 main-grad buffer. Memory per parameter with bf16 parameters: 2 (param) + 4 (main
-grad) + 12 (master + two moments) / DP bytes.
+the fp32 main-grad buffer (or of the reduced shard). Memory per parameter with bf16
+parameters and Adam, by strategy: no_shard 18, optim 2 + 4 + 12/DP, optim_grads 2 + 16/DP,
+optim_grads_params 18/DP bytes.
 
 step(): unscale (fp16), global gradient norm across TP, PP and DP (each element counted once),
 skip the step if the norm is not finite (the loss scaler backs off), clip, update, copy back,
@@ -41,7 +44,7 @@ class Piece:
     offset: int
     numel: int
     master: torch.Tensor  # fp32, what the inner optimizer updates
-    grad: torch.Tensor  # fp32 view of the main-grad buffer
+    grad: torch.Tensor  # view of the reduced main grad (its shard with sharded gradients)
     data: torch.Tensor  # view of the parameter (its dtype)
     group: int
 
@@ -106,19 +109,11 @@ class DistributedOptimizer:
                 a, b = max(start, lo), min(end, hi)
                 if a >= b:
                     continue
-                data = ddp.param_buffer[a:b]
+                data = ddp.data_of(bucket, a, b)
                 master = data if data.dtype == torch.float32 else data.float().clone()
+                grad = ddp.grad_of(bucket, a, b)
                 pieces.append(
-                    Piece(
-                        param,
-                        ddp,
-                        a - start,
-                        b - a,
-                        master,
-                        ddp.grad_buffer[a:b],
-                        data,
-                        group_of(param),
-                    )
+                    Piece(param, ddp, a - start, b - a, master, grad, data, group_of(param))
                 )
         return pieces
 

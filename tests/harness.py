@@ -112,6 +112,7 @@ def engine_run(
     mbs,
     *,
     zero=False,
+    sharding=None,
     overlap=False,
     overlap_param_gather=False,
     bucket_size=2000,
@@ -125,8 +126,10 @@ def engine_run(
     first_stage_layers=None,
     last_stage_layers=None,
     repeat_batch: bool = False,
+    torch_compile: bool = False,
 ):
-    """The same run through DDP + DistributedOptimizer + the pipeline schedule.
+    """The same run through DDP + DistributedOptimizer + the pipeline schedule; `sharding`
+    (a strategy of parallel/ddp.py) overrides `zero`.
     repeat_batch: train on one batch over and over (a loss that can fall)."""
     chunks = build_model_chunks(
         cfg,
@@ -137,6 +140,7 @@ def engine_run(
         virtual_size=virtual_size,
         first_stage_layers=first_stage_layers,
         last_stage_layers=last_stage_layers,
+        torch_compile=torch_compile,
     )
     ddps = [
         DistributedDataParallel(
@@ -145,6 +149,7 @@ def engine_run(
             bucket_size=bucket_size,
             overlap_grad_reduce=overlap,
             use_distributed_optimizer=zero,
+            sharding=sharding,
             overlap_param_gather=overlap_param_gather,
         )
         for c in chunks
@@ -152,7 +157,7 @@ def engine_run(
     optimizer = build_optimizer(
         ddps,
         ocfg,
-        use_distributed_optimizer=zero,
+        use_distributed_optimizer=ddps[0].use_distributed_optimizer,
         fp16=fp16,
         tp_rank=state.tp_rank,
         model_parallel_group=state.model_parallel_group,
@@ -252,9 +257,11 @@ def full_params(ddps, state) -> dict[str, torch.Tensor]:
     """Every parameter this rank holds, gathered back to its full (TP=1) shape."""
     out = {}
     for ddp in ddps:
-        for name, param in ddp.module.named_parameters():
-            name = getattr(param, "checkpoint_name", name)
-            out[name] = full_from_local(param.data, tp_sharding_of(param), state.tp_group)
+        with ddp.gathered_parameters():
+            for name, param in ddp.module.named_parameters():
+                name = getattr(param, "checkpoint_name", name)
+                local = param.data.clone()
+                out[name] = full_from_local(local, tp_sharding_of(param), state.tp_group)
     return out
 
 
@@ -312,13 +319,18 @@ def engine_steps(rank: int, world: int, extra: list[str], steps: int = 3):
     par = cfg.parallel
     state = ParallelState.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
     engine = setup(cfg, state)
-    model = engine.chunks[0].module
-    before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    ddp = engine.chunks[0]
+    model = ddp.module
+
+    def params():
+        with ddp.gathered_parameters():
+            return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+    before = params()
     generator = torch.Generator().manual_seed(state.dp_rank)
     tokens = torch.randint(0, 64, (2, 17), generator=generator)
     losses = []
     for _ in range(steps):
         record = train_iteration(engine, [{"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}])
         losses.append(record["lm_loss"])
-    after = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    return before, after, losses, engine.chunks[0].grad_buffer.dtype
+    return before, params(), losses, ddp.params[0].main_grad.dtype

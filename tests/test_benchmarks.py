@@ -32,13 +32,16 @@ def test_bench_pipeline_rows(tmp_path):
 def test_bench_ddp_rows(tmp_path):
     out = tmp_path / "ddp.json"
     argv = ["--num-layers", "1", "--vocab-size", "128", "--repeats", "1", *TINY]
+    argv += ["--strategies", "no_shard,optim_grads_params"]
     assert bench_ddp.main([*argv, "--micro-batch-size", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["run"] for r in rows] == [
         "DP=1 (baseline)",
         "2 x DP=1 side by side",
-        "DP=2, overlap off",
-        "DP=2, overlap on",
+        "DP=2 no_shard, overlap off",
+        "DP=2 no_shard, overlap on",
+        "DP=2 optim_grads_params, overlap off",
+        "DP=2 optim_grads_params, overlap on",
     ]
     assert rows[0]["efficiency"] == 1.0
     assert all(r["seconds_per_step"] > 0 and len(r["each_launch"]) == 1 for r in rows)

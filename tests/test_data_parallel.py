@@ -1,7 +1,9 @@
 """Data parallelism and the distributed optimizer against a single-process run on the same
-global batch: parameters after 5 steps, DP 2 and 4, ZeRO on and off, overlap on and off,
-TP2 x DP2; optimizer-state memory per rank; fp16 loss scaling; bf16 tracking fp32;
-gradients reduced in bf16; the order and the waits of --overlap-param-gather's gathers."""
+global batch: parameters after 5 steps, DP 2 and 4, every sharding strategy (no_shard, optim,
+optim_grads, optim_grads_params), overlap on and off, TP2 x DP2; the bytes each strategy
+holds per rank, and what it holds while it computes; optimizer-state memory per rank; fp16
+loss scaling; bf16 tracking fp32; gradients reduced in bf16; the order and the waits of
+--overlap-param-gather's gathers."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from parallel.ddp import STRATEGIES, is_allocated
 from parallel.state import ParallelState
 from tests.distributed import rel_err, run_ranks
 from tests.harness import (
@@ -31,7 +34,7 @@ def _dp_parity(rank, world, tp):
     for style in ("gpt2", "llama"):
         cfg, ocfg = tiny_config(style), opt_config()
         ref_losses, ref_norms, ref_params, initial = reference_run(cfg, ocfg, STEPS, GBS)
-        for zero in (False, True):
+        for sharding in STRATEGIES:
             for overlap in (False, True):
                 outputs, ddps, optimizer = engine_run(
                     state,
@@ -40,14 +43,14 @@ def _dp_parity(rank, world, tp):
                     STEPS,
                     GBS,
                     MBS,
-                    zero=zero,
+                    sharding=sharding,
                     overlap=overlap,
                     overlap_param_gather=overlap,
                 )
                 errors = model_error(full_params(ddps, state), ref_params, initial)
                 results.append(
                     {
-                        "case": (style, zero, overlap),
+                        "case": (style, sharding, overlap),
                         "buckets": len(ddps[0].buckets),
                         **errors,
                         "loss_err": max(abs(o.loss - r) / r for o, r in zip(outputs, ref_losses)),
@@ -110,27 +113,105 @@ def test_optimizer_state_is_sharded_over_dp():
     assert sum(r[True]["state_bytes"] for r in results) == 12 * params  # a partition
 
 
-def _fp16_inf(rank, world):
+def _held_by_strategy(rank, world):
+    from engine.state_memory import held_state_bytes
+
+    state = ParallelState.build(tp=1)
+    cfg = tiny_config("llama", hidden_size=128, num_layers=4)
+    out = {}
+    for sharding in STRATEGIES:
+        _, ddps, optimizer = engine_run(
+            state, cfg, opt_config(), 1, 8, 2, sharding=sharding, dtype=torch.bfloat16
+        )
+        params = sum(p.numel() for d in ddps for p in d.params)
+        out[sharding] = (params, held_state_bytes(ddps, optimizer))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_sharding_strategy_holds_its_formulas_bytes(world):
+    """Storage bytes of parameters, gradients and optimizer state held after a step (bf16,
+    Adam) per rank, within 5% of 18, 6 + 12/d, 2 + 16/d and 18/d bytes per parameter."""
+    from engine.state_memory import formula_bytes_per_param
+
+    for per_rank in run_ranks(_held_by_strategy, world):
+        for sharding, (params, held) in per_rank.items():
+            formula = formula_bytes_per_param(sharding, world)
+            for kind, bytes_per_param in formula.items():
+                expected = bytes_per_param * params
+                assert abs(held[kind] - expected) <= 0.05 * expected, (sharding, kind, held)
+
+
+def _held_while_computing(rank, world, sharding, overlap):
+    """The most bucket parameters and full bucket gradients allocated at once, seen from
+    every module's forward and from every gradient hook, over two steps of 2 micro-batches."""
+    state = ParallelState.build(tp=1)
+    cfg = tiny_config("gpt2", num_layers=6)
+    peaks = {"params": 0, "grads": 0}
+
+    def look(ddp):
+        if ddp.shard_params:
+            gathered = sum(is_allocated(b.data) for b in ddp.buckets)
+            peaks["params"] = max(peaks["params"], gathered)
+        live = sum(is_allocated(b.grad) for b in ddp.buckets if not b.delayed)
+        peaks["grads"] = max(peaks["grads"], live)
+
+    def hook(step, ddps, optimizer):
+        if step == 0:
+            ddp = ddps[0]
+            for module in ddp.module.modules():
+                module.register_forward_pre_hook(lambda *_: look(ddp))
+            for param in ddp.params:
+                param.register_hook(lambda grad: look(ddp))
+
+    _, ddps, _ = engine_run(
+        state, cfg, opt_config(), 2, 8, 2, sharding=sharding, overlap=overlap, hook=hook
+    )
+    return peaks, len(ddps[0].buckets)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("sharding", ["optim_grads", "optim_grads_params"])
+def test_sharded_strategies_hold_only_the_buckets_in_use(sharding, overlap):
+    """optim_grads: a bucket's full gradient only while its backward fills it (with the
+    reduction overlapped, also while it is reduced during the next bucket's backward);
+    optim_grads_params: a unit's parameters only around its forward and backward: at most
+    itself, the one prefetched, and one more: in backward the tied embedding table, kept
+    from the output layer's backward until the input embedding's (its gradient is complete
+    only then), in forward the embedding unit around the word embeddings."""
+    for peaks, buckets in run_ranks(_held_while_computing, 2, sharding, overlap):
+        assert buckets >= 9, buckets  # one per layer, two for the embeddings, final norm
+        assert 1 <= peaks["grads"] <= 2, peaks
+        if sharding == "optim_grads_params":
+            assert 2 <= peaks["params"] <= 3, peaks
+
+
+def _fp16_inf(rank, world, sharding):
     state = ParallelState.build(tp=1)
     cfg = tiny_config("gpt2")
     ocfg = opt_config(initial_loss_scale=2.0**10, hysteresis=1, loss_scale_window=1000)
     snapshots = []
 
+    def snapshot(ddp):
+        with ddp.gathered_parameters():
+            snapshots.append(torch.cat([p.detach().float().reshape(-1) for p in ddp.params]))
+
     def hook(step, ddps, optimizer):
-        snapshots.append(torch.cat([p.detach().float().reshape(-1) for p in ddps[0].params]))
+        snapshot(ddps[0])
         if step == 2 and rank == 1:  # poison one rank's gradient: every rank must skip
             ddps[0].params[0].register_hook(lambda g: torch.full_like(g, float("inf")))
 
     outputs, ddps, _ = engine_run(
-        state, cfg, ocfg, 5, 8, 2, zero=True, dtype=torch.float16, fp16=True, hook=hook
+        state, cfg, ocfg, 5, 8, 2, sharding=sharding, dtype=torch.float16, fp16=True, hook=hook
     )
-    snapshots.append(torch.cat([p.detach().float().reshape(-1) for p in ddps[0].params]))
+    snapshot(ddps[0])
     changed = [not torch.equal(a, b) for a, b in zip(snapshots, snapshots[1:])]
     return [o.updated for o in outputs], [o.loss_scale for o in outputs], changed
 
 
-def test_fp16_inf_skips_exactly_that_step_and_backs_off():
-    for updated, scales, changed in run_ranks(_fp16_inf, 2):
+@pytest.mark.parametrize("sharding", ["optim", "optim_grads", "optim_grads_params"])
+def test_fp16_inf_skips_exactly_that_step_and_backs_off(sharding):
+    for updated, scales, changed in run_ranks(_fp16_inf, 2, sharding):
         # the hook installed before step 2 fires in step 2 and every later step
         assert updated == [True, True, False, False, False]
         assert changed == [True, True, False, False, False]
@@ -141,17 +222,31 @@ def _bf16_tracks_fp32(rank, world):
     state = ParallelState.build(tp=2)
     cfg, ocfg = tiny_config("llama"), opt_config(lr=3e-3)
     fp32, _, _ = engine_run(state, cfg, ocfg, 20, 8, 2, zero=True, repeat_batch=True)
-    bf16, _, _ = engine_run(
-        state, cfg, ocfg, 20, 8, 2, zero=True, dtype=torch.bfloat16, repeat_batch=True
-    )
-    return [o.loss for o in fp32], [o.loss for o in bf16]
+    bf16 = {}
+    for sharding in ("optim", "optim_grads_params"):
+        outputs, _, _ = engine_run(
+            state,
+            cfg,
+            ocfg,
+            20,
+            8,
+            2,
+            sharding=sharding,
+            dtype=torch.bfloat16,
+            repeat_batch=True,
+        )
+        bf16[sharding] = [o.loss for o in outputs]
+    return [o.loss for o in fp32], bf16
 
 
 def test_bf16_tracks_fp32_loss():
+    """bf16 parameters with fp32 masters, under the distributed optimizer and with sharded
+    parameters, follow the fp32 loss curve."""
     fp32, bf16 = run_ranks(_bf16_tracks_fp32, 4)[0]
     assert fp32[-1] < fp32[0] - 1.0  # it learns (memorises the batch)
-    for a, b in zip(fp32, bf16):
-        assert abs(a - b) / a < 0.02, (a, b)
+    for losses in bf16.values():
+        for a, b in zip(fp32, losses):
+            assert abs(a - b) / a < 0.02, (a, b)
 
 
 def _overlap_launch_points(rank, world):

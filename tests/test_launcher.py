@@ -86,6 +86,22 @@ def test_configuration_errors_are_one_line_before_any_rank(data_folder, tmp_path
         assert "ops:" not in result.stdout, extra  # no rank started
 
 
+def test_an_unknown_precision_is_one_line(data_folder):
+    env = dict(os.environ, NPROC_PER_NODE="2", DATA=data_folder, PRECISION="fp64")
+    result = subprocess.run(
+        ["bash", "examples/pretrain_gpt.sh", *SMALL],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "PRECISION=fp64: use bf16 or fp32 (or pass --fp16)"
+    ]
+
+
 def test_an_error_inside_the_ranks_is_printed_once(data_folder, small_checkpoint, tmp_path):
     """A flipped byte keeps the file's size, so only the ranks' checksums find it."""
     ckpt = str(tmp_path / "ckpt")

@@ -40,6 +40,9 @@ NO_EFFECT = [
     *("--context-parallel-size", "1"),
     *("--expert-model-parallel-size", "1"),
     *("--position-embedding-type", "rope", "--no-position-embedding"),
+    # as Megatron-LM's FSDP examples pass them
+    "--fsdp-double-buffer",
+    "--fsdp-manual-registration",
 ]
 
 
@@ -74,6 +77,26 @@ def test_missing_features_are_refused_in_one_line(extra, message):
     with pytest.raises(ConfigError) as err:
         check_compat(cfg.megatron, cfg.model.position_embedding_type)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_fsdp_flags_follow_megatron_lm():
+    """Megatron-LM requires --ckpt-format fsdp_dtensor with --use-megatron-fsdp; this engine
+    writes its own checkpoints either way."""
+    fsdp = SHAPE + ["--ckpt-format", "fsdp_dtensor", "--use-megatron-fsdp"]
+    cfg = parse(fsdp)
+    check_compat(cfg.megatron, cfg.model.position_embedding_type, megatron_fsdp=True)
+    check(cfg, 1)
+    assert cfg.parallel.sharding_strategy() == "optim_grads_params"
+    assert "--ckpt-format" in no_effect_line(cfg.megatron)
+    cfg = parse(SHAPE + ["--ckpt-format", "fsdp_dtensor"])
+    with pytest.raises(ConfigError, match="--ckpt-format fsdp_dtensor: only torch_dist"):
+        check_compat(cfg.megatron, cfg.model.position_embedding_type)
+    # the strategy alone has no effect in Megatron-LM either: accepted and named
+    cfg = parse(SHAPE + ["--data-parallel-sharding-strategy", "no_shard"])
+    check(cfg, 1)
+    assert cfg.parallel.sharding_strategy() == "no_shard"
+    line = no_effect_line(cfg.megatron, cfg.model, cfg.train, cfg.parallel)
+    assert line.endswith("--data-parallel-sharding-strategy (without --use-megatron-fsdp)")
 
 
 def test_mixtral_moe_flags_are_one_line_exit_2_through_the_launcher(tmp_path):

@@ -1,6 +1,7 @@
 """Pipeline parallelism: GPipe, 1F1B and interleaved 1F1B give the loss and every gradient of
 the PP=1 model; 1F1B agrees with torch.distributed.pipelining; activation memory per schedule;
-the full 3D layout (TP2 x PP2 x DP2, SP, distributed optimizer) over 5 optimizer steps."""
+the full 3D layout (TP2 x PP2 x DP2, SP, each sharding strategy, virtual stages,
+recomputation) over 5 optimizer steps."""
 
 from __future__ import annotations
 
@@ -143,19 +144,44 @@ def test_1f1b_agrees_with_torch_pipelining():
         assert count > 0 and error < 1e-5, error
 
 
+# (style, sharding strategy, virtual stages, full recomputation)
+THREE_D_CASES = [
+    ("gpt2", "optim", 1, False),
+    ("llama", "optim", 1, False),
+    ("gpt2", "optim_grads", 1, False),
+    ("llama", "optim_grads", 2, False),
+    ("llama", "optim_grads_params", 1, False),
+    ("gpt2", "optim_grads_params", 2, True),
+]
+
+
 def _three_d(rank, world):
     state = ParallelState.build(tp=2, pp=2)
     out = []
-    for style in ("gpt2", "llama"):
-        cfg, ocfg = tiny_config(style, num_layers=4), opt_config()
+    for style, sharding, virtual, recompute in THREE_D_CASES:
+        extra = {}
+        if recompute:
+            extra = dict(
+                recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+            )
+        cfg, ocfg = tiny_config(style, num_layers=4, **extra), opt_config()
         ref_losses, _, ref_params, initial = reference_run(cfg, ocfg, 5, 8)
         outputs, ddps, _ = engine_run(
-            state, cfg, ocfg, 5, 8, 2, zero=True, overlap=True, sequence_parallel=True
+            state,
+            cfg,
+            ocfg,
+            5,
+            8,
+            2,
+            sharding=sharding,
+            overlap=True,
+            sequence_parallel=True,
+            virtual_size=virtual,
         )
         losses = [o.loss for o in outputs]
         out.append(
             {
-                "style": style,
+                "case": (style, sharding, virtual, recompute),
                 **model_error(full_params(ddps, state), ref_params, initial),
                 "loss": None
                 if losses[0] is None
@@ -165,7 +191,10 @@ def _three_d(rank, world):
     return out
 
 
-def test_3d_tp2_pp2_dp2_with_sp_and_zero_matches_single_process():
+def test_3d_tp2_pp2_dp2_with_sp_and_every_sharding_strategy_matches_single_process():
+    """TP2 x PP2 x DP2 with SP and overlapped reductions, under the distributed optimizer
+    (optim), sharded gradients (optim_grads) and sharded parameters (optim_grads_params), with
+    virtual stages and full recomputation among the cases."""
     results = run_ranks(_three_d, 8, timeout=400)
     for rank, rank_results in enumerate(results):
         for r in rank_results:

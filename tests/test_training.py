@@ -107,8 +107,9 @@ def losses(path) -> dict[int, float]:
                 "--async-save": True,
             },
         ),
+        (2, {"--use-megatron-fsdp": True, "--overlap-grad-reduce": True}),
     ],
-    ids=["tp2-pp2", "dp2-zero-async"],
+    ids=["tp2-pp2", "dp2-zero-async", "dp2-fsdp-params"],
 )
 def test_resume_is_bit_exact(dataset_prefix, tokenizer_model, tmp_path, world, layout):
     def args(**extra):
@@ -164,6 +165,15 @@ def test_checkpoint_reshards_to_other_layouts(dataset_prefix, tokenizer_model, t
     layouts = {
         "original": (4, original),
         "tp1-dp2-zero": (2, {"--use-distributed-optimizer": True}),
+        "dp4-sharded-params": (4, {"--use-megatron-fsdp": True}),
+        "tp2-dp2-sharded-grads": (
+            4,
+            {
+                "--tensor-model-parallel-size": "2",
+                "--use-megatron-fsdp": True,
+                "--data-parallel-sharding-strategy": "optim_grads",
+            },
+        ),
         "tp4": (4, {"--tensor-model-parallel-size": "4"}),
         "pp2-interleaved-overlap": (
             2,
@@ -197,6 +207,68 @@ def test_checkpoint_reshards_to_other_layouts(dataset_prefix, tokenizer_model, t
                 values,
                 reference,
             )
+
+
+def test_checkpoint_of_sharded_parameters_loads_under_other_strategies(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    """Saved with every parameter sharded over DP 2 (--use-megatron-fsdp), loaded whole
+    (TP2, nothing sharded) and with sharded gradients over DP 4: the same next losses."""
+    ckpt = str(tmp_path / "ckpt")
+    common = {"--hidden-dropout": "0.0", "--attention-dropout": "0.0", "--train-iters": "5"}
+    original = {"--use-megatron-fsdp": True}
+    args = base_args(dataset_prefix, tokenizer_model, **common, **original)
+    pretrain(2, args + ["--save", ckpt, "--exit-interval", "3"])
+    layouts = {
+        "original": (2, original),
+        "tp2-whole": (2, {"--tensor-model-parallel-size": "2"}),
+        "dp4-sharded-grads": (
+            4,
+            {"--use-megatron-fsdp": True, "--data-parallel-sharding-strategy": "optim_grads"},
+        ),
+    }
+    results = {}
+    for name, (world, layout) in layouts.items():
+        log = str(tmp_path / f"{name}.jsonl")
+        extra = {"--load": ckpt, "--log-jsonl": log}
+        pretrain(world, base_args(dataset_prefix, tokenizer_model, **common, **layout, **extra))
+        results[name] = losses(log)
+    reference = results.pop("original")
+    assert sorted(reference) == [4, 5]
+    for name, values in results.items():
+        for iteration in (4, 5):
+            error = abs(values[iteration] - reference[iteration]) / reference[iteration]
+            assert error < 1e-5, (name, iteration, values, reference)
+
+
+def _pretrain_counting_reads(rank, world, argv):
+    """main(argv) on this rank, counting the data iterators it builds."""
+    from engine import training
+    from engine.pretrain import main
+
+    built = []
+    real = training.build_data_iterator
+    training.build_data_iterator = lambda *a, **k: built.append(1) or real(*a, **k)
+    main(argv)
+    return len(built)
+
+
+def test_only_the_first_and_last_pipeline_stages_read_batches(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    """PP 4: the two middle stages build no data iterator, and the losses are PP 1's."""
+    common = {"--hidden-dropout": "0.0", "--attention-dropout": "0.0", "--train-iters": "3"}
+    logs = {}
+    for pp in (1, 4):
+        log = str(tmp_path / f"pp{pp}.jsonl")
+        extra = {"--pipeline-model-parallel-size": str(pp), "--log-jsonl": log}
+        argv = base_args(dataset_prefix, tokenizer_model, **common, **extra)
+        reads = run_ranks(_pretrain_counting_reads, pp, argv, timeout=300)
+        logs[pp] = losses(log)
+    assert reads[0] > 0 and reads[3] > 0 and reads[1] == reads[2] == 0, reads
+    assert sorted(logs[4]) == [1, 2, 3]
+    for iteration, loss in logs[1].items():
+        assert abs(logs[4][iteration] - loss) / loss < 1e-5, (logs, iteration)
 
 
 def _torchrun(args, env_extra, timeout=240):

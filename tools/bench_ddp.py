@@ -1,8 +1,10 @@
 """Weak-scaling efficiency of data parallelism on CPU gloo.
 
 The per-rank batch stays fixed; efficiency = time per step at DP=1 / time per step at DP=N
-(1.0 means the gradient reduction costs nothing). Measured with the reduction overlapped with
-backward (--overlap-grad-reduce) and without, one thread per rank, all in one run. A row of N
+(1.0 means the gradient reduction costs nothing). Measured for each data-parallel sharding
+strategy (no_shard, optim = --use-distributed-optimizer, optim_grads, optim_grads_params; see
+parallel/ddp.py), with the reduction overlapped with backward (--overlap-grad-reduce) and
+without, one thread per rank, all in one run. A row of N
 independent DP=1 runs side by side (no reduction at all) separates what sharing the machine's
 cores, caches and memory bandwidth costs from what the reduction costs. Prints a table (median
 over launches, and each launch) and writes JSON.
@@ -22,21 +24,26 @@ import torch.distributed as dist
 from engine.benchmarks import bench_model_config
 from engine.cli import run_main as run
 from engine.config import OptimizerConfig
+from engine.errors import InputError
 from engine.model.builder import build_model_chunks
 from engine.optim import LRScheduler, build_optimizer
 from engine.step import train_step
-from parallel.ddp import DistributedDataParallel
+from parallel.ddp import STRATEGIES, DistributedDataParallel
 from parallel.launch import run_local
 from parallel.state import ParallelState
 
 
-def _bench(rank, world, args, overlap):
+def _bench(rank, world, args, overlap, sharding="no_shard"):
     state = ParallelState.build(tp=1)
     cfg = bench_model_config(args)
     chunks = build_model_chunks(cfg, state)
     ddps = [
         DistributedDataParallel(
-            c, state.dp_group, bucket_size=args.bucket_size, overlap_grad_reduce=overlap
+            c,
+            state.dp_group,
+            bucket_size=args.bucket_size,
+            overlap_grad_reduce=overlap,
+            sharding=sharding,
         )
         for c in chunks
     ]
@@ -44,7 +51,7 @@ def _bench(rank, world, args, overlap):
     optimizer = build_optimizer(
         ddps,
         ocfg,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=sharding != "no_shard",
         fp16=False,
         tp_rank=0,
         model_parallel_group=None,
@@ -87,23 +94,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3, help="launches of each configuration")
+    parser.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help="comma-separated sharding strategies to measure at DP=N",
+    )
     parser.add_argument("--json", default="bench_ddp.json")
     args = parser.parse_args(argv)
 
     # Each run is repeated, the runs interleaved, and the median taken: launches on a shared
     # machine vary more than the steps within one launch.
+    strategies = args.strategies.split(",")
+    for strategy in strategies:
+        if strategy not in STRATEGIES:
+            raise InputError(f"--strategies: {strategy!r} is not one of {', '.join(STRATEGIES)}")
+
+    def name(strategy, overlap):
+        return f"DP={args.dp} {strategy}, overlap {'on' if overlap else 'off'}"
+
     runs = {"DP=1 (baseline)": [], f"{args.dp} x DP=1 side by side": []}
-    runs |= {f"DP={args.dp}, overlap {'on' if o else 'off'}": [] for o in (False, True)}
+    runs |= {name(s, o): [] for s in strategies for o in (False, True)}
     for _ in range(args.repeats):
         base, params, buckets = run_local(_bench, 1, args, False, timeout=1800)[0]
         runs["DP=1 (baseline)"].append(base)
         with ThreadPoolExecutor(args.dp) as pool:
             alone = [pool.submit(run_local, _bench, 1, args, False) for _ in range(args.dp)]
             runs[f"{args.dp} x DP=1 side by side"].append(max(f.result()[0][0] for f in alone))
-        for overlap in (False, True):
-            times = run_local(_bench, args.dp, args, overlap, timeout=1800)
-            step = max(t for t, _, _ in times)
-            runs[f"DP={args.dp}, overlap {'on' if overlap else 'off'}"].append(step)
+        for strategy in strategies:
+            for overlap in (False, True):
+                times = run_local(_bench, args.dp, args, overlap, strategy, timeout=1800)
+                runs[name(strategy, overlap)].append(max(t for t, _, _ in times))
     base = statistics.median(runs["DP=1 (baseline)"])
     rows = [
         (name, statistics.median(t), base / statistics.median(t), t) for name, t in runs.items()
@@ -113,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.micro_batch_size} x {args.accumulation} x {args.seq_length} tokens; gloo, "
         "one thread per rank"
     )
-    print(f"{'run':28s} {'s/step':>8s} {'efficiency':>10s}  {'each launch (s/step)'}")
-    for name, seconds, efficiency, each in rows:
+    print(f"{'run':40s} {'s/step':>8s} {'efficiency':>10s}  {'each launch (s/step)'}")
+    for run_name, seconds, efficiency, each in rows:
         spread = " ".join(f"{t:.3f}" for t in each)
-        print(f"{name:28s} {seconds:8.3f} {efficiency:10.1%}  {spread}")
+        print(f"{run_name:40s} {seconds:8.3f} {efficiency:10.1%}  {spread}")
     with open(args.json, "w") as f:
         json.dump(
             {

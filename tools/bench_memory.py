@@ -1,6 +1,11 @@
 """Memory per rank, measured on CPU gloo ranks and set against its formula.
 
-Today: activation memory of one transformer layer (the bytes autograd saves for backward, read
+Model state: the bytes of parameters, gradients and optimizer state a rank holds after a
+training step (bf16 parameters, Adam), for each --data-parallel-sharding-strategy at DP 1, 2
+and 4, counted from the tensors' storages (engine/state_memory.py) against 18, 6 + 12/d,
+2 + 16/d and 18/d bytes per parameter.
+
+Activations: activation memory of one transformer layer (the bytes autograd saves for backward, read
 with saved-tensor hooks) for TP 1, 2 and 4, with and without sequence parallelism, against
 Korthikanti et al.'s count and the same count adjusted for this engine's layer (see
 engine/activation_memory.py for the terms). bf16 activations, GPT-2 style layer, flash SDPA
@@ -14,7 +19,7 @@ import json
 
 from engine.activation_memory import korthikanti_bytes, layer_activation_bytes, measure_layer
 from engine.cli import run_main as run
-from engine.config import ModelConfig
+from engine.config import ModelConfig, OptimizerConfig
 from parallel.launch import run_local
 from parallel.state import ParallelState
 
@@ -40,14 +45,98 @@ def _measure(rank, world, args):
     return rows
 
 
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+DP_SIZES = (1, 2, 4)
+
+
+def _measure_states(rank, world, args):
+    import torch
+
+    from engine.model.builder import build_model_chunks
+    from engine.optim import LRScheduler, build_optimizer
+    from engine.state_memory import held_state_bytes
+    from engine.step import train_step
+    from parallel.ddp import DistributedDataParallel
+
+    state = ParallelState.build(tp=1)
+    cfg = ModelConfig(
+        num_layers=args.state_layers,
+        hidden_size=args.state_hidden_size,
+        num_attention_heads=4,
+        seq_length=64,
+        max_position_embeddings=64,
+        vocab_size=1024,
+        make_vocab_size_divisible_by=1,
+    )
+    ocfg = OptimizerConfig(lr=1e-4, lr_decay_style="constant")
+    tokens = torch.randint(0, 1024, (2 * world, 65), generator=torch.Generator().manual_seed(0))
+    mine = tokens[2 * rank : 2 * rank + 2]
+    batches = [{"tokens": mine[:, :-1], "labels": mine[:, 1:]}]
+    rows = []
+    for strategy in STRATEGIES:
+        chunks = build_model_chunks(cfg, state, params_dtype=torch.bfloat16)
+        ddps = [DistributedDataParallel(c, state.dp_group, sharding=strategy) for c in chunks]
+        optimizer = build_optimizer(
+            ddps,
+            ocfg,
+            use_distributed_optimizer=strategy != "no_shard",
+            fp16=False,
+            tp_rank=0,
+            model_parallel_group=state.model_parallel_group,
+            world_group=state.world_group,
+            device=state.device,
+        )
+        train_step(ddps, optimizer, LRScheduler(ocfg, 10), batches, state)
+        optimizer.finish_param_sync()
+        count = sum(p.numel() for d in ddps for p in d.params)
+        rows.append((strategy, count, held_state_bytes(ddps, optimizer)))
+    return rows
+
+
+def _state_table(args) -> list[dict]:
+    from engine.state_memory import KINDS, formula_bytes_per_param
+
+    mib = 2**20
+    print(
+        f"Model state held per rank after a step: {args.state_layers} layers, hidden "
+        f"{args.state_hidden_size}, bf16 parameters, Adam (largest rank shown)"
+    )
+    print(
+        "| strategy | DP | params MiB | grads MiB | optimizer MiB | bytes/param measured | "
+        "formula | measured / formula |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    table = []
+    for dp in DP_SIZES:
+        per_rank = run_local(_measure_states, dp, args)
+        for index, strategy in enumerate(STRATEGIES):
+            count = per_rank[0][index][1]
+            worst = max((r[index][2] for r in per_rank), key=lambda held: sum(held.values()))
+            measured = sum(worst.values()) / count
+            formula = sum(formula_bytes_per_param(strategy, dp).values())
+            table.append(
+                {"strategy": strategy, "dp": dp, "params": count, **worst, "formula": formula}
+            )
+            print(
+                f"| {strategy} | {dp} | "
+                + " | ".join(f"{worst[k] / mib:.2f}" for k in KINDS)
+                + f" | {measured:.2f} | {formula:.2f} | {measured / formula:.3f} |"
+            )
+    return table
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-length", type=int, default=1024)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-attention-heads", type=int, default=8)
+    parser.add_argument("--state-layers", type=int, default=4)
+    parser.add_argument("--state-hidden-size", type=int, default=256)
     parser.add_argument("--json", default="bench_memory.json")
     args = parser.parse_args(argv)
+    states = _state_table(args)
+    print()
     s, b, h, a = args.seq_length, args.micro_batch_size, args.hidden_size, args.num_attention_heads
     rows = run_local(_measure, max(TP_SIZES), args)[0]
     mib = 2**20
@@ -64,7 +153,8 @@ def main(argv=None) -> int:
             f"{measured / formula:.3f} | {paper / mib:.2f} |"
         )
     with open(args.json, "w") as f:
-        json.dump({"activations": table, "shape": {"s": s, "b": b, "h": h, "a": a}}, f, indent=1)
+        shape = {"s": s, "b": b, "h": h, "a": a}
+        json.dump({"states": states, "activations": table, "shape": shape}, f, indent=1)
     return 0
 
 

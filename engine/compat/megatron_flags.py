@@ -61,6 +61,17 @@ class MegatronCompatConfig:
         flag="--no-mmap-bin-files",
         **_OFF,
     )
+    fsdp_double_buffer: bool | None = option(
+        None,
+        "Megatron-LM: reuse two buffers for FSDP's gathers (allocation detail; no effect)",
+        **_ON,
+    )
+    fsdp_manual_registration: bool | None = option(
+        None,
+        "Megatron-LM: register FSDP buffers with NCCL user buffers (no NCCL buffers here; no "
+        "effect)",
+        **_ON,
+    )
     manual_gc: bool | None = option(
         None, "Megatron-LM: Python garbage collection by hand (no effect)", **_ON
     )
@@ -132,6 +143,8 @@ NO_EFFECT = (
     "cross_entropy_loss_fusion",
     "create_attention_mask_in_dataloader",
     "mmap_bin_files",
+    "fsdp_double_buffer",
+    "fsdp_manual_registration",
     "manual_gc",
     "manual_gc_interval",
     "empty_unused_memory_level",
@@ -156,8 +169,12 @@ def _given(compat: MegatronCompatConfig) -> dict[str, object]:
     }
 
 
-def check_compat(compat: MegatronCompatConfig, position_embedding_type: str) -> None:
-    """ConfigError (one line) for a flag that asks for a feature this engine lacks."""
+def check_compat(
+    compat: MegatronCompatConfig, position_embedding_type: str, megatron_fsdp: bool = False
+) -> None:
+    """ConfigError (one line) for a flag that asks for a feature this engine lacks.
+    `megatron_fsdp`: --use-megatron-fsdp is on, with which Megatron-LM requires --ckpt-format
+    fsdp_dtensor (accepted then: this engine writes its own checkpoints either way)."""
     given = _given(compat)
     fp8 = [n for n in given if n.startswith("fp8_")]
     if fp8:
@@ -180,10 +197,12 @@ def check_compat(compat: MegatronCompatConfig, position_embedding_type: str) -> 
         )
     if given.get("expert_model_parallel_size", 1) < 1:
         raise ConfigError("--expert-model-parallel-size must be at least 1")
-    if given.get("ckpt_format", "torch_dist") != "torch_dist":
+    accepted = ("torch_dist", "fsdp_dtensor") if megatron_fsdp else ("torch_dist",)
+    if given.get("ckpt_format", "torch_dist") not in accepted:
         raise ConfigError(
-            f"--ckpt-format {given['ckpt_format']}: only torch_dist is accepted (this engine "
-            "writes its own sharded checkpoints); use torch_dist or leave it out"
+            f"--ckpt-format {given['ckpt_format']}: only torch_dist (and fsdp_dtensor with "
+            "--use-megatron-fsdp) is accepted (this engine writes its own sharded "
+            "checkpoints); use torch_dist or leave it out"
         )
     if given.get("add_position_embedding") is False and position_embedding_type != "rope":
         raise ConfigError(
@@ -192,16 +211,25 @@ def check_compat(compat: MegatronCompatConfig, position_embedding_type: str) -> 
         )
 
 
-def no_effect_line(compat: MegatronCompatConfig, model=None, train=None) -> str | None:
+def no_effect_line(
+    compat: MegatronCompatConfig, model=None, train=None, parallel=None
+) -> str | None:
     """The one line printed at start naming the Megatron-LM flags accepted without effect
-    (and --num-query-groups, which Megatron-LM reads only with --group-query-attention, and
-    --grad-reduce-in-bf16, which it reads only with --bf16)."""
+    (and --num-query-groups, which Megatron-LM reads only with --group-query-attention,
+    --grad-reduce-in-bf16, which it reads only with --bf16, and
+    --data-parallel-sharding-strategy, which it reads only with --use-megatron-fsdp)."""
     given = _given(compat)
     names = [_flag_of(n) for n in NO_EFFECT if n in given]
     if model is not None and model.num_query_groups is not None and not model.group_query_attention:
         names.append("--num-query-groups (without --group-query-attention)")
     if train is not None and train.grad_reduce_in_bf16 and not train.bf16:
         names.append("--grad-reduce-in-bf16 (without --bf16)")
+    if (
+        parallel is not None
+        and parallel.data_parallel_sharding_strategy
+        and not parallel.use_megatron_fsdp
+    ):
+        names.append("--data-parallel-sharding-strategy (without --use-megatron-fsdp)")
     if not names:
         return None
     return "Megatron-LM flags accepted without effect here: " + ", ".join(names)

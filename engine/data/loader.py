@@ -64,14 +64,17 @@ def build_data_iterator(
     dp_rank: int,
     dp_size: int,
     num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Micro-batches for this DP rank from consumed_samples on."""
+    """Micro-batches for this DP rank from consumed_samples on (in page-locked memory with
+    pin_memory, for asynchronous copies to a GPU)."""
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
         collate_fn=collate_samples,
+        pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
         # Workers inherit the memory-mapped dataset by fork (it holds open files, which a
         # forkserver or spawn start would have to pickle); fork is Linux's default start anyway.

@@ -247,7 +247,20 @@ class StreamingDataset:
         dp_size: int,
         num_workers: int = 0,
         state: dict | None = None,
+        pin_memory: bool = False,
     ) -> StreamingIterator:
+        positions = self.resume_positions(consumed_samples, state)
+        streams = [
+            SampleStream(plan, self.tokenizer, num_workers, positions[i] if positions else None)
+            for i, plan in enumerate(self.plans)
+        ]
+        return StreamingIterator(
+            self, streams, consumed_samples, micro_batch_size, dp_rank, dp_size, pin_memory
+        )
+
+    def resume_positions(self, consumed_samples: int, state: dict | None) -> list | None:
+        """The stream positions of a checkpoint's data state (None: from the start), checked
+        against this data and the counters; the same answer on every rank."""
         positions = None
         if state is not None:
             if state.get("sources") != self.fingerprint():
@@ -274,13 +287,7 @@ class StreamingDataset:
                 "it was trained on",
                 every_rank=True,
             )
-        streams = [
-            SampleStream(plan, self.tokenizer, num_workers, positions[i] if positions else None)
-            for i, plan in enumerate(self.plans)
-        ]
-        return StreamingIterator(
-            self, streams, consumed_samples, micro_batch_size, dp_rank, dp_size
-        )
+        return positions
 
 
 class StreamingIterator:
@@ -288,8 +295,18 @@ class StreamingIterator:
     micro_batch_size x dp_size samples of the global order and keeps its slice, so the global
     order, and the saved position, are the same for every data-parallel size."""
 
-    def __init__(self, dataset, streams, consumed_samples, micro_batch_size, dp_rank, dp_size):
+    def __init__(
+        self,
+        dataset,
+        streams,
+        consumed_samples,
+        micro_batch_size,
+        dp_rank,
+        dp_size,
+        pin_memory: bool = False,
+    ):
         self.dataset = dataset
+        self.pin_memory = pin_memory
         self.streams = streams
         self.consumed = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -311,7 +328,10 @@ class StreamingIterator:
             if first <= i < first + self.micro_batch_size:
                 mine.append(sample)
         self.consumed += step
-        return collate_samples(mine)
+        batch = collate_samples(mine)
+        if self.pin_memory:
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        return batch
 
     def state_dict(self) -> dict:
         """The position after the samples drawn so far (all ranks hold the same)."""

@@ -25,9 +25,12 @@ def build_model_chunks(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
     ops=None,
+    torch_compile: bool = False,
 ) -> list[GPTModel]:
     """One GPTModel per (virtual) pipeline stage of this rank, in execution order. `ops` is
-    the op set from engine.ops.select_ops (the PyTorch ops by default)."""
+    the op set from engine.ops.select_ops (the PyTorch ops by default). `torch_compile`
+    (--torch-compile) compiles each transformer layer's forward with torch.compile; the
+    layer's module call, and so the data-parallel hooks around it, stay eager."""
     ctx = BuildContext(
         config,
         tp_group=state.tp_group,
@@ -63,4 +66,8 @@ def build_model_chunks(
                 layer_numbers=numbers,
             )
         )
+    if torch_compile:
+        for chunk in chunks:
+            for layer in chunk.layers.values():
+                layer.forward = torch.compile(layer.forward)
     return chunks

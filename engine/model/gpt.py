@@ -178,6 +178,17 @@ class GPTModel(nn.Module):
             return self.word_embeddings_for_head.weight
         return None
 
+    def sharding_units(self) -> list[nn.Module]:
+        """The modules whose parameters are gathered together with sharded parameters
+        (parallel/fsdp_params.py), in forward order. The word embeddings are a unit of their
+        own inside the embedding's: a tied output layer calls them directly."""
+        units = []
+        if self.embedding is not None:
+            units += [self.embedding, self.embedding.word_embeddings]
+        units += list(self.layers.values())
+        units += [self.final_layernorm, self.output_layer, self.word_embeddings_for_head]
+        return [unit for unit in units if unit is not None]
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.output_layer is not None:
             return self.output_layer(x)

@@ -11,7 +11,9 @@ callables from the engine (parallel/ knows nothing about tokens or losses):
 
 Gradients accumulate locally over the micro-batches (DDP's no_sync); the data-parallel
 reduction is started only by the last micro-batch's backward (with --overlap-grad-reduce) or
-by finalize_model_grads afterwards. Every schedule returns the reported losses of the last
+by finalize_model_grads afterwards; with sharded gradients (optim_grads, optim_grads_params)
+every micro-batch's backward reduces them, and the schedule calls the chunk's `end_backward`
+after each. Every schedule returns the reported losses of the last
 stage's micro-batches (an empty list on other stages).
 """
 
@@ -34,6 +36,13 @@ def _no_sync(ddps, last: bool):
     return stack
 
 
+def _end_backward(chunk) -> None:
+    """A micro-batch's backward through chunk is done (sharded gradients are reduced now)."""
+    end = getattr(chunk, "end_backward", None)
+    if end is not None:
+        end()
+
+
 def forward_backward_no_pipelining(
     chunks, batches, forward_step, loss_func, *, forward_only: bool = False
 ) -> list[torch.Tensor]:
@@ -52,6 +61,7 @@ def forward_backward_no_pipelining(
             output = forward_step(chunk, batch, None)
             loss, reported = loss_func(output, batch)
             loss.backward()
+            _end_backward(chunk)
             losses.append(reported)
     return losses
 
@@ -106,6 +116,7 @@ class _Stage:
             input_tensor.retain_grad()
         start = time.perf_counter()
         backward_from(output, output_grad)
+        _end_backward(ddp)
         self.held_outputs = [o for o in self.held_outputs if o is not output]
         self.stats["compute_s"] += time.perf_counter() - start
         if hasattr(ddp, "is_last_microbatch"):
