@@ -66,6 +66,22 @@ class ModelConfig:
         "learned_absolute", "position encoding", choices=["learned_absolute", "rope"]
     )
     rotary_base: int = option(10000, "RoPE base (theta)")
+    use_rope_scaling: bool = option(
+        False, "Llama 3.x RoPE scaling: low frequencies slowed by --rope-scaling-factor"
+    )
+    rope_scaling_factor: float = option(8.0, "with --use-rope-scaling: the scaling factor")
+    rope_scaling_low_freq_factor: float = option(
+        1.0, "with --use-rope-scaling: wavelengths above original length / this are scaled"
+    )
+    rope_scaling_high_freq_factor: float = option(
+        4.0, "with --use-rope-scaling: wavelengths below original length / this are kept"
+    )
+    rope_scaling_original_max_position_embeddings: int = option(
+        8192, "with --use-rope-scaling: the context length the model was first trained at"
+    )
+    rotary_seq_len_interpolation_factor: float | None = option(
+        None, "linear RoPE scaling (position interpolation): positions divided by this"
+    )
     rotary_percent: float = option(
         1.0, "the share of each head's channels RoPE rotates (the first ones); the rest pass"
     )
@@ -85,6 +101,11 @@ class ModelConfig:
         False, "separate output layer instead of reusing the input embedding"
     )
     qk_layernorm: bool = option(False, "normalise queries and keys per head")
+    add_qkv_bias: bool = option(
+        False,
+        "biases on the query, key and value projections only (Qwen2), with or without "
+        "--disable-bias-linear",
+    )
     hidden_dropout: float = option(0.1, "dropout on the residual branches and embeddings")
     attention_dropout: float = option(0.1, "dropout on the attention probabilities")
     init_method_std: float = option(0.02, "std of the normal weight initialisation")
@@ -186,6 +207,22 @@ class ModelConfig:
             raise ConfigError(
                 f"max-position-embeddings {self.max_positions} < seq-length {self.seq_length}"
             )
+        scaled = self.use_rope_scaling or self.rotary_seq_len_interpolation_factor
+        if scaled and self.position_embedding_type != "rope":
+            raise ConfigError(
+                "--use-rope-scaling and --rotary-seq-len-interpolation-factor scale RoPE; "
+                "add --position-embedding-type rope"
+            )
+        if self.use_rope_scaling and (
+            self.rope_scaling_factor < 1
+            or not 0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor
+        ):
+            raise ConfigError(
+                "--use-rope-scaling needs --rope-scaling-factor >= 1 and 0 < "
+                "--rope-scaling-low-freq-factor < --rope-scaling-high-freq-factor"
+            )
+        if (self.rotary_seq_len_interpolation_factor or 1) < 1:
+            raise ConfigError("--rotary-seq-len-interpolation-factor must be at least 1")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ConfigError(f"--rotary-percent {self.rotary_percent} must be in (0, 1]")
         if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):

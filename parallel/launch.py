@@ -76,6 +76,11 @@ def _entry(fn, rank, world_size, port, conn, threads, log_paths, args, kwargs):
         conn.close()
         sys.stdout.flush()
         sys.stderr.flush()
+        # os._exit skips the clean-up that would end this rank's own child processes (a
+        # multiprocessing Manager megatron-core's checkpoint writer starts, for one): end them
+        # here, or each would outlive the test as an orphan holding its memory.
+        for child in multiprocessing.active_children():
+            child.kill()
         os._exit(0)
 
 

@@ -40,13 +40,20 @@ LLAMA_FLAGS = {
     "--apply-layernorm-1p": True,
 }
 GPT2_FLAGS = {"--openai-gelu": True}
+# Qwen2 (q, k, v biases) with Llama 3.x RoPE scaling, and Qwen3 (per-head q/k norms), tied
+QWEN2_FLAGS = {k: v for k, v in LLAMA_FLAGS.items() if k != "--apply-layernorm-1p"}
+QWEN2_FLAGS |= {"--add-qkv-bias": True, "--use-rope-scaling": True}
+QWEN2_FLAGS |= {"--rope-scaling-original-max-position-embeddings": "16"}
+QWEN3_FLAGS = {k: v for k, v in LLAMA_FLAGS.items() if k != "--untie-embeddings-and-output-weights"}
+QWEN3_FLAGS |= {"--qk-layernorm": True}
+STYLE_FLAGS = {"gpt2": GPT2_FLAGS, "llama": LLAMA_FLAGS, "qwen2": QWEN2_FLAGS, "qwen3": QWEN3_FLAGS}
 
 
 @pytest.fixture(scope="module")
 def trained(dataset_prefix, tokenizer_model, tmp_path_factory):
     """Tiny models of both styles trained for a few steps under TP2 x PP2."""
     out = {}
-    for style, flags in (("gpt2", GPT2_FLAGS), ("llama", LLAMA_FLAGS)):
+    for style, flags in STYLE_FLAGS.items():
         ckpt = str(tmp_path_factory.mktemp(f"trained-{style}") / "ckpt")
         pretrain(
             4,
@@ -77,7 +84,7 @@ def engine_model(ckpt: str) -> GPTModel:
     return model.eval()
 
 
-@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("style", list(STYLE_FLAGS))
 def test_transformers_matches_the_engine(trained, tokenizer_model, tmp_path, style):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -86,7 +93,15 @@ def test_transformers_matches_the_engine(trained, tokenizer_model, tmp_path, sty
     assert summary["shards"] > 1 and (out / "model.safetensors.index.json").exists()
     assert {p.suffix for p in out.iterdir()} <= {".json", ".safetensors", ".model"}  # no pickle
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(hf).__name__ == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[style]
+    assert (
+        type(hf).__name__
+        == {
+            "gpt2": "GPT2LMHeadModel",
+            "llama": "LlamaForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+        }[style]
+    )
     ours = engine_model(trained[style])
     tokens = torch.randint(3, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -102,6 +117,11 @@ def test_transformers_matches_the_engine(trained, tokenizer_model, tmp_path, sty
     )[0].tolist()
     assert ours_greedy == hf_greedy
     tokenizer = AutoTokenizer.from_pretrained(out)
+    if style == "qwen2":  # transformers overrides the class tokenizer_config.json names
+        from transformers import LlamaTokenizer
+
+        assert type(tokenizer).__name__ == "Qwen2Tokenizer" and "Qwen2Tokenizer" in summary["note"]
+        tokenizer = LlamaTokenizer.from_pretrained(out)
     text = "def main(argv):\n    return 0\n"
     assert tokenizer.encode(text, add_special_tokens=False) == SentencePieceTokenizer(
         tokenizer_model
@@ -125,9 +145,9 @@ def test_ours_to_hf_to_ours_is_bit_identical(trained, tmp_path):
         original = _model_tensors(iteration_dir(ckpt, 8))
         back = _model_tensors(iteration_dir(str(tmp_path / f"{style}-back"), 0))
         assert original.keys() == back.keys()
-        # The Llama model trained with --apply-layernorm-1p comes back as a plain one whose
-        # norm weights are the 1 + weight it applied.
-        shifted = "--apply-layernorm-1p" in LLAMA_FLAGS and style == "llama"
+        # A model trained with --apply-layernorm-1p comes back as a plain one whose norm
+        # weights are the 1 + weight it applied.
+        shifted = "--apply-layernorm-1p" in STYLE_FLAGS[style]
         for key, value in original.items():
             if shifted and key.endswith("layernorm.weight"):
                 value = (value.float() + 1).to(value.dtype)
@@ -135,25 +155,50 @@ def test_ours_to_hf_to_ours_is_bit_identical(trained, tmp_path):
         assert not shifted or any(k.endswith("layernorm.weight") for k in original)
 
 
+# Hugging Face families made at random by transformers: the Llama family's members (Llama 3.x
+# RoPE scaling included, tied and untied) and GPT-2.
+HF_STYLES = ["gpt2", "llama", "llama3-scaled", "qwen2", "qwen3-tied"]
+
+
 def _random_hf_model(style: str, folder):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(0)
     if style == "gpt2":
-        config = GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=2000, n_positions=64)
-        model = GPT2LMHeadModel(config)
-    else:
-        config = LlamaConfig(
-            hidden_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            vocab_size=2000,
-            max_position_embeddings=64,
-            rope_theta=10000.0,
+        config = transformers.GPT2Config(
+            n_embd=64, n_layer=4, n_head=4, vocab_size=2000, n_positions=64
         )
-        model = LlamaForCausalLM(config)
+        model = transformers.GPT2LMHeadModel(config)
+        model.save_pretrained(folder)
+        return model.eval()
+    shape = dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=2000,
+        max_position_embeddings=64,
+    )
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if style == "llama3-scaled":  # Llama 3.2's scaling, its original length shrunk to fit
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0}
+        rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        rope |= {"original_max_position_embeddings": 16}
+    family = {"llama3-scaled": "llama", "qwen3-tied": "qwen3"}.get(style, style)
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[family]
+    config = config_class(
+        **shape, rope_parameters=rope, tie_word_embeddings=style.endswith("tied"), head_dim=16
+    )
+    model = model_class(config)
+    with torch.no_grad():  # norms and biases away from their initial values, so they count
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.1)
     model.save_pretrained(folder)
     return model.eval()
 
@@ -161,13 +206,13 @@ def _random_hf_model(style: str, folder):
 def test_hf_to_ours_to_hf_is_bit_identical(tmp_path):
     from safetensors.torch import load_file
 
-    for style in ("gpt2", "llama"):
+    for style in HF_STYLES:
         _random_hf_model(style, tmp_path / f"{style}-hf")
         import_from_hf(str(tmp_path / f"{style}-hf"), str(tmp_path / f"{style}-ours"), 2, 2)
         export_to_hf(str(tmp_path / f"{style}-ours"), str(tmp_path / f"{style}-again"))
         original = load_file(tmp_path / f"{style}-hf" / "model.safetensors")
         again = load_file(tmp_path / f"{style}-again" / "model.safetensors")
-        if style == "gpt2":
+        if style == "gpt2" or style.endswith("tied"):
             original.pop("lm_head.weight", None)  # the tied copy, if transformers saved it
         assert original.keys() == again.keys(), style
         for key, value in original.items():
@@ -214,7 +259,7 @@ def _tp2_pp2_logits(rank, world, ckpt, tokens):
         return model.full_logits(model(hidden=p2p.recv_forward()))
 
 
-@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("style", HF_STYLES)
 def test_transformers_model_imported_under_tp2_pp2(tmp_path, style):
     hf = _random_hf_model(style, tmp_path / "hf")
     ckpt = str(tmp_path / "ours")
@@ -258,9 +303,15 @@ def test_options_without_an_equivalent_are_errors(trained, tmp_path):
     from engine.hf.architectures import style_of
 
     cfg.qk_layernorm = True
-    with pytest.raises(ConfigError, match="--qk-layernorm has no equivalent in LlamaForCausalLM"):
+    assert style_of(cfg) == "qwen3"
+    cfg.add_qkv_bias = True
+    with pytest.raises(ConfigError, match="--add-qkv-bias has no equivalent in Qwen3ForCausal"):
         style_of(cfg)
     cfg = ModelConfig(**read_meta(iteration_dir(trained["gpt2"], 8))["model"])
+    cfg.qk_layernorm = True
+    with pytest.raises(ConfigError, match="--qk-layernorm has no equivalent in GPT2LMHeadModel"):
+        style_of(cfg)
+    cfg.qk_layernorm = False
     cfg.untie_embeddings_and_output_weights = True
     with pytest.raises(ConfigError, match="GPT2LMHeadModel ties them"):
         style_of(cfg)

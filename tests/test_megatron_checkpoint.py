@@ -67,6 +67,15 @@ STYLES = {
 }
 # GPT-2 style with per-head LayerNorm on queries and keys (weights and biases).
 STYLES["gpt-qkln"] = dict(STYLES["gpt"], qk_layernorm=True)
+# Llama style with biases on q, k, v only (Qwen2) and Llama 3.x RoPE scaling; a base large
+# enough that the scaling changes some frequencies and leaves others.
+STYLES["qwen2-scaled"] = dict(
+    STYLES["llama"],
+    add_qkv_bias=True,
+    use_rope_scaling=True,
+    rope_scaling_factor=8.0,
+    rotary_base=500000,
+)
 
 
 def _cpu_stand_ins():
@@ -102,6 +111,7 @@ def _megatron_model(style: str, tp: int, pp: int, vocab: int = VOCAB):
         activation_func=F.silu if s["swiglu"] else F.gelu,
         normalization=s["normalization"],
         add_bias_linear=s["add_bias_linear"],
+        add_qkv_bias=s.get("add_qkv_bias", False),
         use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -125,6 +135,8 @@ def _megatron_model(style: str, tp: int, pp: int, vocab: int = VOCAB):
         max_sequence_length=SEQ,
         position_embedding_type=s["position_embedding_type"],
         rotary_base=s["rotary_base"],
+        rope_scaling=s.get("use_rope_scaling", False),
+        rope_scaling_factor=s.get("rope_scaling_factor", 8.0),
         share_embeddings_and_output_weights=not s["untie_embeddings_and_output_weights"],
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
@@ -171,6 +183,10 @@ def _save(rank, world, style, tp, pp, path, common_inside=False):
 
     torch.manual_seed(100 + rank)
     model = _megatron_model(style, tp, pp)
+    with torch.no_grad():  # biases start at 0 and norms at 1: move them, so they count
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
     state = model.sharded_state_dict()
     common = {"args": _args(style), "iteration": 7, "checkpoint_version": 3.0}
     common["opt_param_scheduler"] = {"num_steps": 56}
@@ -214,6 +230,7 @@ def _convert(source: str, output: str, extra=()) -> subprocess.CompletedProcess:
         ("llama", 1, 2, True),
         ("gpt", 2, 1, False),
         ("gpt-qkln", 2, 1, True),
+        ("qwen2-scaled", 2, 1, False),
     ],
 )
 def test_a_megatron_core_checkpoint_converts_to_the_same_logits(style, tp, pp, inside, tmp_path):
@@ -332,9 +349,7 @@ def test_load_resumes_a_megatron_checkpoint_where_it_stopped(tmp_path):
     [
         ({"num_experts": 8}, "mixture-of-experts"),
         ({"position_embedding_type": "mrope"}, "--position-embedding-type mrope"),
-        ({"add_bias_linear": False, "add_qkv_bias": True}, "--add-qkv-bias"),
         ({"rotary_interleaved": True}, "--rotary-interleaved"),
-        ({"use_rope_scaling": True}, "--use-rope-scaling"),
         ({"squared_relu": True}, "--squared-relu"),
         (
             {"apply_residual_connection_post_layernorm": True},

@@ -438,3 +438,64 @@ def test_rotary_percent_rotates_the_first_channels_as_megatron_core():
     llama = dataclasses.replace(cfg, normalization="RMSNorm", swiglu=True, add_bias_linear=False)
     with pytest.raises(ConfigError, match="--rotary-percent 0.5 \\(Llama rotates every"):
         style_of(llama)
+
+
+def test_rope_scaling_gives_megatron_core_and_transformers_frequencies():
+    """--use-rope-scaling (Llama 3.x) against megatron-core's own scaling and transformers'
+    "llama3" rope_type; --rotary-seq-len-interpolation-factor against megatron-core's
+    positions / factor."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.config import ModelConfig
+    from engine.model.rope import RotaryEmbedding
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    base = dict(num_layers=1, hidden_size=128, num_attention_heads=2, vocab_size=64)
+    base |= dict(position_embedding_type="rope", rotary_base=500000, seq_length=64)
+    cfg = ModelConfig(**base, use_rope_scaling=True, rope_scaling_factor=8.0)
+    cfg.validate()
+    ours = RotaryEmbedding.for_config(cfg).inv_freq
+    theirs = rotary_pos_embedding.RotaryEmbedding(
+        kv_channels=64,
+        rotary_percent=1.0,
+        rotary_base=500000,
+        rope_scaling=True,
+        rope_scaling_factor=8.0,
+        use_cpu_initialization=True,
+    ).inv_freq
+    assert torch.allclose(ours, theirs, rtol=1e-6, atol=0)
+    assert not torch.allclose(ours, RotaryEmbedding(64, 500000).inv_freq)  # it did scale
+    # Llama 3.2's values, as transformers reads them from config.json
+    scaling = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0)
+    scaling |= dict(original_max_position_embeddings=8192)
+    cfg = ModelConfig(
+        **base,
+        use_rope_scaling=True,
+        rope_scaling_factor=32.0,
+        rope_scaling_original_max_position_embeddings=8192,
+    )
+    hf = LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=2,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **scaling},
+    )
+    hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, torch.device("cpu"))
+    assert torch.allclose(RotaryEmbedding.for_config(cfg).inv_freq, hf_inv_freq, rtol=1e-6)
+    # position interpolation
+    cfg = ModelConfig(**base, rotary_seq_len_interpolation_factor=4)
+    theirs = rotary_pos_embedding.RotaryEmbedding(
+        kv_channels=64,
+        rotary_percent=1.0,
+        rotary_base=500000,
+        seq_len_interpolation_factor=4,
+        use_cpu_initialization=True,
+    ).get_freqs_non_repeated(16)
+    cos, _ = RotaryEmbedding.for_config(cfg)(16, torch.device("cpu"))
+    assert torch.allclose(cos[:, 0, 0, :32], theirs.cos(), atol=1e-6)
+    with pytest.raises(ConfigError, match="add --position-embedding-type rope"):
+        ModelConfig(use_rope_scaling=True).validate()

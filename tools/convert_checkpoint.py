@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{summary['tensors']} tensors, {summary['bytes'] / 1e6:.1f} MB in "
             f"{summary['shards']} shard(s) -> {args.output}"
         )
+        if summary.get("note"):
+            print(f"note: {summary['note']}")
     else:
         from engine.hf.import_hf import import_from_hf
 

@@ -79,9 +79,7 @@ def model_config_from_args(args) -> ModelConfig:
             "are available here"
         )
     unsupported = {
-        "add_qkv_bias": get("add_qkv_bias") and not get("add_bias_linear", True),
         "rotary_interleaved": get("rotary_interleaved"),
-        "use_rope_scaling": get("use_rope_scaling"),
         "squared_relu": get("squared_relu"),
         "apply_residual_connection_post_layernorm": get("apply_residual_connection_post_layernorm"),
     }
@@ -111,12 +109,18 @@ def model_config_from_args(args) -> ModelConfig:
         position_embedding_type=position,
         rotary_base=int(get("rotary_base") or 10000),
         rotary_percent=float(get("rotary_percent") or 1.0),
+        # Megatron-LM's Llama 3.x scaling keeps low/high frequency factors 1 and 4 and an
+        # original length of 8192: this engine's defaults
+        use_rope_scaling=bool(get("use_rope_scaling")),
+        rope_scaling_factor=float(get("rope_scaling_factor") or 8.0),
+        rotary_seq_len_interpolation_factor=get("rotary_seq_len_interpolation_factor"),
         normalization=normalization,
         norm_epsilon=float(get("norm_epsilon") or 1e-5),
         apply_layernorm_1p=bool(get("apply_layernorm_1p")),
         swiglu=swiglu,
         openai_gelu=bool(get("openai_gelu")),
         add_bias_linear=bool(get("add_bias_linear", True)),
+        add_qkv_bias=bool(get("add_qkv_bias")),
         untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
         qk_layernorm=bool(get("qk_layernorm")),
         hidden_dropout=float(get("hidden_dropout") or 0.0),
@@ -159,9 +163,10 @@ def _layer_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, str]]]:
             (f"{mlp}.linear_fc1.layer_norm_bias", ""),
             ("decoder.layers.pre_mlp_layernorm.bias", ""),
         ]
-    if cfg.add_bias_linear:
+    if cfg.add_bias_linear or cfg.add_qkv_bias:
         for part in ("q", "k", "v"):
             out[f"self_attention.linear_qkv.bias.{part}"] = [(f"{attn}.linear_qkv.bias", part)]
+    if cfg.add_bias_linear:
         out["self_attention.linear_proj.bias"] = [(f"{attn}.linear_proj.bias", "")]
         out["mlp.linear_fc2.bias"] = [(f"{mlp}.linear_fc2.bias", "")]
         if cfg.swiglu:

@@ -76,6 +76,9 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
         rotary_base=cfg.rotary_base,
         rotary_percent=cfg.rotary_percent,
         rotary_interleaved=False,
+        use_rope_scaling=cfg.use_rope_scaling,
+        rope_scaling_factor=cfg.rope_scaling_factor,
+        rotary_seq_len_interpolation_factor=cfg.rotary_seq_len_interpolation_factor,
         normalization=cfg.normalization,
         norm_epsilon=cfg.norm_epsilon,
         apply_layernorm_1p=cfg.apply_layernorm_1p,
@@ -83,7 +86,7 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
         openai_gelu=cfg.openai_gelu,
         squared_relu=False,
         add_bias_linear=cfg.add_bias_linear,
-        add_qkv_bias=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_bias_linear or cfg.add_qkv_bias,
         qk_layernorm=cfg.qk_layernorm,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         hidden_dropout=cfg.hidden_dropout,
@@ -184,6 +187,17 @@ def export_to_megatron(
     path = checkpoint_path(load, iteration)
     meta = verify_checkpoint(path, digests=verify)
     cfg = ModelConfig.from_record(meta["model"])
+    scaling = (
+        cfg.rope_scaling_low_freq_factor,
+        cfg.rope_scaling_high_freq_factor,
+        cfg.rope_scaling_original_max_position_embeddings,
+    )
+    if cfg.use_rope_scaling and scaling != (1.0, 4.0, 8192):
+        raise InputError(
+            f"{path}: the model's RoPE scaling has low/high frequency factors and original "
+            f"length {scaling}; Megatron-LM's --use-rope-scaling fixes them at (1, 4, 8192), so "
+            "it would not be the same model"
+        )
     padded_vocab = cfg.padded_vocab_size(tp)
     reader = open_checkpoint(path)
     stored = reader.read_metadata().state_dict_metadata

@@ -1,9 +1,14 @@
-"""How our model maps onto Hugging Face's LlamaForCausalLM and GPT2LMHeadModel.
+"""How our model maps onto Hugging Face's LlamaForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM and GPT2LMHeadModel.
 
-A model is exported as Llama when it is Llama-style (RoPE, RMSNorm, SwiGLU, no biases) and as
-GPT-2 when it is GPT-2-style (learned positions, LayerNorm, GELU, biases, tied embeddings,
-multi-head attention). Any option the target has no equivalent for is a ConfigError naming
-it: the exported model is never silently different from the trained one.
+The Llama family (RoPE, RMSNorm, SwiGLU, no biases on the MLP and the output projection)
+shares its tensor names; a model is exported as Qwen2 when it has biases on q, k and v only
+(--add-qkv-bias --disable-bias-linear), as Qwen3 when it normalises queries and keys per head
+(--qk-layernorm), else as Llama; RoPE scaling (--use-rope-scaling: "llama3";
+--rotary-seq-len-interpolation-factor: "linear") goes to `rope_parameters`. GPT-2-style models
+(learned positions, LayerNorm, GELU, biases, tied embeddings, multi-head attention) go to
+GPT-2. Any option the target has no equivalent for is a ConfigError naming it: the exported
+model is never silently different from the trained one.
 
 Each HF tensor is our logical tensors (checkpoint keys without "model/") stacked along dim 0,
 transposed for GPT-2's Conv1D layers, which store weights as [in, out].
@@ -16,8 +21,14 @@ from dataclasses import dataclass, replace
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 
-LLAMA, GPT2 = "llama", "gpt2"
-ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
+LLAMA, QWEN2, QWEN3, GPT2 = "llama", "qwen2", "qwen3", "gpt2"
+ARCHITECTURES = {
+    LLAMA: "LlamaForCausalLM",
+    QWEN2: "Qwen2ForCausalLM",
+    QWEN3: "Qwen3ForCausalLM",
+    GPT2: "GPT2LMHeadModel",
+}
+LLAMA_FAMILY = (LLAMA, QWEN2, QWEN3)
 
 
 @dataclass(frozen=True)
@@ -28,12 +39,23 @@ class HFTensor:
     shift: float = 0.0  # HF value = ours + shift (norm weights stored centred on zero)
 
 
-def style_of(cfg: ModelConfig) -> str:
-    """'llama' or 'gpt2', or ConfigError naming the first option neither can express."""
-    llama_like = cfg.position_embedding_type == "rope"
-    target = ARCHITECTURES[LLAMA if llama_like else GPT2]
+def _llama_family_member(cfg: ModelConfig) -> str:
+    if cfg.qk_layernorm and cfg.add_qkv_bias:
+        raise ConfigError(
+            "--qk-layernorm with --add-qkv-bias has no equivalent in Qwen3ForCausalLM (its "
+            "attention_bias also puts a bias on the output projection); cannot export"
+        )
     if cfg.qk_layernorm:
-        raise ConfigError(f"--qk-layernorm has no equivalent in {target}; cannot export")
+        return QWEN3
+    return QWEN2 if cfg.add_qkv_bias else LLAMA
+
+
+def style_of(cfg: ModelConfig) -> str:
+    """'llama', 'qwen2', 'qwen3' or 'gpt2', or ConfigError naming the first option the
+    target cannot express."""
+    llama_like = cfg.position_embedding_type == "rope"
+    style = _llama_family_member(cfg) if llama_like else GPT2
+    target = ARCHITECTURES[style]
     if llama_like:
         checks = [
             (cfg.normalization == "RMSNorm", "--normalization LayerNorm (Llama uses RMSNorm)"),
@@ -44,9 +66,15 @@ def style_of(cfg: ModelConfig) -> str:
                 cfg.rotary_percent == 1.0,
                 f"--rotary-percent {cfg.rotary_percent} (Llama rotates every channel of a head)",
             ),
+            (
+                not (cfg.use_rope_scaling and cfg.rotary_seq_len_interpolation_factor),
+                "--use-rope-scaling with --rotary-seq-len-interpolation-factor (one rope_type)",
+            ),
         ]
     else:
         checks = [
+            (not cfg.qk_layernorm, "--qk-layernorm"),
+            (not cfg.add_qkv_bias or cfg.add_bias_linear, "--add-qkv-bias alone"),
             (cfg.normalization == "LayerNorm", "--normalization RMSNorm (GPT-2 uses LayerNorm)"),
             (not cfg.swiglu, "--swiglu (GPT-2 has a GELU MLP)"),
             (cfg.add_bias_linear, "--disable-bias-linear (GPT-2 has biases)"),
@@ -66,7 +94,7 @@ def style_of(cfg: ModelConfig) -> str:
     for ok, what in checks:
         if not ok:
             raise ConfigError(f"{what} has no equivalent in {target}; cannot export this model")
-    return LLAMA if llama_like else GPT2
+    return style
 
 
 def hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
@@ -82,16 +110,32 @@ def hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
 
 def _hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
     out = []
-    if style == LLAMA:
+    if style in LLAMA_FAMILY:
         out.append(HFTensor("model.embed_tokens.weight", ("embedding.word_embeddings.weight",)))
         for i in range(cfg.num_layers):
             ours, hf = f"layers.{i}", f"model.layers.{i}"
             attn, mlp = f"{ours}.self_attention", f"{ours}.mlp"
+            out.append(
+                HFTensor(f"{hf}.input_layernorm.weight", (f"{ours}.input_layernorm.weight",))
+            )
+            for name in "qkv":
+                out.append(
+                    HFTensor(
+                        f"{hf}.self_attn.{name}_proj.weight", (f"{attn}.linear_qkv.weight.{name}",)
+                    )
+                )
+                if style == QWEN2:
+                    out.append(
+                        HFTensor(
+                            f"{hf}.self_attn.{name}_proj.bias", (f"{attn}.linear_qkv.bias.{name}",)
+                        )
+                    )
+            if style == QWEN3:
+                out += [
+                    HFTensor(f"{hf}.self_attn.q_norm.weight", (f"{attn}.q_layernorm.weight",)),
+                    HFTensor(f"{hf}.self_attn.k_norm.weight", (f"{attn}.k_layernorm.weight",)),
+                ]
             out += [
-                HFTensor(f"{hf}.input_layernorm.weight", (f"{ours}.input_layernorm.weight",)),
-                HFTensor(f"{hf}.self_attn.q_proj.weight", (f"{attn}.linear_qkv.weight.q",)),
-                HFTensor(f"{hf}.self_attn.k_proj.weight", (f"{attn}.linear_qkv.weight.k",)),
-                HFTensor(f"{hf}.self_attn.v_proj.weight", (f"{attn}.linear_qkv.weight.v",)),
                 HFTensor(f"{hf}.self_attn.o_proj.weight", (f"{attn}.linear_proj.weight",)),
                 HFTensor(
                     f"{hf}.post_attention_layernorm.weight", (f"{ours}.pre_mlp_layernorm.weight",)
@@ -147,9 +191,9 @@ def hf_config_dict(cfg: ModelConfig, style: str, special_ids: dict, dtype: str) 
         "pad_token_id": special_ids.get("pad"),
         "dtype": dtype,
     }
-    if style == LLAMA:
-        return common | {
-            "model_type": "llama",
+    if style in LLAMA_FAMILY:
+        out = common | {
+            "model_type": style,
             "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.ffn_size,
             "num_hidden_layers": cfg.num_layers,
@@ -159,13 +203,18 @@ def hf_config_dict(cfg: ModelConfig, style: str, special_ids: dict, dtype: str) 
             "hidden_act": "silu",
             "max_position_embeddings": cfg.max_positions,
             "rms_norm_eps": cfg.norm_epsilon,
-            "rope_parameters": {"rope_theta": float(cfg.rotary_base), "rope_type": "default"},
+            "rope_parameters": rope_parameters(cfg),
             "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
-            "attention_bias": False,
-            "mlp_bias": False,
             "attention_dropout": cfg.attention_dropout,
             "initializer_range": cfg.init_method_std,
         }
+        if style == LLAMA:
+            out |= {"attention_bias": False, "mlp_bias": False}
+        elif style == QWEN3:
+            out |= {"attention_bias": False, "use_sliding_window": False}
+        else:
+            out |= {"use_sliding_window": False}
+        return out
     return common | {
         "model_type": "gpt2",
         "n_embd": cfg.hidden_size,
@@ -183,18 +232,60 @@ def hf_config_dict(cfg: ModelConfig, style: str, special_ids: dict, dtype: str) 
     }
 
 
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """config.json's rope_parameters for our RoPE settings."""
+    out = {"rope_theta": float(cfg.rotary_base), "rope_type": "default"}
+    if cfg.use_rope_scaling:
+        out |= {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_scaling_low_freq_factor,
+            "high_freq_factor": cfg.rope_scaling_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_scaling_original_max_position_embeddings,
+        }
+    elif cfg.rotary_seq_len_interpolation_factor:
+        out |= {"rope_type": "linear", "factor": float(cfg.rotary_seq_len_interpolation_factor)}
+    return out
+
+
+def _rope_options(hf: dict) -> dict:
+    """Our RoPE options for config.json's rope_parameters (or the older rope_scaling and
+    rope_theta keys)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    out = {"rotary_base": int(theta)}
+    if kind == "default":
+        return out
+    if kind == "llama3":
+        return out | {
+            "use_rope_scaling": True,
+            "rope_scaling_factor": float(rope["factor"]),
+            "rope_scaling_low_freq_factor": float(rope.get("low_freq_factor", 1.0)),
+            "rope_scaling_high_freq_factor": float(rope.get("high_freq_factor", 4.0)),
+            "rope_scaling_original_max_position_embeddings": int(
+                rope.get("original_max_position_embeddings", 8192)
+            ),
+        }
+    if kind == "linear":
+        return out | {"rotary_seq_len_interpolation_factor": float(rope["factor"])}
+    raise ConfigError(f"rope_type {kind!r} is not supported; default, llama3 and linear RoPE are")
+
+
 def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
     """Our ModelConfig for a Hugging Face config.json (Llama or GPT-2), and the style."""
     kind = hf.get("model_type")
-    if kind == "llama":
-        rope = hf.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ConfigError(
-                f"rope_type {rope['rope_type']!r} (RoPE scaling) is not supported; only the "
-                "default rotary embedding"
-            )
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
+    if kind in LLAMA_FAMILY:
+        if kind == LLAMA and (hf.get("attention_bias") or hf.get("mlp_bias")):
             raise ConfigError("Llama checkpoints with attention_bias/mlp_bias are not supported")
+        if kind == QWEN3 and hf.get("attention_bias"):
+            raise ConfigError("Qwen3 checkpoints with attention_bias are not supported")
+        if kind != LLAMA and hf.get("use_sliding_window"):
+            raise ConfigError(
+                f"{kind} with use_sliding_window (sliding-window attention) is not supported"
+            )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"{kind} hidden_act {hf['hidden_act']!r} is not supported (silu)")
         heads = hf["num_attention_heads"]
         cfg = ModelConfig(
             num_layers=hf["num_hidden_layers"],
@@ -208,19 +299,19 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
             max_position_embeddings=hf.get("max_position_embeddings"),
             vocab_size=hf["vocab_size"],
             position_embedding_type="rope",
-            rotary_base=int(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            **_rope_options(hf),
             normalization="RMSNorm",
             norm_epsilon=hf.get("rms_norm_eps", 1e-6),
             swiglu=True,
             add_bias_linear=False,
+            add_qkv_bias=kind == QWEN2,
+            qk_layernorm=kind == QWEN3,
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
             hidden_dropout=0.0,
             attention_dropout=hf.get("attention_dropout", 0.0),
             init_method_std=hf.get("initializer_range", 0.02),
         )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"Llama hidden_act {hf['hidden_act']!r} is not supported (silu)")
-        return cfg, LLAMA
+        return cfg, kind
     if kind == "gpt2":
         activation = hf.get("activation_function", "gelu_new")
         if activation not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
@@ -249,5 +340,6 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
         )
         return cfg, GPT2
     raise ConfigError(
-        f"model_type {kind!r} is not supported; import LlamaForCausalLM or GPT2LMHeadModel"
+        f"model_type {kind!r} is not supported; import LlamaForCausalLM, Qwen2ForCausalLM, "
+        "Qwen3ForCausalLM or GPT2LMHeadModel"
     )

@@ -21,7 +21,7 @@ from engine.config import ModelConfig
 from engine.data.tokenizers import Tokenizer, TokenizerConfig, build_tokenizer
 from engine.data.tokenizers.config import config_from_record
 from engine.errors import CheckpointError, ConfigError, UserError
-from engine.hf.architectures import hf_config_dict, hf_tensors, style_of
+from engine.hf.architectures import QWEN2, hf_config_dict, hf_tensors, style_of
 from engine.paths import replace_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -163,7 +163,15 @@ def export_to_hf(
     if tokenizer:
         tokenizer.save_hf(tmp)
     replace_folder(tmp, output)
+    note = None
+    if tokenizer and style == QWEN2:
+        note = (
+            "transformers' AutoTokenizer loads any qwen2 model's tokenizer as Qwen2Tokenizer, "
+            "whatever tokenizer_config.json names: unless this is Qwen2's own tokenizer, load "
+            "it with the class tokenizer_config.json names (e.g. LlamaTokenizer.from_pretrained)"
+        )
     return {
+        "note": note,
         "architecture": style,
         "tensors": len(plan),
         "shards": len(shards),

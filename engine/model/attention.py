@@ -34,7 +34,7 @@ class SelfAttention(nn.Module):
             tp_group=ctx.tp_group,
             init_method=ctx.init_method,
             init_seed=ctx.param_seed(f"{prefix}.linear_qkv.weight"),
-            bias=cfg.add_bias_linear,
+            bias=cfg.add_bias_linear or cfg.add_qkv_bias,
             sequence_parallel=ctx.sequence_parallel,
             partition_sizes=[n * d, g * d, g * d],
             partition_names=[".q", ".k", ".v"],

@@ -111,9 +111,7 @@ class GPTModel(nn.Module):
         self.tied = not config.untie_embeddings_and_output_weights
         self.embedding = Embedding(ctx, tp_rank) if pre_process else None
         self.rotary = (
-            RotaryEmbedding(config.rotary_dim, config.rotary_base)
-            if config.position_embedding_type == "rope"
-            else None
+            RotaryEmbedding.for_config(config) if config.position_embedding_type == "rope" else None
         )
         self.layers = nn.ModuleDict({str(n): TransformerLayer(ctx, n) for n in self.layer_numbers})
         self.final_layernorm = self.output_layer = self.word_embeddings_for_head = None
