@@ -101,6 +101,11 @@ class ModelConfig:
         False, "separate output layer instead of reusing the input embedding"
     )
     qk_layernorm: bool = option(False, "normalise queries and keys per head")
+    window_size: str | None = option(
+        None,
+        "sliding-window attention, as Megatron-LM's (left, right): each token attends to "
+        "itself and the `left` tokens before it (right must be 0: causal); default: all",
+    )
     add_qkv_bias: bool = option(
         False,
         "biases on the query, key and value projections only (Qwen2), with or without "
@@ -155,6 +160,25 @@ class ModelConfig:
         return 4 * self.hidden_size
 
     @property
+    def attention_window(self) -> int | None:
+        """With --window-size: how many tokens before each one it attends to (None: all)."""
+        if not self.window_size:
+            return None
+        try:
+            left, right = (int(v) for v in str(self.window_size).strip("() ").split(","))
+        except ValueError:
+            raise ConfigError(
+                f"--window-size {self.window_size}: give two integers, (left, right), e.g. "
+                "'(4095, 0)'"
+            ) from None
+        if right != 0 or left < -1:
+            raise ConfigError(
+                f"--window-size {self.window_size}: only causal windows (right 0) with left >= 0 "
+                "(or -1: no window) are available"
+            )
+        return None if left == -1 else left
+
+    @property
     def rotary_dim(self) -> int:
         """Channels of a head that RoPE rotates (as Megatron-LM: int(head size x percent))."""
         return int(self.head_dim * self.rotary_percent)
@@ -207,6 +231,7 @@ class ModelConfig:
             raise ConfigError(
                 f"max-position-embeddings {self.max_positions} < seq-length {self.seq_length}"
             )
+        _ = self.attention_window  # --window-size parses
         scaled = self.use_rope_scaling or self.rotary_seq_len_interpolation_factor
         if scaled and self.position_embedding_type != "rope":
             raise ConfigError(

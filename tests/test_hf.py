@@ -157,7 +157,7 @@ def test_ours_to_hf_to_ours_is_bit_identical(trained, tmp_path):
 
 # Hugging Face families made at random by transformers: the Llama family's members (Llama 3.x
 # RoPE scaling included, tied and untied) and GPT-2.
-HF_STYLES = ["gpt2", "llama", "llama3-scaled", "qwen2", "qwen3-tied"]
+HF_STYLES = ["gpt2", "llama", "llama3-scaled", "mistral", "qwen2", "qwen3-tied"]
 
 
 def _random_hf_model(style: str, folder):
@@ -188,11 +188,17 @@ def _random_hf_model(style: str, folder):
     family = {"llama3-scaled": "llama", "qwen3-tied": "qwen3"}.get(style, style)
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[family]
+    extra = {"sliding_window": 6} if style == "mistral" else {}  # shorter than the tokens
     config = config_class(
-        **shape, rope_parameters=rope, tie_word_embeddings=style.endswith("tied"), head_dim=16
+        **shape,
+        rope_parameters=rope,
+        tie_word_embeddings=style.endswith("tied"),
+        head_dim=16,
+        **extra,
     )
     model = model_class(config)
     with torch.no_grad():  # norms and biases away from their initial values, so they count

@@ -499,3 +499,16 @@ def test_rope_scaling_gives_megatron_core_and_transformers_frequencies():
     assert torch.allclose(cos[:, 0, 0, :32], theirs.cos(), atol=1e-6)
     with pytest.raises(ConfigError, match="add --position-embedding-type rope"):
         ModelConfig(use_rope_scaling=True).validate()
+
+
+def test_window_size_is_megatron_lm_left_right():
+    """--window-size (left, right): itself and `left` tokens back; only causal windows."""
+    from engine.config import ModelConfig
+
+    assert ModelConfig(window_size="(4095, 0)").attention_window == 4095
+    assert ModelConfig(window_size="7,0").attention_window == 7
+    assert ModelConfig(window_size="(-1, 0)").attention_window is None
+    with pytest.raises(ConfigError, match="only causal windows"):
+        ModelConfig(window_size="(8, 8)").validate()
+    with pytest.raises(ConfigError, match="give two integers"):
+        ModelConfig(window_size="8").validate()

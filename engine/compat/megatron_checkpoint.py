@@ -79,6 +79,7 @@ def model_config_from_args(args) -> ModelConfig:
             "are available here"
         )
     unsupported = {
+        "window_attn_skip_freq": get("window_attn_skip_freq"),
         "rotary_interleaved": get("rotary_interleaved"),
         "squared_relu": get("squared_relu"),
         "apply_residual_connection_post_layernorm": get("apply_residual_connection_post_layernorm"),
@@ -121,6 +122,7 @@ def model_config_from_args(args) -> ModelConfig:
         openai_gelu=bool(get("openai_gelu")),
         add_bias_linear=bool(get("add_bias_linear", True)),
         add_qkv_bias=bool(get("add_qkv_bias")),
+        window_size=str(tuple(get("window_size"))) if get("window_size") else None,
         untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
         qk_layernorm=bool(get("qk_layernorm")),
         hidden_dropout=float(get("hidden_dropout") or 0.0),

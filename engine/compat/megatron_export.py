@@ -76,6 +76,7 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
         rotary_base=cfg.rotary_base,
         rotary_percent=cfg.rotary_percent,
         rotary_interleaved=False,
+        window_size=None if cfg.attention_window is None else (cfg.attention_window, 0),
         use_rope_scaling=cfg.use_rope_scaling,
         rope_scaling_factor=cfg.rope_scaling_factor,
         rotary_seq_len_interpolation_factor=cfg.rotary_seq_len_interpolation_factor,

@@ -1,10 +1,11 @@
-"""How our model maps onto Hugging Face's LlamaForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM and GPT2LMHeadModel.
+"""How our model maps onto Hugging Face's LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM, Qwen3ForCausalLM and GPT2LMHeadModel.
 
 The Llama family (RoPE, RMSNorm, SwiGLU, no biases on the MLP and the output projection)
 shares its tensor names; a model is exported as Qwen2 when it has biases on q, k and v only
 (--add-qkv-bias --disable-bias-linear), as Qwen3 when it normalises queries and keys per head
-(--qk-layernorm), else as Llama; RoPE scaling (--use-rope-scaling: "llama3";
+(--qk-layernorm), as Mistral when its attention has a sliding window (--window-size), else
+as Llama; RoPE scaling (--use-rope-scaling: "llama3";
 --rotary-seq-len-interpolation-factor: "linear") goes to `rope_parameters`. GPT-2-style models
 (learned positions, LayerNorm, GELU, biases, tied embeddings, multi-head attention) go to
 GPT-2. Any option the target has no equivalent for is a ConfigError naming it: the exported
@@ -21,14 +22,15 @@ from dataclasses import dataclass, replace
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 
-LLAMA, QWEN2, QWEN3, GPT2 = "llama", "qwen2", "qwen3", "gpt2"
+LLAMA, MISTRAL, QWEN2, QWEN3, GPT2 = "llama", "mistral", "qwen2", "qwen3", "gpt2"
 ARCHITECTURES = {
     LLAMA: "LlamaForCausalLM",
+    MISTRAL: "MistralForCausalLM",
     QWEN2: "Qwen2ForCausalLM",
     QWEN3: "Qwen3ForCausalLM",
     GPT2: "GPT2LMHeadModel",
 }
-LLAMA_FAMILY = (LLAMA, QWEN2, QWEN3)
+LLAMA_FAMILY = (LLAMA, MISTRAL, QWEN2, QWEN3)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,13 @@ def _llama_family_member(cfg: ModelConfig) -> str:
             "--qk-layernorm with --add-qkv-bias has no equivalent in Qwen3ForCausalLM (its "
             "attention_bias also puts a bias on the output projection); cannot export"
         )
+    if cfg.attention_window is not None:
+        if cfg.qk_layernorm or cfg.add_qkv_bias:
+            raise ConfigError(
+                "--window-size with --qk-layernorm or --add-qkv-bias has no equivalent here "
+                "(sliding windows are exported as MistralForCausalLM only); cannot export"
+            )
+        return MISTRAL
     if cfg.qk_layernorm:
         return QWEN3
     return QWEN2 if cfg.add_qkv_bias else LLAMA
@@ -74,6 +83,7 @@ def style_of(cfg: ModelConfig) -> str:
     else:
         checks = [
             (not cfg.qk_layernorm, "--qk-layernorm"),
+            (cfg.attention_window is None, "--window-size"),
             (not cfg.add_qkv_bias or cfg.add_bias_linear, "--add-qkv-bias alone"),
             (cfg.normalization == "LayerNorm", "--normalization RMSNorm (GPT-2 uses LayerNorm)"),
             (not cfg.swiglu, "--swiglu (GPT-2 has a GELU MLP)"),
@@ -210,6 +220,8 @@ def hf_config_dict(cfg: ModelConfig, style: str, special_ids: dict, dtype: str) 
         }
         if style == LLAMA:
             out |= {"attention_bias": False, "mlp_bias": False}
+        elif style == MISTRAL:
+            out |= {"sliding_window": cfg.attention_window + 1}  # itself and `window` before
         elif style == QWEN3:
             out |= {"attention_bias": False, "use_sliding_window": False}
         else:
@@ -286,6 +298,7 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
             )
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{kind} hidden_act {hf['hidden_act']!r} is not supported (silu)")
+        window = hf.get("sliding_window") if kind == MISTRAL else None
         heads = hf["num_attention_heads"]
         cfg = ModelConfig(
             num_layers=hf["num_hidden_layers"],
@@ -306,6 +319,7 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
             add_bias_linear=False,
             add_qkv_bias=kind == QWEN2,
             qk_layernorm=kind == QWEN3,
+            window_size=f"({window - 1}, 0)" if window else None,
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
             hidden_dropout=0.0,
             attention_dropout=hf.get("attention_dropout", 0.0),
@@ -340,6 +354,6 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
         )
         return cfg, GPT2
     raise ConfigError(
-        f"model_type {kind!r} is not supported; import LlamaForCausalLM, Qwen2ForCausalLM, "
-        "Qwen3ForCausalLM or GPT2LMHeadModel"
+        f"model_type {kind!r} is not supported; import LlamaForCausalLM, MistralForCausalLM, "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM or GPT2LMHeadModel"
     )

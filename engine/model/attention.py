@@ -72,11 +72,19 @@ class SelfAttention(nn.Module):
         """softmax(q k^T / sqrt(d)) v over [b, heads, s, d], causal, with dropout drawn from
         the per-TP-rank stream (heads are split over TP)."""
         p = self.ctx.config.attention_dropout if self.training else 0.0
-        gqa = {"enable_gqa": True} if self.local_heads != self.local_groups else {}
+        kwargs = {"enable_gqa": True} if self.local_heads != self.local_groups else {}
+        window = self.ctx.config.attention_window
+        if window is None:
+            kwargs["is_causal"] = True
+        else:  # causal and at most `window` tokens back: Hugging Face's sliding-window mask
+            seq = q.shape[-2]
+            positions = torch.arange(seq, device=q.device)
+            back = positions[:, None] - positions[None, :]
+            kwargs["attn_mask"] = (back >= 0) & (back <= window)
         if p > 0.0 and self.ctx.tracker is not None:
             with self.ctx.tracker.fork():
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **kwargs)
 
     def _rotate(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE on the first channels of each head that the tables cover (all of them unless
