@@ -37,64 +37,31 @@ A bucket holding a weight shared between pipeline stages (a tied embedding) is r
 in `finish_grad_sync()`: its gradient must first be summed with the other stage's copy (see
 parallel/grads.py), so its full gradient is kept under every strategy.
 
-With any sharding, buckets are padded to a multiple of 16 x DP elements so each rank's shard
-has the same size. Memory is released by shrinking a tensor's storage to zero bytes and
-allocated again in place, so views of it (parameters, main grads, tensors autograd saved)
-stay valid.
+How buckets are laid out, padded (with any sharding, to a multiple of 16 x DP elements so
+each rank's shard has the same size) and their memory released and given back: see
+parallel/buckets.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.buckets import (
+    SHARD_ALIGNMENT,
+    Bucket,
+    allocate,
+    is_allocated,
+    layout_buckets,
+    layout_unit_buckets,
+    release,
+)
 from parallel.comm import all_gather_into, group_rank, group_size, reduce_scatter_into
 
-SHARD_ALIGNMENT = 16
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-
-
-def release(tensor: torch.Tensor) -> None:
-    """Free the memory of a tensor that owns its storage; its views stay valid objects."""
-    tensor.untyped_storage().resize_(0)
-
-
-def allocate(tensor: torch.Tensor) -> None:
-    """Give a released tensor its memory back (uninitialized)."""
-    tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
-
-
-def is_allocated(tensor: torch.Tensor) -> bool:
-    return tensor.untyped_storage().nbytes() > 0
-
-
-@dataclass(eq=False)
-class Bucket:
-    """A contiguous slice [start, end) of the flattened parameters and the parameters inside."""
-
-    index: int
-    params: list[nn.Parameter]
-    start: int
-    end: int  # includes the padding
-    grad: torch.Tensor  # full gradient: a view of grad_buffer, or its own (released) storage
-    data: torch.Tensor  # full parameters: a view of param_buffer, or its own storage
-    grad_shard: torch.Tensor | None = None  # sharded gradients: this rank's reduced shard
-    data_shard: torch.Tensor | None = None  # sharded parameters: this rank's shard
-    unit: nn.Module | None = None  # sharded parameters: the module whose forward uses them
-    pending: set = field(default_factory=set)
-    delayed: bool = False  # holds a pipeline-shared weight: reduce in finish_grad_sync only
-    grad_work: object = None
-    grad_shard_tmp: torch.Tensor | None = None
-    param_work: object = None
-    gathered: bool = False  # sharded parameters: data holds the full parameters now
-
-    @property
-    def numel(self) -> int:
-        return self.end - self.start
 
 
 class DistributedDataParallel(nn.Module):
@@ -141,14 +108,15 @@ class DistributedDataParallel(nn.Module):
         if len(dtypes) != 1:
             raise ValueError(f"parameters of one chunk must share a dtype, found {dtypes}")
         self.param_dtype = dtypes.pop()
-        self.param_range: dict[nn.Parameter, tuple[int, int]] = {}
+        alignment = SHARD_ALIGNMENT * self.dp_size if self.use_distributed_optimizer else 1
         if self.shard_params:
             if units is None:
                 get_units = getattr(module, "sharding_units", None)
                 units = get_units() if get_units is not None else []
-            self._layout_unit_buckets(units)
+            layout = layout_unit_buckets(module, self.params, units, alignment)
         else:
-            self._layout_buckets()
+            layout = layout_buckets(self.params, self.bucket_size, alignment)
+        self.buckets, self.param_range, self.numel = layout
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._make_buffers(self.params[0].device, grad_dtype)
         for param in self.params:
@@ -166,55 +134,6 @@ class DistributedDataParallel(nn.Module):
                     self._hooks.append(submodule.register_forward_pre_hook(self._wait_params))
 
     # --- layout ---------------------------------------------------------------------------
-
-    def _alignment(self) -> int:
-        return SHARD_ALIGNMENT * self.dp_size if self.use_distributed_optimizer else 1
-
-    def _close_bucket(self, params, start: int, offset: int, unit=None) -> int:
-        end = -(-offset // self._alignment()) * self._alignment()
-        bucket = Bucket(len(self.buckets), params, start, end, None, None, unit=unit)
-        bucket.delayed = any(getattr(p, "pipeline_shared", False) for p in params)
-        bucket.pending = set(params)
-        self.buckets.append(bucket)
-        return end
-
-    def _layout_buckets(self) -> None:
-        """Reverse parameter order; cut a bucket once it holds bucket_size elements."""
-        self.buckets: list[Bucket] = []
-        offset, current, start = 0, [], 0
-        for param in reversed(self.params):
-            self.param_range[param] = (offset, offset + param.numel())
-            offset += param.numel()
-            current.append(param)
-            if offset - start >= self.bucket_size:
-                offset = start = self._close_bucket(current, start, offset)
-                current = []
-        if current:
-            offset = self._close_bucket(current, start, offset)
-        self.numel = offset
-
-    def _layout_unit_buckets(self, units: list[nn.Module]) -> None:
-        """One bucket per sharding unit, in reverse forward order; the parameters of no unit
-        make a last unit, the whole module (gathered for its whole forward)."""
-        trainable = set(self.params)
-        owner, seen = {}, set()
-        # a parameter belongs to the innermost unit holding it (fewest parameters first)
-        for unit in sorted(units, key=lambda u: sum(1 for _ in u.parameters())):
-            owner[unit] = [p for p in unit.parameters() if p in trainable and p not in seen]
-            seen.update(owner[unit])
-        groups = [(unit, owner[unit]) for unit in units if owner[unit]]
-        rest = [p for p in self.params if p not in seen]
-        if rest:
-            groups.insert(0, (self.module, rest))
-        self.buckets = []
-        offset = 0
-        for unit, params in reversed(groups):
-            start = offset
-            for param in reversed(params):
-                self.param_range[param] = (offset, offset + param.numel())
-                offset += param.numel()
-            offset = self._close_bucket(list(reversed(params)), start, offset, unit)
-        self.numel = offset
 
     def _make_buffers(self, device, grad_dtype) -> None:
         """Where parameters and gradients live for the strategy (module docstring)."""

@@ -29,8 +29,8 @@ from functools import partial
 import torch
 from torch.utils._pytree import tree_leaves
 
+from parallel.buckets import allocate, release
 from parallel.comm import all_gather_into
-from parallel.ddp import allocate, release
 
 
 def _in_backward() -> bool:

@@ -12,7 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from parallel.ddp import STRATEGIES, is_allocated
+from parallel.buckets import is_allocated
+from parallel.ddp import STRATEGIES
 from parallel.state import ParallelState
 from tests.distributed import rel_err, run_ranks
 from tests.harness import (
