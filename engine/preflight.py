@@ -16,12 +16,9 @@ import torch
 
 from engine.checkpoint_files import find_latest, iteration_dir, read_meta
 from engine.checkpoint_load import verify_checkpoint
-from engine.compat.megatron_checkpoint import (
-    megatron_latest,
-    megatron_progress,
-    model_config_from_args,
-)
+from engine.compat.megatron_checkpoint import megatron_latest, megatron_progress
 from engine.compat.megatron_flags import check_compat
+from engine.compat.megatron_layout import model_config_from_args
 from engine.config import ModelConfig
 from engine.data.builder import data_format, split_blends
 from engine.data.gpt_dataset import SPLIT_NAMES, sequence_range

@@ -171,7 +171,11 @@ def run_local(fn, world_size: int, *args, timeout: float = 240.0, threads: int =
             _, rank, payload = min(failures)
             raise AssertionError(f"rank {rank} of {world_size} failed:\n{payload}")
     finally:
+        # Ranks that reported are on their way out, ending their own children: let them (a
+        # kill now would orphan those). Ranks still running after a failure are killed.
+        settle_until = time.monotonic() + (10.0 if not pending and not failures else 0.0)
         for process in processes:
+            process.join(timeout=max(0.0, settle_until - time.monotonic()))
             if process.is_alive():
                 process.kill()
             process.join(timeout=5)

@@ -281,7 +281,7 @@ def test_a_megatron_core_checkpoint_converts_to_the_same_logits(style, tp, pp, i
 def test_common_pt_is_read_without_running_code(tmp_path):
     """A common.pt naming anything but argparse.Namespace is refused in one line, before
     anything is unpickled."""
-    from engine.compat.megatron_checkpoint import read_common
+    from engine.compat.megatron_common import read_common
 
     class Payload:
         def __reduce__(self):
@@ -360,7 +360,7 @@ def test_load_resumes_a_megatron_checkpoint_where_it_stopped(tmp_path):
 def test_saved_models_this_engine_cannot_build_are_refused(change, says):
     """A model the saved arguments describe but this engine would build differently is named in
     one line rather than loaded as something else; --openai-gelu is kept."""
-    from engine.compat.megatron_checkpoint import model_config_from_args
+    from engine.compat.megatron_layout import model_config_from_args
 
     args = argparse.Namespace(**{**vars(_plain_args("llama")), **change})
     with pytest.raises(InputError, match=says):

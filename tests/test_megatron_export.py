@@ -16,7 +16,8 @@ import torch
 
 from engine.checkpoint_files import iteration_dir, read_meta
 from engine.checkpoint_load import load_model_weights
-from engine.compat.megatron_checkpoint import megatron_progress, read_common
+from engine.compat.megatron_checkpoint import megatron_progress
+from engine.compat.megatron_common import read_common
 from engine.config import ModelConfig
 from engine.model import BuildContext, GPTModel
 from tests.distributed import rel_err, run_ranks

@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-from engine.compat.megatron_checkpoint import join_parts, megatron_layer_keys
+from engine.compat.megatron_layout import join_parts, megatron_layer_keys
 from engine.config import ModelConfig
 from engine.errors import InputError, UserError
 from parallel.errors import describe_os_error, root_cause
