@@ -349,27 +349,33 @@ class DistributedDataParallel(nn.Module):
             return self.grad_shard_buffer[self._in_shard(bucket, start, end)]
         return self.grad_buffer[start:end]
 
+    def _in_own_shard(self, param: nn.Parameter) -> tuple[Bucket, int, int] | None:
+        """(bucket, start, end): the flattened range of param inside this rank's shard of its
+        bucket, or None when none of it is."""
+        bucket = self.bucket_of[param]
+        start, end = self.param_range[param]
+        lo, hi = self.shard_range(bucket)
+        a, b = max(start, lo), min(end, hi)
+        return (bucket, a, b) if a < b else None
+
     def held_pieces(self, param: nn.Parameter) -> list[tuple[int, int, torch.Tensor]]:
         """(offset, numel, flat values) of the parts of param this rank holds at rest: the
         whole parameter, or with sharded parameters the part inside this rank's shard."""
         if not self.shard_params:
             return [(0, param.numel(), param.data.reshape(-1))]
-        bucket = self.bucket_of[param]
-        start, end = self.param_range[param]
-        lo, hi = self.shard_range(bucket)
-        a, b = max(start, lo), min(end, hi)
-        return [(a - start, b - a, self.data_of(bucket, a, b))] if a < b else []
+        part = self._in_own_shard(param)
+        if part is None:
+            return []
+        bucket, a, b = part
+        return [(a - self.param_range[param][0], b - a, self.data_of(bucket, a, b))]
 
     def reduced_grads(self, param: nn.Parameter) -> list[torch.Tensor]:
         """The reduced gradient of param this rank holds after finish_grad_sync (whole, or
         the part inside its shard), as flat tensors."""
         if not self.shard_grads:
             return [param.main_grad.reshape(-1)]
-        bucket = self.bucket_of[param]
-        start, end = self.param_range[param]
-        lo, hi = self.shard_range(bucket)
-        a, b = max(start, lo), min(end, hi)
-        return [self.grad_of(bucket, a, b)] if a < b else []
+        part = self._in_own_shard(param)
+        return [] if part is None else [self.grad_of(*part)]
 
     @contextlib.contextmanager
     def gathered_parameters(self):
