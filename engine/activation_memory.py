@@ -86,3 +86,27 @@ def measure_layer(cfg: ModelConfig, tp_group, tp_size: int, sp: bool, micro_batc
     x = torch.randn(s, micro_batch_size, cfg.hidden_size, generator=generator)
     x = x.to(torch.bfloat16).requires_grad_()
     return saved_activation_bytes(lambda: layer(x), layer.parameters())[1]
+
+
+def measure_layer_context_parallel(
+    cfg: ModelConfig, state, comm_type: str, micro_batch_size: int
+) -> int:
+    """Bytes one bf16 Llama-style layer of cfg saves for backward on this context-parallel
+    rank (its seq_length / CP tokens of each sample, RoPE at their global positions)."""
+    from engine.model.rope import RotaryEmbedding
+
+    ctx = BuildContext(
+        cfg,
+        cp_group=state.cp_group,
+        cp_size=state.cp_size,
+        cp_rank=state.cp_rank,
+        cp_comm_type=(comm_type,),
+        params_dtype=torch.bfloat16,
+    )
+    layer = TransformerLayer(ctx, 0).train()
+    s = cfg.seq_length // state.cp_size
+    rotary = RotaryEmbedding.for_config(cfg)(ctx.token_positions(s, "cpu"))
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(s, micro_batch_size, cfg.hidden_size, generator=generator)
+    x = x.to(torch.bfloat16).requires_grad_()
+    return saved_activation_bytes(lambda: layer(x, rotary), layer.parameters())[1]

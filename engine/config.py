@@ -435,6 +435,16 @@ class ParallelConfig:
         False, "interleaved schedule: pipeline transfers run during compute"
     )
     sequence_parallel: bool = option(False, "split norms/dropout/residuals along the sequence")
+    context_parallel_size: int = option(
+        1, "context-parallel size (CP): each sample's sequence is split over this many ranks"
+    )
+    cp_comm_type: list[str] = option(
+        ["p2p"],
+        "how CP attention exchanges keys and values: p2p (ring), a2a (all-to-all over heads), "
+        "all_gather; one value, or one per layer",
+        nargs="+",
+        choices=["p2p", "a2a", "all_gather"],
+    )
     gradient_accumulation_fusion: bool = option(
         True,
         "linear layers add their weight gradients straight into the fp32 main_grad buffer, "

@@ -118,7 +118,8 @@ def check(cfg, world_size: int) -> None:
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     if par.sequence_parallel and tp == 1:
         par.sequence_parallel = False  # nothing to split, as in Megatron-LM
-    dp = check_layout(world_size, tp, pp)
+    dp = check_layout(world_size, tp, pp, cp=par.context_parallel_size)
+    _check_context_parallel(m, par)
     check_compat(cfg.megatron, m.position_embedding_type, cfg.parallel.use_megatron_fsdp)
     m.validate(tp, par.sequence_parallel)
     par.validate(m.num_layers)
@@ -135,6 +136,45 @@ def check(cfg, world_size: int) -> None:
         iteration = find_latest(train.load)  # a broken latest file is reported now
         if iteration is not None:  # files present with their sizes; checksums in the ranks
             verify_checkpoint(iteration_dir(train.load, iteration), digests=False)
+
+
+def _check_context_parallel(m, par) -> None:
+    """The sequence splits into 2 x CP chunks (and each CP rank's part over TP under SP);
+    the comm types fit the layers and the heads."""
+    cp, tp, types = par.context_parallel_size, par.tensor_model_parallel_size, par.cp_comm_type
+    if len(types) not in (1, m.num_layers):
+        raise ConfigError(
+            f"--cp-comm-type: {len(types)} values for {m.num_layers} layers; give one value, or "
+            "one per layer"
+        )
+    if cp == 1:
+        return
+    if m.seq_length % (2 * cp):
+        raise ConfigError(
+            f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size {cp} "
+            f"(each CP rank holds two chunks of every sequence); use a multiple of {2 * cp}"
+        )
+    if par.sequence_parallel and (m.seq_length // cp) % tp:
+        raise ConfigError(
+            f"--seq-length {m.seq_length} / --context-parallel-size {cp} is not divisible by "
+            f"--tensor-model-parallel-size {tp} (--sequence-parallel splits each CP rank's part)"
+        )
+    if m.attention_dropout > 0 and set(types) - {"a2a"}:
+        raise ConfigError(
+            f"--attention-dropout {m.attention_dropout}: dropout inside context-parallel "
+            "attention is available with --cp-comm-type a2a only; pass --attention-dropout 0.0 "
+            "(as Megatron-LM's Llama examples do) or --cp-comm-type a2a"
+        )
+    if "a2a" in types:
+        for flag, count in (
+            ("--num-attention-heads", m.num_attention_heads),
+            ("key/value groups (--num-query-groups)", m.query_groups),
+        ):
+            if (count // tp) % cp:
+                raise ConfigError(
+                    f"--cp-comm-type a2a: {flag} {count} / --tensor-model-parallel-size {tp} "
+                    f"is not divisible by --context-parallel-size {cp}; use p2p or all_gather"
+                )
 
 
 def _check_pipeline(cfg, dp: int) -> None:

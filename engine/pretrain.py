@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     state = ParallelState.build(
         cfg.parallel.tensor_model_parallel_size,
         cfg.parallel.pipeline_model_parallel_size,
+        cp=cfg.parallel.context_parallel_size,
         device=device,
         timeout_minutes=cfg.parallel.distributed_timeout_minutes,
     )

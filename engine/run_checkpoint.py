@@ -119,7 +119,10 @@ def _resume_from_megatron(run: Run, path: str) -> None:
 def reseed(run: Run, iteration: int) -> None:
     """Fresh random streams for a run that could not restore the saved ones."""
     seed = run.cfg.train.seed + iteration
-    run.tracker = model_parallel_seed(seed, run.state.tp_rank, run.state.pp_rank, run.state.device)
+    state = run.state
+    run.tracker = model_parallel_seed(
+        seed, state.tp_rank, state.pp_rank, state.device, state.cp_rank
+    )
     for chunk in run.chunks:
         for module in chunk.module.modules():
             if hasattr(module, "ctx"):

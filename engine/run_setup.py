@@ -54,7 +54,9 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     np.random.seed(train.seed % 2**32)
     if state.device.type == "cuda" and train.tf32:
         torch.set_float32_matmul_precision("high")  # TF32 tensor cores for fp32 matmuls
-    tracker = model_parallel_seed(train.seed, state.tp_rank, state.pp_rank, state.device)
+    tracker = model_parallel_seed(
+        train.seed, state.tp_rank, state.pp_rank, state.device, state.cp_rank
+    )
     dtype = params_dtype(train)
     virtual = par.virtual_size(m.num_layers)
     ops = agree_on_ops(
@@ -75,11 +77,12 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         last_stage_layers=par.decoder_last_pipeline_num_layers,
         ops=ops,
         torch_compile=train.torch_compile,
+        cp_comm_type=par.cp_comm_type,
     )
     ddps = [
         DistributedDataParallel(
             c,
-            state.dp_group,
+            state.dp_cp_group,  # CP ranks hold the same weights: reduce and shard over both
             bucket_size=par.ddp_bucket_size,
             overlap_grad_reduce=par.overlap_grad_reduce,
             sharding=par.sharding_strategy(),
@@ -103,11 +106,9 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     batches = train.batch_schedule(state.dp_size, m.seq_length)
     global_batch = batches.final
     scheduler = LRScheduler(cfg.optimizer, train.train_iters, global_batch, train.train_samples)
-    seq = (
-        m.seq_length // state.tp_size
-        if par.sequence_parallel and state.tp_size > 1
-        else m.seq_length
-    )
+    seq = m.seq_length // state.cp_size  # the activations a pipeline stage sends on
+    if par.sequence_parallel and state.tp_size > 1:
+        seq //= state.tp_size
     schedule = get_schedule(
         state,
         virtual_size=virtual,

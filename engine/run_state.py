@@ -78,14 +78,17 @@ def params_dtype(train: TrainConfig) -> torch.dtype:
 
 
 def layout_of(state: ParallelState, cfg: Configs) -> dict:
-    return {
+    layout = {
         "tp": state.tp_size,
         "pp": state.pp_size,
         "dp": state.dp_size,
         "virtual": cfg.parallel.virtual_size(cfg.model.num_layers),
         "distributed_optimizer": cfg.parallel.shards_optimizer(),
     }
+    if state.cp_size > 1:  # absent at 1: layouts recorded before CP existed stay equal
+        layout["cp"] = state.cp_size
+    return layout
 
 
 def logging_rank(state: ParallelState) -> bool:
-    return state.is_last_stage and state.tp_rank == 0 and state.dp_rank == 0
+    return state.is_last_stage and state.tp_rank == 0 and state.cp_rank == 0 and state.dp_rank == 0

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallel.comm import group_size
+from parallel.context_parallel import split_sequence
 from parallel.grads import finalize_model_grads
 from parallel.pipeline.schedules import forward_backward_no_pipelining
 
@@ -29,25 +31,61 @@ def forward_step(chunk, batch: dict, input_tensor: torch.Tensor | None) -> torch
     return chunk(tokens=tokens, labels=labels, hidden=input_tensor)
 
 
-def make_loss_func(num_microbatches: int, loss_scale: float = 1.0):
+def make_loss_func(num_microbatches: int, loss_scale: float = 1.0, cp_group=None):
     """Per-token losses [b, s] -> (mean / num_microbatches * loss_scale, detached mean).
-    A (loss, z-loss) pair from the model adds the z-loss to what is differentiated only."""
+    A (loss, z-loss) pair from the model adds the z-loss to what is differentiated only.
+
+    Under context parallelism (cp_group) each rank holds part of every sequence: its "mean"
+    is its share of the micro-batch's mean (its tokens' sum over the whole micro-batch's token
+    count), so the shares of a CP group add up to the mean. What is differentiated is scaled
+    by the CP size, because gradients are averaged over DP x CP while the CP ranks' parts
+    must add up."""
+    cp_size = group_size(cp_group)
 
     def loss_func(output, batch: dict):
         per_token, z_term = output if isinstance(output, tuple) else (output, None)
         mask = batch.get("loss_mask")
+        if cp_size == 1:
+            return _mean_loss(per_token, z_term, mask, num_microbatches, loss_scale)
+        if mask is None:
+            weights, count = None, float(per_token.numel() * cp_size)
+        else:
+            weights = mask.to(per_token.dtype)
+            total_count = weights.sum().detach().clone()
+            dist.all_reduce(total_count, group=cp_group)
+            count = total_count.clamp(min=1.0)
 
-        def mean_of(values):
-            if mask is None:
-                return values.mean()
-            weights = mask.to(values.dtype)
-            return (values * weights).sum() / weights.sum().clamp(min=1.0)
+        def share_of(values):
+            return (values if weights is None else values * weights).sum() / count
 
-        mean = mean_of(per_token)
-        total = mean if z_term is None else mean + mean_of(z_term)
-        return total * (loss_scale / num_microbatches), mean.detach()
+        share = share_of(per_token)
+        total = share if z_term is None else share + share_of(z_term)
+        return total * (cp_size * loss_scale / num_microbatches), share.detach()
 
     return loss_func
+
+
+def _mean_loss(per_token, z_term, mask, num_microbatches: int, loss_scale: float):
+    def mean_of(values):
+        if mask is None:
+            return values.mean()
+        weights = mask.to(values.dtype)
+        return (values * weights).sum() / weights.sum().clamp(min=1.0)
+
+    mean = mean_of(per_token)
+    total = mean if z_term is None else mean + mean_of(z_term)
+    return total * (loss_scale / num_microbatches), mean.detach()
+
+
+def context_parallel_batches(batches: list[dict], state) -> list[dict]:
+    """This CP rank's two load-balanced chunks of every sequence in the micro-batches
+    ([b, s] tensors split along s); the batches themselves when there is no CP."""
+    if state.cp_size == 1:
+        return batches
+    return [
+        {key: split_sequence(value, 1, state.cp_size, state.cp_rank) for key, value in b.items()}
+        for b in batches
+    ]
 
 
 @dataclass
@@ -59,20 +97,28 @@ class StepOutput:
     loss_scale: float | None
 
 
-def run_schedule(chunks, batches, schedule, forward_only=False, loss_scale=1.0):
-    loss_func = make_loss_func(len(batches), loss_scale)
+def run_schedule(
+    chunks, batches, schedule, forward_only=False, loss_scale=1.0, state=None
+) -> list[torch.Tensor]:
+    """The schedule over the micro-batches (whole sequences: under context parallelism, given
+    `state`, each CP rank runs its chunks of them)."""
+    cp_group = None
+    if state is not None:
+        batches, cp_group = context_parallel_batches(batches, state), state.cp_group
+    loss_func = make_loss_func(len(batches), loss_scale, cp_group)
     schedule = schedule or forward_backward_no_pipelining
     return schedule(chunks, batches, forward_step, loss_func, forward_only=forward_only)
 
 
 def shared_loss(losses: list[torch.Tensor], state) -> float:
-    """Mean of the last stage's micro-batch losses over the DP ranks, made known to every rank
-    (the other pipeline stages contribute nothing to the sum). Collective on all ranks."""
+    """Mean of the last stage's micro-batch losses over the DP ranks (the sum of the CP
+    ranks' shares), made known to every rank (the other pipeline stages contribute nothing
+    to the sum). Collective on all ranks."""
     value = torch.zeros(1, dtype=torch.float64, device=state.device)
     if losses:
         value += torch.stack(losses).double().mean()
-    if state.dp_group is not None:
-        dist.all_reduce(value, group=state.dp_group)
+    if state.dp_cp_group is not None:
+        dist.all_reduce(value, group=state.dp_cp_group)
         value /= state.dp_size
     if state.pp_group is not None:
         dist.all_reduce(value, group=state.pp_group)
@@ -84,7 +130,7 @@ def eval_step(chunks, batches, state, schedule=None) -> float:
     for chunk in chunks:
         chunk.eval()
     try:
-        losses = run_schedule(chunks, batches, schedule, forward_only=True)
+        losses = run_schedule(chunks, batches, schedule, forward_only=True, state=state)
     finally:
         for chunk in chunks:
             chunk.train()
@@ -114,7 +160,7 @@ def train_step(
     """
     optimizer.zero_grad()
     scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else 1.0
-    losses = run_schedule(chunks, batches, schedule, loss_scale=scale)
+    losses = run_schedule(chunks, batches, schedule, loss_scale=scale, state=state)
     if after_backward is not None:
         after_backward()
     shared = [w for c in chunks if (w := c.module.shared_embedding_weight()) is not None]

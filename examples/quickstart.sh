@@ -10,17 +10,8 @@ RUN=$DATA/run
 mkdir -p "$DATA"
 rm -rf "$RUN"
 
-echo "== 1/7 built-in corpus"
-python tools/make_corpus.py --output-dir data/corpus
-
-echo "== 2/7 tokenizer"
-python tools/train_tokenizer.py --input data/corpus/stdlib.jsonl \
-    --model-prefix "$DATA/tokenizer" --vocab-size 8000
-
-echo "== 3/7 preprocess to an indexed dataset"
-python tools/preprocess_data.py --input data/corpus/stdlib.parquet \
-    --output-prefix "$DATA/stdlib" --tokenizer-model "$DATA/tokenizer.model" \
-    --append-eod --workers 2
+echo "== 1-3/7 built-in corpus, tokenizer, indexed dataset"
+DATA=$DATA bash examples/prepare_data.sh
 
 echo "== 4/7 the first packed training samples"
 python tools/show_samples.py --data-path "$DATA/stdlib_text_document" \

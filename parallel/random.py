@@ -73,12 +73,14 @@ class RNGStatesTracker:
 
 
 def model_parallel_seed(
-    seed: int, tp_rank: int, pp_rank: int, device: torch.device | str = "cpu"
+    seed: int, tp_rank: int, pp_rank: int, device: torch.device | str = "cpu", cp_rank: int = 0
 ) -> RNGStatesTracker:
     """Seed the default stream (shared by a TP group, distinct per pipeline stage) and return
-    a tracker whose model-parallel stream is distinct per TP rank (Megatron-LM's offsets)."""
+    a tracker whose model-parallel stream is distinct per TP rank (Megatron-LM's offsets).
+    Context-parallel ranks hold different tokens, so their streams differ too (no offset at
+    CP rank 0: the seeds of runs without CP are unchanged)."""
     device = torch.device(device)
-    default_seed = seed + 100 * pp_rank
+    default_seed = seed + 100 * pp_rank + 7919 * cp_rank
     torch.manual_seed(default_seed)
     if device.type == "cuda":
         torch.cuda.manual_seed(default_seed)

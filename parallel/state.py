@@ -1,9 +1,13 @@
-"""Process groups for tensor (TP), pipeline (PP) and data (DP) parallelism.
+"""Process groups for tensor (TP), context (CP), data (DP) and pipeline (PP) parallelism.
 
-Global rank layout, TP innermost, then DP, then PP (Megatron-LM's default order, so the ranks
-of a TP group are neighbours and stay inside one node):
+Global rank layout, TP innermost, then CP, then DP, then PP (Megatron-LM's default order, so
+the ranks of a TP group are neighbours and stay inside one node):
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
+
+The ranks of a CP group hold the same weights and split each sample's sequence; they read the
+same batches (so the data loader sees DP ranks only), and gradients are reduced, and the
+distributed optimizer shards, over DP x CP together (`dp_cp_group`).
 
 Every group is created by every rank in the same order (torch.distributed requires it). A
 `ParallelState` is a plain object passed to whatever needs it: several can live in one process,
@@ -13,6 +17,7 @@ and `ParallelState.local()` describes a single process with no groups at all.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 from dataclasses import dataclass, field
 
@@ -22,20 +27,29 @@ import torch.distributed as dist
 from parallel.errors import ConfigError
 
 
-def check_layout(world_size: int, tp: int, pp: int, dp: int | None = None) -> int:
-    """Validate tp * pp * dp == world_size and return dp (derived when None)."""
-    for name, value in (("tensor-model-parallel-size", tp), ("pipeline-model-parallel-size", pp)):
+def check_layout(world_size: int, tp: int, pp: int, dp: int | None = None, cp: int = 1) -> int:
+    """Validate tp * cp * pp * dp == world_size and return dp (derived when None)."""
+    sizes = (
+        ("tensor-model-parallel-size", tp),
+        ("pipeline-model-parallel-size", pp),
+        ("context-parallel-size", cp),
+    )
+    for name, value in sizes:
         if value < 1:
             raise ConfigError(f"--{name} {value}: must be at least 1")
-    if world_size % (tp * pp):
+    model = tp * cp * pp
+    if world_size % model:
+        with_cp = f" x context-parallel-size {cp}" if cp > 1 else ""
         raise ConfigError(
-            f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
-            f"pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes"
+            f"world size {world_size} is not divisible by tensor-model-parallel-size {tp}"
+            f"{with_cp} x pipeline-model-parallel-size {pp}; launch a multiple of {model} "
+            "processes"
         )
-    derived = world_size // (tp * pp)
+    derived = world_size // model
     if dp is not None and dp != derived:
+        with_cp = f" x context {cp}" if cp > 1 else ""
         raise ConfigError(
-            f"world size {world_size} != tensor {tp} x pipeline {pp} x data {dp}; "
+            f"world size {world_size} != tensor {tp}{with_cp} x pipeline {pp} x data {dp}; "
             f"with {world_size} processes the data-parallel size is {derived}"
         )
     return derived
@@ -47,7 +61,7 @@ def default_backend(device: torch.device) -> str:
 
 @dataclass
 class ParallelState:
-    """Ranks and process groups of one (tp, pp, dp) layout.
+    """Ranks and process groups of one (tp, cp, dp, pp) layout.
 
     Groups are None where this process is alone in them, and collectives treat a None group
     as a no-op, so the same layer code runs with or without parallelism.
@@ -56,33 +70,45 @@ class ParallelState:
     tp_size: int = 1
     pp_size: int = 1
     dp_size: int = 1
+    cp_size: int = 1
     rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     tp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
-    dp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None  # the ranks that read different batches
+    cp_group: dist.ProcessGroup | None = None
+    dp_cp_group: dist.ProcessGroup | None = None  # DP x CP: gradients and optimizer shards
     model_parallel_group: dist.ProcessGroup | None = None  # TP x PP: one model replica
     embedding_group: dist.ProcessGroup | None = None  # first and last PP stage (tied embeddings)
     world_group: dist.ProcessGroup | None = None
     pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, stage by stage
     tp_ranks: tuple[int, ...] = (0,)
     dp_ranks: tuple[int, ...] = (0,)
+    cp_ranks: tuple[int, ...] = (0,)
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp_size
 
     @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp_size) % self.cp_size
+
+    @property
     def dp_rank(self) -> int:
-        return (self.rank // self.tp_size) % self.dp_size
+        return (self.rank // (self.tp_size * self.cp_size)) % self.dp_size
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.dp_size * self.cp_size
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp_size * self.dp_size)
+        return self.rank // (self.tp_size * self.cp_size * self.dp_size)
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size * self.dp_size
+        return self.tp_size * self.cp_size * self.pp_size * self.dp_size
 
     @property
     def is_first_stage(self) -> bool:
@@ -112,22 +138,24 @@ class ParallelState:
         tp: int = 1,
         pp: int = 1,
         dp: int | None = None,
+        cp: int = 1,
         device: torch.device | str | None = None,
         backend: str | None = None,
         timeout_minutes: float | None = None,
     ) -> ParallelState:
-        """Create every group of the (tp, pp, dp) layout; torch.distributed must be initialised."""
+        """Create every group of the (tp, cp, dp, pp) layout; torch.distributed must be
+        initialised."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised; call init_process_group first"
             )
         world, rank = dist.get_world_size(), dist.get_rank()
-        dp = check_layout(world, tp, pp, dp)
+        dp = check_layout(world, tp, pp, dp, cp)
         device = torch.device(device) if device is not None else torch.device("cpu")
         backend = backend or default_backend(device)
         timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
 
-        state = cls(tp_size=tp, pp_size=pp, dp_size=dp, rank=rank, device=device)
+        state = cls(tp_size=tp, pp_size=pp, dp_size=dp, cp_size=cp, rank=rank, device=device)
 
         def new_group(ranks: list[int]) -> dist.ProcessGroup | None:
             """Create the group on every rank; return it where this rank is a member.
@@ -142,31 +170,41 @@ class ParallelState:
             group = dist.new_group(ranks, **options)
             return group if rank in ranks else None
 
-        def rank_of(p: int, d: int, t: int) -> int:
-            return p * dp * tp + d * tp + t
+        def rank_of(p: int, d: int, c: int, t: int) -> int:
+            return ((p * dp + d) * cp + c) * tp + t
 
-        for p in range(pp):
-            for d in range(dp):
-                ranks = [rank_of(p, d, t) for t in range(tp)]
-                group = new_group(ranks)
-                if rank in ranks:
-                    state.tp_group, state.tp_ranks = group, tuple(ranks)
-        for p in range(pp):
-            for t in range(tp):
-                ranks = [rank_of(p, d, t) for d in range(dp)]
-                group = new_group(ranks)
-                if rank in ranks:
-                    state.dp_group, state.dp_ranks = group, tuple(ranks)
-        for d in range(dp):
-            for t in range(tp):
-                ranks = [rank_of(p, d, t) for p in range(pp)]
-                group = new_group(ranks)
-                embedding = new_group([ranks[0], ranks[-1]]) if pp > 1 else None
-                if rank in ranks:
-                    state.pp_group, state.pp_ranks = group, tuple(ranks)
-                    state.embedding_group = embedding
-        for d in range(dp):
-            ranks = [rank_of(p, d, t) for p in range(pp) for t in range(tp)]
+        def every(*sizes):
+            return itertools.product(*(range(n) for n in sizes))
+
+        for p, d, c in every(pp, dp, cp):
+            ranks = [rank_of(p, d, c, t) for t in range(tp)]
+            group = new_group(ranks)
+            if rank in ranks:
+                state.tp_group, state.tp_ranks = group, tuple(ranks)
+        for p, d, t in every(pp, dp, tp):
+            ranks = [rank_of(p, d, c, t) for c in range(cp)]
+            group = new_group(ranks)
+            if rank in ranks:
+                state.cp_group, state.cp_ranks = group, tuple(ranks)
+        for p, c, t in every(pp, cp, tp):
+            ranks = [rank_of(p, d, c, t) for d in range(dp)]
+            group = new_group(ranks)
+            if rank in ranks:
+                state.dp_group, state.dp_ranks = group, tuple(ranks)
+        for p, t in every(pp, tp):
+            ranks = [rank_of(p, d, c, t) for d in range(dp) for c in range(cp)]
+            group = new_group(ranks) if cp > 1 else None  # the same as the DP group
+            if rank in ranks:
+                state.dp_cp_group = group if cp > 1 else state.dp_group
+        for d, c, t in every(dp, cp, tp):
+            ranks = [rank_of(p, d, c, t) for p in range(pp)]
+            group = new_group(ranks)
+            embedding = new_group([ranks[0], ranks[-1]]) if pp > 1 else None
+            if rank in ranks:
+                state.pp_group, state.pp_ranks = group, tuple(ranks)
+                state.embedding_group = embedding
+        for d, c in every(dp, cp):
+            ranks = [rank_of(p, d, c, t) for p in range(pp) for t in range(tp)]
             group = new_group(ranks)
             if rank in ranks:
                 state.model_parallel_group = group
@@ -175,8 +213,8 @@ class ParallelState:
 
     def describe(self) -> str:
         return (
-            f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size} pp {self.pp_rank}/{self.pp_size} "
-            f"dp {self.dp_rank}/{self.dp_size} on {self.device}"
+            f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size} cp {self.cp_rank}/{self.cp_size} "
+            f"pp {self.pp_rank}/{self.pp_size} dp {self.dp_rank}/{self.dp_size} on {self.device}"
         )
 
 

@@ -127,6 +127,7 @@ def engine_run(
     last_stage_layers=None,
     repeat_batch: bool = False,
     torch_compile: bool = False,
+    cp_comm_type=("p2p",),
 ):
     """The same run through DDP + DistributedOptimizer + the pipeline schedule; `sharding`
     (a strategy of parallel/ddp.py) overrides `zero`.
@@ -141,11 +142,12 @@ def engine_run(
         first_stage_layers=first_stage_layers,
         last_stage_layers=last_stage_layers,
         torch_compile=torch_compile,
+        cp_comm_type=cp_comm_type,
     )
     ddps = [
         DistributedDataParallel(
             c,
-            state.dp_group,
+            state.dp_cp_group,
             bucket_size=bucket_size,
             overlap_grad_reduce=overlap,
             use_distributed_optimizer=zero,
@@ -188,11 +190,9 @@ def make_schedule(
     stats=None,
     overlap_p2p=False,
 ):
-    seq = (
-        cfg.seq_length // state.tp_size
-        if sequence_parallel and state.tp_size > 1
-        else cfg.seq_length
-    )
+    seq = cfg.seq_length // state.cp_size
+    if sequence_parallel and state.tp_size > 1:
+        seq //= state.tp_size
     return get_schedule(
         state,
         virtual_size=virtual_size,
@@ -215,12 +215,18 @@ def engine_grads(
     sequence_parallel=False,
     stats=None,
     overlap_p2p=False,
+    cp_comm_type=("p2p",),
 ):
-    """One forward/backward of the global batch through the engine: (losses, full grads)."""
+    """One forward/backward of the global batch through the engine: (losses, full grads).
+    Under context parallelism the losses are this CP rank's shares."""
     chunks = build_model_chunks(
-        cfg, state, sequence_parallel=sequence_parallel, virtual_size=virtual_size
+        cfg,
+        state,
+        sequence_parallel=sequence_parallel,
+        virtual_size=virtual_size,
+        cp_comm_type=cp_comm_type,
     )
-    ddps = [DistributedDataParallel(c, state.dp_group, bucket_size=2000) for c in chunks]
+    ddps = [DistributedDataParallel(c, state.dp_cp_group, bucket_size=2000) for c in chunks]
     schedule = make_schedule(
         state,
         cfg,
@@ -235,7 +241,7 @@ def engine_grads(
     batches = micro_batches(tokens, mbs, state.dp_rank, state.dp_size)
     for ddp in ddps:
         ddp.zero_grad_buffer()
-    losses = run_schedule(ddps, batches, schedule)
+    losses = run_schedule(ddps, batches, schedule, state=state)
     shared = [w for d in ddps if (w := d.module.shared_embedding_weight()) is not None]
     finalize_model_grads(ddps, state.tp_group, state.embedding_group, shared)
     grads = {}

@@ -1,4 +1,4 @@
-"""Context-parallel attention (all-gather of keys and values, load-balanced chunks) against
+"""Context-parallel attention (ring, all-to-all and all-gather; load-balanced chunks) against
 one process's attention over the whole sequence: outputs and the gradients of q, k and v, on
 2 and 4 gloo ranks, with grouped-query attention and with a sliding window."""
 
@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel.context_parallel import (
+    COMM_TYPES,
     chunk_ids,
     context_parallel_attention,
     rank_positions,
@@ -16,7 +17,8 @@ from parallel.context_parallel import (
 )
 from tests.distributed import rel_err, run_ranks
 
-B, HEADS, GROUPS, SEQ, D = 2, 4, 2, 32, 8
+B, HEADS, GROUPS, SEQ, D = 2, 8, 4, 32, 8
+WINDOWS = (None, 5, 13)
 
 
 def _inputs():
@@ -39,25 +41,75 @@ def _reference(window):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _context_parallel(rank, world, window):
+def _context_parallel(rank, world):
     import torch.distributed as dist
 
     group = dist.group.WORLD
     q, k, v, out_grad = _inputs()
+    results = {}
+    for comm_type in COMM_TYPES:
+        for window in WINDOWS:
+            mine = [
+                split_sequence(t, 2, world, rank).clone().requires_grad_(True) for t in (q, k, v)
+            ]
+            out = context_parallel_attention(*mine, group, comm_type, window)
+            out.backward(split_sequence(out_grad, 2, world, rank))
+            results[comm_type, window] = (out.detach(), *(t.grad for t in mine))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_attention_matches_one_process(world):
+    expected = {window: _reference(window) for window in WINDOWS}
+    for rank, results in enumerate(run_ranks(_context_parallel, world)):
+        assert set(results) == {(c, w) for c in COMM_TYPES for w in WINDOWS}
+        for (comm_type, window), got in results.items():
+            for name, mine, full in zip(("out", "dq", "dk", "dv"), got, expected[window]):
+                want = split_sequence(full, 2, world, rank)
+                err = rel_err(mine, want)
+                assert err < 1e-10, (comm_type, window, rank, name, err)
+
+
+def _ring_in_tiles(rank, world):
+    """The ring with one query row per tile (as a long sequence would take it)."""
+    import torch.distributed as dist
+
+    import parallel.context_parallel as cp
+
+    cp.TILE_SCORES = 1
+    q, k, v, out_grad = _inputs()
     mine = [split_sequence(t, 2, world, rank).clone().requires_grad_(True) for t in (q, k, v)]
-    out = context_parallel_attention(*mine, group, window=window, enable_gqa=True)
+    out = context_parallel_attention(*mine, dist.group.WORLD, "p2p", 5)
     out.backward(split_sequence(out_grad, 2, world, rank))
     return out.detach(), *(t.grad for t in mine)
 
 
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("world", [2, 4])
-def test_context_parallel_attention_matches_one_process(world, window):
-    expected = _reference(window)
-    for rank, got in enumerate(run_ranks(_context_parallel, world, window)):
+def test_ring_attention_in_query_tiles_matches_one_process():
+    expected = _reference(5)
+    for rank, got in enumerate(run_ranks(_ring_in_tiles, 2)):
         for name, mine, full in zip(("out", "dq", "dk", "dv"), got, expected):
-            want = split_sequence(full, 2, world, rank)
-            assert rel_err(mine, want) < 1e-10, (rank, name, rel_err(mine, want))
+            err = rel_err(mine, split_sequence(full, 2, 2, rank))
+            assert err < 1e-10, (rank, name, err)
+
+
+def _ulysses_heads_must_divide(rank, world):
+    import torch.distributed as dist
+
+    q = torch.zeros(1, 2, 8, 4)
+    k = torch.zeros(1, 1, 8, 4)
+    try:
+        context_parallel_attention(q, k, k, dist.group.WORLD, "a2a")
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_all_to_all_needs_heads_divisible_by_cp():
+    messages = run_ranks(_ulysses_heads_must_divide, 2)
+    assert messages[0] == (
+        "--cp-comm-type a2a: 1 key/value groups per tensor-parallel rank do not divide by "
+        "context-parallel size 2"
+    )
 
 
 def test_load_balanced_chunks():

@@ -108,8 +108,16 @@ def losses(path) -> dict[int, float]:
             },
         ),
         (2, {"--use-megatron-fsdp": True, "--overlap-grad-reduce": True}),
+        (
+            2,
+            {
+                "--context-parallel-size": "2",
+                "--use-distributed-optimizer": True,
+                "--attention-dropout": "0.0",
+            },
+        ),
     ],
-    ids=["tp2-pp2", "dp2-zero-async", "dp2-fsdp-params"],
+    ids=["tp2-pp2", "dp2-zero-async", "dp2-fsdp-params", "cp2-zero"],
 )
 def test_resume_is_bit_exact(dataset_prefix, tokenizer_model, tmp_path, world, layout):
     def args(**extra):
@@ -175,6 +183,22 @@ def test_checkpoint_reshards_to_other_layouts(dataset_prefix, tokenizer_model, t
             },
         ),
         "tp4": (4, {"--tensor-model-parallel-size": "4"}),
+        "cp2-dp2-zero-a2a": (
+            4,
+            {
+                "--context-parallel-size": "2",
+                "--cp-comm-type": "a2a",
+                "--use-distributed-optimizer": True,
+            },
+        ),
+        "tp2-sp-cp2": (
+            4,
+            {
+                "--tensor-model-parallel-size": "2",
+                "--sequence-parallel": True,
+                "--context-parallel-size": "2",
+            },
+        ),
         "pp2-interleaved-overlap": (
             2,
             {
@@ -204,6 +228,41 @@ def test_checkpoint_reshards_to_other_layouts(dataset_prefix, tokenizer_model, t
             assert abs(values[iteration] - reference[iteration]) / reference[iteration] < 1e-5, (
                 name,
                 iteration,
+                values,
+                reference,
+            )
+
+
+def test_checkpoint_saved_with_context_parallelism_loads_without(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    """Saved under CP4 (optimizer state sharded over the CP ranks), resumed under CP 4, CP 2
+    with all-to-all attention, and one process: the same losses."""
+    ckpt = str(tmp_path / "ckpt")
+    common = {"--hidden-dropout": "0.0", "--attention-dropout": "0.0", "--train-iters": "5"}
+    cp4 = {"--context-parallel-size": "4", "--use-distributed-optimizer": True}
+    pretrain(
+        4,
+        base_args(dataset_prefix, tokenizer_model, **common, **cp4, **{"--save": ckpt,
+                  "--exit-interval": "3"}),
+    )  # fmt: skip
+    layouts = {
+        "cp4": (4, cp4),
+        "cp2-a2a-dp2": (4, {"--context-parallel-size": "2", "--cp-comm-type": "a2a"}),
+        "one": (1, {}),
+    }
+    results = {}
+    for name, (world, layout) in layouts.items():
+        log = str(tmp_path / f"{name}.jsonl")
+        extra = {"--load": ckpt, "--log-jsonl": log}
+        pretrain(world, base_args(dataset_prefix, tokenizer_model, **common, **layout, **extra))
+        results[name] = losses(log)
+    reference = results.pop("cp4")
+    assert sorted(reference) == [4, 5]
+    for name, values in results.items():
+        for iteration in (4, 5):
+            assert abs(values[iteration] - reference[iteration]) / reference[iteration] < 1e-5, (
+                name,
                 values,
                 reference,
             )

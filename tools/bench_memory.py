@@ -9,7 +9,14 @@ Activations: activation memory of one transformer layer (the bytes autograd save
 with saved-tensor hooks) for TP 1, 2 and 4, with and without sequence parallelism, against
 Korthikanti et al.'s count and the same count adjusted for this engine's layer (see
 engine/activation_memory.py for the terms). bf16 activations, GPT-2 style layer, flash SDPA
-without attention dropout, hidden dropout 0.1. Prints a table and writes JSON.
+without attention dropout, hidden dropout 0.1.
+
+Context parallelism: activation bytes of one Llama-style layer (RoPE, RMSNorm, SwiGLU, GQA)
+per CP rank at 8K and 32K tokens per sample, CP 1, 2 and 4, for each --cp-comm-type, against
+CP 1's bytes / C. all_gather runs at the shorter length only: on CPU, torch's attention with a
+mask falls back to the explicit [heads, s/C, s] probabilities, which is what it measures.
+
+Prints tables and writes JSON.
 """
 
 from __future__ import annotations
@@ -17,7 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from engine.activation_memory import korthikanti_bytes, layer_activation_bytes, measure_layer
+from engine.activation_memory import (
+    korthikanti_bytes,
+    layer_activation_bytes,
+    measure_layer,
+    measure_layer_context_parallel,
+)
 from engine.cli import run_main as run
 from engine.config import ModelConfig, OptimizerConfig
 from parallel.launch import run_local
@@ -43,6 +55,68 @@ def _measure(rank, world, args):
         for sp in (False, True) if tp > 1 else (False,):
             rows.append((tp, sp, measure_layer(cfg, state.tp_group, tp, sp, args.micro_batch_size)))
     return rows
+
+
+CP_SIZES = (1, 2, 4)
+
+
+def _cp_cases(args) -> list[tuple[int, str]]:
+    """(sequence length, comm type) measured at every CP size above 1."""
+    cases = [(seq, comm) for seq in args.cp_seq_lengths for comm in ("p2p", "a2a")]
+    return cases + [(min(args.cp_seq_lengths), "all_gather")]
+
+
+def _measure_context_parallel(rank, world, args):
+    import torch
+
+    torch.set_num_threads(1)
+    state = ParallelState.build(cp=world)
+    rows = []
+    for seq, comm in _cp_cases(args) if world > 1 else [(s, "-") for s in args.cp_seq_lengths]:
+        cfg = ModelConfig(
+            num_layers=1,
+            hidden_size=args.cp_hidden_size,
+            num_attention_heads=4,
+            group_query_attention=True,
+            num_query_groups=2,
+            seq_length=seq,
+            max_position_embeddings=seq,
+            vocab_size=1024,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            position_embedding_type="rope",
+            normalization="RMSNorm",
+            swiglu=True,
+            add_bias_linear=False,
+        )
+        measured = measure_layer_context_parallel(cfg, state, "p2p" if comm == "-" else comm, 1)
+        rows.append((seq, comm, measured))
+    return rows
+
+
+def _context_parallel_table(args) -> list[dict]:
+    mib = 2**20
+    print(
+        f"Context parallelism: activation bytes saved per layer and rank, Llama-style layer, "
+        f"hidden {args.cp_hidden_size}, 4 heads, 2 key/value groups, micro-batch 1, bf16 "
+        "(largest rank shown)"
+    )
+    print("| seq | CP | comm type | measured MiB | CP 1 / C MiB | measured / expected |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    whole, table = {}, []
+    for cp in CP_SIZES:
+        per_rank = run_local(_measure_context_parallel, cp, args, timeout=1800)
+        for index, (seq, comm, _) in enumerate(per_rank[0]):
+            measured = max(rows[index][2] for rows in per_rank)
+            if cp == 1:
+                whole[seq] = measured
+            expected = whole[seq] / cp
+            table.append({"seq": seq, "cp": cp, "comm_type": comm, "measured": measured})
+            print(
+                f"| {seq} | {cp} | {comm} | {measured / mib:.1f} | {expected / mib:.1f} | "
+                f"{measured / expected:.3f} |"
+            )
+    return table
 
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -133,9 +207,13 @@ def main(argv=None) -> int:
     parser.add_argument("--num-attention-heads", type=int, default=8)
     parser.add_argument("--state-layers", type=int, default=4)
     parser.add_argument("--state-hidden-size", type=int, default=256)
+    parser.add_argument("--cp-seq-lengths", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--cp-hidden-size", type=int, default=256)
     parser.add_argument("--json", default="bench_memory.json")
     args = parser.parse_args(argv)
     states = _state_table(args)
+    print()
+    context_parallel = _context_parallel_table(args)
     print()
     s, b, h, a = args.seq_length, args.micro_batch_size, args.hidden_size, args.num_attention_heads
     rows = run_local(_measure, max(TP_SIZES), args)[0]
@@ -154,7 +232,8 @@ def main(argv=None) -> int:
         )
     with open(args.json, "w") as f:
         shape = {"s": s, "b": b, "h": h, "a": a}
-        json.dump({"states": states, "activations": table, "shape": shape}, f, indent=1)
+        record = {"states": states, "activations": table, "shape": shape}
+        json.dump(record | {"context_parallel": context_parallel}, f, indent=1)
     return 0
 
 

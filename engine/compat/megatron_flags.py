@@ -109,9 +109,6 @@ class MegatronCompatConfig:
         **_OFF,
     )
     # --- accepted at the value that means "off", refused above it ----------------------------
-    context_parallel_size: int | None = option(
-        None, "context-parallel size (default 1; only 1 is available here)"
-    )
     expert_model_parallel_size: int | None = option(
         None, "expert-parallel size (default 1; only 1: no mixture of experts here)"
     )
@@ -152,7 +149,6 @@ NO_EFFECT = (
     "log_throughput",
     "ckpt_format",
     "add_position_embedding",
-    "context_parallel_size",
     "expert_model_parallel_size",
 )
 
@@ -189,11 +185,6 @@ def check_compat(
             f"{flag}: mixture-of-experts (MoE) layers are not available in this engine yet; "
             "drop --num-experts, the --moe-* flags and --expert-model-parallel-size to train "
             "the dense model"
-        )
-    if given.get("context_parallel_size", 1) != 1:
-        raise ConfigError(
-            f"--context-parallel-size {given['context_parallel_size']}: context parallelism is "
-            "not available in this engine yet; use 1 (or leave it out)"
         )
     if given.get("expert_model_parallel_size", 1) < 1:
         raise ConfigError("--expert-model-parallel-size must be at least 1")

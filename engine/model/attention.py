@@ -3,7 +3,8 @@
 The fused QKV projection is column-parallel with three logical parts (q: heads x d, k and v:
 groups x d each), so every TP rank holds whole heads and whole key/value groups. The output
 projection is row-parallel. Attention itself is torch's scaled_dot_product_attention (flash or
-memory-efficient kernels on GPU).
+memory-efficient kernels on GPU); under context parallelism, this rank's queries attend over the
+whole sequence through parallel/context_parallel.py (ring, all-to-all or all-gather).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 
 from engine.model.context import BuildContext
 from engine.model.norm import Norm
+from parallel.context_parallel import context_parallel_attention
 from parallel.random import checkpoint
 from parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
@@ -25,6 +27,7 @@ class SelfAttention(nn.Module):
         self.ctx = ctx
         d, n, g = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
         self.head_dim = d
+        self.layer_number = layer_number
         self.local_heads = n // ctx.tp_size
         self.local_groups = g // ctx.tp_size
         prefix = f"layers.{layer_number}.self_attention"
@@ -69,8 +72,16 @@ class SelfAttention(nn.Module):
         self.selective_recompute = cfg.recompute_granularity == "selective"
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v over [b, heads, s, d], causal, with dropout drawn from
-        the per-TP-rank stream (heads are split over TP)."""
+        ctx = self.ctx
+        if ctx.cp_size == 1:
+            return self._attend(q, k, v)
+        comm_type = ctx.cp_comm_type_of(self.layer_number)
+        window = ctx.config.attention_window
+        return context_parallel_attention(q, k, v, ctx.cp_group, comm_type, window, self._attend)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v over whole sequences [b, heads, s, d], causal, with
+        dropout drawn from the per-TP-rank stream (heads are split over TP)."""
         p = self.ctx.config.attention_dropout if self.training else 0.0
         kwargs = {"enable_gqa": True} if self.local_heads != self.local_groups else {}
         window = self.ctx.config.attention_window

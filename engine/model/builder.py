@@ -26,16 +26,23 @@ def build_model_chunks(
     last_stage_layers: int | None = None,
     ops=None,
     torch_compile: bool = False,
+    cp_comm_type: tuple[str, ...] | list[str] = ("p2p",),
 ) -> list[GPTModel]:
     """One GPTModel per (virtual) pipeline stage of this rank, in execution order. `ops` is
     the op set from engine.ops.select_ops (the PyTorch ops by default). `torch_compile`
     (--torch-compile) compiles each transformer layer's forward with torch.compile; the
-    layer's module call, and so the data-parallel hooks around it, stay eager."""
+    layer's module call, and so the data-parallel hooks around it, stay eager.
+    `cp_comm_type` (--cp-comm-type): context-parallel attention's exchange, for every layer or
+    one per layer."""
     ctx = BuildContext(
         config,
         tp_group=state.tp_group,
         tp_size=state.tp_size,
         sequence_parallel=sequence_parallel and state.tp_size > 1,
+        cp_group=state.cp_group,
+        cp_size=state.cp_size,
+        cp_rank=state.cp_rank,
+        cp_comm_type=tuple(cp_comm_type),
         gradient_accumulation_fusion=gradient_accumulation_fusion,
         tracker=tracker,
         params_dtype=params_dtype,

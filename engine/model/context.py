@@ -10,6 +10,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.ops.torch_ops import TorchOps
+from parallel.context_parallel import rank_positions
 from parallel.random import RNGStatesTracker
 from parallel.tensor import normal_init, scaled_normal_init
 
@@ -22,6 +23,10 @@ class BuildContext:
     tp_group: object = None
     tp_size: int = 1
     sequence_parallel: bool = False
+    cp_group: object = None  # context parallel: each sample's sequence split over these ranks
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_comm_type: tuple[str, ...] = ("p2p",)  # one for every layer, or one per layer
     gradient_accumulation_fusion: bool = True  # weight gradients straight into main_grad
     tracker: RNGStatesTracker | None = None
     params_dtype: torch.dtype = torch.float32
@@ -41,6 +46,17 @@ class BuildContext:
     @property
     def output_init_method(self):
         return scaled_normal_init(self.config.init_method_std, self.config.num_layers)
+
+    def cp_comm_type_of(self, layer_number: int) -> str:
+        types = self.cp_comm_type
+        return types[0] if len(types) == 1 else types[layer_number]
+
+    def token_positions(self, local_length: int, device) -> torch.Tensor:
+        """Global positions of the `local_length` tokens of a sample this rank holds (its two
+        load-balanced chunks under context parallelism; before any sequence-parallel split)."""
+        if self.cp_size == 1:
+            return torch.arange(local_length, device=device)
+        return rank_positions(local_length * self.cp_size, self.cp_size, self.cp_rank, device)
 
     def dropout_stream(self):
         """RNG context for dropout on [s, b, h] activations between TP blocks: the per-rank

@@ -5,7 +5,8 @@ stage (pre_process), the final norm, output layer and loss only on the last (pos
 the transformer layers whose global numbers it is given. Layers are kept under their global
 numbers ("layers.7...."), so parameter names, initialisation seeds and checkpoints do not
 depend on how the model is cut. Activations between layers are [s, b, h] ([s/tp, b, h] under
-sequence parallelism).
+sequence parallelism); under context parallelism s is this rank's two chunks of the sequence
+(tokens and labels come in split, see engine/step.py) and positions are global ones.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class Embedding(nn.Module):
         if self.position_embeddings is not None:
             s = x.shape[0]
             start = self.tp_rank * s if self.ctx.sequence_parallel else 0
-            positions = torch.arange(start, start + s, device=x.device)
+            positions = self.ctx.token_positions(tokens.shape[1], x.device)[start : start + s]
             x = x + self.position_embeddings(positions).unsqueeze(1)
         p = self.ctx.config.hidden_dropout
         if self.training and p > 0.0:
@@ -229,7 +230,7 @@ class GPTModel(nn.Module):
         rotary = None
         if self.rotary is not None:
             seq = x.shape[0] * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
-            rotary = self.rotary(seq, x.device)
+            rotary = self.rotary(self.ctx.token_positions(seq, x.device))
         x = self._run_layers(x, rotary)
         if not self.post_process:
             return x

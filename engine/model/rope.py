@@ -43,7 +43,7 @@ class Llama3Scaling:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions 0..s-1 over a head of size dim."""
+    """cos/sin tables for given token positions over a head of size dim."""
 
     def __init__(
         self,
@@ -71,8 +71,10 @@ class RotaryEmbedding(nn.Module):
             )
         return cls(cfg.rotary_dim, cfg.rotary_base, llama3, cfg.rotary_seq_len_interpolation_factor)
 
-    def forward(self, seq_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(seq_length, device=device, dtype=torch.float32)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables [s, 1, 1, d] for positions [s] (0..s-1 without context parallelism)."""
+        device = positions.device
+        positions = positions.to(torch.float32)
         if self.interpolation:
             positions = positions / self.interpolation
         freqs = torch.outer(positions, self.inv_freq.to(device))
