@@ -76,9 +76,9 @@ def _measure_context_parallel(rank, world, args):
         cfg = ModelConfig(
             num_layers=1,
             hidden_size=args.cp_hidden_size,
-            num_attention_heads=4,
+            num_attention_heads=8,
             group_query_attention=True,
-            num_query_groups=2,
+            num_query_groups=4,
             seq_length=seq,
             max_position_embeddings=seq,
             vocab_size=1024,
@@ -98,7 +98,7 @@ def _context_parallel_table(args) -> list[dict]:
     mib = 2**20
     print(
         f"Context parallelism: activation bytes saved per layer and rank, Llama-style layer, "
-        f"hidden {args.cp_hidden_size}, 4 heads, 2 key/value groups, micro-batch 1, bf16 "
+        f"hidden {args.cp_hidden_size}, 8 heads, 4 key/value groups, micro-batch 1, bf16 "
         "(largest rank shown)"
     )
     print("| seq | CP | comm type | measured MiB | CP 1 / C MiB | measured / expected |")
