@@ -63,7 +63,9 @@ class ModelConfig:
         128, "pad the vocabulary to a multiple of this times the tensor-parallel size"
     )
     position_embedding_type: str = option(
-        "learned_absolute", "position encoding", choices=["learned_absolute", "rope"]
+        "learned_absolute",
+        "position encoding (yarn: RoPE with YaRN scaling, Megatron-LM's spelling)",
+        choices=["learned_absolute", "rope", "yarn"],
     )
     rotary_base: int = option(10000, "RoPE base (theta)")
     use_rope_scaling: bool = option(
@@ -81,6 +83,30 @@ class ModelConfig:
     )
     rotary_seq_len_interpolation_factor: float | None = option(
         None, "linear RoPE scaling (position interpolation): positions divided by this"
+    )
+    rope_scaling_type: str | None = option(
+        None,
+        "RoPE scaling by Hugging Face's rope_type name, with --rope-scaling-factor (and, for "
+        "llama3 and yarn, --rope-scaling-original-max-position-embeddings): llama3 (as "
+        "--use-rope-scaling), linear, dynamic (NTK: the base grows with a sequence longer "
+        "than --max-position-embeddings), yarn",
+        choices=["llama3", "linear", "dynamic", "yarn"],
+    )
+    rotary_scaling_factor: float = option(
+        1.0, "with --position-embedding-type yarn: the YaRN scaling factor"
+    )
+    yarn_original_max_position_embeddings: int | None = option(
+        None, "with --position-embedding-type yarn: the length first trained at (default 4096)"
+    )
+    yarn_beta_fast: float | None = option(None, "YaRN: rotations where extrapolation ends (32)")
+    yarn_beta_slow: float | None = option(None, "YaRN: rotations where interpolation starts (1)")
+    mscale: float = option(1.0, "YaRN: the attention scale's log(factor) coefficient / 0.1")
+    mscale_all_dim: float = option(0.0, "YaRN: the same for its denominator (0: none)")
+    yarn_correction_range_round_to_int: bool = option(
+        True,
+        "YaRN: keep the correction range's ends unrounded",
+        flag="--no-yarn-correction-range-round-to-int",
+        action="store_false",
     )
     rotary_percent: float = option(
         1.0, "the share of each head's channels RoPE rotates (the first ones); the rest pass"
@@ -184,6 +210,11 @@ class ModelConfig:
         return int(self.head_dim * self.rotary_percent)
 
     @property
+    def uses_rope(self) -> bool:
+        """Rotary positions (rope, or yarn: RoPE with YaRN scaling)."""
+        return self.position_embedding_type in ("rope", "yarn")
+
+    @property
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
 
@@ -227,16 +258,20 @@ class ModelConfig:
                 f"seq-length {self.seq_length} is not divisible by tensor-model-parallel-size "
                 f"{tp}, which --sequence-parallel needs"
             )
-        if self.max_positions < self.seq_length:
+        from engine.model.rope import rope_scaling_of  # the one reading of the scaling flags
+
+        scaling = rope_scaling_of(self)
+        dynamic = scaling is not None and scaling["rope_type"] == "dynamic"
+        if self.max_positions < self.seq_length and not dynamic:
             raise ConfigError(
                 f"max-position-embeddings {self.max_positions} < seq-length {self.seq_length}"
             )
         _ = self.attention_window  # --window-size parses
         scaled = self.use_rope_scaling or self.rotary_seq_len_interpolation_factor
-        if scaled and self.position_embedding_type != "rope":
+        if (scaled or self.rope_scaling_type) and not self.uses_rope:
             raise ConfigError(
-                "--use-rope-scaling and --rotary-seq-len-interpolation-factor scale RoPE; "
-                "add --position-embedding-type rope"
+                "--use-rope-scaling, --rotary-seq-len-interpolation-factor and "
+                "--rope-scaling-type scale RoPE; add --position-embedding-type rope"
             )
         if self.use_rope_scaling and (
             self.rope_scaling_factor < 1
@@ -250,7 +285,7 @@ class ModelConfig:
             raise ConfigError("--rotary-seq-len-interpolation-factor must be at least 1")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ConfigError(f"--rotary-percent {self.rotary_percent} must be in (0, 1]")
-        if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
+        if self.uses_rope and (self.rotary_dim < 2 or self.rotary_dim % 2):
             raise ConfigError(
                 f"RoPE needs an even number of rotated channels per head, got {self.rotary_dim} "
                 f"(head size {self.head_dim} x --rotary-percent {self.rotary_percent})"
@@ -441,9 +476,9 @@ class ParallelConfig:
     cp_comm_type: list[str] = option(
         ["p2p"],
         "how CP attention exchanges keys and values: p2p (ring), a2a (all-to-all over heads), "
-        "all_gather; one value, or one per layer",
+        "allgather (a2a+p2p is refused); one value, or one per layer",
         nargs="+",
-        choices=["p2p", "a2a", "all_gather"],
+        choices=["p2p", "a2a", "allgather", "a2a+p2p"],
     )
     gradient_accumulation_fusion: bool = option(
         True,

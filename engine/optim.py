@@ -87,6 +87,7 @@ def build_optimizer(
         tp_rank=tp_rank,
         model_parallel_group=model_parallel_group,
         world_group=world_group,
+        dp_group=dp_group,
     )
 
 

@@ -119,9 +119,9 @@ def check(cfg, world_size: int) -> None:
     if par.sequence_parallel and tp == 1:
         par.sequence_parallel = False  # nothing to split, as in Megatron-LM
     dp = check_layout(world_size, tp, pp, cp=par.context_parallel_size)
-    _check_context_parallel(m, par)
     check_compat(cfg.megatron, m.position_embedding_type, cfg.parallel.use_megatron_fsdp)
     m.validate(tp, par.sequence_parallel)
+    _check_context_parallel(m, par)
     par.validate(m.num_layers)
     train.validate()
     check_profile_flags(train)
@@ -146,6 +146,11 @@ def _check_context_parallel(m, par) -> None:
         raise ConfigError(
             f"--cp-comm-type: {len(types)} values for {m.num_layers} layers; give one value, or "
             "one per layer"
+        )
+    if "a2a+p2p" in types:
+        raise ConfigError(
+            "--cp-comm-type a2a+p2p: hierarchical context parallelism is not available in this "
+            "engine; use p2p, a2a or allgather"
         )
     if cp == 1:
         return
@@ -173,7 +178,7 @@ def _check_context_parallel(m, par) -> None:
             if (count // tp) % cp:
                 raise ConfigError(
                     f"--cp-comm-type a2a: {flag} {count} / --tensor-model-parallel-size {tp} "
-                    f"is not divisible by --context-parallel-size {cp}; use p2p or all_gather"
+                    f"is not divisible by --context-parallel-size {cp}; use p2p or allgather"
                 )
 
 

@@ -102,6 +102,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         model_parallel_group=state.model_parallel_group,
         world_group=state.world_group,
         device=state.device,
+        dp_group=state.dp_cp_group,  # replicas agree on a non-finite gradient norm
     )
     batches = train.batch_schedule(state.dp_size, m.seq_length)
     global_batch = batches.final

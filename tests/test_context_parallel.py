@@ -14,7 +14,9 @@ from parallel.context_parallel import (
     context_parallel_attention,
     rank_positions,
     split_sequence,
+    visible,
 )
+from parallel.ring_attention import quarters
 from tests.distributed import rel_err, run_ranks
 
 B, HEADS, GROUPS, SEQ, D = 2, 8, 4, 32, 8
@@ -74,9 +76,9 @@ def _ring_in_tiles(rank, world):
     """The ring with one query row per tile (as a long sequence would take it)."""
     import torch.distributed as dist
 
-    import parallel.context_parallel as cp
+    import parallel.ring_attention as ring
 
-    cp.TILE_SCORES = 1
+    ring.TILE_SCORES = 1
     q, k, v, out_grad = _inputs()
     mine = [split_sequence(t, 2, world, rank).clone().requires_grad_(True) for t in (q, k, v)]
     out = context_parallel_attention(*mine, dist.group.WORLD, "p2p", 5)
@@ -110,6 +112,33 @@ def test_all_to_all_needs_heads_divisible_by_cp():
         "--cp-comm-type a2a: 1 key/value groups per tensor-parallel rank do not divide by "
         "context-parallel size 2"
     )
+
+
+@pytest.mark.parametrize("window", [None, 0, 3, 9, 40])
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_ring_quarters_are_exactly_the_visible_ones(cp, window):
+    """Every quarter of every pair the ring computes: skipped only where the mask is empty,
+    unmasked only where it is full, against the mask of global positions."""
+    chunk = 5
+    seq = 2 * cp * chunk
+    for query_rank in range(cp):
+        for key_rank in range(cp):
+            mask = visible(
+                rank_positions(seq, cp, query_rank), rank_positions(seq, cp, key_rank), window
+            )
+            kept = {
+                (q.rows.start, q.cols.start): q
+                for q in quarters(cp, query_rank, key_rank, chunk, window)
+            }
+            for rows in (slice(0, chunk), slice(chunk, 2 * chunk)):
+                for cols in (slice(0, chunk), slice(chunk, 2 * chunk)):
+                    part = mask[rows, cols]
+                    quarter = kept.get((rows.start, cols.start))
+                    assert (quarter is not None) == bool(part.any())
+                    if quarter is not None:
+                        assert quarter.full == bool(part.all())
+                        assert quarter.query_start == rank_positions(seq, cp, query_rank)[rows][0]
+                        assert quarter.key_start == rank_positions(seq, cp, key_rank)[cols][0]
 
 
 def test_load_balanced_chunks():

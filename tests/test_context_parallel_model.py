@@ -26,7 +26,7 @@ from tests.harness import (
 )
 
 MBS = 2
-COMM_TYPES = ("p2p", "a2a", "all_gather")
+COMM_TYPES = ("p2p", "a2a", "allgather")
 
 
 def _config(window: int | None, gqa: bool, **overrides):
@@ -105,7 +105,7 @@ TRAINING_CASES = [
     # (tp, pp, cp, sharding, comm type, recompute)
     (1, 1, 2, "no_shard", "p2p", False),
     (1, 1, 2, "optim", "a2a", True),
-    (1, 1, 2, "optim_grads", "all_gather", False),
+    (1, 1, 2, "optim_grads", "allgather", False),
     (1, 1, 2, "optim_grads_params", "p2p", True),
 ]
 
@@ -161,3 +161,59 @@ def test_training_steps_under_every_sharding_strategy_match_one_process():
 def test_training_steps_tp2_cp2_pp2_match_one_process():
     case = [(2, 2, 2, "optim", "p2p", False)]
     _check_training(run_ranks(_training, 8, case, timeout=400))
+
+
+SHAPE = [
+    *("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"),
+    *("--seq-length", "24", "--max-position-embeddings", "24", "--micro-batch-size", "2"),
+    *("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"),
+    *("--train-iters", "4", "--attention-dropout", "0.0"),
+]
+
+
+@pytest.mark.parametrize(
+    "world, extra, message",
+    [
+        (6, ["--context-parallel-size", "4"], "world size 6 is not divisible by tensor-model-"),
+        (
+            4,
+            ["--context-parallel-size", "4", "--seq-length", "20"],
+            "--seq-length 20 is not divisible by 2 x --context-parallel-size 4",
+        ),
+        (
+            8,
+            ["--context-parallel-size", "2", "--tensor-model-parallel-size", "4"]
+            + ["--sequence-parallel", "--seq-length", "12", "--max-position-embeddings", "12"],
+            "--seq-length 12 / --context-parallel-size 2 is not divisible by --tensor-model",
+        ),
+        (2, ["--context-parallel-size", "2", "--attention-dropout", "0.1"], "--attention-drop"),
+        (
+            2,
+            ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention"],
+            "--cp-comm-type a2a: key/value groups (--num-query-groups) 1 / --tensor-model",
+        ),
+        (2, ["--cp-comm-type", "a2a+p2p"], "--cp-comm-type a2a+p2p: hierarchical context"),
+        (2, ["--cp-comm-type", "p2p", "a2a", "p2p"], "--cp-comm-type: 3 values for 2 layers"),
+    ],
+)
+def test_context_parallel_flags_are_checked_in_one_line(world, extra, message):
+    from engine.errors import ConfigError
+    from engine.preflight import check
+    from engine.pretrain import parse
+
+    cfg = parse(SHAPE + extra)
+    with pytest.raises(ConfigError) as error:
+        check(cfg, world)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_context_parallel_flags_that_fit_pass():
+    from engine.preflight import check
+    from engine.pretrain import parse
+
+    for world, extra in [
+        (2, ["--context-parallel-size", "2"]),
+        (4, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "allgather"]),
+        (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
+    ]:
+        check(parse(SHAPE + extra), world)

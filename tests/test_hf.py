@@ -157,7 +157,16 @@ def test_ours_to_hf_to_ours_is_bit_identical(trained, tmp_path):
 
 # Hugging Face families made at random by transformers: the Llama family's members (Llama 3.x
 # RoPE scaling included, tied and untied) and GPT-2.
-HF_STYLES = ["gpt2", "llama", "llama3-scaled", "mistral", "qwen2", "qwen3-tied"]
+HF_STYLES = [
+    "gpt2",
+    "llama",
+    "llama3-scaled",
+    "llama-yarn",
+    "llama-dynamic",
+    "mistral",
+    "qwen2",
+    "qwen3-tied",
+]
 
 
 def _random_hf_model(style: str, folder):
@@ -185,7 +194,14 @@ def _random_hf_model(style: str, folder):
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0}
         rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
         rope |= {"original_max_position_embeddings": 16}
-    family = {"llama3-scaled": "llama", "qwen3-tied": "qwen3"}.get(style, style)
+    if style == "llama-yarn":  # its original length shorter than the tokens
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+        rope |= {"original_max_position_embeddings": 16}
+    if style == "llama-dynamic":  # 16 tokens run past max_position_embeddings 8
+        rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+        shape["max_position_embeddings"] = 8
+    family = {"qwen3-tied": "qwen3"}.get(style, style.split("-")[0])
+    family = "llama" if family == "llama3" else family
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),

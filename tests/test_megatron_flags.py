@@ -499,6 +499,76 @@ def test_rope_scaling_gives_megatron_core_and_transformers_frequencies():
         ModelConfig(use_rope_scaling=True).validate()
 
 
+def test_yarn_and_dynamic_rope_give_megatron_core_and_transformers_tables(monkeypatch):
+    """YaRN (--position-embedding-type yarn, Megatron-LM's flags) against megatron-core's
+    YarnRotaryEmbedding and transformers' "yarn" rope_type (frequencies and the attention
+    factor on cos and sin); dynamic NTK (--rope-scaling-type dynamic) against transformers'
+    "dynamic" at a length past max_position_embeddings, and unscaled below it."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.config import ModelConfig
+    from engine.model.rope import RotaryEmbedding
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
+
+    base = dict(num_layers=1, hidden_size=128, num_attention_heads=2, vocab_size=64)
+    base |= dict(rotary_base=500000, seq_length=64)
+    hf_shape = dict(hidden_size=128, num_attention_heads=2, max_position_embeddings=64)
+    for mscale, mscale_all_dim in ((1.0, 0.0), (0.8, 0.5)):
+        cfg = ModelConfig(
+            **base,
+            position_embedding_type="yarn",
+            rotary_scaling_factor=16.0,
+            yarn_original_max_position_embeddings=4096,
+            mscale=mscale,
+            mscale_all_dim=mscale_all_dim,
+        )
+        cfg.validate()
+        cos, sin = RotaryEmbedding.for_config(cfg)(torch.arange(48))
+        # megatron-core moves its tables to the current CUDA device: here, the CPU
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+        theirs = yarn_rotary_pos_embedding.YarnRotaryEmbedding(
+            kv_channels=64,
+            rotary_base=500000,
+            scaling_factor=16.0,
+            original_max_position_embeddings=4096,
+            mscale=mscale,
+            mscale_all_dim=mscale_all_dim,
+            use_cpu_initialization=True,
+        )
+        angles, concentration = theirs.get_emb(48)
+        assert torch.allclose(cos, angles.cos() * concentration, atol=1e-6)
+        assert torch.allclose(sin, angles.sin() * concentration, atol=1e-6)
+        assert concentration > 1.0
+        rope = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 16.0}
+        rope |= {"original_max_position_embeddings": 4096}
+        rope |= {"mscale": mscale, "mscale_all_dim": mscale_all_dim} if mscale_all_dim else {}
+        hf = LlamaConfig(**hf_shape, rope_parameters=rope)
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, torch.device("cpu"))
+        ours = RotaryEmbedding.for_config(cfg)
+        assert torch.allclose(ours.inv_freq, inv_freq, rtol=1e-6)
+        assert ours.attention_factor == pytest.approx(factor, rel=1e-12)
+    cfg = ModelConfig(**base, position_embedding_type="rope", rope_scaling_type="dynamic")
+    cfg.rope_scaling_factor = 4.0
+    hf = LlamaConfig(
+        **hf_shape, rope_parameters={"rope_type": "dynamic", "rope_theta": 500000.0, "factor": 4.0}
+    )
+    ours = RotaryEmbedding.for_config(cfg)
+    for length in (40, 64, 200):
+        inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](hf, torch.device("cpu"), seq_len=length)
+        expected = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+        cos, _ = ours(torch.arange(length), length)
+        assert torch.allclose(cos[:, 0, 0, :32], expected.cos(), atol=1e-6), length
+    assert not torch.allclose(ours._dynamic_inv_freq(200), ours.inv_freq)  # it did scale
+    with pytest.raises(ConfigError, match="--use-rope-scaling and --rope-scaling-type dynamic"):
+        ModelConfig(**base, position_embedding_type="rope", use_rope_scaling=True,
+                    rope_scaling_type="dynamic").validate()  # fmt: skip
+
+
 def test_window_size_is_megatron_lm_left_right():
     """--window-size (left, right): itself and `left` tokens back; only causal windows."""
     from engine.config import ModelConfig

@@ -13,7 +13,7 @@ without attention dropout, hidden dropout 0.1.
 
 Context parallelism: activation bytes of one Llama-style layer (RoPE, RMSNorm, SwiGLU, GQA)
 per CP rank at 8K and 32K tokens per sample, CP 1, 2 and 4, for each --cp-comm-type, against
-CP 1's bytes / C. all_gather runs at the shorter length only: on CPU, torch's attention with a
+CP 1's bytes / C. allgather runs at the shorter length only: on CPU, torch's attention with a
 mask falls back to the explicit [heads, s/C, s] probabilities, which is what it measures.
 
 Prints tables and writes JSON.
@@ -63,7 +63,7 @@ CP_SIZES = (1, 2, 4)
 def _cp_cases(args) -> list[tuple[int, str]]:
     """(sequence length, comm type) measured at every CP size above 1."""
     cases = [(seq, comm) for seq in args.cp_seq_lengths for comm in ("p2p", "a2a")]
-    return cases + [(min(args.cp_seq_lengths), "all_gather")]
+    return cases + [(min(args.cp_seq_lengths), "allgather")]
 
 
 def _measure_context_parallel(rank, world, args):

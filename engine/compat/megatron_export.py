@@ -31,7 +31,8 @@ import torch
 
 from engine.compat.megatron_layout import join_parts, megatron_layer_keys
 from engine.config import ModelConfig
-from engine.errors import InputError, UserError
+from engine.errors import ConfigError, InputError, UserError
+from engine.model.rope import rope_scaling_of
 from parallel.errors import describe_os_error, root_cause
 
 # megatron-core's linear layers and TransformerEngine's attention each save an _extra_state
@@ -52,11 +53,39 @@ _GLOBAL_KEYS = {
 _PADDED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
+def _rope_scaling_args(cfg: ModelConfig) -> dict:
+    """Megatron-LM's arguments for our RoPE scaling (whichever flags asked for it)."""
+    scaling = rope_scaling_of(cfg) or {"rope_type": None}
+    kind = scaling["rope_type"]
+    if kind == "dynamic":
+        raise ConfigError(
+            "--rope-scaling-type dynamic has no Megatron-LM equivalent; export to Hugging "
+            "Face instead (rope_type dynamic)"
+        )
+    args = {
+        "position_embedding_type": "yarn" if kind == "yarn" else cfg.position_embedding_type,
+        "use_rope_scaling": kind == "llama3",
+        "rope_scaling_factor": scaling["factor"] if kind == "llama3" else cfg.rope_scaling_factor,
+        "rotary_seq_len_interpolation_factor": scaling["factor"] if kind == "linear" else None,
+    }
+    if kind == "yarn":
+        args |= {
+            "rotary_scaling_factor": scaling["factor"],
+            "yarn_original_max_position_embeddings": scaling["original_max_position_embeddings"],
+            "yarn_beta_fast": scaling["beta_fast"],
+            "yarn_beta_slow": scaling["beta_slow"],
+            "mscale": scaling["mscale"],
+            "mscale_all_dim": scaling["mscale_all_dim"],
+            "yarn_correction_range_round_to_int": scaling["truncate"],
+        }
+    return args
+
+
 def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> argparse.Namespace:
     """Megatron-LM's arguments for this model, as its training saves them in common.pt (the
     model's, the run's progress and precision, and the layout it is written for)."""
     dtype = meta.get("dtype", "float32")
-    rope = cfg.position_embedding_type == "rope"
+    rope = cfg.uses_rope
     tokenizer = meta.get("tokenizer") or {}
     # A checkpoint imported from Megatron-LM gives back the values Megatron-LM compares on load.
     kept = ((meta.get("source") or {}).get("megatron_args") or {}) if not tokenizer else {}
@@ -70,16 +99,13 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
         kv_channels=cfg.head_dim,
         seq_length=cfg.seq_length,
         max_position_embeddings=cfg.max_positions,
-        position_embedding_type=cfg.position_embedding_type,
         add_position_embedding=not rope,
         use_rotary_position_embeddings=rope,
         rotary_base=cfg.rotary_base,
         rotary_percent=cfg.rotary_percent,
         rotary_interleaved=False,
         window_size=None if cfg.attention_window is None else (cfg.attention_window, 0),
-        use_rope_scaling=cfg.use_rope_scaling,
-        rope_scaling_factor=cfg.rope_scaling_factor,
-        rotary_seq_len_interpolation_factor=cfg.rotary_seq_len_interpolation_factor,
+        **_rope_scaling_args(cfg),
         normalization=cfg.normalization,
         norm_epsilon=cfg.norm_epsilon,
         apply_layernorm_1p=cfg.apply_layernorm_1p,

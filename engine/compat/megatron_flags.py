@@ -195,7 +195,10 @@ def check_compat(
             "--use-megatron-fsdp) is accepted (this engine writes its own sharded "
             "checkpoints); use torch_dist or leave it out"
         )
-    if given.get("add_position_embedding") is False and position_embedding_type != "rope":
+    if (
+        given.get("add_position_embedding") is False
+        and position_embedding_type == "learned_absolute"
+    ):
         raise ConfigError(
             "--no-position-embedding goes with --position-embedding-type rope (as in "
             "Megatron-LM); add that flag or drop this one"

@@ -25,14 +25,14 @@ def model_config_from_args(args) -> ModelConfig:
     swiglu = bool(get("swiglu"))
     position = get("position_embedding_type") or "learned_absolute"
     normalization = get("normalization") or "LayerNorm"
-    if position not in ("learned_absolute", "rope") or normalization not in (
+    if position not in ("learned_absolute", "rope", "yarn") or normalization not in (
         "LayerNorm",
         "RMSNorm",
     ):
         raise InputError(
             f"the checkpoint's model uses --position-embedding-type {position} and "
-            f"--normalization {normalization}; only learned_absolute/rope and LayerNorm/RMSNorm "
-            "are available here"
+            f"--normalization {normalization}; only learned_absolute/rope/yarn and "
+            "LayerNorm/RMSNorm are available here"
         )
     unsupported = {
         "window_attn_skip_freq": get("window_attn_skip_freq"),
@@ -71,6 +71,7 @@ def model_config_from_args(args) -> ModelConfig:
         use_rope_scaling=bool(get("use_rope_scaling")),
         rope_scaling_factor=float(get("rope_scaling_factor") or 8.0),
         rotary_seq_len_interpolation_factor=get("rotary_seq_len_interpolation_factor"),
+        **_yarn_options(get) if position == "yarn" else {},
         normalization=normalization,
         norm_epsilon=float(get("norm_epsilon") or 1e-5),
         apply_layernorm_1p=bool(get("apply_layernorm_1p")),
@@ -85,6 +86,20 @@ def model_config_from_args(args) -> ModelConfig:
         attention_dropout=float(get("attention_dropout") or 0.0),
         init_method_std=float(get("init_method_std") or 0.02),
     )
+
+
+def _yarn_options(get) -> dict:
+    """Our YaRN fields from Megatron-LM's arguments (its defaults where they are unset)."""
+    round_to_int = get("yarn_correction_range_round_to_int")
+    return {
+        "rotary_scaling_factor": float(get("rotary_scaling_factor") or 1.0),
+        "yarn_original_max_position_embeddings": get("yarn_original_max_position_embeddings"),
+        "yarn_beta_fast": get("yarn_beta_fast"),
+        "yarn_beta_slow": get("yarn_beta_slow"),
+        "mscale": float(get("mscale") if get("mscale") is not None else 1.0),
+        "mscale_all_dim": float(get("mscale_all_dim") or 0.0),
+        "yarn_correction_range_round_to_int": True if round_to_int is None else round_to_int,
+    }
 
 
 def _layer_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, str]]]:

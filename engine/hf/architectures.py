@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from engine.config import ModelConfig
 from engine.errors import ConfigError
+from engine.model.rope import YarnScaling, rope_scaling_of
 
 LLAMA, MISTRAL, QWEN2, QWEN3, GPT2 = "llama", "mistral", "qwen2", "qwen3", "gpt2"
 ARCHITECTURES = {
@@ -62,7 +63,7 @@ def _llama_family_member(cfg: ModelConfig) -> str:
 def style_of(cfg: ModelConfig) -> str:
     """'llama', 'qwen2', 'qwen3' or 'gpt2', or ConfigError naming the first option the
     target cannot express."""
-    llama_like = cfg.position_embedding_type == "rope"
+    llama_like = cfg.uses_rope
     style = _llama_family_member(cfg) if llama_like else GPT2
     target = ARCHITECTURES[style]
     if llama_like:
@@ -246,18 +247,9 @@ def hf_config_dict(cfg: ModelConfig, style: str, special_ids: dict, dtype: str) 
 
 def rope_parameters(cfg: ModelConfig) -> dict:
     """config.json's rope_parameters for our RoPE settings."""
-    out = {"rope_theta": float(cfg.rotary_base), "rope_type": "default"}
-    if cfg.use_rope_scaling:
-        out |= {
-            "rope_type": "llama3",
-            "factor": cfg.rope_scaling_factor,
-            "low_freq_factor": cfg.rope_scaling_low_freq_factor,
-            "high_freq_factor": cfg.rope_scaling_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_scaling_original_max_position_embeddings,
-        }
-    elif cfg.rotary_seq_len_interpolation_factor:
-        out |= {"rope_type": "linear", "factor": float(cfg.rotary_seq_len_interpolation_factor)}
-    return out
+    return {"rope_theta": float(cfg.rotary_base), "rope_type": "default"} | (
+        rope_scaling_of(cfg) or {}
+    )
 
 
 def _rope_options(hf: dict) -> dict:
@@ -281,7 +273,45 @@ def _rope_options(hf: dict) -> dict:
         }
     if kind == "linear":
         return out | {"rotary_seq_len_interpolation_factor": float(rope["factor"])}
-    raise ConfigError(f"rope_type {kind!r} is not supported; default, llama3 and linear RoPE are")
+    if kind == "dynamic":
+        return out | {"rope_scaling_type": "dynamic", "rope_scaling_factor": float(rope["factor"])}
+    if kind == "yarn":
+        return out | _yarn_options(rope, hf)
+    raise ConfigError(
+        f"rope_type {kind!r} is not supported; default, llama3, linear, dynamic and yarn are"
+    )
+
+
+def _yarn_options(rope: dict, hf: dict) -> dict:
+    """Our YaRN flags (Megatron-LM's) for a yarn rope_parameters; ConfigError for an
+    attention_factor other than the one its mscales give (we have no flag for it)."""
+    factor = rope.get("factor")
+    original = rope["original_max_position_embeddings"]
+    if factor is None:  # transformers then takes the ratio of the two lengths
+        factor = hf["max_position_embeddings"] / original
+    options = {
+        "position_embedding_type": "yarn",
+        "rotary_scaling_factor": float(factor),
+        "yarn_original_max_position_embeddings": int(original),
+        "yarn_beta_fast": float(rope.get("beta_fast") or 32.0),
+        "yarn_beta_slow": float(rope.get("beta_slow") or 1.0),
+        "yarn_correction_range_round_to_int": bool(rope.get("truncate", True)),
+    }
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if mscale and mscale_all_dim:  # transformers reads the two only together
+        options |= {"mscale": float(mscale), "mscale_all_dim": float(mscale_all_dim)}
+    implied = YarnScaling(
+        options["rotary_scaling_factor"],
+        mscale=options.get("mscale", 1.0),
+        mscale_all_dim=options.get("mscale_all_dim", 0.0),
+    ).attention_factor()
+    given = rope.get("attention_factor")
+    if given is not None and abs(float(given) - implied) > 1e-6 * implied:
+        raise ConfigError(
+            f"rope_parameters' attention_factor {given} differs from the {implied:.6g} its "
+            "factor and mscales give; only the derived attention factor is available here"
+        )
+    return options
 
 
 def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
@@ -311,8 +341,7 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
             seq_length=hf.get("max_position_embeddings", 2048),
             max_position_embeddings=hf.get("max_position_embeddings"),
             vocab_size=hf["vocab_size"],
-            position_embedding_type="rope",
-            **_rope_options(hf),
+            **{"position_embedding_type": "rope"} | _rope_options(hf),
             normalization="RMSNorm",
             norm_epsilon=hf.get("rms_norm_eps", 1e-6),
             swiglu=True,

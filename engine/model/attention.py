@@ -97,6 +97,12 @@ class SelfAttention(nn.Module):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **kwargs)
 
+    def _keeps_little(self) -> bool:
+        """Ring attention keeps only q, k, v, output and log-sum-exp for backward: selective
+        recomputation would rerun its whole ring to save nothing."""
+        ctx = self.ctx
+        return ctx.cp_size > 1 and ctx.cp_comm_type_of(self.layer_number) == "p2p"
+
     def _rotate(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE on the first channels of each head that the tables cover (all of them unless
         --rotary-percent is below 1); the rest pass through unrotated."""
@@ -117,7 +123,7 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q, k = self._rotate(q, rotary), self._rotate(k, rotary)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        if self.selective_recompute and self.training:
+        if self.selective_recompute and self.training and not self._keeps_little():
             out = checkpoint(self._core, self.ctx.tracker, q, k, v)
         else:
             out = self._core(q, k, v)

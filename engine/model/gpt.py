@@ -111,9 +111,7 @@ class GPTModel(nn.Module):
         )
         self.tied = not config.untie_embeddings_and_output_weights
         self.embedding = Embedding(ctx, tp_rank) if pre_process else None
-        self.rotary = (
-            RotaryEmbedding.for_config(config) if config.position_embedding_type == "rope" else None
-        )
+        self.rotary = RotaryEmbedding.for_config(config) if config.uses_rope else None
         self.layers = nn.ModuleDict({str(n): TransformerLayer(ctx, n) for n in self.layer_numbers})
         self.final_layernorm = self.output_layer = self.word_embeddings_for_head = None
         if post_process:
@@ -230,7 +228,7 @@ class GPTModel(nn.Module):
         rotary = None
         if self.rotary is not None:
             seq = x.shape[0] * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
-            rotary = self.rotary(self.ctx.token_positions(seq, x.device))
+            rotary = self.rotary(self.ctx.token_positions(seq, x.device), seq * self.ctx.cp_size)
         x = self._run_layers(x, rotary)
         if not self.post_process:
             return x
