@@ -46,12 +46,25 @@ QWEN2_FLAGS |= {"--add-qkv-bias": True, "--use-rope-scaling": True}
 QWEN2_FLAGS |= {"--rope-scaling-original-max-position-embeddings": "16"}
 QWEN3_FLAGS = {k: v for k, v in LLAMA_FLAGS.items() if k != "--untie-embeddings-and-output-weights"}
 QWEN3_FLAGS |= {"--qk-layernorm": True}
-STYLE_FLAGS = {"gpt2": GPT2_FLAGS, "llama": LLAMA_FLAGS, "qwen2": QWEN2_FLAGS, "qwen3": QWEN3_FLAGS}
+# Mistral (a sliding window) with YaRN, trained with the sequence split over 2 CP ranks
+MISTRAL_FLAGS = dict(LLAMA_FLAGS, **{"--window-size": "(11, 0)"})
+MISTRAL_FLAGS |= {"--position-embedding-type": "yarn", "--rotary-scaling-factor": "4"}
+MISTRAL_FLAGS |= {"--yarn-original-max-position-embeddings": "16"}
+STYLE_FLAGS = {
+    "gpt2": GPT2_FLAGS,
+    "llama": LLAMA_FLAGS,
+    "qwen2": QWEN2_FLAGS,
+    "qwen3": QWEN3_FLAGS,
+    "mistral": MISTRAL_FLAGS,
+}
+TP2_PP2 = {"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "2"}
+LAYOUTS = {"mistral": {"--context-parallel-size": "2", "--pipeline-model-parallel-size": "2"}}
 
 
 @pytest.fixture(scope="module")
 def trained(dataset_prefix, tokenizer_model, tmp_path_factory):
-    """Tiny models of both styles trained for a few steps under TP2 x PP2."""
+    """Tiny models of every style trained for a few steps under TP2 x PP2 (Mistral under
+    CP2 x PP2)."""
     out = {}
     for style, flags in STYLE_FLAGS.items():
         ckpt = str(tmp_path_factory.mktemp(f"trained-{style}") / "ckpt")
@@ -61,9 +74,8 @@ def trained(dataset_prefix, tokenizer_model, tmp_path_factory):
                 dataset_prefix,
                 tokenizer_model,
                 **flags,
+                **LAYOUTS.get(style, TP2_PP2),
                 **{
-                    "--tensor-model-parallel-size": "2",
-                    "--pipeline-model-parallel-size": "2",
                     "--train-iters": "8",
                     "--lr-warmup-iters": "1",
                     "--save": ckpt,
@@ -100,6 +112,7 @@ def test_transformers_matches_the_engine(trained, tokenizer_model, tmp_path, sty
             "llama": "LlamaForCausalLM",
             "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM",
         }[style]
     )
     ours = engine_model(trained[style])
