@@ -729,6 +729,11 @@ class TrainConfig:
     )
     eval_iters: int = option(100, "global batches per evaluation")
     log_interval: int = option(100, "steps between log lines")
+    log_grad_norms_interval: int | None = option(
+        None,
+        "every this many iterations, log the gradient norm of each layer, the embeddings, the "
+        "final norm, the output layer and each optimizer parameter group",
+    )
     log_jsonl: str | None = option(None, "append one JSON object per log line to this file")
     tensorboard_dir: str | None = option(None, "write TensorBoard scalars here")
     wandb_project: str | None = option(
@@ -808,6 +813,8 @@ class TrainConfig:
     def validate(self) -> None:
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 contradict each other; pick one")
+        if (self.log_grad_norms_interval or 0) < 0:
+            raise ConfigError("--log-grad-norms-interval must be positive (or left out)")
         for name in ("micro_batch_size", "train_iters", "train_samples", "log_interval"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 from engine.metrics import memory_gb
 from engine.run_state import Run
@@ -27,6 +28,12 @@ def log_window(run: Run, window: list[dict], tokens: int) -> None:
         **run.throughput.rates(tokens),
         "mem_gb": memory_gb(run.state.device),
     }
+    finite = [x for x in losses if math.isfinite(x)]
+    if len(finite) > 1:  # how much the loss moved between the iterations of the window
+        record["lm_loss_var"] = statistics.pvariance(finite)
+    parts = [r["part_norms"] for r in window if r.get("part_norms")]
+    if parts:  # the latest breakdown in the window (--log-grad-norms-interval)
+        record |= {f"grad_norm/{label}": value for label, value in parts[-1].items()}
     run.throughput.reset()
     run.writer.log(record, c.iteration)
     mfu = f" | mfu {record['mfu']:.1%}" if "mfu" in record else ""

@@ -21,6 +21,7 @@ from engine.data.builder import (
 from engine.data.gpt_dataset import SPLIT_NAMES
 from engine.data.tokenizers import build_tokenizer
 from engine.errors import ConfigError
+from engine.grad_norm_parts import grad_norm_parts
 from engine.metrics import (
     MetricsWriter,
     SpikeDetector,
@@ -159,6 +160,9 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         ),
         profiler=StepProfiler(train, state.rank, state.device, optimizer.finish_param_sync),
     )
+    if train.log_grad_norms_interval:
+        decoupled = cfg.optimizer.decoupled_lr is not None
+        run.norm_parts = grad_norm_parts(m, ddps, decoupled)
     if batches.describe():
         run.writer.print(batches.describe())
     if train.load:

@@ -71,6 +71,7 @@ class Run:
     data_state: dict | None = None
     train_iterator: object = None
     valid_iterator: object = None  # Parquet streams: the valid stream, read on within a run
+    norm_parts: object = None  # --log-grad-norms-interval: engine/grad_norm_parts.py
 
 
 def params_dtype(train: TrainConfig) -> torch.dtype:

@@ -95,6 +95,7 @@ class StepOutput:
     lr: float
     updated: bool
     loss_scale: float | None
+    part_norms: dict[str, float] | None = None  # with norm_parts: each part's gradient norm
 
 
 def run_schedule(
@@ -149,6 +150,7 @@ def train_step(
     should_step: Callable[[float], bool] | None = None,
     before_update=None,
     samples: int | None = None,
+    norm_parts=None,
 ) -> StepOutput:
     """Zero grads, forward/backward every micro-batch, reduce, set the learning rate, step.
     should_step(loss) can decline the update (it must decide the same on every rank; the loss
@@ -156,6 +158,7 @@ def train_step(
     before_update() right before the weights and optimizer state change.
     A non-finite gradient norm skips the update inside the optimizer. The scheduler advances
     only when the update is applied, by `samples` (the global batch; default the scheduler's).
+    `norm_parts` (parallel.zero.NormParts): also the gradient norm of each part.
     Collective on all ranks.
     """
     optimizer.zero_grad()
@@ -172,10 +175,10 @@ def train_step(
         return StepOutput(loss, None, lr, False, loss_scale)
     if before_update is not None:
         before_update()
-    result = optimizer.step()
+    result = optimizer.step(norm_parts) if norm_parts is not None else optimizer.step()
     if result.updated:
         # As Megatron-LM: the schedule moves on only after an update is applied, so a skipped
         # one (non-finite gradient, fp16 overflow, declined above) is retried at the same LR.
         scheduler.advance(samples)
     norm = result.grad_norm if math.isfinite(result.grad_norm) else None
-    return StepOutput(loss, norm, lr, result.updated, result.loss_scale)
+    return StepOutput(loss, norm, lr, result.updated, result.loss_scale, result.part_norms)

@@ -52,6 +52,8 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         decision["attempted"] = decision["spike_z"] is None or not run.cfg.train.skip_spike_batches
         return decision["attempted"]
 
+    every = run.cfg.train.log_grad_norms_interval
+    parts = run.norm_parts if every and iteration % every == 0 else None
     out = train_step(
         run.chunks,
         run.optimizer,
@@ -63,6 +65,7 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         should_step=should_step,
         before_update=run.checkpointer.wait_for_copy if run.checkpointer else None,
         samples=global_batch,
+        norm_parts=parts,
     )
     # An attempted step that did not update had a non-finite gradient (with fp16 that is a
     # loss-scale overflow, which the scaler handles and is not counted).
@@ -76,6 +79,7 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         "loss_scale": out.loss_scale,
         "nan": not math.isfinite(out.loss) or bad_gradient,
         "batch_size": global_batch,
+        "part_norms": out.part_norms,
     }
 
 

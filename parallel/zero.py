@@ -24,12 +24,14 @@ all-gather.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from parallel.comm import all_reduce
 from parallel.ddp import DistributedDataParallel
 from parallel.grad_scaler import DynamicGradScaler
 from parallel.grads import clip_coefficient, counts_toward_norm, global_grad_norm
@@ -54,6 +56,17 @@ class StepResult:
     updated: bool
     grad_norm: float
     loss_scale: float | None
+    part_norms: dict[str, float] | None = None  # with a NormParts: the norm of each part
+
+
+@dataclass(frozen=True)
+class NormParts:
+    """A breakdown of the gradient norm: `labels`, the same list on every rank, and
+    `labels_of(piece)`, the indices of the labels a piece counts toward (its layer, its
+    parameter group, ...). Each label's norm counts every element once, as the global one."""
+
+    labels: tuple[str, ...]
+    labels_of: Callable[[Piece], tuple[int, ...]]
 
 
 class DistributedOptimizer:
@@ -134,21 +147,23 @@ class DistributedOptimizer:
         return loss * self.grad_scaler.scale if self.grad_scaler is not None else loss
 
     @torch.no_grad()
-    def step(self) -> StepResult:
+    def step(self, parts: NormParts | None = None) -> StepResult:
         """One update from the (already reduced, see parallel.grads) main grads. Main grads
         kept in bf16 (--grad-reduce-in-bf16) are copied to fp32 first, as Megatron-LM does:
-        unscaling, the norm, clipping and the update are in fp32."""
+        unscaling, the norm, clipping and the update are in fp32. With `parts`, the norm of
+        each part too (before clipping, as the global norm)."""
         grads = [p.grad if p.grad.dtype == p.master.dtype else p.grad.float() for p in self.pieces]
         if self.grad_scaler is not None:
             torch._foreach_mul_(grads, self.grad_scaler.inv_scale)
         counted = [g for g, counts in zip(grads, self._counts) if counts]
         norm = global_grad_norm(counted, self.norm_group, self.consensus_group)
+        part_norms = self._part_norms(grads, parts) if parts is not None else None
         finite = norm == norm and norm != float("inf")
         scale = self.grad_scaler.scale if self.grad_scaler is not None else None
         if self.grad_scaler is not None:
             self.grad_scaler.update(not finite)
         if not finite:
-            return StepResult(False, norm, scale)
+            return StepResult(False, norm, scale, part_norms)
         coefficient = clip_coefficient(norm, self.clip_grad)
         if coefficient < 1.0:
             torch._foreach_mul_(grads, coefficient)
@@ -160,7 +175,20 @@ class DistributedOptimizer:
                 piece.data.copy_(piece.master)
         for ddp in self.ddps:
             ddp.start_param_sync()
-        return StepResult(True, norm, scale)
+        return StepResult(True, norm, scale, part_norms)
+
+    def _part_norms(self, grads: list[torch.Tensor], parts: NormParts) -> dict[str, float]:
+        """Sum of squares per label over this rank's counted pieces, summed over the same
+        group as the global norm."""
+        device = grads[0].device if grads else torch.device("cpu")
+        sums = torch.zeros(len(parts.labels), dtype=torch.float64, device=device)
+        for piece, grad, counts in zip(self.pieces, grads, self._counts):
+            if counts:
+                square = torch.linalg.vector_norm(grad, dtype=torch.float64).square()
+                for index in parts.labels_of(piece):
+                    sums[index] += square
+        all_reduce(sums, self.norm_group)
+        return {label: math.sqrt(v) for label, v in zip(parts.labels, sums.tolist())}
 
     def finish_param_sync(self) -> None:
         for ddp in self.ddps:

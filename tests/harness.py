@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig, OptimizerConfig
+from engine.grad_norm_parts import grad_norm_parts
 from engine.model import BuildContext, GPTModel
 from engine.model.builder import build_model_chunks
 from engine.optim import LRScheduler, build_optimizer, no_weight_decay
@@ -128,10 +129,12 @@ def engine_run(
     repeat_batch: bool = False,
     torch_compile: bool = False,
     cp_comm_type=("p2p",),
+    part_norms: bool = False,
 ):
     """The same run through DDP + DistributedOptimizer + the pipeline schedule; `sharding`
     (a strategy of parallel/ddp.py) overrides `zero`.
-    repeat_batch: train on one batch over and over (a loss that can fall)."""
+    repeat_batch: train on one batch over and over (a loss that can fall).
+    part_norms: each step also reports the gradient norm per layer and parameter group."""
     chunks = build_model_chunks(
         cfg,
         state,
@@ -174,7 +177,10 @@ def engine_run(
         batches = micro_batches(tokens, mbs, state.dp_rank, state.dp_size)
         if hook is not None:
             hook(step, ddps, optimizer)
-        outputs.append(train_step(ddps, optimizer, scheduler, batches, state, schedule))
+        parts = grad_norm_parts(cfg, ddps) if part_norms else None
+        outputs.append(
+            train_step(ddps, optimizer, scheduler, batches, state, schedule, norm_parts=parts)
+        )
     optimizer.finish_param_sync()
     return outputs, ddps, optimizer
 
