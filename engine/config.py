@@ -729,6 +729,11 @@ class TrainConfig:
     )
     eval_iters: int = option(100, "global batches per evaluation")
     log_interval: int = option(100, "steps between log lines")
+    log_gradient_noise_scale: bool = option(
+        False,
+        "log the gradient noise scale (McCandlish et al.'s B_simple, from each DP rank's own "
+        "gradient norm and the reduced one, smoothed); needs DP >= 2",
+    )
     log_grad_norms_interval: int | None = option(
         None,
         "every this many iterations, log the gradient norm of each layer, the embeddings, the "

@@ -122,6 +122,7 @@ def check(cfg, world_size: int) -> None:
     check_compat(cfg.megatron, m.position_embedding_type, cfg.parallel.use_megatron_fsdp)
     m.validate(tp, par.sequence_parallel)
     _check_context_parallel(m, par)
+    _check_noise_scale(train, par, dp)
     par.validate(m.num_layers)
     train.validate()
     check_profile_flags(train)
@@ -136,6 +137,27 @@ def check(cfg, world_size: int) -> None:
         iteration = find_latest(train.load)  # a broken latest file is reported now
         if iteration is not None:  # files present with their sizes; checksums in the ranks
             verify_checkpoint(iteration_dir(train.load, iteration), digests=False)
+
+
+def _check_noise_scale(train, par, dp: int) -> None:
+    """The noise scale needs each DP rank's whole own gradient of a step: two or more DP
+    ranks, no CP (a CP rank's gradient covers part of each sequence), and gradients reduced
+    once per step (not sharded every micro-batch)."""
+    if not train.log_gradient_noise_scale:
+        return
+    flag = "--log-gradient-noise-scale"
+    if dp < 2:
+        raise ConfigError(
+            f"{flag} compares each data-parallel rank's gradient with their "
+            "mean: it needs a data-parallel size of 2 or more"
+        )
+    if par.context_parallel_size > 1:
+        raise ConfigError(f"{flag} is not available with --context-parallel-size above 1")
+    if par.sharding_strategy() in ("optim_grads", "optim_grads_params"):
+        raise ConfigError(
+            f"{flag} is not available with --data-parallel-sharding-strategy "
+            f"{par.sharding_strategy()} (gradients are reduced every micro-batch); use optim"
+        )
 
 
 def _check_context_parallel(m, par) -> None:

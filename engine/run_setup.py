@@ -30,6 +30,7 @@ from engine.metrics import (
     model_flops_per_token,
 )
 from engine.model.builder import build_model_chunks
+from engine.noise_scale import LocalGradSquares, NoiseScale
 from engine.ops import agree_on_ops, select_ops
 from engine.optim import LRScheduler, build_optimizer
 from engine.profiling import StepProfiler
@@ -160,6 +161,9 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         ),
         profiler=StepProfiler(train, state.rank, state.device, optimizer.finish_param_sync),
     )
+    if train.log_gradient_noise_scale:
+        run.local_squares = LocalGradSquares(ddps, state.tp_rank)
+        run.noise_scale = NoiseScale()
     if train.log_grad_norms_interval:
         decoupled = cfg.optimizer.decoupled_lr is not None
         run.norm_parts = grad_norm_parts(m, ddps, decoupled)

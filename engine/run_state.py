@@ -72,6 +72,8 @@ class Run:
     train_iterator: object = None
     valid_iterator: object = None  # Parquet streams: the valid stream, read on within a run
     norm_parts: object = None  # --log-grad-norms-interval: engine/grad_norm_parts.py
+    local_squares: object = None  # --log-gradient-noise-scale: engine/noise_scale.py
+    noise_scale: object = None
 
 
 def params_dtype(train: TrainConfig) -> torch.dtype:

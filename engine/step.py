@@ -96,6 +96,7 @@ class StepOutput:
     updated: bool
     loss_scale: float | None
     part_norms: dict[str, float] | None = None  # with norm_parts: each part's gradient norm
+    local_grad_squares: float | None = None  # with local_squares: mean |own gradient|^2
 
 
 def run_schedule(
@@ -151,6 +152,7 @@ def train_step(
     before_update=None,
     samples: int | None = None,
     norm_parts=None,
+    local_squares=None,
 ) -> StepOutput:
     """Zero grads, forward/backward every micro-batch, reduce, set the learning rate, step.
     should_step(loss) can decline the update (it must decide the same on every rank; the loss
@@ -158,21 +160,26 @@ def train_step(
     before_update() right before the weights and optimizer state change.
     A non-finite gradient norm skips the update inside the optimizer. The scheduler advances
     only when the update is applied, by `samples` (the global batch; default the scheduler's).
-    `norm_parts` (parallel.zero.NormParts): also the gradient norm of each part.
+    `norm_parts` (parallel.zero.NormParts): also the gradient norm of each part;
+    `local_squares` (engine.noise_scale.LocalGradSquares): also the DP ranks' mean squared
+    norm of their own gradients, before the reduction.
     Collective on all ranks.
     """
     optimizer.zero_grad()
     scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else 1.0
+    if local_squares is not None:
+        local_squares.attach(state.device)
     losses = run_schedule(chunks, batches, schedule, loss_scale=scale, state=state)
     if after_backward is not None:
         after_backward()
     shared = [w for c in chunks if (w := c.module.shared_embedding_weight()) is not None]
     finalize_model_grads(chunks, state.tp_group, state.embedding_group, shared)
+    own = local_squares.detach(state, scale) if local_squares is not None else None
     loss = shared_loss(losses, state)
     lr = scheduler.apply(optimizer)
     loss_scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else None
     if should_step is not None and not should_step(loss):
-        return StepOutput(loss, None, lr, False, loss_scale)
+        return StepOutput(loss, None, lr, False, loss_scale, None, own)
     if before_update is not None:
         before_update()
     result = optimizer.step(norm_parts) if norm_parts is not None else optimizer.step()
@@ -181,4 +188,4 @@ def train_step(
         # one (non-finite gradient, fp16 overflow, declined above) is retried at the same LR.
         scheduler.advance(samples)
     norm = result.grad_norm if math.isfinite(result.grad_norm) else None
-    return StepOutput(loss, norm, lr, result.updated, result.loss_scale, result.part_norms)
+    return StepOutput(loss, norm, lr, result.updated, result.loss_scale, result.part_norms, own)

@@ -66,10 +66,17 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         before_update=run.checkpointer.wait_for_copy if run.checkpointer else None,
         samples=global_batch,
         norm_parts=parts,
+        local_squares=run.local_squares,
     )
     # An attempted step that did not update had a non-finite gradient (with fp16 that is a
     # loss-scale overflow, which the scaler handles and is not counted).
     bad_gradient = decision["attempted"] and not out.updated and run.optimizer.grad_scaler is None
+    noise_scale = None
+    if run.noise_scale is not None and out.grad_norm is not None:
+        own_batch = global_batch // run.state.dp_size
+        noise_scale = run.noise_scale.update(
+            out.local_grad_squares, own_batch, out.grad_norm**2, global_batch
+        )
     return {
         "lm_loss": out.loss,
         "lr": out.lr,
@@ -80,6 +87,7 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         "nan": not math.isfinite(out.loss) or bad_gradient,
         "batch_size": global_batch,
         "part_norms": out.part_norms,
+        "gradient_noise_scale": noise_scale,
     }
 
 

@@ -45,6 +45,7 @@ parallel/buckets.py.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,8 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"sharding strategy {sharding!r} is not one of {STRATEGIES}")
         self.module = module
         self.dp_group = dp_group
+        # called with each bucket right before its reduction (engine/noise_scale.py)
+        self.before_reduce: Callable[[Bucket], None] | None = None
         self.dp_size = group_size(dp_group)
         self.dp_rank = group_rank(dp_group)
         self.sharding = sharding
@@ -228,6 +231,8 @@ class DistributedDataParallel(nn.Module):
                 self._start_bucket_reduce(bucket, async_op=True)
 
     def _start_bucket_reduce(self, bucket: Bucket, async_op: bool) -> None:
+        if self.before_reduce is not None:  # sees this rank's own gradient of the bucket
+            self.before_reduce(bucket)
         bucket.grad.mul_(1.0 / self.dp_size)
         if self.use_distributed_optimizer:
             bucket.grad_shard_tmp = torch.empty(

@@ -9,6 +9,7 @@ from engine.config import ModelConfig, OptimizerConfig
 from engine.grad_norm_parts import grad_norm_parts
 from engine.model import BuildContext, GPTModel
 from engine.model.builder import build_model_chunks
+from engine.noise_scale import LocalGradSquares
 from engine.optim import LRScheduler, build_optimizer, no_weight_decay
 from engine.step import run_schedule, train_step
 from parallel.ddp import DistributedDataParallel
@@ -130,11 +131,13 @@ def engine_run(
     torch_compile: bool = False,
     cp_comm_type=("p2p",),
     part_norms: bool = False,
+    local_squares: bool = False,
 ):
     """The same run through DDP + DistributedOptimizer + the pipeline schedule; `sharding`
     (a strategy of parallel/ddp.py) overrides `zero`.
     repeat_batch: train on one batch over and over (a loss that can fall).
-    part_norms: each step also reports the gradient norm per layer and parameter group."""
+    part_norms: each step also reports the gradient norm per layer and parameter group;
+    local_squares: and the DP ranks' mean squared norm of their own gradients."""
     chunks = build_model_chunks(
         cfg,
         state,
@@ -178,8 +181,18 @@ def engine_run(
         if hook is not None:
             hook(step, ddps, optimizer)
         parts = grad_norm_parts(cfg, ddps) if part_norms else None
+        own = LocalGradSquares(ddps, state.tp_rank) if local_squares else None
         outputs.append(
-            train_step(ddps, optimizer, scheduler, batches, state, schedule, norm_parts=parts)
+            train_step(
+                ddps,
+                optimizer,
+                scheduler,
+                batches,
+                state,
+                schedule,
+                norm_parts=parts,
+                local_squares=own,
+            )
         )
     optimizer.finish_param_sync()
     return outputs, ddps, optimizer
