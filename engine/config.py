@@ -818,7 +818,7 @@ class TrainConfig:
     def validate(self) -> None:
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 contradict each other; pick one")
-        if (self.log_grad_norms_interval or 0) < 0:
+        if self.log_grad_norms_interval is not None and self.log_grad_norms_interval < 1:
             raise ConfigError("--log-grad-norms-interval must be positive (or left out)")
         for name in ("micro_batch_size", "train_iters", "train_samples", "log_interval"):
             if getattr(self, name) is not None and getattr(self, name) < 1:

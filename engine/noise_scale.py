@@ -31,18 +31,18 @@ class LocalGradSquares:
     def __init__(self, ddps, tp_rank: int):
         self.ddps, self.tp_rank = ddps, tp_rank
         self.total: torch.Tensor | None = None
-        self.partial: list[torch.Tensor] = []
+        self.partial: dict = {}  # param -> its partial gradient, summed in ddp.params order
 
     def attach(self, device) -> None:
         self.total = torch.zeros((), dtype=torch.float64, device=device)
-        self.partial = []
+        self.partial = {}
         for ddp in self.ddps:
             ddp.before_reduce = self._add
 
     def _add(self, bucket) -> None:
         for param in bucket.params:
             if has_tp_partial_grad(param):
-                self.partial.append(param.main_grad.detach().double().flatten())
+                self.partial[param] = param.main_grad.detach().double().flatten()
             elif counts_toward_norm(param, self.tp_rank):
                 self.total += param.main_grad.double().square().sum()
 
@@ -51,18 +51,20 @@ class LocalGradSquares:
         for ddp in self.ddps:
             ddp.before_reduce = None
         if state.tp_group is not None:  # every TP rank holds the same replicated parameters
-            partial = torch.cat(self.partial) if self.partial else self.total.new_zeros(0)
+            ordered = [self.partial[p] for d in self.ddps for p in d.params if p in self.partial]
+            partial = torch.cat(ordered) if ordered else self.total.new_zeros(0)
             dist.all_reduce(partial, group=state.tp_group)
             if state.tp_rank == 0:
                 self.total += partial.square().sum()
         else:
-            self.total += sum((p.square().sum() for p in self.partial), self.total.new_zeros(()))
+            squares = (p.square().sum() for p in self.partial.values())
+            self.total += sum(squares, self.total.new_zeros(()))
         total = self.total.reshape(1) / loss_scale**2
         if state.model_parallel_group is not None:
             dist.all_reduce(total, group=state.model_parallel_group)
         if state.dp_group is not None:
             dist.all_reduce(total, group=state.dp_group)
-        self.total, self.partial = None, []
+        self.total, self.partial = None, {}
         return total.item() / state.dp_size
 
 

@@ -31,7 +31,8 @@ def log_window(run: Run, window: list[dict], tokens: int) -> None:
     finite = [x for x in losses if math.isfinite(x)]
     if len(finite) > 1:  # how much the loss moved between the iterations of the window
         record["lm_loss_var"] = statistics.pvariance(finite)
-    scales = [r["gradient_noise_scale"] for r in window if r.get("gradient_noise_scale")]
+    scales = [r.get("gradient_noise_scale") for r in window]
+    scales = [x for x in scales if x is not None]
     if scales:  # the smoothed estimate after the window's last measured step
         record["gradient_noise_scale"] = scales[-1]
     parts = [r["part_norms"] for r in window if r.get("part_norms")]

@@ -163,7 +163,7 @@ class DistributedOptimizer:
         if self.grad_scaler is not None:
             self.grad_scaler.update(not finite)
         if not finite:
-            return StepResult(False, norm, scale, part_norms)
+            return StepResult(False, norm, scale)  # no breakdown of a non-finite gradient
         coefficient = clip_coefficient(norm, self.clip_grad)
         if coefficient < 1.0:
             torch._foreach_mul_(grads, coefficient)
