@@ -7,9 +7,8 @@ takes the same third step to the same weights, which a fresh optimizer does not.
 Besides the rig's CUDA stand-ins, the ranks that run megatron-core's optimizer put on the CPU
 the few tensors its optimizer and DDP wrapper create with device="cuda" (torch.tensor, zeros,
 empty, ...), and gradient clipping is off (megatron-core's clipping asserts CUDA tensors).
-megatron-core's distributed optimizer cannot be built on CPU (it checks for torch.cuda tensor
-types), so its fully-reshardable format, which stores the same per-parameter keys, is not
-produced here."""
+The distributed optimizer's default layout is tested in
+tests/test_megatron_distributed_optimizer.py."""
 
 from __future__ import annotations
 
@@ -124,20 +123,20 @@ def test_adam_state_from_megatron_core_continues_its_training(tmp_path):
     assert error(results["fresh"]) > 1e-3
 
 
-def test_optimizer_state_tied_to_megatron_buffers_is_refused(tmp_path):
-    """The distributed optimizer's default dp_reshardable layout: one line, exit 2, the fix;
-    with that fix (--no-load-optim) the weights convert."""
+def test_optimizer_state_in_an_older_bucket_layout_is_refused(tmp_path):
+    """The distributed optimizer's older dp_zero_gather_scatter layout: one line, exit 2, the
+    fix; with that fix (--no-load-optim) the weights convert."""
     root = tmp_path / "megatron"
     folder = root / "iter_0000002"
     run_ranks(_train_save_and_step, 1, str(folder))
     (root / "latest_checkpointed_iteration.txt").write_text("2")
     common = torch.load(folder / "common.pt", weights_only=False)  # the test's own file
-    common["optimizer"] = {"param_state_sharding_type": "dp_reshardable", "optimizer": {}}
+    common["optimizer"] = {"param_state_sharding_type": "dp_zero_gather_scatter", "optimizer": {}}
     torch.save(common, folder / "common.pt")
     result = _convert(str(root), str(tmp_path / "ours"))
     assert result.returncode == 2, result.stderr
     [line] = result.stderr.strip().splitlines()
-    assert "'dp_reshardable'" in line and "--dist-ckpt-optim-fully-reshardable" in line
+    assert "'dp_zero_gather_scatter'" in line and "--dist-ckpt-optim-fully-reshardable" in line
     assert "--no-load-optim" in line and not (tmp_path / "ours").exists()
     result = _convert(str(root), str(tmp_path / "ours"), ["--no-load-optim"])
     assert result.returncode == 0, result.stderr

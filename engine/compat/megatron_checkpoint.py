@@ -13,8 +13,9 @@ The tensors' names and fused layout are in engine/compat/megatron_layout.py. Nor
 keep their values (with --apply-layernorm-1p both store them centred on zero).
 
 What is read: the model weights, the model's shape (from the saved arguments, or the flags
-when there are none), the iteration and consumed samples, and Adam's state where megatron-core
-saved it per parameter (engine/compat/megatron_optimizer.py). Random states are not read.
+when there are none), the iteration and consumed samples, and Adam's state in any of
+megatron-core's current layouts (engine/compat/megatron_optimizer.py). Random states are not
+read.
 """
 
 from __future__ import annotations
@@ -69,17 +70,13 @@ def import_from_megatron(
     """Write our checkpoint folder `output` from the Megatron-LM iteration folder `path` (or
     a checkpoint root, whose latest iteration is taken): the model weights at Megatron-LM's
     iteration and consumed samples, the learning-rate schedule's position, and Adam's state
-    when the checkpoint holds it in model space (else, or without `load_optim`, a fresh
-    optimizer). `cfg`: the model, when the common state holds no saved arguments."""
+    when the checkpoint holds it (else, or without `load_optim`, a fresh optimizer). `cfg`:
+    the model, when the common state holds no saved arguments."""
     import dataclasses
 
     from engine.checkpoint_convert import check_new_output, write_converted
     from engine.checkpoint_files import iteration_dir
-    from engine.compat.megatron_optimizer import (
-        check_optimizer_format,
-        optimizer_key,
-        optimizer_step,
-    )
+    from engine.compat.megatron_optimizer import optimizer_state
     from engine.hf.import_hf import expected_shapes
     from parallel.dcp import LazyTensor
     from parallel.pipeline.layout import stage_layers
@@ -124,23 +121,19 @@ def import_from_megatron(
 
         state[ours] = LazyTensor(torch.Size(expected[ours]), entry.properties.dtype, load)
     step = 0
-    if load_optim and check_optimizer_format(path, common, source.stored):
-        step = optimizer_step(common)
+    reader = optimizer_state(source, common, cfg) if load_optim else None
+    if reader is not None:
+        step = reader.step
+        kinds = ("exp_avg", "exp_avg_sq") + (("master",) if reader.has_master else ())
         for ours, (key, layer, part) in source.tensor_plan(cfg).items():
             name = ours.removeprefix("model/")
-            for kind in ("exp_avg", "exp_avg_sq", "master"):
-                stored = optimizer_key(source.stored, kind, key)
-                if stored is None and kind == "master":
-                    continue  # the master starts from the weights
-                if stored is None:
-                    raise InputError(f"{path}: its optimizer state has no {kind} for {key}")
+            for kind in kinds:
 
-                def load_state(entry=(stored, layer, part)):
-                    return source.logical(entry, cfg)
+                def load_state(entry=(kind, key, layer), part=part):
+                    return split_part(reader.read(*entry), part, cfg).contiguous()
 
-                dtype = source.stored[stored].properties.dtype
                 state[f"optim/{name}/{kind}"] = LazyTensor(
-                    state[ours].global_shape, dtype, load_state
+                    state[ours].global_shape, torch.float32, load_state
                 )
     iteration = int(common.get("iteration", 0) or 0)
     consumed = int(getattr(args, "consumed_train_samples", 0) or 0) if args else 0
@@ -211,14 +204,13 @@ def megatron_progress(path: str) -> dict:
     }
 
 
-def _fill(source: MegatronCheckpoint, key: str, entry: tuple, boxes, cfg: ModelConfig) -> None:
-    """Copy megatron-core's tensor `entry` (key, layer, part) into the boxes of our `key`."""
-    full = source.logical(entry, cfg)
+def _fill(full: torch.Tensor, key: str, boxes, path: str) -> None:
+    """Copy the whole tensor `full` (megatron-core's, as ours) into the boxes of our `key`."""
     if tuple(full.shape) != tuple(boxes.global_shape):
         raise InputError(
-            f"{source.path}: {entry[0]} gives {key.removeprefix('model/')} the shape "
-            f"{list(full.shape)}, but the model has {list(boxes.global_shape)}; the flags "
-            "describe another model (--use-checkpoint-args takes the saved one)"
+            f"{path}: gives {key.removeprefix('model/')} the shape {list(full.shape)}, but the "
+            f"model has {list(boxes.global_shape)}; the flags describe another model "
+            "(--use-checkpoint-args takes the saved one)"
         )
     for offset, tensor in boxes.boxes:
         region = tuple(slice(o, o + n) for o, n in zip(offset, tensor.shape))
@@ -228,27 +220,25 @@ def _fill(source: MegatronCheckpoint, key: str, entry: tuple, boxes, cfg: ModelC
 def load_weights(path: str, chunks, cfg: ModelConfig, optimizer=None) -> int | None:
     """Fill this rank's model chunks (any TP/PP/virtual layout) with the weights of the
     Megatron-LM iteration folder `path`, one tensor (one layer of it) at a time; with
-    `optimizer`, also its Adam state when the checkpoint holds it in model space (see
-    engine/compat/megatron_optimizer.py). Returns Adam's step when optimizer state was read."""
+    `optimizer`, also its Adam state (see engine/compat/megatron_optimizer.py). Returns Adam's
+    step when optimizer state was read."""
     from engine.checkpoint_state import model_state, optimizer_state, prime_optimizer_state
-    from engine.compat.megatron_optimizer import (
-        check_optimizer_format,
-        check_state_kinds,
-        optimizer_key,
-        optimizer_step,
-    )
+    from engine.compat.megatron_optimizer import check_state_kinds
+    from engine.compat.megatron_optimizer import optimizer_state as megatron_optimizer_state
 
     source = MegatronCheckpoint(path)
     plan = source.tensor_plan(cfg)
     for key, boxes in model_state(chunks, for_save=False).items():
         if key not in plan:
             raise InputError(f"{path}: nothing in it gives {key.removeprefix('model/')}")
-        _fill(source, key, plan[key], boxes, cfg)
+        _fill(source.logical(plan[key], cfg), key, boxes, path)
     for piece in optimizer.pieces if optimizer is not None else ():
         if piece.master is not piece.data:
             piece.master.copy_(piece.data)
-    common = read_common(path)
-    if optimizer is None or not check_optimizer_format(path, common, source.stored):
+    reader = None
+    if optimizer is not None:
+        reader = megatron_optimizer_state(source, read_common(path), cfg)
+    if reader is None:
         return None
     prime_optimizer_state(optimizer)
     wanted = optimizer_state(optimizer, chunks, for_save=False)
@@ -256,15 +246,12 @@ def load_weights(path: str, chunks, cfg: ModelConfig, optimizer=None) -> int | N
     for key, boxes in wanted.items():
         name, kind = key.removeprefix("optim/").rsplit("/", 1)
         model_key, layer, part = plan[f"model/{name}"]
-        stored = optimizer_key(source.stored, kind, model_key)
-        if stored is None and kind == "master":
+        full = reader.read(kind, model_key, layer)
+        if full is None:
             continue  # the master starts from the weights, as Megatron-LM's fp32 runs have it
-        if stored is None:
-            raise InputError(f"{path}: its optimizer state has no {kind} for {model_key}")
-        _fill(source, key, (stored, layer, part), boxes, cfg)
-    step = optimizer_step(common)
+        _fill(split_part(full, part, cfg).contiguous(), key, boxes, path)
     for piece in optimizer.pieces:
         entry = optimizer.optimizer.state.get(piece.master, {})
         if torch.is_tensor(entry.get("step")):
-            entry["step"].fill_(float(step))
-    return step
+            entry["step"].fill_(float(reader.step))
+    return reader.step

@@ -92,8 +92,9 @@ def load_common_bytes(data: bytes, where: str):
         raise InputError(f"{where}: cannot be read weights-only ({one_line(err)})") from None
 
 
-def _inside_checkpoint(path: str) -> tuple[bytes, str] | None:
-    """The bytes of the `common_state` entry of the checkpoint's .distcp files, or None."""
+def _inside_checkpoint(path: str, name: str = COMMON_STATE_KEY) -> tuple[bytes, str] | None:
+    """The bytes of megatron-core's sharded object `name` (the `common_state` by default) in
+    the checkpoint's .distcp files, or None."""
     reader = SafeFileSystemReader(path)
     reader.foreign = True
     try:
@@ -101,7 +102,7 @@ def _inside_checkpoint(path: str) -> tuple[bytes, str] | None:
     except CheckpointError as err:
         raise InputError(str(err)) from None
     for fqn, info in getattr(metadata, "dropped_objects", {}).items():
-        if fqn.split("/")[0] != COMMON_STATE_KEY:
+        if fqn.split("/")[0] != name:
             continue
         where = os.path.join(path, info.relative_path)
         try:
@@ -127,13 +128,20 @@ def read_common(path: str) -> dict:
         except OSError as err:
             raise InputError(f"{file}: cannot be read ({err.strerror or err})") from None
     else:
-        found = _inside_checkpoint(path)
-        if found is None:
+        common, where = read_object(path, COMMON_STATE_KEY), f"{path} ({COMMON_STATE_KEY})"
+        if common is None:
             return {}
-        data, where = found
-        common = load_common_bytes(data, where)
-        if isinstance(common, list) and len(common) == 1:  # how megatron-core stores objects
-            common = common[0]
     if not isinstance(common, dict):
         raise InputError(f"{where}: holds a {type(common).__name__}, not Megatron-LM's state")
     return common
+
+
+def read_object(path: str, name: str):
+    """megatron-core's sharded object `name` in the iteration folder `path` (plain data, read
+    weights-only with the allow-list), or None when the checkpoint holds no such object."""
+    found = _inside_checkpoint(path, name)
+    if found is None:
+        return None
+    value = load_common_bytes(*found)
+    # megatron-core saves each object as a one-item list
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
