@@ -123,13 +123,17 @@ def tensorboard_scalars(record: dict, split: str | None = None) -> list[tuple[st
         numeric = isinstance(value, int | float) and not isinstance(value, bool)
         if not numeric or key in ("iteration", "consumed_samples") or not math.isfinite(value):
             continue
+        # a blended dataset's loss, lm_loss/<name>, sits beside Megatron-LM's "lm loss" tag
+        base, _, domain = key.partition("/")
+        suffix = f"/{domain}" if base == "lm_loss" and domain else ""
         if split is not None:
             name = EVAL_TAG_NAMES[split]
             tag = {"lm_loss": f"lm loss {name}", "ppl": f"lm loss {name} ppl"}.get(key)
+            tag = f"lm loss {name}{suffix}" if suffix else tag
             if tag is None:
                 continue
         else:
-            tag = MEGATRON_TAGS.get(key, key)
+            tag = f"lm loss{suffix}" if suffix else MEGATRON_TAGS.get(key, key)
         out.append((tag, value, "iteration"))
         if samples and (split is not None or key in MEGATRON_TAGS):
             out.append((f"{tag} vs samples", value, "samples"))

@@ -7,6 +7,7 @@ import statistics
 
 from engine.metrics import memory_gb
 from engine.run_state import Run
+from engine.step import domain_losses
 
 
 def log_window(run: Run, window: list[dict], tokens: int) -> None:
@@ -35,6 +36,7 @@ def log_window(run: Run, window: list[dict], tokens: int) -> None:
     scales = [x for x in scales if x is not None]
     if scales:  # the smoothed estimate after the window's last measured step
         record["gradient_noise_scale"] = scales[-1]
+    record |= _window_domain_losses(updated or window)
     parts = [r["part_norms"] for r in window if r.get("part_norms")]
     if parts:  # the latest breakdown in the window (--log-grad-norms-interval)
         record |= {f"grad_norm/{label}": value for label, value in parts[-1].items()}
@@ -47,17 +49,46 @@ def log_window(run: Run, window: list[dict], tokens: int) -> None:
         f"lm loss {loss:.4f} | lr {record['lr']:.3e} | grad norm {grad} | "
         f"{record['tokens_per_sec']:,.0f} tokens/s | {record['tflops_per_device']:.3f} "
         f"TFLOP/s/device{mfu} | skipped {c.skipped_iters} | mem {record['mem_gb']:.2f} GB"
+        + "".join(
+            f" | {key.removeprefix('lm_loss/')} {value:.4f}"
+            for key, value in record.items()
+            if key.startswith("lm_loss/")
+        )
     )
 
 
-def log_eval(run: Run, name: str, loss: float | None) -> None:
-    """The log line (and metrics record) of an evaluation."""
-    if loss is None:
+def _window_domain_losses(window: list[dict]) -> dict:
+    """Each blended dataset's loss over the window's iterations (`lm_loss/<name>`) and its
+    share of the loss's token weight (`lm_loss_share/<name>`): the shares add up to 1 and
+    sum(share * loss) is the window's mean loss."""
+    found = [r for r in window if r.get("domain_parts")]
+    if not found:
+        return {}
+    names = found[-1]["domain_names"]
+    summed = [sum(values) / len(found) for values in zip(*(r["domain_parts"] for r in found))]
+    out = {}
+    for name, (loss, share) in domain_losses(summed, names).items():
+        out[f"lm_loss/{name}"], out[f"lm_loss_share/{name}"] = loss, share
+    return out
+
+
+def _domains_text(domains: dict) -> str:
+    return "".join(f" | {name} {loss:.4f}" for name, (loss, _) in domains.items())
+
+
+def log_eval(run: Run, name: str, result: tuple[float, dict] | None) -> None:
+    """The log line (and metrics record) of an evaluation (loss, {dataset: (loss, share)})."""
+    if result is None:
         return
+    loss, domains = result
     ppl = math.exp(min(loss, 50.0))
     c = run.counters
     record = {"iteration": c.iteration, "consumed_samples": c.consumed_samples}
-    run.writer.log(record | {"split": name, "lm_loss": loss, "ppl": ppl}, c.iteration, name)
+    record |= {"split": name, "lm_loss": loss, "ppl": ppl}
+    for domain, (value, share) in domains.items():
+        record[f"lm_loss/{domain}"], record[f"lm_loss_share/{domain}"] = value, share
+    run.writer.log(record, c.iteration, name)
     run.writer.print(
-        f"{name} at iteration {run.counters.iteration}: lm loss {loss:.4f} | perplexity {ppl:.2f}"
+        f"{name} at iteration {run.counters.iteration}: lm loss {loss:.4f} | perplexity "
+        f"{ppl:.2f}{_domains_text(domains)}"
     )

@@ -17,17 +17,25 @@ import torch
 import torch.distributed as dist
 
 from engine import faults
-from engine.data.loader import build_data_iterator
+from engine.data.blended import BlendedDataset
+from engine.data.loader import WithDomains, build_data_iterator
 from engine.data.streaming import StreamingDataset
 from engine.metrics import memory_gb
 from engine.run_checkpoint import save
 from engine.run_log import log_eval, log_window
 from engine.run_state import Counters, Run
-from engine.step import eval_step, train_step
+from engine.step import domain_losses, eval_step, train_step
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def domain_names(dataset) -> tuple[str, ...]:
+    """The names of the datasets a split blends, when it blends several (their losses are
+    reported one by one); () otherwise."""
+    names = getattr(dataset, "names", ())
+    return names if len(names) > 1 else ()
 
 
 def micro_batches_per_step(run: Run, global_batch: int) -> int:
@@ -54,6 +62,7 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
 
     every = run.cfg.train.log_grad_norms_interval
     parts = run.norm_parts if every and iteration % every == 0 else None
+    names = domain_names(run.datasets[0])
     out = train_step(
         run.chunks,
         run.optimizer,
@@ -67,6 +76,7 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         samples=global_batch,
         norm_parts=parts,
         local_squares=run.local_squares,
+        num_domains=len(names),
     )
     # An attempted step that did not update had a non-finite gradient (with fp16 that is a
     # loss-scale overflow, which the scaler handles and is not counted).
@@ -88,12 +98,15 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         "batch_size": global_batch,
         "part_norms": out.part_norms,
         "gradient_noise_scale": noise_scale,
+        "domain_parts": out.domain_parts,
+        "domain_names": names,
     }
 
 
-def evaluate(run: Run, split: int) -> float | None:
+def evaluate(run: Run, split: int) -> tuple[float, dict] | None:
     """Mean loss over --eval-iters global batches of a split (of the run's final global batch,
-    as Megatron-LM evaluates during a ramp-up). As in Megatron-LM, each evaluation of the
+    as Megatron-LM evaluates during a ramp-up), and {dataset name: (loss, share)} when the split
+    blends several datasets (engine.step.domain_losses). As in Megatron-LM, each evaluation of the
     valid split reads on from where the last one stopped (the count is in the checkpoint; a
     Parquet valid stream starts again when a run resumes); the test split is read from its
     start."""
@@ -116,11 +129,14 @@ def evaluate(run: Run, split: int) -> float | None:
         iterator = data_iterator(run, dataset, c.consumed_valid_samples, num_workers=0)
     if split == 1:
         c.consumed_valid_samples += train.eval_iters * run.batches.final
-    total, count = 0.0, micro_batches_per_step(run, run.batches.final)
+    names = domain_names(dataset)
+    total, count = None, micro_batches_per_step(run, run.batches.final)
     for _ in range(train.eval_iters):
         batches = next_batches(iterator, count, state.device)
-        total += eval_step(run.chunks, batches, state, run.schedule)
-    return total / train.eval_iters
+        values = eval_step(run.chunks, batches, state, run.schedule, len(names))
+        total = values if total is None else [a + b for a, b in zip(total, values)]
+    mean = [value / train.eval_iters for value in total]
+    return mean[0], domain_losses(mean[1:], names) if names else {}
 
 
 def loads_batches(state) -> bool:
@@ -140,6 +156,8 @@ def data_iterator(run: Run, dataset, consumed: int, num_workers: int, state=None
     pin = run.state.device.type == "cuda"  # page-locked batches copy to the GPU asynchronously
     if isinstance(dataset, StreamingDataset):
         return dataset.iterator(consumed, mbs, dp_rank, dp_size, num_workers, state, pin)
+    if isinstance(dataset, BlendedDataset) and domain_names(dataset):
+        dataset = WithDomains(dataset)  # each sample says its dataset, for per-dataset losses
     return build_data_iterator(dataset, consumed, mbs, dp_rank, dp_size, num_workers, pin)
 
 

@@ -1,15 +1,19 @@
 """Weighted mixtures of datasets: `--data-path 0.7 prefixA 0.3 prefixB`, or `--data-path A B`.
 
 Read as Megatron-LM reads them: weight/prefix pairs blend by weight; a list of prefixes alone
-blends one epoch of each, weighted by its number of samples. Global sample i comes from dataset
-`dataset_index[i]`, as its `dataset_sample_index[i]`-th sample. The assignment is megatron-core's
-greedy rule (csrc/dataset_helpers.cpp): each dataset's count stays within one sample of
-weight * i for every prefix of the order, so the same weights give the same order as
-Megatron-LM's BlendedDataset.
+blends one epoch of each, weighted by its number of samples. A prefix may carry a short name,
+`web:PREFIX`, under which its loss is logged (by default the prefix's file name).
+
+Global sample i comes from dataset `dataset_index[i]`, as its `dataset_sample_index[i]`-th
+sample. The assignment is megatron-core's greedy rule (csrc/dataset_helpers.cpp): each
+dataset's count stays within one sample of weight * i for every prefix of the order, so the
+same weights give the same order as Megatron-LM's BlendedDataset.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +29,30 @@ class Blend:
 
     prefixes: tuple[str, ...]
     weights: tuple[float, ...] | None
+    names: tuple[str, ...] = ()  # one short name per prefix (for per-dataset losses)
+
+
+# `name:prefix`: a short name (letters, digits, _ . -, starting with a letter) before a colon
+_NAMED = re.compile(r"^([A-Za-z][\w.-]*):(.+)$")
+
+
+def _named(entries: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(prefixes, names) of `name:prefix` or plain prefix entries; a plain prefix is named by
+    its file name without Megatron-LM's `_text_document` ending, made unique by a suffix."""
+    prefixes, names = [], []
+    for entry in entries:
+        found = _NAMED.match(entry)
+        prefix = found.group(2) if found else entry
+        name = found.group(1) if found else os.path.basename(prefix.rstrip("/")) or prefix
+        if not found:
+            name = name.removesuffix("_text_document") or name
+        prefixes.append(prefix)
+        names.append(name)
+    unique = [
+        f"{name}_{names[:i].count(name) + 1}" if names.count(name) > 1 else name
+        for i, name in enumerate(names)
+    ]
+    return tuple(prefixes), tuple(unique)
 
 
 def _number(text: str) -> float | None:
@@ -40,19 +68,20 @@ def parse_blend(data_path: list[str], flag: str = "--data-path") -> Blend:
         raise ConfigError(f"{flag} is empty; give a dataset prefix or weight/prefix pairs")
     weights = [_number(w) for w in data_path[::2]]
     if len(data_path) % 2 == 0 and all(w is not None for w in weights):
-        prefixes = data_path[1::2]
+        prefixes, names = _named(data_path[1::2])
         for weight, prefix in zip(weights, prefixes):
             if weight < 0:
                 raise ConfigError(f"{flag}: weight {weight:g} of {prefix} is negative")
         if sum(weights) <= 0:
             raise ConfigError(f"{flag}: the weights are all zero")
-        return Blend(tuple(prefixes), tuple(weights))
+        return Blend(prefixes, tuple(weights), names)
     if any(w is not None for w in weights):
         raise ConfigError(
             f"{flag} {' '.join(data_path)}: mixes weights and prefixes; give weight/prefix "
             "pairs (0.7 prefixA 0.3 prefixB) or prefixes alone (prefixA prefixB)"
         )
-    return Blend(tuple(data_path), None)
+    prefixes, names = _named(data_path)
+    return Blend(prefixes, None, names)
 
 
 def normalize_weights(weights) -> list[float]:
@@ -71,10 +100,18 @@ def parse_data_path(data_path: list[str]) -> tuple[list[float], list[str]]:
 
 class BlendedDataset:
     """`size` samples drawn from `datasets` in the proportions of `weights` (normalised here,
-    as megatron-core's BlendedDataset does)."""
+    as megatron-core's BlendedDataset does); `names`: one short name per dataset."""
 
-    def __init__(self, datasets: list, weights: list[float], size: int, split_name: str = ""):
+    def __init__(
+        self,
+        datasets: list,
+        weights: list[float],
+        size: int,
+        split_name: str = "",
+        names: tuple[str, ...] | list[str] = (),
+    ):
         self.datasets = datasets
+        self.names = tuple(names) or tuple(f"dataset{d}" for d in range(len(datasets)))
         self.weights = normalize_weights(weights)
         self.dataset_index, self.dataset_sample_index = build_blending_indices(self.weights, size)
         counts = np.bincount(self.dataset_index, minlength=len(datasets))
@@ -90,3 +127,7 @@ class BlendedDataset:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.datasets[self.dataset_index[i]][int(self.dataset_sample_index[i])]
+
+    def domain(self, i: int) -> int:
+        """The index (in `datasets` and `names`) of the dataset sample i comes from."""
+        return int(self.dataset_index[i])

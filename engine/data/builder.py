@@ -107,7 +107,7 @@ def _blend_split(blend: Blend, part, size: int, name: str, direct: bool) -> Blen
     dataset itself; a weighted blend builds each dataset for its share plus the surplus;
     prefixes given alone give one epoch each, weighted by their sizes."""
     if (blend.weights is None or direct) and len(blend.prefixes) == 1:
-        return BlendedDataset([part(blend.prefixes[0], size)], [1.0], size, name)
+        return BlendedDataset([part(blend.prefixes[0], size)], [1.0], size, name, blend.names)
     if blend.weights is None:
         parts = [part(prefix, None) for prefix in blend.prefixes]
         lengths = [len(p) for p in parts]
@@ -118,15 +118,15 @@ def _blend_split(blend: Blend, part, size: int, name: str, direct: bool) -> Blen
                     "one epoch of it (prefixes given alone) is no sample; give weights to "
                     "repeat it, or leave it out"
                 )
-        return BlendedDataset(parts, lengths, min(size, sum(lengths)), name)
-    kept = [(w, p) for w, p in zip(blend.weights, blend.prefixes) if w > 0]
-    weights = normalize_weights([w for w, _ in kept])
+        return BlendedDataset(parts, lengths, min(size, sum(lengths)), name, blend.names)
+    kept = [(w, p, n) for w, p, n in zip(blend.weights, blend.prefixes, blend.names) if w > 0]
+    weights = normalize_weights([w for w, _, _ in kept])
     targets = [math.ceil(size * w) for w in weights]
     parts = [
         part(prefix, math.ceil(target * (1 + MID_LEVEL_SURPLUS)))
-        for target, (_, prefix) in zip(targets, kept)
+        for target, (_, prefix, _) in zip(targets, kept)
     ]
-    return BlendedDataset(parts, weights, sum(targets), name)
+    return BlendedDataset(parts, weights, sum(targets), name, [n for _, _, n in kept])
 
 
 def build_mock_datasets(
@@ -187,8 +187,11 @@ def build_streaming_datasets(
             f"--data-path {' '.join(data_path)}: Parquet sources blend by weight only (their "
             "sizes in samples are known only once tokenized); give weight/source pairs"
         )
-    kept = [(w, s) for w, s in zip(blend.weights or [1.0], blend.prefixes) if w > 0]
-    weights, sources = normalize_weights([w for w, _ in kept]), [s for _, s in kept]
+    kept = [
+        (w, s, n) for w, s, n in zip(blend.weights or [1.0], blend.prefixes, blend.names) if w > 0
+    ]
+    weights, sources = normalize_weights([w for w, _, _ in kept]), [s for _, s, _ in kept]
+    names = [n for _, _, n in kept]
     split_weights = tuple(parse_split(split))
     shards = [tuple(open_shards(source, text_column)) for source in sources]
     identity = build_tokenizer(tokenizer).identity()
@@ -211,5 +214,5 @@ def build_streaming_datasets(
                 f"{sources[rows.index(False)]} (windows of --parquet-shuffle-buffer "
                 f"{shuffle_buffer} rows); raise the buffer or that split's share"
             )
-        result.append(StreamingDataset(plans, weights, num_samples[k], tokenizer))
+        result.append(StreamingDataset(plans, weights, num_samples[k], tokenizer, names))
     return result

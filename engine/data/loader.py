@@ -51,10 +51,30 @@ class PretrainingSampler:
         return max(0, (self.total_samples - self.consumed_samples) // step)
 
 
-def collate_samples(samples: list[np.ndarray]) -> dict[str, torch.Tensor]:
-    """Stack samples of seq_length + 1 ids into inputs `tokens` and shifted `labels`."""
+def collate_samples(samples: list) -> dict[str, torch.Tensor]:
+    """Stack samples of seq_length + 1 ids into inputs `tokens` and shifted `labels`; samples
+    given as (ids, dataset index) pairs also give `domain`, the dataset of each sample."""
+    domains = None
+    if samples and isinstance(samples[0], tuple):
+        samples, domains = [s for s, _ in samples], [d for _, d in samples]
     batch = torch.from_numpy(np.stack(samples))
-    return {"tokens": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous()}
+    out = {"tokens": batch[:, :-1].contiguous(), "labels": batch[:, 1:].contiguous()}
+    if domains is not None:
+        out["domain"] = torch.tensor(domains, dtype=torch.long)
+    return out
+
+
+class WithDomains:
+    """A blended dataset whose samples come with the index of the dataset they are from."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> tuple:
+        return self.dataset[i], self.dataset.domain(i)
 
 
 def build_data_iterator(

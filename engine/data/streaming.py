@@ -224,8 +224,10 @@ class StreamingDataset:
         weights: list[float],
         num_samples: int,
         tokenizer: TokenizerConfig,
+        names: list[str] | tuple[str, ...] = (),
     ):
         self.plans = plans
+        self.names = tuple(names) or tuple(f"dataset{d}" for d in range(len(plans)))
         self.weights = weights
         self.num_samples = num_samples
         self.tokenizer = tokenizer
@@ -326,7 +328,8 @@ class StreamingIterator:
             which = 0 if self.dataset.which is None else int(self.dataset.which[self.consumed + i])
             sample = self.streams[which].next()
             if first <= i < first + self.micro_batch_size:
-                mine.append(sample)
+                # with several sources, each sample says which it came from (per-source losses)
+                mine.append(sample if self.dataset.which is None else (sample, which))
         self.consumed += step
         batch = collate_samples(mine)
         if self.pin_memory:
