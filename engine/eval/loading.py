@@ -1,0 +1,93 @@
+"""A model and its tokenizer for evaluation, in one process: from our checkpoint (saved under
+any layout) or from a Hugging Face folder (imported first, as tools/convert_checkpoint.py
+--from-hf does)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+from engine.checkpoint_files import find_latest, iteration_dir
+from engine.data.tokenizers import Tokenizer, TokenizerConfig, build_tokenizer, config_from_record
+from engine.errors import ConfigError, InputError
+
+
+def checkpoint_folder(load: str, iteration: int | None = None) -> str:
+    """The iteration folder of the checkpoint root `load` (the latest unless `iteration`)."""
+    if iteration is None:
+        iteration = find_latest(load)
+        if iteration is None:
+            raise InputError(
+                f"{load}: no checkpoint here (no latest_checkpointed_iteration.txt); --load takes "
+                "the folder training saved to, or a Hugging Face model folder"
+            )
+    path = iteration_dir(load, iteration)
+    if not os.path.isdir(path):
+        raise InputError(f"{path}: no such checkpoint iteration")
+    return path
+
+
+def load_model(load: str, iteration: int | None = None, tokenizer: TokenizerConfig | None = None):
+    """(model in eval mode, tokenizer, its description) from `load`: our checkpoint root or a
+    Hugging Face folder (config.json + safetensors). `tokenizer` overrides the recorded one."""
+    if os.path.isfile(os.path.join(load, "config.json")):
+        from engine.hf.import_hf import import_from_hf
+
+        with tempfile.TemporaryDirectory() as tmp:
+            imported = os.path.join(tmp, "imported")
+            import_from_hf(load, imported)
+            return _from_checkpoint(checkpoint_folder(imported, 0), tokenizer, load)
+    return _from_checkpoint(checkpoint_folder(load, iteration), tokenizer, load)
+
+
+def _from_checkpoint(path: str, override: TokenizerConfig | None, shown: str):
+    from engine.checkpoint_files import read_meta
+    from engine.checkpoint_load import load_model_weights
+    from engine.config import ModelConfig
+    from engine.model import BuildContext, GPTModel
+
+    meta = read_meta(path)
+    cfg = ModelConfig(**meta["model"])
+    model = GPTModel(cfg, BuildContext(cfg))
+    load_model_weights(path, model)
+    model.eval()
+    return model, _tokenizer(meta, override, path), f"{shown} (iteration {meta['iteration']})"
+
+
+def _tokenizer(meta: dict, override: TokenizerConfig | None, path: str) -> Tokenizer:
+    cfg = override or config_from_record(meta)
+    if cfg is None:
+        raise ConfigError(
+            f"{path}: the checkpoint records no tokenizer; name one with the tokenizer flags "
+            "(--tokenizer-type, --tokenizer-model, ...)"
+        )
+    return build_tokenizer(cfg)
+
+
+@torch.no_grad()
+def token_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t = 1 .. len(ids) - 1, in float64."""
+    tokens = torch.tensor([ids[:-1]])
+    logits = model.full_logits(model(tokens=tokens))[0].double()  # [s, V]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def loglikelihood_of(model, max_length: int, eod: int | None):
+    """f(context ids, continuation ids) -> summed log-probability of the continuation. As the
+    harness does, the text is cut from the left to `max_length` inputs, and an empty context
+    is the end-of-document token."""
+
+    def loglikelihood(context_ids: list[int], continuation_ids: list[int]) -> float:
+        if not continuation_ids:
+            return 0.0
+        if not context_ids:
+            if eod is None:
+                raise ConfigError("an empty context needs a tokenizer with an end-of-document id")
+            context_ids = [eod]
+        whole = (context_ids + continuation_ids)[-(max_length + 1) :]
+        return float(token_logprobs(model, whole)[-len(continuation_ids) :].sum())
+
+    return loglikelihood

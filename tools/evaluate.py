@@ -1,0 +1,99 @@
+"""Evaluate a checkpoint: perplexity on a preprocessed dataset and zero/few-shot multiple-choice
+accuracy on local task files, by log-likelihood as lm-evaluation-harness scores them.
+
+  python tools/evaluate.py --load SAVE_DIR_OR_HF_FOLDER \\
+      [--tasks hellaswag.jsonl arc.jsonl] [--num-fewshot K] \\
+      [--perplexity-data PREFIX --perplexity-windows N] [--output-json results.json]
+
+--load takes our checkpoint (saved under any parallel layout; the latest iteration unless
+--iteration) or a Hugging Face folder. A task file holds one question a line:
+{"context": ..., "choices": [...], "gold": i}; see engine/eval/multiple_choice.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from engine.cli import run_main as run
+from engine.data.tokenizers.cli import (
+    add_tokenizer_arguments,
+    tokenizer_config,
+    tokenizer_flags_given,
+)
+from engine.errors import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--load", required=True, help="our checkpoint folder or a HF folder")
+    parser.add_argument("--iteration", type=int, help="which iteration (default: the latest)")
+    parser.add_argument("--tasks", nargs="*", default=[], help="multiple-choice task files")
+    parser.add_argument("--num-fewshot", type=int, default=0, help="solved examples per question")
+    parser.add_argument("--fewshot-seed", type=int, default=1234, help="draws the examples")
+    parser.add_argument("--target-delimiter", default=" ", help="between context and choice")
+    parser.add_argument("--fewshot-delimiter", default="\n\n", help="between examples")
+    parser.add_argument("--perplexity-data", help="a preprocessed dataset prefix")
+    parser.add_argument("--perplexity-windows", type=int, default=16, help="windows scored")
+    parser.add_argument(
+        "--seq-length", type=int, help="longest input (default: the model's --seq-length)"
+    )
+    parser.add_argument("--output-json", help="write the results here too")
+    add_tokenizer_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not args.tasks and not args.perplexity_data:
+        raise ConfigError("nothing to evaluate: give --tasks FILE... and/or --perplexity-data")
+    if args.num_fewshot < 0 or args.perplexity_windows < 1:
+        raise ConfigError("--num-fewshot must be >= 0 and --perplexity-windows >= 1")
+    from engine.eval.loading import load_model, loglikelihood_of, token_logprobs
+    from engine.eval.multiple_choice import read_task, score
+    from engine.eval.perplexity import perplexity
+
+    tasks = {path: read_task(path) for path in args.tasks}  # bad files fail before loading
+    override = tokenizer_config(args) if tokenizer_flags_given(args) else None
+    model, tokenizer, shown = load_model(args.load, args.iteration, override)
+    length = args.seq_length or model.config.seq_length
+    results: dict = {"model": shown, "tasks": {}}
+    print(f"evaluating {shown}")
+    if args.perplexity_data:
+        found = perplexity(
+            token_logprobs, model, args.perplexity_data, length, args.perplexity_windows
+        )
+        results["perplexity"] = found | {"data": args.perplexity_data}
+        print(
+            f"perplexity on {args.perplexity_data}: {found['ppl']:.3f} "
+            f"(nll {found['nll']:.4f} over {found['tokens']} tokens)"
+        )
+    loglikelihood = loglikelihood_of(model, length, getattr(tokenizer, "eod", None))
+    for path, questions in tasks.items():
+        found = score(
+            loglikelihood,
+            tokenizer,
+            questions,
+            args.num_fewshot,
+            args.fewshot_seed,
+            args.target_delimiter,
+            args.fewshot_delimiter,
+        )
+        results["tasks"][path] = found | {"num_fewshot": args.num_fewshot}
+        print(
+            f"{os.path.basename(path)}: acc {found['acc']:.4f} | acc_norm {found['acc_norm']:.4f}"
+            f" | {found['n']} questions, {args.num_fewshot}-shot"
+        )
+    if args.output_json:  # written whole or not at all
+        partial = f"{args.output_json}.partial"
+        with open(partial, "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(partial, args.output_json)
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
