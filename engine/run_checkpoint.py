@@ -83,8 +83,8 @@ def resume(run: Run) -> None:
 def _resume_from_megatron(run: Run, path: str) -> None:
     """--load of a Megatron-LM torch_dist checkpoint: its weights (any layout), and unless
     --finetune its iteration, consumed samples and (unless --no-load-optim) learning-rate
-    schedule and Adam state (when saved in model space; otherwise the optimizer starts from
-    the weights, and the resume line says so)."""
+    schedule and Adam state (when it holds one; otherwise the optimizer starts from the
+    weights, and the resume line says so)."""
     train = run.cfg.train
     load_optimizer = not (train.finetune or train.no_load_optim)
     step = load_weights(path, run.chunks, run.cfg.model, run.optimizer if load_optimizer else None)

@@ -30,6 +30,9 @@ python tools/plot_metrics.py --log-jsonl "$RUN/metrics.jsonl" --output "$RUN/los
     --title "quickstart: GPT on Python stdlib sources, TP2 x PP2"
 echo "checkpoint: $RUN/checkpoints/iter_$(printf %07d "$(cat "$RUN/checkpoints/latest_checkpointed_iteration.txt")")"
 
-echo "== 7/7 export to Hugging Face and generate with transformers"
+echo "== 7/7 evaluate, export to Hugging Face and generate with transformers"
+python tools/evaluate.py --load "$RUN/checkpoints" --perplexity-data "$DATA/stdlib_text_document" \
+    --perplexity-windows 8 --compare-untrained
 python tools/convert_checkpoint.py --load "$RUN/checkpoints" --output "$RUN/hf"
-python tools/hf_generate.py --model "$RUN/hf" --prompt "    def __init__(self" --max-new-tokens 40
+python tools/hf_generate.py --model "$RUN/hf" --prompt "    def __init__(self" --max-new-tokens 40 \
+    --num-samples 2 --temperature 0.8 --top-p 0.95 --repetition-penalty 1.2

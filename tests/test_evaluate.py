@@ -76,7 +76,7 @@ def test_scores_equal_transformers_on_the_export(
             result = _tool(
                 "tools/evaluate.py", "--load", load, "--tasks", str(task),
                 "--num-fewshot", str(shots), "--perplexity-data", dataset_prefix,
-                "--perplexity-windows", "3", "--output-json", str(out),
+                "--perplexity-windows", "3", "--output-json", str(out), "--compare-untrained",
             )  # fmt: skip
             assert result.returncode == 0, result.stderr
             assert "acc_norm" in result.stdout and "perplexity" in result.stdout
@@ -120,6 +120,9 @@ def test_scores_equal_transformers_on_the_export(
     ours = results["ours", 0]["perplexity"]
     assert ours["tokens"] == count
     assert math.isclose(ours["nll"], total / count, rel_tol=1e-5)
+    # the baseline: the same model freshly initialised scores differently, the same each time
+    untrained = [results[key]["untrained"]["perplexity"]["nll"] for key in results]
+    assert len(set(untrained)) == 1 and abs(untrained[0] - ours["nll"]) > 1e-3
 
 
 def test_bad_task_files_are_one_line(small_checkpoint, tmp_path):

@@ -135,13 +135,14 @@ def _our_tensors(root: str, prefix: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "style, tp, pp, bf16",
-    [("llama", 2, 1, True), ("gpt", 1, 2, False)],
-    ids=["llama-tp2-dp2-bf16", "gpt-tied-pp2-dp2"],
+    [("llama", 2, 1, True), ("gpt", 1, 2, False), ("gpt-qkln", 2, 2, True)],
+    ids=["llama-tp2-dp2-bf16", "gpt-tied-pp2-dp2", "gpt-qkln-tp2-pp2-dp2-bf16"],
 )
 def test_dp_reshardable_adam_state_is_read_per_parameter(style, tp, pp, bf16, tmp_path):
     """llama: TP splits of GQA's fused QKV and SwiGLU's fc1, bf16 weights with fp32 masters;
     gpt: biases, LayerNorm, learned positions and the word embeddings tied across two stages
-    (each in a bucket of its own). Both: several buckets per rank, DP 2."""
+    (each in a bucket of its own); gpt-qkln: LayerNorm on queries and keys, under TP 2 x PP 2
+    (four model-parallel ranks' buckets). All: several buckets per rank, DP 2."""
     buffers = run_ranks(_save, tp * pp * 2, str(tmp_path), style, tp, pp, bf16)
     assert max(n for rank in buffers for n in rank) >= 3  # several buckets were read
     for folder in ("megatron", "exp_avg", "exp_avg_sq"):

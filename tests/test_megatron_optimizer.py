@@ -142,3 +142,10 @@ def test_optimizer_state_in_an_older_bucket_layout_is_refused(tmp_path):
     assert result.returncode == 0, result.stderr
     meta = read_meta(iteration_dir(str(tmp_path / "ours"), 2))
     assert meta["optimizer_step"] == 0 and meta["iteration"] == 2
+    # chained optimizers (MoE, or overlapped parameter gathers) keep one state per optimizer
+    common["optimizer"] = {0: {"optimizer": {}}, 1: {"optimizer": {}}}
+    torch.save(common, folder / "common.pt")
+    result = _convert(str(root), str(tmp_path / "chained"))
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "chained optimizers" in line and "--no-load-optim" in line

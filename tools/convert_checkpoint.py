@@ -17,7 +17,8 @@ SAVE_DIR --use-checkpoint-args`. Only safetensors, JSON and tokenizer files are 
 --from-megatron reads a Megatron-LM torch_dist checkpoint of a megatron-core GPT model (any
 TP/PP it was saved with; common.pt weights-only with an exact allow-list, .metadata with DCP's
 classes only) into our checkpoint at Megatron-LM's iteration and consumed samples, with its
-Adam state where megatron-core saved it per parameter (else a fresh optimizer); continue with
+Adam state (per parameter, or the distributed optimizer's default dp_reshardable buckets;
+without one, a fresh optimizer); continue with
 `pretrain --load SAVE_DIR --use-checkpoint-args` and the same data flags.
 
 --to-megatron writes our checkpoint as a Megatron-LM torch_dist checkpoint root (megatron-core's

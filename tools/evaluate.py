@@ -41,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--seq-length", type=int, help="longest input (default: the model's --seq-length)"
     )
+    parser.add_argument(
+        "--compare-untrained",
+        action="store_true",
+        help="also score the same model freshly initialised (--seed), as a baseline",
+    )
+    parser.add_argument("--seed", type=int, default=1234, help="the untrained model's seed")
     parser.add_argument("--output-json", help="write the results here too")
     add_tokenizer_arguments(parser)
     return parser
@@ -52,23 +58,40 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("nothing to evaluate: give --tasks FILE... and/or --perplexity-data")
     if args.num_fewshot < 0 or args.perplexity_windows < 1:
         raise ConfigError("--num-fewshot must be >= 0 and --perplexity-windows >= 1")
-    from engine.eval.loading import load_model, loglikelihood_of, token_logprobs
-    from engine.eval.multiple_choice import read_task, score
-    from engine.eval.perplexity import perplexity
+    from engine.eval.loading import load_model, untrained_like
+    from engine.eval.multiple_choice import read_task
 
     tasks = {path: read_task(path) for path in args.tasks}  # bad files fail before loading
     override = tokenizer_config(args) if tokenizer_flags_given(args) else None
     model, tokenizer, shown = load_model(args.load, args.iteration, override)
     length = args.seq_length or model.config.seq_length
-    results: dict = {"model": shown, "tasks": {}}
-    print(f"evaluating {shown}")
+    results = {"model": shown} | _evaluate(model, tokenizer, tasks, length, args)
+    if args.compare_untrained:
+        print(f"the same model untrained (seed {args.seed}):")
+        fresh = untrained_like(model, args.seed)
+        results["untrained"] = _evaluate(fresh, tokenizer, tasks, length, args)
+    if args.output_json:  # written whole or not at all
+        partial = f"{args.output_json}.partial"
+        with open(partial, "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(partial, args.output_json)
+    return 0
+
+
+def _evaluate(model, tokenizer, tasks: dict, length: int, args) -> dict:
+    """Perplexity and task scores of one model, printed as they come."""
+    from engine.eval.loading import loglikelihood_of, token_logprobs
+    from engine.eval.multiple_choice import score
+    from engine.eval.perplexity import perplexity
+
+    results: dict = {"tasks": {}}
     if args.perplexity_data:
         found = perplexity(
             token_logprobs, model, args.perplexity_data, length, args.perplexity_windows
         )
         results["perplexity"] = found | {"data": args.perplexity_data}
         print(
-            f"perplexity on {args.perplexity_data}: {found['ppl']:.3f} "
+            f"  perplexity on {args.perplexity_data}: {found['ppl']:.3f} "
             f"(nll {found['nll']:.4f} over {found['tokens']} tokens)"
         )
     loglikelihood = loglikelihood_of(model, length, getattr(tokenizer, "eod", None))
@@ -84,15 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         results["tasks"][path] = found | {"num_fewshot": args.num_fewshot}
         print(
-            f"{os.path.basename(path)}: acc {found['acc']:.4f} | acc_norm {found['acc_norm']:.4f}"
-            f" | {found['n']} questions, {args.num_fewshot}-shot"
+            f"  {os.path.basename(path)}: acc {found['acc']:.4f} | acc_norm "
+            f"{found['acc_norm']:.4f} | {found['n']} questions, {args.num_fewshot}-shot"
         )
-    if args.output_json:  # written whole or not at all
-        partial = f"{args.output_json}.partial"
-        with open(partial, "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(partial, args.output_json)
-    return 0
+    return results
 
 
 if __name__ == "__main__":

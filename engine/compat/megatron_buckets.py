@@ -138,6 +138,7 @@ class DistributedOptimizerBuckets:
             for pp_rank in range(self.pp):
                 self._lay_out(tp_rank, pp_rank)
         self.checked: set[tuple[str, int | None]] = set()
+        self.last: tuple[tuple, torch.Tensor] | None = None  # q, k, v read one fused tensor
 
     def _refuse(self, problem: str) -> None:
         raise InputError(
@@ -201,7 +202,9 @@ class DistributedOptimizerBuckets:
     def _lay_out(self, tp_rank: int, pp_rank: int) -> None:
         """Place one rank's parameters in its buckets as megatron-core does (module doc)."""
         domain = pp_rank * self.tp + tp_rank
-        sizes = read_object(self.path, f"{_PREFIX}{domain}.per_bucket_numel_unpadded")
+        sizes = read_object(
+            self.path, f"{_PREFIX}{domain}.per_bucket_numel_unpadded", self.source.metadata
+        )
         if not isinstance(sizes, list) or len(sizes) != 1 or not isinstance(sizes[0], dict):
             self._refuse(
                 f"holds {len(sizes) if isinstance(sizes, list) else 'no'} gradient buffers "
@@ -247,6 +250,8 @@ class DistributedOptimizerBuckets:
         """State `kind` (param, exp_avg, exp_avg_sq) of the checkpoint's tensor `key` (one
         layer of it), in that tensor's stored layout; its `param` state is checked against
         the saved weights the first time."""
+        if self.last is not None and self.last[0] == (kind, key, layer):
+            return self.last[1]
         if (key, layer) not in self.checked:
             weights = self.source.read(key, layer)
             if not torch.equal(self._assemble("param", key, layer).to(weights.dtype), weights):
@@ -258,7 +263,9 @@ class DistributedOptimizerBuckets:
                     + " layers place them"
                 )
             self.checked.add((key, layer))
-        return self._assemble(kind, key, layer)
+        value = self._assemble(kind, key, layer)
+        self.last = ((kind, key, layer), value)
+        return value
 
     def _assemble(self, kind: str, key: str, layer: int | None) -> torch.Tensor:
         from engine.checkpoint_load import read_tensors
@@ -266,6 +273,8 @@ class DistributedOptimizerBuckets:
         pieces = self.pieces.get((key, layer))
         if not pieces:
             self._refuse(f"holds nothing for {key}")
+        # a tensor every tensor-parallel rank holds whole is read from the first
+        pieces = [p for p in pieces if p.param.split or p.tp_rank == 0]
         parts, boxes = [], {}
         for piece in pieces:
             name = f"{piece.bucket}.{kind}"
@@ -286,7 +295,7 @@ class DistributedOptimizerBuckets:
 
     def step(self) -> int:
         """Adam's step, from the first rank's saved parameter groups."""
-        saved = read_object(self.path, f"{_PREFIX}0.optimizer") or {}
+        saved = read_object(self.path, f"{_PREFIX}0.optimizer", self.source.metadata) or {}
         groups = (saved.get("optimizer", saved) if isinstance(saved, dict) else {}).get(
             "param_groups"
         )

@@ -130,7 +130,10 @@ def import_from_megatron(
             for kind in kinds:
 
                 def load_state(entry=(kind, key, layer), part=part):
-                    return split_part(reader.read(*entry), part, cfg).contiguous()
+                    full = reader.read(*entry)
+                    if full is None:  # a tensor without a master: it starts from the weights
+                        full = source.read(*entry[1:]).float()
+                    return split_part(full, part, cfg).contiguous()
 
                 state[f"optim/{name}/{kind}"] = LazyTensor(
                     state[ours].global_shape, torch.float32, load_state

@@ -92,15 +92,18 @@ def load_common_bytes(data: bytes, where: str):
         raise InputError(f"{where}: cannot be read weights-only ({one_line(err)})") from None
 
 
-def _inside_checkpoint(path: str, name: str = COMMON_STATE_KEY) -> tuple[bytes, str] | None:
+def _inside_checkpoint(
+    path: str, name: str = COMMON_STATE_KEY, metadata=None
+) -> tuple[bytes, str] | None:
     """The bytes of megatron-core's sharded object `name` (the `common_state` by default) in
-    the checkpoint's .distcp files, or None."""
-    reader = SafeFileSystemReader(path)
-    reader.foreign = True
-    try:
-        metadata = reader.read_metadata()
-    except CheckpointError as err:
-        raise InputError(str(err)) from None
+    the checkpoint's .distcp files, or None. `metadata`: the checkpoint's, already read."""
+    if metadata is None:
+        reader = SafeFileSystemReader(path)
+        reader.foreign = True
+        try:
+            metadata = reader.read_metadata()
+        except CheckpointError as err:
+            raise InputError(str(err)) from None
     for fqn, info in getattr(metadata, "dropped_objects", {}).items():
         if fqn.split("/")[0] != name:
             continue
@@ -136,10 +139,11 @@ def read_common(path: str) -> dict:
     return common
 
 
-def read_object(path: str, name: str):
+def read_object(path: str, name: str, metadata=None):
     """megatron-core's sharded object `name` in the iteration folder `path` (plain data, read
-    weights-only with the allow-list), or None when the checkpoint holds no such object."""
-    found = _inside_checkpoint(path, name)
+    weights-only with the allow-list), or None when the checkpoint holds no such object.
+    `metadata`: the checkpoint's, already read."""
+    found = _inside_checkpoint(path, name, metadata)
     if found is None:
         return None
     value = load_common_bytes(*found)

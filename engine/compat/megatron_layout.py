@@ -211,9 +211,10 @@ class MegatronCheckpoint:
         self.reader = SafeFileSystemReader(path)
         self.reader.foreign = True
         try:
-            self.stored = self.reader.read_metadata().state_dict_metadata
+            self.metadata = self.reader.read_metadata()
         except CheckpointError as err:
             raise InputError(str(err)) from None
+        self.stored = self.metadata.state_dict_metadata
 
     def read(self, key: str, layer: int | None = None) -> torch.Tensor:
         """The whole tensor `key`, or one layer of a layer-stacked one (only that layer's

@@ -97,14 +97,22 @@ def optimizer_state(source: MegatronCheckpoint, common: dict, cfg: ModelConfig):
     saved = common.get("optimizer")
     if not isinstance(saved, dict):
         return None
+    chained = any(k.startswith("chained_") for k in source.stored)
+    if chained or any(isinstance(k, int) for k in saved):
+        raise InputError(
+            f"{source.path}: its optimizer state is split over several chained optimizers "
+            "(MoE, or --overlap-param-gather-with-optimizer-step), which is not read here; "
+            "load it with --no-load-optim (weights, iteration and samples only)"
+        )
     kind = saved.get("param_state_sharding_type")
     if kind == _BUCKETS:
         return _BucketState(source, cfg, common.get("args"))
     if kind is not None and kind not in _MODEL_SPACE:
         raise InputError(
-            f"{source.path}: its optimizer state is in megatron-core's older '{kind}' layout; "
-            "re-save it in Megatron-LM with --dist-ckpt-optim-fully-reshardable, or load it "
-            "here with --no-load-optim (weights, iteration and samples only)"
+            f"{source.path}: its optimizer state is in megatron-core's '{kind}' layout, which "
+            "is not read here; re-save it in Megatron-LM with "
+            "--dist-ckpt-optim-fully-reshardable, or load it here with --no-load-optim "
+            "(weights, iteration and samples only)"
         )
     if not any(k.startswith("optimizer.state.exp_avg.") for k in source.stored):
         return None

@@ -91,3 +91,13 @@ def loglikelihood_of(model, max_length: int, eod: int | None):
         return float(token_logprobs(model, whole)[-len(continuation_ids) :].sum())
 
     return loglikelihood
+
+
+def untrained_like(model, seed: int):
+    """The same model freshly initialised from `seed`, as training would start it (a baseline
+    to read scores against)."""
+    from engine.model import BuildContext, GPTModel
+
+    torch.manual_seed(seed)
+    fresh = GPTModel(model.config, BuildContext(model.config))
+    return fresh.eval()
