@@ -729,6 +729,13 @@ class TrainConfig:
     )
     eval_iters: int = option(100, "global batches per evaluation")
     log_interval: int = option(100, "steps between log lines")
+    timing_log_level: int = option(
+        0,
+        "the time breakdown (time/* in the log) is always measured; from 1 on, the device is "
+        "synchronised around each measured part so that GPU work is counted where it runs "
+        "(adds synchronisations)",
+        choices=(0, 1, 2),
+    )
     log_gradient_noise_scale: bool = option(
         False,
         "log the gradient noise scale (McCandlish et al.'s B_simple, from each DP rank's own "

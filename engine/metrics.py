@@ -86,14 +86,15 @@ class Throughput:
     def reset(self) -> None:
         self.start = time.perf_counter()
 
-    def rates(self, tokens: int) -> dict:
+    def rates(self, tokens: int, iterations: int = 1) -> dict:
+        """Rates since the last reset, over `iterations` iterations."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         tokens_per_sec = tokens / elapsed
         tflops = tokens_per_sec * self.flops_per_token / self.world_size / 1e12
         out = {
             "tokens_per_sec": tokens_per_sec,
             "tflops_per_device": tflops,
-            "iteration_time_s": elapsed,
+            "iteration_time_s": elapsed / max(iterations, 1),
         }
         if self.peak:
             out["mfu"] = tflops / self.peak
@@ -110,6 +111,7 @@ MEGATRON_TAGS = {
     "loss_scale": "loss-scale",
     "batch_size": "batch-size",
     "tflops_per_device": "throughput",
+    "iteration_time_s": "iteration-time",
 }
 EVAL_TAG_NAMES = {"valid": "validation", "test": "test"}
 
@@ -134,6 +136,8 @@ def tensorboard_scalars(record: dict, split: str | None = None) -> list[tuple[st
                 continue
         else:
             tag = f"lm loss{suffix}" if suffix else MEGATRON_TAGS.get(key, key)
+            if base == "time" and domain:  # Megatron-LM's timer tags: <name>-time
+                tag = f"{domain}-time"
         out.append((tag, value, "iteration"))
         if samples and (split is not None or key in MEGATRON_TAGS):
             out.append((f"{tag} vs samples", value, "samples"))

@@ -8,11 +8,12 @@ import statistics
 from engine.metrics import memory_gb
 from engine.run_state import Run
 from engine.step import domain_losses
+from parallel.timing import measure
 
 
 def log_window(run: Run, window: list[dict], tokens: int) -> None:
     """The log line (and metrics record) of the iterations since the last one."""
-    c, train = run.counters, run.cfg.train
+    c = run.counters
     updated = [r for r in window if r["updated"]]
     losses = [r["lm_loss"] for r in updated] or [r["lm_loss"] for r in window]
     loss = sum(losses) / len(losses)
@@ -26,7 +27,6 @@ def log_window(run: Run, window: list[dict], tokens: int) -> None:
         "loss_scale": last.get("loss_scale"),
         "batch_size": last["batch_size"],
         "skipped_iters": c.skipped_iters,
-        **run.throughput.rates(tokens),
         "mem_gb": memory_gb(run.state.device),
     }
     finite = [x for x in losses if math.isfinite(x)]
@@ -40,7 +40,19 @@ def log_window(run: Run, window: list[dict], tokens: int) -> None:
     parts = [r["part_norms"] for r in window if r.get("part_norms")]
     if parts:  # the latest breakdown in the window (--log-grad-norms-interval)
         record |= {f"grad_norm/{label}": value for label, value in parts[-1].items()}
+    # the window ends here: its rates, and the seconds per iteration of each part of its steps
+    # (parallel/timing.py); logging it counts towards the next window
+    record |= run.throughput.rates(tokens, len(window))
+    parts = run.times.take()
     run.throughput.reset()
+    record |= {f"time/{part}": s / len(window) for part, s in sorted(parts.items())}
+    with measure(run.times, "log"):
+        _write(run, record, loss)
+
+
+def _write(run: Run, record: dict, loss: float) -> None:
+    """The record to the metrics writers, and its console line."""
+    c, train = run.counters, run.cfg.train
     run.writer.log(record, c.iteration)
     mfu = f" | mfu {record['mfu']:.1%}" if "mfu" in record else ""
     grad = f"{record['grad_norm']:.3f}" if record["grad_norm"] is not None else "skipped"

@@ -42,6 +42,7 @@ from parallel.ddp import DistributedDataParallel
 from parallel.pipeline.schedules import get_schedule
 from parallel.random import model_parallel_seed
 from parallel.state import ParallelState
+from parallel.timing import StepTimes
 
 
 def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> Run:
@@ -112,6 +113,10 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     seq = m.seq_length // state.cp_size  # the activations a pipeline stage sends on
     if par.sequence_parallel and state.tp_size > 1:
         seq //= state.tp_size
+    sync = None
+    if train.timing_log_level >= 1 and state.device.type == "cuda":
+        sync = torch.cuda.synchronize  # GPU work counted where it runs, at a cost
+    times = StepTimes(sync)
     schedule = get_schedule(
         state,
         virtual_size=virtual,
@@ -119,6 +124,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         tensor_shape=(seq, train.micro_batch_size, m.hidden_size),
         dtype=dtype,
         overlap_p2p=par.overlap_p2p_communication,
+        times=times,
     )
     datasets = _datasets(cfg, state, batches)
     flops = model_flops_per_token(m, m.padded_vocab_size(state.tp_size))
@@ -160,6 +166,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
             train.exit_duration_in_mins, train.exit_signal_handler, started=started
         ),
         profiler=StepProfiler(train, state.rank, state.device, optimizer.finish_param_sync),
+        times=times,
     )
     if train.log_gradient_noise_scale:
         run.local_squares = LocalGradSquares(ddps, state.tp_rank)

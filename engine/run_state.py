@@ -74,6 +74,7 @@ class Run:
     norm_parts: object = None  # --log-grad-norms-interval: engine/grad_norm_parts.py
     local_squares: object = None  # --log-gradient-noise-scale: engine/noise_scale.py
     noise_scale: object = None
+    times: object = None  # parallel.timing.StepTimes: where the steps' time goes
 
 
 def params_dtype(train: TrainConfig) -> torch.dtype:

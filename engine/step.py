@@ -21,6 +21,7 @@ from parallel.comm import group_size
 from parallel.context_parallel import split_sequence
 from parallel.grads import finalize_model_grads
 from parallel.pipeline.schedules import forward_backward_no_pipelining
+from parallel.timing import measure
 
 
 def forward_step(chunk, batch: dict, input_tensor: torch.Tensor | None) -> torch.Tensor:
@@ -197,6 +198,7 @@ def train_step(
     norm_parts=None,
     local_squares=None,
     num_domains: int = 0,
+    times=None,
 ) -> StepOutput:
     """Zero grads, forward/backward every micro-batch, reduce, set the learning rate, step.
     should_step(loss) can decline the update (it must decide the same on every rank; the loss
@@ -207,7 +209,10 @@ def train_step(
     `norm_parts` (parallel.zero.NormParts): also the gradient norm of each part;
     `local_squares` (engine.noise_scale.LocalGradSquares): also the DP ranks' mean squared
     norm of their own gradients, before the reduction. `num_domains`: the loss of each
-    dataset of a blend (make_loss_func), in `domain_parts`.
+    dataset of a blend (make_loss_func), in `domain_parts`. `times` (parallel.timing.StepTimes)
+    gets the seconds of the gradient reductions ("grads-sync"), of making the loss known to
+    every rank ("loss-sync") and of the optimizer step ("optimizer"); the schedule counts its
+    own parts.
     Collective on all ranks.
     """
     optimizer.zero_grad()
@@ -220,9 +225,11 @@ def train_step(
     if after_backward is not None:
         after_backward()
     shared = [w for c in chunks if (w := c.module.shared_embedding_weight()) is not None]
-    finalize_model_grads(chunks, state.tp_group, state.embedding_group, shared)
+    with measure(times, "grads-sync"):
+        finalize_model_grads(chunks, state.tp_group, state.embedding_group, shared)
     own = local_squares.detach(state, scale) if local_squares is not None else None
-    loss, *parts = shared_loss(losses, state, num_domains)
+    with measure(times, "loss-sync"):
+        loss, *parts = shared_loss(losses, state, num_domains)
     parts = parts or None
     lr = scheduler.apply(optimizer)
     loss_scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else None
@@ -230,7 +237,8 @@ def train_step(
         return StepOutput(loss, None, lr, False, loss_scale, None, own, parts)
     if before_update is not None:
         before_update()
-    result = optimizer.step(norm_parts) if norm_parts is not None else optimizer.step()
+    with measure(times, "optimizer"):
+        result = optimizer.step(norm_parts) if norm_parts is not None else optimizer.step()
     if result.updated:
         # As Megatron-LM: the schedule moves on only after an update is applied, so a skipped
         # one (non-finite gradient, fp16 overflow, declined above) is retried at the same LR.

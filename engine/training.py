@@ -77,6 +77,7 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         norm_parts=parts,
         local_squares=run.local_squares,
         num_domains=len(names),
+        times=run.times,
     )
     # An attempted step that did not update had a non-finite gradient (with fp16 that is a
     # loss-scale overflow, which the scaler handles and is not counted).
@@ -182,11 +183,13 @@ def train(run: Run) -> Counters:
     window: list[dict] = []
     tokens_since_log = 0
     run.throughput.reset()
+    run.times.take()  # the time breakdown starts with the window
     while c.iteration < train_cfg.train_iters:
         run.profiler.before_iteration(c.iteration)
         global_batch = run.batches.at(c.consumed_samples)
         count = micro_batches_per_step(run, global_batch)
-        batches = next_batches(iterator, count, state.device)
+        with run.times.measure("batch-generator"):
+            batches = next_batches(iterator, count, state.device)
         record = train_iteration(run, batches, global_batch)
         c.iteration += 1
         run.profiler.after_iteration(c.iteration)
@@ -207,7 +210,8 @@ def train(run: Run) -> Counters:
             window, tokens_since_log = [], 0
         every = train_cfg.eval_interval
         if every and c.iteration % every == 0 and c.iteration < train_cfg.train_iters:
-            log_eval(run, "valid", evaluate(run, 1))
+            with run.times.measure("evaluate"), run.times.paused():
+                log_eval(run, "valid", evaluate(run, 1))
         if train_cfg.exit_on_nan_count and c.nan_iters >= train_cfg.exit_on_nan_count:
             raise NaNLimit(
                 f"stopping at iteration {c.iteration}: {c.nan_iters} iterations with a NaN/Inf "
@@ -218,11 +222,13 @@ def train(run: Run) -> Counters:
         if run.checkpointer is not None and (
             stop or (train_cfg.save_interval and c.iteration % train_cfg.save_interval == 0)
         ):
-            save(run)
+            with run.times.measure("save-checkpoint"):
+                save(run)
         if stop:
             run.writer.print(f"exiting at iteration {c.iteration} (--exit-interval)")
             break
-        reason = run.exit_conditions.check(run.state.world_group, run.state.device)
+        with run.times.measure("exit-check"):
+            reason = run.exit_conditions.check(run.state.world_group, run.state.device)
         if reason:
             if run.checkpointer is not None and run.last_saved != c.iteration:
                 save(run)

@@ -22,11 +22,11 @@ NPROC_PER_NODE=4 DATA=$DATA bash examples/pretrain_gpt.sh \
     --hidden-dropout 0.0 --attention-dropout 0.0 --lr-warmup-iters 20 --min-lr 1e-4 \
     --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --seed 1234 \
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel \
-    --train-iters ${TRAIN_ITERS:-100} --eval-interval 50 --save-interval 50 \
+    --train-iters ${TRAIN_ITERS:-100} --eval-interval 50 --save-interval 50 --log-grad-norms-interval 10 \
     --save "$RUN/checkpoints" --log-jsonl "$RUN/metrics.jsonl" --tensorboard-dir "$RUN/tensorboard"
 
-echo "== 6/7 loss curve"
-python tools/plot_metrics.py --log-jsonl "$RUN/metrics.jsonl" --output "$RUN/loss_curve.png" \
+echo "== 6/7 dashboard: loss, learning rate, gradient norms, throughput, time breakdown, memory"
+python tools/plot_metrics.py --log-jsonl "$RUN/metrics.jsonl" --output "$RUN/dashboard.png" \
     --title "quickstart: GPT on Python stdlib sources, TP2 x PP2"
 echo "checkpoint: $RUN/checkpoints/iter_$(printf %07d "$(cat "$RUN/checkpoints/latest_checkpointed_iteration.txt")")"
 

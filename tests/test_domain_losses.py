@@ -5,11 +5,13 @@ under TP 2 x PP 2 x DP 2 against one process, where the parts must add up to the
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import torch
 
 from engine.step import domain_losses, make_loss_func
-from tests.test_training import base_args, pretrain, records
+from tests.test_training import ROOT, base_args, pretrain, records
 
 
 def test_each_dataset_loss_is_the_mean_over_its_tokens():
@@ -53,6 +55,7 @@ def test_dataset_losses_add_up_and_match_one_process(dataset_prefix, tokenizer_m
             **flags,
             **{"--train-iters": "3", "--eval-interval": "2", "--eval-iters": "2"},
             **{"--log-jsonl": log, "--hidden-dropout": "0", "--attention-dropout": "0"},
+            **{"--log-grad-norms-interval": "1"},
         )
         assert pretrain(world, args) == [0] * world
         found[world] = records(log)
@@ -69,3 +72,13 @@ def test_dataset_losses_add_up_and_match_one_process(dataset_prefix, tokenizer_m
             assert math.isclose(one[f"lm_loss/{name}"], eight[f"lm_loss/{name}"], rel_tol=1e-5)
             share = f"lm_loss_share/{name}"
             assert math.isclose(one[share], eight[share], rel_tol=1e-9)
+
+    # the dashboard overlays both runs: losses per dataset, the per-layer heat map, ...
+    png = tmp_path / "dashboard.png"
+    result = subprocess.run(
+        [sys.executable, "tools/plot_metrics.py", "--log-jsonl", str(tmp_path / "log1.jsonl"),
+         str(tmp_path / "log8.jsonl"), "--output", str(png)],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

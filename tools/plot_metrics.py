@@ -1,16 +1,28 @@
-"""Draw the loss and learning-rate curves of a run (its --log-jsonl file) into a PNG."""
+"""Draw a one-page dashboard PNG of one or more runs from their --log-jsonl files: the loss
+(training, each evaluation split, and each dataset of a blend), the learning rate, the gradient
+norm, the gradient norm of each layer as a heat map (--log-grad-norms-interval), tokens/s and
+MFU, the time breakdown of the steps as stacked bars, memory, and the loss variance and gradient
+noise scale. Several files are overlaid, one colour per run (the heat map and the time
+breakdown show the first):
+
+  python tools/plot_metrics.py --log-jsonl a/metrics.jsonl b/metrics.jsonl --output runs.png
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 
 from engine.cli import run_main as run
 from engine.errors import InputError
 
+_LAYER = re.compile(r"^grad_norm/layers\.(\d+)$")
+
 
 def read_log(path: str) -> tuple[list[dict], list[dict]]:
+    """(training records, evaluation records) of a --log-jsonl file."""
     train, evals = [], []
     try:
         with open(path) as f:
@@ -29,36 +41,150 @@ def read_log(path: str) -> tuple[list[dict], list[dict]]:
     return train, evals
 
 
+def _series(records: list[dict], key: str) -> tuple[list, list]:
+    points = [(r["iteration"], r[key]) for r in records if r.get(key) is not None]
+    return ([x for x, _ in points], [y for _, y in points]) if points else ([], [])
+
+
+def _label(path: str, paths: list[str]) -> str:
+    """The file name, or its folder's when the runs' file names are the same."""
+    names = [os.path.basename(p) for p in paths]
+    if names.count(os.path.basename(path)) > 1:
+        return os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+    return os.path.basename(path)
+
+
+def _draw_run(axes: dict, train: list[dict], evals: list[dict], label: str, color) -> None:
+    axes["loss"].plot(*_series(train, "lm_loss"), color=color, linewidth=1.5, label=label)
+    for marker, split in zip("os^", sorted({r["split"] for r in evals})):
+        found = [r for r in evals if r["split"] == split]
+        axes["loss"].plot(
+            *_series(found, "lm_loss"), marker + "--", color=color, label=f"{label} {split}"
+        )
+    domains = sorted({k for r in train for k in r if k.startswith("lm_loss/")})
+    for style, key in zip(("--", ":", "-.") * 8, domains):
+        name = key.removeprefix("lm_loss/")
+        axes["loss"].plot(
+            *_series(train, key), style, color=color, alpha=0.7, label=f"{label} {name}"
+        )
+    axes["lr"].plot(*_series(train, "lr"), color=color, label=label)
+    axes["grad"].plot(*_series(train, "grad_norm"), color=color, label=label)
+    axes["speed"].plot(*_series(train, "tokens_per_sec"), color=color, label=f"{label} tokens/s")
+    mfu = _series(train, "mfu")
+    if mfu[0]:
+        axes["mfu"].plot(mfu[0], [100 * v for v in mfu[1]], ":", color=color, label=f"{label} MFU")
+    axes["memory"].plot(*_series(train, "mem_gb"), color=color, label=label)
+    axes["noise"].plot(*_series(train, "lm_loss_var"), color=color, label=f"{label} loss variance")
+    scale = _series(train, "gradient_noise_scale")
+    if scale[0]:
+        axes["noise_scale"].plot(*scale, ":", color=color, label=f"{label} noise scale")
+
+
+def _draw_time_breakdown(ax, train: list[dict], label: str) -> None:
+    """Seconds per iteration in each part of the steps, stacked, beside the wall time."""
+    parts = sorted({k for r in train for k in r if k.startswith("time/")})
+    if not parts:
+        ax.text(0.5, 0.5, "no time breakdown in this log", ha="center", va="center",
+                transform=ax.transAxes)  # fmt: skip
+        return
+    import matplotlib
+
+    iterations = [r["iteration"] for r in train]
+    width = 0.8 * min((b - a for a, b in zip(iterations, iterations[1:])), default=1)
+    bottom = [0.0] * len(train)
+    colors = matplotlib.colormaps["tab20"].colors
+    for k, part in enumerate(parts):
+        values = [r.get(part, 0.0) for r in train]
+        ax.bar(
+            iterations, values, width, bottom=bottom, color=colors[k % len(colors)],
+            label=part.removeprefix("time/"),
+        )  # fmt: skip
+        bottom = [b + v for b, v in zip(bottom, values)]
+    wall = _series(train, "iteration_time_s")
+    ax.plot(*wall, "k.-", linewidth=1, label="wall time")
+    ax.set_ylim(0, 1.7 * max(bottom + wall[1]))  # room for the legend above the bars
+    ax.legend(fontsize=6, ncol=4, loc="upper center")
+    ax.set_title(f"time per iteration by part ({label})")
+
+
+def _draw_layer_heat_map(ax, train: list[dict], label: str) -> None:
+    """Each layer's gradient norm (rows) over the iterations that logged one (columns)."""
+    rows = sorted({int(m.group(1)) for r in train for k in r if (m := _LAYER.match(k))})
+    logged = [r for r in train if any(_LAYER.match(k) for k in r)]
+    if not rows:
+        ax.text(0.5, 0.5, "no per-layer gradient norms\n(--log-grad-norms-interval N)",
+                ha="center", va="center", transform=ax.transAxes)  # fmt: skip
+        ax.set_axis_off()
+        return
+    values = [[r.get(f"grad_norm/layers.{i}", float("nan")) for r in logged] for i in rows]
+    iterations = [r["iteration"] for r in logged]
+    image = ax.imshow(
+        values,
+        aspect="auto",
+        origin="lower",
+        interpolation="nearest",
+        extent=(iterations[0] - 0.5, iterations[-1] + 0.5, rows[0] - 0.5, rows[-1] + 0.5),
+    )
+    ax.figure.colorbar(image, ax=ax, label="grad norm")
+    ax.set_yticks(rows)
+    ax.set_ylabel("layer")
+    ax.set_title(f"gradient norm per layer ({label})")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--log-jsonl", required=True, help="metrics written by --log-jsonl")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--log-jsonl", nargs="+", required=True, help="metrics of one or more runs")
     parser.add_argument("--output", required=True, help="PNG file to write")
     parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
-    train, evals = read_log(args.log_jsonl)
+    runs = [(path, *read_log(path)) for path in args.log_jsonl]
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (loss_ax, lr_ax) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    points = [(r["iteration"], r["lm_loss"]) for r in train if r.get("lm_loss") is not None]
-    loss_ax.plot(*zip(*points), label="train", linewidth=1.5)
-    for split in sorted({r["split"] for r in evals}):
-        values = [(r["iteration"], r["lm_loss"]) for r in evals if r["split"] == split]
-        loss_ax.plot(*zip(*values), "o--", label=split)
-    loss_ax.set_ylabel("lm loss")
-    loss_ax.legend()
-    loss_ax.grid(alpha=0.3)
-    lr_ax.plot([r["iteration"] for r in train], [r["lr"] for r in train], color="tab:green")
-    lr_ax.set_ylabel("learning rate")
-    lr_ax.set_xlabel("iteration")
-    lr_ax.grid(alpha=0.3)
-    fig.suptitle(args.title or os.path.basename(args.log_jsonl))
+    fig, grid = plt.subplots(4, 2, figsize=(13, 14))
+    axes = {
+        "loss": grid[0, 0], "lr": grid[0, 1], "grad": grid[1, 0], "layers": grid[1, 1],
+        "speed": grid[2, 0], "time": grid[2, 1], "memory": grid[3, 0], "noise": grid[3, 1],
+    }  # fmt: skip
+    axes["mfu"] = axes["speed"].twinx()
+    axes["noise_scale"] = axes["noise"].twinx()
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (path, train, evals) in enumerate(runs):
+        _draw_run(axes, train, evals, _label(path, args.log_jsonl), colors[k % len(colors)])
+    _draw_layer_heat_map(axes["layers"], runs[0][1], _label(runs[0][0], args.log_jsonl))
+    _draw_time_breakdown(axes["time"], runs[0][1], _label(runs[0][0], args.log_jsonl))
+    titles = {
+        "loss": ("lm loss", "loss: train (lines), evaluations (markers), datasets (dashed)"),
+        "lr": ("learning rate", "learning rate"),
+        "grad": ("grad norm", "gradient norm"),
+        "speed": ("tokens/s", "throughput"),
+        "time": ("seconds", None),
+        "memory": ("GB", "memory (the rank that logs)"),
+        "noise": ("loss variance", "loss variance over the window, gradient noise scale"),
+    }
+    for name, (ylabel, title) in titles.items():
+        axes[name].set_ylabel(ylabel)
+        if title:
+            axes[name].set_title(title)
+        axes[name].set_xlabel("iteration")
+        axes[name].grid(alpha=0.3)
+        if axes[name].get_legend_handles_labels()[0] and not axes[name].get_legend():
+            axes[name].legend(fontsize=7)
+    for twin, ylabel in (("mfu", "MFU (%)"), ("noise_scale", "gradient noise scale")):
+        if axes[twin].get_legend_handles_labels()[0]:
+            axes[twin].set_ylabel(ylabel)
+            axes[twin].legend(fontsize=7, loc="lower right")
+        else:
+            axes[twin].set_axis_off()
+    fig.suptitle(args.title or ", ".join(_label(p, args.log_jsonl) for p in args.log_jsonl))
     fig.tight_layout()
     tmp = f"{args.output}.tmp.{os.getpid()}.png"
-    fig.savefig(tmp, dpi=100)
+    fig.savefig(tmp, dpi=90)
     os.replace(tmp, args.output)
     print(f"wrote {args.output}")
     return 0

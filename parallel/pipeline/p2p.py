@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.autograd.variable import Variable
 
 from parallel.state import ParallelState
+from parallel.timing import StepTimes, measure
 
 ACTIVATION_TAG, GRADIENT_TAG = 1, 2
 
@@ -36,10 +37,12 @@ class Pending:
     buffers: list[torch.Tensor]
     from_prev: torch.Tensor | None
     from_next: torch.Tensor | None
+    times: StepTimes | None = None  # counts the waiting as "pipeline-wait"
 
     def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        for work in self.works:
-            work.wait()
+        with measure(self.times, "pipeline-wait"):
+            for work in self.works:
+                work.wait()
         self.works, self.buffers = [], []
         if self.from_prev is not None:
             self.from_prev.requires_grad_(True)
@@ -53,6 +56,7 @@ class P2P:
     state: ParallelState
     tensor_shape: tuple[int, ...]
     dtype: torch.dtype
+    times: StepTimes | None = None  # counts waits for transfers as "pipeline-wait"
 
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.tensor_shape, dtype=self.dtype, device=self.state.device)
@@ -89,8 +93,9 @@ class P2P:
             for op, tensor, peer, tag in wanted
             if tensor is not None
         ]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        return Pending(works, [op.tensor for op in ops], from_prev, from_next)
+        with measure(self.times, "pipeline-wait"):
+            works = dist.batch_isend_irecv(ops) if ops else []
+        return Pending(works, [op.tensor for op in ops], from_prev, from_next, self.times)
 
     def exchange(
         self,

@@ -25,6 +25,7 @@ import time
 import torch
 
 from parallel.pipeline.p2p import backward_from, free_sent_output
+from parallel.timing import StepTimes, measure
 
 
 def _no_sync(ddps, last: bool):
@@ -44,9 +45,16 @@ def _end_backward(chunk) -> None:
 
 
 def forward_backward_no_pipelining(
-    chunks, batches, forward_step, loss_func, *, forward_only: bool = False
+    chunks,
+    batches,
+    forward_step,
+    loss_func,
+    *,
+    forward_only: bool = False,
+    times: StepTimes | None = None,
 ) -> list[torch.Tensor]:
-    """One stage holds the whole model: forward and backward each micro-batch in turn."""
+    """One stage holds the whole model: forward and backward each micro-batch in turn.
+    `times` gets the "forward-compute" and "backward-compute" seconds."""
     if len(chunks) != 1:
         raise ValueError("without pipelining the model is a single chunk")
     chunk = chunks[0]
@@ -54,14 +62,16 @@ def forward_backward_no_pipelining(
     for index, batch in enumerate(batches):
         with _no_sync(chunks, last=index == len(batches) - 1):
             if forward_only:
-                with torch.no_grad():
+                with torch.no_grad(), measure(times, "forward-compute"):
                     output = forward_step(chunk, batch, None)
                     losses.append(loss_func(output, batch)[1])
                 continue
-            output = forward_step(chunk, batch, None)
-            loss, reported = loss_func(output, batch)
-            loss.backward()
-            _end_backward(chunk)
+            with measure(times, "forward-compute"):
+                output = forward_step(chunk, batch, None)
+                loss, reported = loss_func(output, batch)
+            with measure(times, "backward-compute"):
+                loss.backward()
+                _end_backward(chunk)
             losses.append(reported)
     return losses
 
@@ -74,9 +84,10 @@ class _Stage:
     'peak_held', the most micro-batches whose activations were held at once (forward done,
     backward not yet), 'peak_output_bytes', the most bytes their output tensors held at once
     when a forward starts (sent outputs are freed: p2p.free_sent_output), and 'compute_s',
-    the time spent in forward and backward."""
+    the time spent in forward and backward. `times` (optional) gets the "forward-compute" and
+    "backward-compute" seconds."""
 
-    def __init__(self, chunks, batches, forward_step, loss_func, forward_only, stats):
+    def __init__(self, chunks, batches, forward_step, loss_func, forward_only, stats, times=None):
         self.chunks, self.batches = chunks, batches
         self.forward_step, self.loss_func = forward_step, loss_func
         self.forward_only = forward_only
@@ -87,13 +98,14 @@ class _Stage:
         self.stats["peak_output_bytes"] = 0
         self.stats["compute_s"] = 0.0
         self.held_outputs: list[torch.Tensor] = []
+        self.times = times
 
     def forward(self, chunk_index: int, microbatch: int, input_tensor, is_last_stage: bool):
         chunk, batch = self.chunks[chunk_index], self.batches[microbatch]
         held_bytes = sum(o.untyped_storage().nbytes() for o in self.held_outputs)
         self.stats["peak_output_bytes"] = max(self.stats["peak_output_bytes"], held_bytes)
         start = time.perf_counter()
-        with torch.set_grad_enabled(not self.forward_only):
+        with torch.set_grad_enabled(not self.forward_only), measure(self.times, "forward-compute"):
             output = self.forward_step(chunk, batch, input_tensor)
             if is_last_stage:
                 loss, reported = self.loss_func(output, batch)
@@ -115,8 +127,9 @@ class _Stage:
         if input_tensor is not None:
             input_tensor.retain_grad()
         start = time.perf_counter()
-        backward_from(output, output_grad)
-        _end_backward(ddp)
+        with measure(self.times, "backward-compute"):
+            backward_from(output, output_grad)
+            _end_backward(ddp)
         self.held_outputs = [o for o in self.held_outputs if o is not output]
         self.stats["compute_s"] += time.perf_counter() - start
         if hasattr(ddp, "is_last_microbatch"):
@@ -126,10 +139,10 @@ class _Stage:
 
 
 def forward_backward_gpipe(
-    chunks, batches, forward_step, loss_func, *, p2p, forward_only=False, stats=None
+    chunks, batches, forward_step, loss_func, *, p2p, forward_only=False, stats=None, times=None
 ):
     """All forwards, then all backwards (the baseline: a stage holds all m micro-batches)."""
-    stage = _Stage(chunks, batches, forward_step, loss_func, forward_only, stats)
+    stage = _Stage(chunks, batches, forward_step, loss_func, forward_only, stats, times)
     state, m = p2p.state, len(batches)
     saved = []
     for k in range(m):
@@ -150,15 +163,22 @@ def forward_backward_gpipe(
 
 
 def forward_backward_1f1b(
-    chunks, batches, forward_step, loss_func, *, p2p, forward_only=False, stats=None
+    chunks, batches, forward_step, loss_func, *, p2p, forward_only=False, stats=None, times=None
 ):
     """One-forward-one-backward: p - rank - 1 warm-up forwards, then alternate, then drain.
     A stage never holds more than p - rank micro-batches of activations."""
     if forward_only:
         return forward_backward_gpipe(
-            chunks, batches, forward_step, loss_func, p2p=p2p, forward_only=True, stats=stats
+            chunks,
+            batches,
+            forward_step,
+            loss_func,
+            p2p=p2p,
+            forward_only=True,
+            stats=stats,
+            times=times,
         )
-    stage = _Stage(chunks, batches, forward_step, loss_func, forward_only, stats)
+    stage = _Stage(chunks, batches, forward_step, loss_func, forward_only, stats, times)
     state, m = p2p.state, len(batches)
     first, last = state.is_first_stage, state.is_last_stage
     warmup = min(state.pp_size - state.pp_rank - 1, m)
@@ -253,6 +273,7 @@ def forward_backward_interleaved(
     forward_only=False,
     stats=None,
     overlap_p2p=False,
+    times=None,
 ):
     """Interleaved 1F1B: each rank holds v model chunks (virtual stages); global chunk order is
     chunk 0 of every rank, then chunk 1 of every rank, ... Micro-batches go through in groups
@@ -264,7 +285,7 @@ def forward_backward_interleaved(
             f"interleaved pipelining needs the micro-batches per step ({m}) to be a multiple of "
             f"pipeline-model-parallel-size {p}"
         )
-    stage = _Stage(chunks, batches, forward_step, loss_func, forward_only, stats)
+    stage = _Stage(chunks, batches, forward_step, loss_func, forward_only, stats, times)
     stage.stats["computes_overlapped"] = 0  # computes started with transfers in flight
     box = _Mailbox(p2p, overlap_p2p)
     first, last = state.is_first_stage, state.is_last_stage
@@ -383,22 +404,26 @@ def get_schedule(
     dtype=None,
     stats: dict | None = None,
     overlap_p2p: bool = False,
+    times: StepTimes | None = None,
 ):
     """The schedule for a layout: no pipelining for PP=1, else 1F1B (interleaved when the
     model has virtual stages), or `kind` ('gpipe', '1f1b', 'interleaved') explicitly.
-    `overlap_p2p` (interleaved only) lets transfers run during compute."""
+    `overlap_p2p` (interleaved only) lets transfers run during compute. `times`: gets the
+    seconds of forward and backward compute and of waits for pipeline transfers."""
     import functools
 
     from parallel.pipeline.p2p import P2P
 
     if state.pp_size == 1 and virtual_size == 1:
-        return forward_backward_no_pipelining
+        return functools.partial(forward_backward_no_pipelining, times=times)
     kind = kind or ("interleaved" if virtual_size > 1 else "1f1b")
     if (kind == "interleaved") != (virtual_size > 1):
         raise ValueError(f"schedule {kind} does not fit {virtual_size} model chunks per rank")
-    p2p = P2P(state, tuple(tensor_shape), dtype)
+    p2p = P2P(state, tuple(tensor_shape), dtype, times)
     if kind != "interleaved":
         if overlap_p2p:
             raise ValueError("overlapping pipeline transfers needs the interleaved schedule")
-        return functools.partial(SCHEDULES[kind], p2p=p2p, stats=stats)
-    return functools.partial(SCHEDULES[kind], p2p=p2p, stats=stats, overlap_p2p=overlap_p2p)
+        return functools.partial(SCHEDULES[kind], p2p=p2p, stats=stats, times=times)
+    return functools.partial(
+        SCHEDULES[kind], p2p=p2p, stats=stats, overlap_p2p=overlap_p2p, times=times
+    )
