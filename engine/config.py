@@ -728,12 +728,20 @@ class TrainConfig:
         None, "evaluate on the valid split every this many steps (default: only at the end)"
     )
     eval_iters: int = option(100, "global batches per evaluation")
+    eval_prompts: str | None = option(
+        None,
+        "a text file of prompts, one a line: at each evaluation of the valid split, print and "
+        "log a greedy and a sampled continuation of each (under the run's own layout)",
+    )
+    eval_max_new_tokens: int = option(32, "--eval-prompts: tokens generated per continuation")
+    eval_temperature: float = option(0.8, "--eval-prompts: the sampled continuation's temperature")
+    eval_top_p: float = option(0.95, "--eval-prompts: the sampled continuation's nucleus mass")
     log_interval: int = option(100, "steps between log lines")
     timing_log_level: int = option(
         0,
         "the time breakdown (time/* in the log) is always measured; from 1 on, the device is "
         "synchronised around each measured part so that GPU work is counted where it runs "
-        "(adds synchronisations)",
+        "(adds synchronisations; 1 and 2 do the same here)",
         choices=(0, 1, 2),
     )
     log_gradient_noise_scale: bool = option(
@@ -827,6 +835,10 @@ class TrainConfig:
             raise ConfigError("--bf16 and --fp16 contradict each other; pick one")
         if self.log_grad_norms_interval is not None and self.log_grad_norms_interval < 1:
             raise ConfigError("--log-grad-norms-interval must be positive (or left out)")
+        if self.eval_max_new_tokens < 1 or self.eval_temperature <= 0:
+            raise ConfigError("--eval-max-new-tokens must be >= 1 and --eval-temperature > 0")
+        if not 0 < self.eval_top_p <= 1:
+            raise ConfigError(f"--eval-top-p {self.eval_top_p} must be in (0, 1]")
         for name in ("micro_batch_size", "train_iters", "train_samples", "log_interval"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")

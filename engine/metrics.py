@@ -181,6 +181,20 @@ class MetricsWriter:
         if self.wandb is not None:
             self.wandb.log(record, step, split)
 
+    def log_samples(self, record: dict, step: int) -> None:
+        """Generation samples (engine/eval/samples.py): a JSONL record, TensorBoard text."""
+        if not self.enabled:
+            return
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            for k, sample in enumerate(record["samples"], start=1):
+                text = (
+                    f"**prompt**: `{sample['prompt']}`\n\n**greedy**: `{sample['greedy']}`"
+                    f"\n\n**sampled**: `{sample['sampled']}`"
+                )
+                self.tensorboard.add_text(f"samples/{k}", text, step)
+
     def print(self, line: str) -> None:
         if self.enabled:
             print(line, flush=True)

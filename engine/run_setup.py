@@ -174,6 +174,8 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     if train.log_grad_norms_interval:
         decoupled = cfg.optimizer.decoupled_lr is not None
         run.norm_parts = grad_norm_parts(m, ddps, decoupled)
+    if train.eval_prompts:
+        run.eval_prompts = _eval_prompts(cfg, state)
     if batches.describe():
         run.writer.print(batches.describe())
     if train.load:
@@ -200,6 +202,23 @@ def split_sample_counts(train, global_batch: int) -> tuple[int, int, int]:
         train.train_samples or train.train_iters * global_batch,
         evaluations * train.eval_iters * global_batch,
         train.eval_iters * global_batch,
+    )
+
+
+def _eval_prompts(cfg: Configs, state: ParallelState):
+    """--eval-prompts read and tokenized (every rank: they decode together)."""
+    from engine.eval.samples import EvalPrompts, read_prompts
+
+    train = cfg.train
+    if state.cp_size > 1:
+        raise ConfigError(
+            "--eval-prompts: generation samples are not available with "
+            "--context-parallel-size > 1 yet; leave one of them out"
+        )
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    ids = read_prompts(train.eval_prompts, tokenizer, cfg.model.seq_length)
+    return EvalPrompts(
+        tokenizer, ids, train.eval_max_new_tokens, train.eval_temperature, train.eval_top_p
     )
 
 

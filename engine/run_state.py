@@ -75,6 +75,7 @@ class Run:
     local_squares: object = None  # --log-gradient-noise-scale: engine/noise_scale.py
     noise_scale: object = None
     times: object = None  # parallel.timing.StepTimes: where the steps' time goes
+    eval_prompts: object = None  # --eval-prompts: engine/eval/samples.py EvalPrompts
 
 
 def params_dtype(train: TrainConfig) -> torch.dtype:

@@ -71,7 +71,9 @@ def make_loss_func(
             share = share_of(per_token)
             total = share if z_term is None else share + share_of(z_term)
             loss, reported = total * (cp_size * loss_scale / num_microbatches), share.detach()
-        if num_domains and "domain" in batch:
+        if num_domains and "domain" not in batch:
+            raise ValueError("per-dataset losses asked for, but the batch says no sample's dataset")
+        if num_domains:
             parts = _domain_parts(per_token.detach(), weights, count, batch["domain"], num_domains)
             reported = torch.cat([reported.reshape(1), parts])
         return loss, reported
@@ -215,7 +217,8 @@ def train_step(
     own parts.
     Collective on all ranks.
     """
-    optimizer.zero_grad()
+    with measure(times, "optimizer"):
+        optimizer.zero_grad()
     scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else 1.0
     if local_squares is not None:
         local_squares.attach(state.device)
@@ -227,16 +230,19 @@ def train_step(
     shared = [w for c in chunks if (w := c.module.shared_embedding_weight()) is not None]
     with measure(times, "grads-sync"):
         finalize_model_grads(chunks, state.tp_group, state.embedding_group, shared)
-    own = local_squares.detach(state, scale) if local_squares is not None else None
+    with measure(times, "grads-sync"):  # (the noise scale's reductions of the local norms)
+        own = local_squares.detach(state, scale) if local_squares is not None else None
     with measure(times, "loss-sync"):
         loss, *parts = shared_loss(losses, state, num_domains)
     parts = parts or None
-    lr = scheduler.apply(optimizer)
+    with measure(times, "optimizer"):
+        lr = scheduler.apply(optimizer)
     loss_scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else None
     if should_step is not None and not should_step(loss):
         return StepOutput(loss, None, lr, False, loss_scale, None, own, parts)
     if before_update is not None:
-        before_update()
+        with measure(times, "save-checkpoint"):  # an asynchronous save's copy still running
+            before_update()
     with measure(times, "optimizer"):
         result = optimizer.step(norm_parts) if norm_parts is not None else optimizer.step()
     if result.updated:

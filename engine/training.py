@@ -20,6 +20,7 @@ from engine import faults
 from engine.data.blended import BlendedDataset
 from engine.data.loader import WithDomains, build_data_iterator
 from engine.data.streaming import StreamingDataset
+from engine.eval.samples import log_samples
 from engine.metrics import memory_gb
 from engine.run_checkpoint import save
 from engine.run_log import log_eval, log_window
@@ -212,6 +213,8 @@ def train(run: Run) -> Counters:
         if every and c.iteration % every == 0 and c.iteration < train_cfg.train_iters:
             with run.times.measure("evaluate"), run.times.paused():
                 log_eval(run, "valid", evaluate(run, 1))
+                if run.eval_prompts is not None:
+                    log_samples(run)
         if train_cfg.exit_on_nan_count and c.nan_iters >= train_cfg.exit_on_nan_count:
             raise NaNLimit(
                 f"stopping at iteration {c.iteration}: {c.nan_iters} iterations with a NaN/Inf "
@@ -242,6 +245,8 @@ def finish(run: Run) -> None:
     c, train_cfg = run.counters, run.cfg.train
     if c.iteration >= train_cfg.train_iters:
         log_eval(run, "valid", evaluate(run, 1))
+        if run.eval_prompts is not None:
+            log_samples(run)
         log_eval(run, "test", evaluate(run, 2))
         if run.checkpointer is not None and run.last_saved != c.iteration:
             save(run)

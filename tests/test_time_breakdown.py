@@ -33,4 +33,5 @@ def test_parts_add_up_to_the_iteration_time(dataset_prefix, tokenizer_model, tmp
         # the checkpoint saved and the evaluation at iteration 4 count in the next window
         later = train[2]
         assert later["time/save-checkpoint"] > 0 and later["time/evaluate"] > 0
-        assert "time/save-checkpoint" not in train[0]
+        # (before any save, only the check for an asynchronous copy in flight counts there)
+        assert train[0].get("time/save-checkpoint", 0.0) < 0.1 * later["time/save-checkpoint"]

@@ -58,13 +58,21 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("nothing to evaluate: give --tasks FILE... and/or --perplexity-data")
     if args.num_fewshot < 0 or args.perplexity_windows < 1:
         raise ConfigError("--num-fewshot must be >= 0 and --perplexity-windows >= 1")
-    from engine.eval.loading import load_model, untrained_like
+    from engine.eval.loading import load_model, plain_tokenizer, untrained_like
     from engine.eval.multiple_choice import read_task
 
     tasks = {path: read_task(path) for path in args.tasks}  # bad files fail before loading
     override = tokenizer_config(args) if tokenizer_flags_given(args) else None
     model, tokenizer, shown = load_model(args.load, args.iteration, override)
+    tokenizer = plain_tokenizer(tokenizer)
     length = args.seq_length or model.config.seq_length
+    learned = model.config.position_embedding_type == "learned_absolute"
+    if learned and length > model.config.max_position_embeddings:
+        raise ConfigError(
+            f"--seq-length {length} is longer than the model's learned positions "
+            f"({model.config.max_position_embeddings})"
+        )
+    print(f"evaluating {shown}:")
     results = {"model": shown} | _evaluate(model, tokenizer, tasks, length, args)
     if args.compare_untrained:
         print(f"the same model untrained (seed {args.seed}):")
@@ -94,7 +102,8 @@ def _evaluate(model, tokenizer, tasks: dict, length: int, args) -> dict:
             f"  perplexity on {args.perplexity_data}: {found['ppl']:.3f} "
             f"(nll {found['nll']:.4f} over {found['tokens']} tokens)"
         )
-    loglikelihood = loglikelihood_of(model, length, getattr(tokenizer, "eod", None))
+    prefix = tokenizer.bos if getattr(tokenizer, "bos", None) is not None else tokenizer.eod
+    loglikelihood = loglikelihood_of(model, length, prefix)
     for path, questions in tasks.items():
         found = score(
             loglikelihood,

@@ -33,6 +33,8 @@ def read_log(path: str) -> tuple[list[dict], list[dict]]:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     raise InputError(f"{path}:line {number}: not JSON") from None
+                if "samples" in record:  # generation samples (--eval-prompts): text
+                    continue
                 (evals if "split" in record else train).append(record)
     except FileNotFoundError:
         raise InputError(f"{path}: no such file; pass the run's --log-jsonl file") from None

@@ -48,10 +48,19 @@ def _named(entries: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
             name = name.removesuffix("_text_document") or name
         prefixes.append(prefix)
         names.append(name)
-    unique = [
-        f"{name}_{names[:i].count(name) + 1}" if names.count(name) > 1 else name
-        for i, name in enumerate(names)
-    ]
+    explicit = [found.group(1) for e in entries if (found := _NAMED.match(e))]
+    repeated = sorted({n for n in explicit if explicit.count(n) > 1})
+    if repeated:
+        raise ConfigError(
+            f"--data-path names {repeated[0]!r} twice; give each dataset of a blend its own name"
+        )
+    unique: list[str] = []
+    for name in names:
+        candidate, k = name, 1
+        while candidate in unique or (candidate != name and candidate in names):
+            k += 1
+            candidate = f"{name}_{k}"
+        unique.append(candidate)
     return tuple(prefixes), tuple(unique)
 
 

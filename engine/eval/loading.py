@@ -4,6 +4,7 @@ any layout) or from a Hugging Face folder (imported first, as tools/convert_chec
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 
@@ -66,6 +67,17 @@ def _tokenizer(meta: dict, override: TokenizerConfig | None, path: str) -> Token
     return build_tokenizer(cfg)
 
 
+def plain_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
+    """The tokenizer encoding text alone, without the BOS/EOS it may add (the harness encodes
+    contexts and continuations so for causal models)."""
+    plain = copy.copy(tokenizer)
+    if hasattr(plain, "add_bos"):
+        plain.add_bos = False
+    if hasattr(plain, "add_special_tokens"):
+        plain.add_special_tokens = False
+    return plain
+
+
 @torch.no_grad()
 def token_logprobs(model, ids: list[int]) -> torch.Tensor:
     """log p(ids[t] | ids[:t]) for t = 1 .. len(ids) - 1, in float64."""
@@ -75,18 +87,23 @@ def token_logprobs(model, ids: list[int]) -> torch.Tensor:
     return logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-def loglikelihood_of(model, max_length: int, eod: int | None):
+def loglikelihood_of(model, max_length: int, prefix_id: int | None):
     """f(context ids, continuation ids) -> summed log-probability of the continuation. As the
     harness does, the text is cut from the left to `max_length` inputs, and an empty context
-    is the end-of-document token."""
+    is `prefix_id` (the tokenizer's BOS, else its end-of-document token)."""
 
     def loglikelihood(context_ids: list[int], continuation_ids: list[int]) -> float:
         if not continuation_ids:
             return 0.0
+        if len(continuation_ids) > max_length:
+            raise InputError(
+                f"a choice of {len(continuation_ids)} tokens is longer than the longest input "
+                f"({max_length}); raise --seq-length or shorten the task's choices"
+            )
         if not context_ids:
-            if eod is None:
-                raise ConfigError("an empty context needs a tokenizer with an end-of-document id")
-            context_ids = [eod]
+            if prefix_id is None:
+                raise ConfigError("an empty context needs a tokenizer with a BOS or EOD id")
+            context_ids = [prefix_id]
         whole = (context_ids + continuation_ids)[-(max_length + 1) :]
         return float(token_logprobs(model, whole)[-len(continuation_ids) :].sum())
 
