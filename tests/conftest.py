@@ -57,3 +57,20 @@ def small_checkpoint(dataset_prefix, tokenizer_model, tmp_path_factory) -> str:
     ]
     run_ranks(_train_and_save, 1, argv)
     return root
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint_hf(small_checkpoint, tmp_path_factory) -> str:
+    """small_checkpoint exported to a Hugging Face folder by tools/convert_checkpoint.py."""
+    import subprocess
+    import sys
+
+    folder = str(tmp_path_factory.mktemp("small_checkpoint_hf") / "hf")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [sys.executable, "tools/convert_checkpoint.py", "--load", small_checkpoint]
+    result = subprocess.run(
+        [*command, "--output", folder], capture_output=True, text=True, cwd=root,
+        env=dict(os.environ, PYTHONPATH=root), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return folder

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from engine.eval.multiple_choice import encode_pair, fewshot_prefix, read_task
@@ -37,14 +36,6 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def exported(small_checkpoint, tmp_path_factory) -> str:
-    folder = str(tmp_path_factory.mktemp("evaluate") / "hf")
-    result = _tool("tools/convert_checkpoint.py", "--load", small_checkpoint, "--output", folder)
-    assert result.returncode == 0, result.stderr
-    return folder
-
-
 def _transformers_loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
     """The harness's rule for a causal model, written against transformers directly."""
 
@@ -62,7 +53,7 @@ def _transformers_loglikelihood(model, tokenizer, context: str, continuation: st
 
 
 def test_scores_equal_transformers_on_the_export(
-    small_checkpoint, exported, dataset_prefix, tmp_path
+    small_checkpoint, small_checkpoint_hf, dataset_prefix, tmp_path
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -70,7 +61,7 @@ def test_scores_equal_transformers_on_the_export(
     lines = [json.dumps({"context": c, "choices": ch, "gold": g}) for c, ch, g in QUESTIONS]
     task.write_text("\n".join(lines) + "\n")
     results = {}
-    for name, load in (("ours", small_checkpoint), ("export", exported)):
+    for name, load in (("ours", small_checkpoint), ("export", small_checkpoint_hf)):
         for shots in (0, 1):
             out = tmp_path / f"{name}{shots}.json"
             result = _tool(
@@ -82,8 +73,8 @@ def test_scores_equal_transformers_on_the_export(
             assert "acc_norm" in result.stdout and "perplexity" in result.stdout
             results[name, shots] = json.loads(out.read_text())
 
-    model = AutoModelForCausalLM.from_pretrained(exported).eval()
-    tokenizer = AutoTokenizer.from_pretrained(exported)
+    model = AutoModelForCausalLM.from_pretrained(small_checkpoint_hf).eval()
+    tokenizer = AutoTokenizer.from_pretrained(small_checkpoint_hf)
     questions = read_task(str(task))
     for shots in (0, 1):
         ours = results["ours", shots]["tasks"][str(task)]
