@@ -210,11 +210,6 @@ def _eval_prompts(cfg: Configs, state: ParallelState):
     from engine.eval.samples import EvalPrompts, read_prompts
 
     train = cfg.train
-    if state.cp_size > 1:
-        raise ConfigError(
-            "--eval-prompts: generation samples are not available with "
-            "--context-parallel-size > 1 yet; leave one of them out"
-        )
     tokenizer = build_tokenizer(cfg.tokenizer)
     ids = read_prompts(train.eval_prompts, tokenizer, cfg.model.seq_length)
     return EvalPrompts(

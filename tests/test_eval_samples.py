@@ -1,6 +1,7 @@
 """--eval-prompts: greedy continuations decoded by the training ranks under TP 2 x PP 2 (with
-sequence parallelism) equal one process's greedy decoding of the same checkpoint, and the
-sampled ones are the same on every layout given the same seed; they reach the JSONL."""
+sequence parallelism) and under CP 2 equal one process's greedy decoding of the same
+checkpoint, and the sampled ones are the same on every layout given the same seed; they reach
+the JSONL."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def test_samples_under_tp_and_pp_equal_one_process(dataset_prefix, tokenizer_mod
     found = {}
     for world, layout in ((1, {}), (4, {"--tensor-model-parallel-size": "2",
                                         "--pipeline-model-parallel-size": "2",
-                                        "--sequence-parallel": True})):  # fmt: skip
+                                        "--sequence-parallel": True}),
+                          (2, {"--context-parallel-size": "2"})):  # fmt: skip
         log = str(tmp_path / f"log{world}.jsonl")
         save = str(tmp_path / f"ckpt{world}")
         args = base_args(
@@ -41,6 +43,7 @@ def test_samples_under_tp_and_pp_equal_one_process(dataset_prefix, tokenizer_mod
         found[world] = [r for r in records(log) if "samples" in r]
     # at iteration 2 (during training) and 4 (the end)
     assert [r["iteration"] for r in found[1]] == [r["iteration"] for r in found[4]] == [2, 4]
+    assert [r["iteration"] for r in found[2]] == [2, 4]
     path = iteration_dir(str(tmp_path / "ckpt1"), 4)
     cfg = ModelConfig(**read_meta(path)["model"])
     model = GPTModel(cfg, BuildContext(cfg))
@@ -54,10 +57,12 @@ def test_samples_under_tp_and_pp_equal_one_process(dataset_prefix, tokenizer_mod
         assert sample["greedy_ids"] == expected, (k, sample, expected)
         assert len(set(expected)) > 2  # the test can see a wrong position or row
         assert len(sample["sampled_ids"]) > 0
-    for one, four in zip(found[1], found[4]):
-        for a, b in zip(one["samples"], four["samples"]):
-            assert a["greedy_ids"] == b["greedy_ids"] and a["sampled_ids"] == b["sampled_ids"]
-            assert a["prompt"] and json.dumps(a)  # plain data
+    for world in (4, 2):
+        for one, other in zip(found[1], found[world]):
+            for a, b in zip(one["samples"], other["samples"]):
+                assert a["greedy_ids"] == b["greedy_ids"], (world, a, b)
+                assert a["sampled_ids"] == b["sampled_ids"], (world, a, b)
+                assert a["prompt"] and json.dumps(a)  # plain data
 
 
 def test_top_p_keeps_the_smallest_set_holding_p():

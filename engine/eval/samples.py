@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import InputError
+from engine.step import context_parallel_batches
+from parallel.context_chunks import rank_positions
 from parallel.tensor import gather_logits
 
 
@@ -116,17 +118,28 @@ def _next_position_tokens(run, tokens, lengths, generator, temperature, top_p) -
         module = chunk.module if hasattr(chunk, "module") else chunk
         return chunk(tokens=batch["tokens"] if module.pre_process else None, hidden=input_tensor)
 
+    # under context parallelism this rank holds two chunks of the sequence: which positions
+    held = rank_positions(tokens.shape[1], state.cp_size, state.cp_rank, state.device)
+    local = [(held == p).nonzero() for p in positions.tolist()]
+
     def read_logits(output, batch):
-        # output: [s, b, V/tp]; the rows' logits at their last position, over the whole vocabulary
+        # output: [s(/cp), b, V/tp]; each row's logits at its last position, whole vocabulary
         if not picked:  # (the interleaved schedule runs copies of the micro-batch)
-            at = output[positions, torch.arange(output.shape[1], device=output.device)]
-            full = gather_logits(at, state.tp_group, run.cfg.model.vocab_size)
-            picked.append(next_tokens(full.float(), temperature, top_p, generator))
+            rows = output.shape[1]
+            at = output.new_zeros(rows, output.shape[2])
+            for r in range(rows):
+                if len(local[r]):
+                    at[r] = output[int(local[r][0]), r]
+            full = gather_logits(at, state.tp_group, run.cfg.model.vocab_size).float()
+            if state.cp_group is not None:  # each row's position is on one CP rank
+                dist.all_reduce(full, group=state.cp_group)
+            picked.append(next_tokens(full, temperature, top_p, generator))
         return output.sum() * 0.0, output.new_zeros(())
 
     # the interleaved schedule runs micro-batches in groups of the pipeline size
     copies = state.pp_size if len(run.chunks) > 1 else 1
-    batches = [{"tokens": tokens.to(state.device)} for _ in range(copies)]
+    whole = [{"tokens": tokens.to(state.device)} for _ in range(copies)]
+    batches = context_parallel_batches(whole, state)
     for chunk in run.chunks:
         chunk.eval()
     try:
