@@ -95,8 +95,8 @@ def _decode_rows(run, group, rows, max_new_tokens, generator, temperature, top_p
         tokens[r, : len(prompt)] = torch.tensor(prompt)
     done = [False] * rows
     for _ in range(max_new_tokens):
-        if all(done[: len(group)]) or max(lengths) >= seq:
-            break
+        if all(done[r] or lengths[r] >= seq for r in range(len(group))):
+            break  # every prompt ended or filled the sequence
         chosen = _next_position_tokens(run, tokens, lengths, generator, temperature, top_p)
         for r in range(rows):
             if done[r] or lengths[r] >= seq:
