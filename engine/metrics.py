@@ -194,6 +194,8 @@ class MetricsWriter:
                     f"\n\n**sampled**: `{sample['sampled']}`"
                 )
                 self.tensorboard.add_text(f"samples/{k}", text, step)
+        if self.wandb is not None:
+            self.wandb.log_samples(record, step)
 
     def print(self, line: str) -> None:
         if self.enabled:

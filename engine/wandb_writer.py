@@ -64,5 +64,13 @@ class WandbWriter:
         if values:
             self.run.log(values, step=step)
 
+    def log_samples(self, record: dict, step: int) -> None:
+        """Generation samples (--eval-prompts) as a table: prompt, greedy, sampled."""
+        import wandb
+
+        rows = [[s["prompt"], s["greedy"], s["sampled"]] for s in record["samples"]]
+        table = wandb.Table(columns=["prompt", "greedy", "sampled"], data=rows)
+        self.run.log({"samples": table}, step=step)
+
     def close(self) -> None:
         self.run.finish()

@@ -47,7 +47,11 @@ def wandb_records(path: str) -> list:
 def test_an_offline_wandb_run_logs_megatron_tags(dataset_prefix, tokenizer_model, tmp_path):
     pytest.importorskip("wandb")
     log, save = str(tmp_path / "m.jsonl"), str(tmp_path / "ckpt")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("import os\ndef main(\n")
     flags = {
+        "--eval-prompts": str(prompts),
+        "--eval-max-new-tokens": "4",
         "--train-iters": "6",
         "--log-interval": "2",
         "--eval-interval": "3",
@@ -70,7 +74,7 @@ def test_an_offline_wandb_run_logs_megatron_tags(dataset_prefix, tokenizer_model
             step.update({key: json.loads(value) for key, value in items.items()})
     assert runs[0] == ("tripod-test", "offline-run")
     jsonl = records(log)
-    for r in (r for r in jsonl if "split" not in r):
+    for r in (r for r in jsonl if "split" not in r and "samples" not in r):
         logged = history[r["iteration"]]
         assert logged["lm loss"] == pytest.approx(r["lm_loss"], rel=1e-6)
         assert logged["learning-rate"] == r["lr"]
@@ -79,6 +83,17 @@ def test_an_offline_wandb_run_logs_megatron_tags(dataset_prefix, tokenizer_model
     for r in (r for r in jsonl if r.get("split") == "valid"):
         assert history[r["iteration"]]["lm loss validation"] == pytest.approx(r["lm_loss"])
     assert sorted(k for k in history if "lm loss" in history[k]) == [2, 4, 6]
+    # generation samples (--eval-prompts) as a table at each valid evaluation
+    sampled = [r for r in jsonl if "samples" in r]
+    assert [r["iteration"] for r in sampled] == [3, 6]
+    for r in sampled:
+        logged = history[r["iteration"]]
+        table = {k.removeprefix("samples/"): v for k, v in logged.items() if "samples/" in k}
+        assert table["_type"] == "table-file" and table["nrows"] == 2
+        [path] = glob.glob(os.path.join(os.path.dirname(run_file), "files", table["path"]))
+        with open(path) as f:
+            rows = json.load(f)["data"]
+        assert rows == [[s["prompt"], s["greedy"], s["sampled"]] for s in r["samples"]]
 
 
 def test_wandb_flags_are_checked_in_one_line(monkeypatch, tmp_path):
