@@ -61,11 +61,7 @@ def _write(run: Run, record: dict, loss: float) -> None:
         f"lm loss {loss:.4f} | lr {record['lr']:.3e} | grad norm {grad} | "
         f"{record['tokens_per_sec']:,.0f} tokens/s | {record['tflops_per_device']:.3f} "
         f"TFLOP/s/device{mfu} | skipped {c.skipped_iters} | mem {record['mem_gb']:.2f} GB"
-        + "".join(
-            f" | {key.removeprefix('lm_loss/')} {value:.4f}"
-            for key, value in record.items()
-            if key.startswith("lm_loss/")
-        )
+        + _domains_text(record)
     )
 
 
@@ -78,14 +74,24 @@ def _window_domain_losses(window: list[dict]) -> dict:
         return {}
     names = found[-1]["domain_names"]
     summed = [sum(values) / len(found) for values in zip(*(r["domain_parts"] for r in found))]
+    return _domain_keys(domain_losses(summed, names))
+
+
+def _domain_keys(domains: dict) -> dict:
+    """{dataset: (loss, share)} as record keys lm_loss/<name> and lm_loss_share/<name>."""
     out = {}
-    for name, (loss, share) in domain_losses(summed, names).items():
+    for name, (loss, share) in domains.items():
         out[f"lm_loss/{name}"], out[f"lm_loss_share/{name}"] = loss, share
     return out
 
 
-def _domains_text(domains: dict) -> str:
-    return "".join(f" | {name} {loss:.4f}" for name, (loss, _) in domains.items())
+def _domains_text(record: dict) -> str:
+    """The record's per-dataset losses for a console line."""
+    return "".join(
+        f" | {key.removeprefix('lm_loss/')} {value:.4f}"
+        for key, value in record.items()
+        if key.startswith("lm_loss/")
+    )
 
 
 def log_eval(run: Run, name: str, result: tuple[float, dict] | None) -> None:
@@ -96,11 +102,9 @@ def log_eval(run: Run, name: str, result: tuple[float, dict] | None) -> None:
     ppl = math.exp(min(loss, 50.0))
     c = run.counters
     record = {"iteration": c.iteration, "consumed_samples": c.consumed_samples}
-    record |= {"split": name, "lm_loss": loss, "ppl": ppl}
-    for domain, (value, share) in domains.items():
-        record[f"lm_loss/{domain}"], record[f"lm_loss_share/{domain}"] = value, share
+    record |= {"split": name, "lm_loss": loss, "ppl": ppl} | _domain_keys(domains)
     run.writer.log(record, c.iteration, name)
     run.writer.print(
         f"{name} at iteration {run.counters.iteration}: lm loss {loss:.4f} | perplexity "
-        f"{ppl:.2f}{_domains_text(domains)}"
+        f"{ppl:.2f}{_domains_text(record)}"
     )

@@ -18,7 +18,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from engine.eval.loading import load_model, plain_tokenizer
+from engine.eval.loading import load_model, plain_tokenizer, score_continuation
 from engine.eval.multiple_choice import encode_pair
 
 
@@ -45,17 +45,11 @@ class TripodLM(LM):
         bos = getattr(tokenizer, "bos", None)
         self.prefix_id = bos if bos is not None else tokenizer.eod
 
-    @torch.no_grad()
     def _score(self, context_ids: list[int], continuation_ids: list[int]) -> tuple[float, bool]:
         """Summed log-probability of the continuation, and whether it is the greedy one."""
-        context_ids = context_ids or [self.prefix_id]
-        whole = (context_ids + continuation_ids)[-(self.max_length + 1) :]
-        tokens = torch.tensor([whole[:-1]], device=self.place)
-        logits = self.model.full_logits(self.model(tokens=tokens))[0].double()
-        logprobs = torch.log_softmax(logits, dim=-1)[-len(continuation_ids) :]
-        target = torch.tensor(continuation_ids, device=self.place)
-        picked = logprobs.gather(1, target[:, None])[:, 0]
-        return float(picked.sum()), bool((logprobs.argmax(dim=-1) == target).all())
+        return score_continuation(
+            self.model, context_ids, continuation_ids, self.max_length, self.prefix_id
+        )
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         out = []

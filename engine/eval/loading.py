@@ -79,12 +79,30 @@ def plain_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
 
 
 @torch.no_grad()
+def _next_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids) - 1, V] log-probabilities of the token after each of ids[:-1], in float64."""
+    tokens = torch.tensor([ids[:-1]], device=next(model.parameters()).device)
+    logits = model.full_logits(model(tokens=tokens))[0].double()  # [s, V]
+    return torch.log_softmax(logits, dim=-1)
+
+
 def token_logprobs(model, ids: list[int]) -> torch.Tensor:
     """log p(ids[t] | ids[:t]) for t = 1 .. len(ids) - 1, in float64."""
-    tokens = torch.tensor([ids[:-1]])
-    logits = model.full_logits(model(tokens=tokens))[0].double()  # [s, V]
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    logprobs = _next_logprobs(model, ids)
+    return logprobs.gather(1, torch.tensor(ids[1:], device=logprobs.device)[:, None])[:, 0]
+
+
+def score_continuation(
+    model, context_ids: list[int], continuation_ids: list[int], max_length: int, prefix_id
+) -> tuple[float, bool]:
+    """(summed log-probability of the continuation, whether greedy decoding gives it). As the
+    harness does, the text is cut from the left to `max_length` inputs, and an empty context
+    is `prefix_id`."""
+    whole = ((context_ids or [prefix_id]) + continuation_ids)[-(max_length + 1) :]
+    logprobs = _next_logprobs(model, whole)[-len(continuation_ids) :]
+    target = torch.tensor(continuation_ids, device=logprobs.device)
+    picked = logprobs.gather(1, target[:, None])[:, 0]
+    return float(picked.sum()), bool((logprobs.argmax(dim=-1) == target).all())
 
 
 def loglikelihood_of(model, max_length: int, prefix_id: int | None):
@@ -100,12 +118,9 @@ def loglikelihood_of(model, max_length: int, prefix_id: int | None):
                 f"a choice of {len(continuation_ids)} tokens is longer than the longest input "
                 f"({max_length}); raise --seq-length or shorten the task's choices"
             )
-        if not context_ids:
-            if prefix_id is None:
-                raise ConfigError("an empty context needs a tokenizer with a BOS or EOD id")
-            context_ids = [prefix_id]
-        whole = (context_ids + continuation_ids)[-(max_length + 1) :]
-        return float(token_logprobs(model, whole)[-len(continuation_ids) :].sum())
+        if not context_ids and prefix_id is None:
+            raise ConfigError("an empty context needs a tokenizer with a BOS or EOD id")
+        return score_continuation(model, context_ids, continuation_ids, max_length, prefix_id)[0]
 
     return loglikelihood
 
