@@ -67,6 +67,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     )
     if state.rank == 0:
         print(f"ops: {ops.name}", flush=True)
+    times = _step_times(train, state.device)
     chunks = build_model_chunks(
         m,
         state,
@@ -81,6 +82,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         ops=ops,
         torch_compile=train.torch_compile,
         cp_comm_type=par.cp_comm_type,
+        times=_tp_comm_times(times, train, state.device),
     )
     ddps = [
         DistributedDataParallel(
@@ -113,10 +115,6 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     seq = m.seq_length // state.cp_size  # the activations a pipeline stage sends on
     if par.sequence_parallel and state.tp_size > 1:
         seq //= state.tp_size
-    sync = None
-    if train.timing_log_level >= 1 and state.device.type == "cuda":
-        sync = torch.cuda.synchronize  # GPU work counted where it runs, at a cost
-    times = StepTimes(sync)
     schedule = get_schedule(
         state,
         virtual_size=virtual,
@@ -183,6 +181,24 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     if checkpointer is not None:
         checkpointer.prepare(ddps, optimizer, run.tracker)
     return run
+
+
+def _step_times(train, device) -> StepTimes:
+    sync = None
+    if train.timing_log_level >= 1 and device.type == "cuda":
+        sync = torch.cuda.synchronize  # GPU work counted where it runs, at a cost
+    return StepTimes(sync)
+
+
+def _tp_comm_times(times: StepTimes, train, device) -> StepTimes | None:
+    """Where the layers count their tensor-parallel communication: always on CPU (gloo's
+    collectives block, so host time is their time); on a GPU only at --timing-log-level 2,
+    whose synchronisation around each collective gives up its overlap with the GEMMs (at lower
+    levels a launch's host time would say nothing, and the time stays in forward and backward
+    compute). Compiled layers are not timed inside."""
+    if train.torch_compile or (device.type == "cuda" and train.timing_log_level < 2):
+        return None
+    return times
 
 
 def run_record(cfg: Configs, state: ParallelState) -> dict:

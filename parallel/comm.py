@@ -10,7 +10,9 @@ Sequence parallel (SP) helpers, along dim 0 (activations are [sequence, batch, h
   gather_from_sequence_parallel_region     forward all-gather,     backward reduce-scatter
   reduce_scatter_to_sequence_parallel_region forward reduce-scatter, backward all-gather
 
-A group of None means "no parallelism here": every helper is then the identity. The flat
+A group of None means "no parallelism here": every helper is then the identity. Given a
+`times` (parallel.timing.StepTimes), each helper counts its communication, forward and
+backward, as the part "tp-comm". The flat
 `all_gather_into` / `reduce_scatter_into` are the only callers of torch's tensor-level gather
 and reduce-scatter (their names differ between torch 2.11 and 2.13; the choice is made here).
 """
@@ -20,10 +22,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parallel.timing import measure
+
 # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of the
 # *_single names, which torch 2.11 does not have yet.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+TP_COMM = "tp-comm"  # the time-breakdown part of tensor-parallel communication
+
+
+def measure_tp_comm(times, group):
+    """Count what runs inside as "tp-comm" in `times`, when there are TP ranks to talk to."""
+    return measure(times if group is not None else None, TP_COMM)
 
 
 def group_size(group) -> int:
@@ -115,119 +126,129 @@ def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, times):
+        ctx.group, ctx.times = group, times
         return x
 
     @staticmethod
     def backward(ctx, grad):
         # A copy: autograd may hand the same gradient tensor to other branches. The linears
         # do not come here; their input gradient is fresh and reduced in place (tp_linear.py).
-        return _all_reduce(grad, ctx.group), None
+        with measure(ctx.times, TP_COMM):
+            return _all_reduce(grad, ctx.group), None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        if group is None or not x.is_contiguous() or (x.is_leaf and x.requires_grad):
-            return _all_reduce(x, group)
-        # In place, no copy: callers pass a fresh product (a linear's partial output) that no
-        # other operation saved; mark_dirty makes autograd refuse, not miscompute, otherwise.
-        dist.all_reduce(x, group=group)
+    def forward(ctx, x, group, times):
+        with measure(times, TP_COMM):
+            if group is None or not x.is_contiguous() or (x.is_leaf and x.requires_grad):
+                return _all_reduce(x, group)
+            # In place, no copy: callers pass a fresh product (a linear's partial output) that
+            # no other operation saved; mark_dirty makes autograd refuse, not miscompute,
+            # otherwise.
+            dist.all_reduce(x, group=group)
         ctx.mark_dirty(x)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, times):
+        ctx.group, ctx.times = group, times
         return _split_last(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
+        with measure(ctx.times, TP_COMM):
+            return _gather_last(grad, ctx.group), None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, times):
         ctx.group = group
-        return _gather_last(x, group)
+        with measure(times, TP_COMM):
+            return _gather_last(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
+        return _split_last(grad, ctx.group), None, None
 
 
 class _ScatterToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, times):
+        ctx.group, ctx.times = group, times
         return _split_first(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_first(grad, ctx.group), None
+        with measure(ctx.times, TP_COMM):
+            return _gather_first(grad, ctx.group), None, None
 
 
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, reduce_grads):
-        ctx.group, ctx.reduce_grads = group, reduce_grads
-        return _gather_first(x, group)
+    def forward(ctx, x, group, reduce_grads, times):
+        ctx.group, ctx.reduce_grads, ctx.times = group, reduce_grads, times
+        with measure(times, TP_COMM):
+            return _gather_first(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.reduce_grads:
-            return _reduce_scatter_first(grad, ctx.group), None, None
-        return _split_first(grad, ctx.group), None, None
+        if not ctx.reduce_grads:
+            return _split_first(grad, ctx.group), None, None, None
+        with measure(ctx.times, TP_COMM):
+            return _reduce_scatter_first(grad, ctx.group), None, None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_first(x, group)
+    def forward(ctx, x, group, times):
+        ctx.group, ctx.times = group, times
+        with measure(times, TP_COMM):
+            return _reduce_scatter_first(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_first(grad, ctx.group), None
+        with measure(ctx.times, TP_COMM):
+            return _gather_first(grad, ctx.group), None, None
 
 
-def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group is None else _CopyToRegion.apply(x, group)
+def copy_to_tensor_parallel_region(x: torch.Tensor, group, times=None) -> torch.Tensor:
+    return x if group is None else _CopyToRegion.apply(x, group, times)
 
 
-def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group is None else _ReduceFromRegion.apply(x, group)
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group, times=None) -> torch.Tensor:
+    return x if group is None else _ReduceFromRegion.apply(x, group, times)
 
 
-def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group is None else _ScatterToRegion.apply(x, group)
+def scatter_to_tensor_parallel_region(x: torch.Tensor, group, times=None) -> torch.Tensor:
+    return x if group is None else _ScatterToRegion.apply(x, group, times)
 
 
-def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group is None else _GatherFromRegion.apply(x, group)
+def gather_from_tensor_parallel_region(x: torch.Tensor, group, times=None) -> torch.Tensor:
+    return x if group is None else _GatherFromRegion.apply(x, group, times)
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group is None else _ScatterToSequence.apply(x, group)
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group, times=None) -> torch.Tensor:
+    return x if group is None else _ScatterToSequence.apply(x, group, times)
 
 
 def gather_from_sequence_parallel_region(
-    x: torch.Tensor, group, tensor_parallel_output_grad: bool = True
+    x: torch.Tensor, group, tensor_parallel_output_grad: bool = True, times=None
 ) -> torch.Tensor:
     """All-gather along the sequence. Backward reduce-scatters when the gathered tensor feeds
     TP-split computation (each rank's gradient is partial), else just splits."""
     if group is None:
         return x
-    return _GatherFromSequence.apply(x, group, tensor_parallel_output_grad)
+    return _GatherFromSequence.apply(x, group, tensor_parallel_output_grad, times)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group is None else _ReduceScatterToSequence.apply(x, group)
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group, times=None) -> torch.Tensor:
+    return x if group is None else _ReduceScatterToSequence.apply(x, group, times)

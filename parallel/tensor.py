@@ -4,7 +4,8 @@ vocab-parallel cross-entropy that never gathers the full-vocabulary logits.
 Initialisation draws the *full* weight on every rank from a seed that belongs to the
 parameter (not to the rank), then keeps this rank's slice, so every TP size starts from the
 same model. Activations are [sequence, batch, hidden]; with sequence parallelism (SP) the
-sequence dimension of the tensors between TP blocks is split over the TP group.
+sequence dimension of the tensors between TP blocks is split over the TP group. Layers built
+with a `times` (parallel.timing.StepTimes) count their TP communication as "tp-comm".
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from parallel.comm import (
     gather_from_tensor_parallel_region,
     group_rank,
     group_size,
+    measure_tp_comm,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
@@ -35,6 +37,7 @@ from parallel.sharding import (
     set_tp_sharding,
     split_sharding,
 )
+from parallel.timing import StepTimes
 from parallel.tp_linear import tensor_parallel_linear
 
 InitMethod = Callable[[torch.Tensor, torch.Generator], None]
@@ -100,11 +103,12 @@ class ColumnParallelLinear(nn.Module):
         gradient_accumulation_fusion: bool = False,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        times: StepTimes | None = None,
     ):
         """initialized_rows: only the first rows are drawn, the rest start at zero (an output
         layer over a padded vocabulary, whose padding must not depend on the TP size)."""
         super().__init__()
-        self.tp_group = tp_group
+        self.tp_group, self.times = tp_group, times
         tp, rank = group_size(tp_group), group_rank(tp_group)
         sizes = list(partition_sizes or [output_size])
         if sum(sizes) != output_size:
@@ -139,9 +143,10 @@ class ColumnParallelLinear(nn.Module):
             self.tp_group,
             "gather" if self.sequence_parallel else "copy",
             self.gradient_accumulation_fusion,
+            self.times,
         )
         if self.gather_output:
-            y = gather_from_tensor_parallel_region(y, self.tp_group)
+            y = gather_from_tensor_parallel_region(y, self.tp_group, self.times)
         return y
 
 
@@ -164,9 +169,10 @@ class RowParallelLinear(nn.Module):
         gradient_accumulation_fusion: bool = False,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        times: StepTimes | None = None,
     ):
         super().__init__()
-        self.tp_group = tp_group
+        self.tp_group, self.times = tp_group, times
         tp, rank = group_size(tp_group), group_rank(tp_group)
         if input_size % tp:
             raise ConfigError(f"input size {input_size} is not divisible by TP size {tp}")
@@ -188,14 +194,14 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = scatter_to_tensor_parallel_region(x, self.tp_group)
+            x = scatter_to_tensor_parallel_region(x, self.tp_group, self.times)
         y = tensor_parallel_linear(
             x, self.weight, None, self.tp_group, "none", self.gradient_accumulation_fusion
         )
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group, self.times)
         else:
-            y = reduce_from_tensor_parallel_region(y, self.tp_group)
+            y = reduce_from_tensor_parallel_region(y, self.tp_group, self.times)
         if self.bias is not None:
             y = y + self.bias
         return y
@@ -221,9 +227,10 @@ class VocabParallelEmbedding(nn.Module):
         sequence_parallel: bool = False,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        times: StepTimes | None = None,
     ):
         super().__init__()
-        self.tp_group = tp_group
+        self.tp_group, self.times = tp_group, times
         tp, rank = group_size(tp_group), group_rank(tp_group)
         if padded_vocab_size % tp:
             raise ConfigError(f"padded vocabulary {padded_vocab_size} is not divisible by TP {tp}")
@@ -246,7 +253,9 @@ class VocabParallelEmbedding(nn.Module):
         That goes through the module call too, so hooks on the module (the parameter gather
         of --overlap-param-gather) run before the table is read."""
         if tied_output is not None:
-            return tensor_parallel_linear(ids, self.weight, None, self.tp_group, tied_output)
+            return tensor_parallel_linear(
+                ids, self.weight, None, self.tp_group, tied_output, times=self.times
+            )
         if self.tp_group is None:
             out = F.embedding(ids, self.weight)
         else:
@@ -254,13 +263,13 @@ class VocabParallelEmbedding(nn.Module):
             local = (ids - self.vocab_start).masked_fill(outside, 0)
             out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
-        return reduce_from_tensor_parallel_region(out, self.tp_group)
+            return reduce_scatter_to_sequence_parallel_region(out, self.tp_group, self.times)
+        return reduce_from_tensor_parallel_region(out, self.tp_group, self.times)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, vocab_size):
+    def forward(ctx, logits, target, group, vocab_start, vocab_size, times):
         ctx.input_dtype = logits.dtype
         logits = logits.float()
         local_vocab = logits.shape[-1]
@@ -268,16 +277,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             ids = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
             logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding rows
         row_max = logits.max(dim=-1).values
-        all_reduce(row_max, group, op=dist.ReduceOp.MAX)
+        with measure_tp_comm(times, group):
+            all_reduce(row_max, group, op=dist.ReduceOp.MAX)
         logits = logits - row_max.unsqueeze(-1)
         outside = (target < vocab_start) | (target >= vocab_start + local_vocab)
         local_target = (target - vocab_start).masked_fill(outside, 0)
         predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         predicted = predicted.masked_fill(outside, 0.0)
-        all_reduce(predicted, group)
         exp = logits.exp()
         sum_exp = exp.sum(dim=-1)
-        all_reduce(sum_exp, group)
+        with measure_tp_comm(times, group):
+            all_reduce(predicted, group)
+            all_reduce(sum_exp, group)
         log_sum_exp = torch.log(sum_exp)
         loss = log_sum_exp - predicted
         softmax = exp.div_(sum_exp.unsqueeze(-1))
@@ -292,7 +303,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad.mul_((grad_loss + grad_lse).unsqueeze(-1))
         hit = (~outside).to(grad.dtype) * grad_loss
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None
+        return grad.to(ctx.input_dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -301,6 +312,7 @@ def vocab_parallel_cross_entropy(
     tp_group,
     vocab_size: int | None = None,
     return_logsumexp: bool = False,
+    times: StepTimes | None = None,
 ):
     """Per-token cross-entropy (fp32) from vocab-split logits [..., V/tp] and targets [...].
 
@@ -309,7 +321,9 @@ def vocab_parallel_cross_entropy(
     return_logsumexp, also the (differentiable) log-partition per token, for z-loss.
     """
     vocab_start = group_rank(tp_group) * logits.shape[-1]
-    loss, lse = _VocabParallelCrossEntropy.apply(logits, target, tp_group, vocab_start, vocab_size)
+    loss, lse = _VocabParallelCrossEntropy.apply(
+        logits, target, tp_group, vocab_start, vocab_size, times
+    )
     return (loss, lse) if return_logsumexp else loss
 
 

@@ -2,10 +2,12 @@
 
 The engine makes one `StepTimes` per run and hands it to what does the work (the pipeline
 schedules time forward and backward compute, the p2p layer its waits, the engine the rest).
-Parts must not overlap in time: each is measured around work that no other measured part
-encloses. `sync` (e.g. torch.cuda.synchronize, with --timing-log-level 1 or more) is called at
-both ends of every measurement so that a GPU's queued work is counted where it runs; without
-it the numbers are host time and no synchronisation is added.
+A part may be measured inside another (the tensor-parallel collectives inside forward and
+backward compute): the inner time is its own and is taken out of the enclosing part, so the
+parts never count the same second twice and add up to the step. `sync` (e.g.
+torch.cuda.synchronize, with --timing-log-level 1 or more) is called at both ends of every
+measurement so that a GPU's queued work is counted where it runs; without it the numbers are
+host time and no synchronisation is added.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class StepTimes:
         self.sync = sync
         self.totals: dict[str, float] = {}
         self.paused_depth = 0
+        self.open_nested: list[float] = []  # seconds of the inner parts of each open measure
 
     def add(self, part: str, seconds: float) -> None:
         if not self.paused_depth:
@@ -41,12 +44,18 @@ class StepTimes:
         if self.sync is not None:
             self.sync()
         start = time.perf_counter()
+        self.open_nested.append(0.0)
         try:
             yield
         finally:
             if self.sync is not None:
                 self.sync()
-            self.add(part, time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            inner = self.open_nested.pop()
+            if not self.paused_depth:
+                self.add(part, elapsed - inner)
+                if self.open_nested:
+                    self.open_nested[-1] += elapsed
 
     def take(self) -> dict[str, float]:
         """The totals so far, then start again from zero."""

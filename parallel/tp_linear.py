@@ -13,6 +13,10 @@ backward, what Megatron-LM's linear with asynchronous communication does:
   1/tp of the gathered tensor;
 - input_mode "none" (row-parallel): no communication on the input side.
 
+Given a `times` (parallel.timing.StepTimes), the communication this rank waits for counts as
+"tp-comm": the forward gather, and in backward the launches and the waits of what the GEMMs
+did not hide.
+
 Gradient-accumulation fusion: when `fuse_wgrad` is set and the weight carries a `main_grad`
 buffer (parallel/ddp.py gives every parameter one) and an `on_main_grad_added` callback, the
 weight gradient is accumulated straight into `main_grad` (one in-place GEMM when dtypes match,
@@ -27,7 +31,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.comm import all_gather_into, group_size, reduce_scatter_into
+from parallel.comm import TP_COMM, all_gather_into, group_size, reduce_scatter_into
+from parallel.timing import measure
 
 INPUT_MODES = ("none", "copy", "gather")
 
@@ -47,40 +52,48 @@ def _as_matrix(t: torch.Tensor) -> torch.Tensor:
 
 class _TensorParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, input_mode, fuse_wgrad):
+    def forward(ctx, x, weight, bias, group, input_mode, fuse_wgrad, times):
         ctx.group, ctx.input_mode, ctx.fuse_wgrad = group, input_mode, fuse_wgrad
-        ctx.has_bias = bias is not None
-        total = _gather_sequence(x, group)[0] if input_mode == "gather" else x
+        ctx.has_bias, ctx.times = bias is not None, times
+        total = x
+        if input_mode == "gather":
+            with measure(times, TP_COMM):
+                total = _gather_sequence(x, group)[0]
         ctx.save_for_backward(x, weight)  # under "gather": the shard, not the gathered input
         return torch.nn.functional.linear(total, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        group, mode = ctx.group, ctx.input_mode
+        group, mode, times = ctx.group, ctx.input_mode, ctx.times
         gather_work = None
+        total = x
         if mode == "gather":
-            total, gather_work = _gather_sequence(x, group, async_op=True)
-        else:
-            total = x
+            with measure(times, TP_COMM):
+                total, gather_work = _gather_sequence(x, group, async_op=True)
         grad_input = grad_output.matmul(weight)  # overlaps the gather above
         reduce_work = None
         if mode == "copy":
-            reduce_work = dist.all_reduce(grad_input, group=group, async_op=True)
+            with measure(times, TP_COMM):
+                reduce_work = dist.all_reduce(grad_input, group=group, async_op=True)
         elif mode == "gather":
-            gather_work.wait()
             shard = torch.empty(
                 (grad_input.shape[0] // group_size(group),) + grad_input.shape[1:],
                 dtype=grad_input.dtype,
                 device=grad_input.device,
             )
-            reduce_work = reduce_scatter_into(shard, grad_input.contiguous(), group, async_op=True)
+            with measure(times, TP_COMM):
+                gather_work.wait()
+                reduce_work = reduce_scatter_into(
+                    shard, grad_input.contiguous(), group, async_op=True
+                )
             grad_input = shard
         grad_weight = _weight_grad(weight, _as_matrix(grad_output), _as_matrix(total), ctx)
         grad_bias = _as_matrix(grad_output).sum(0) if ctx.has_bias else None
         if reduce_work is not None:
-            reduce_work.wait()  # the weight-gradient GEMM above ran while it was in flight
-        return grad_input, grad_weight, grad_bias, None, None, None
+            with measure(times, TP_COMM):
+                reduce_work.wait()  # the weight-gradient GEMM above ran while it was in flight
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 def _weight_grad(weight, grad_output_2d, input_2d, ctx):
@@ -107,6 +120,7 @@ def tensor_parallel_linear(
     group,
     input_mode: str,
     fuse_wgrad: bool = False,
+    times=None,
 ) -> torch.Tensor:
     """y = x W^T + b with the input-side TP communication of `input_mode` (module docstring).
     Without a group (TP 1) there is nothing to communicate."""
@@ -114,4 +128,4 @@ def tensor_parallel_linear(
         raise ValueError(f"input_mode {input_mode!r} is not one of {INPUT_MODES}")
     if group is None or group_size(group) == 1:
         input_mode = "none"
-    return _TensorParallelLinear.apply(x, weight, bias, group, input_mode, fuse_wgrad)
+    return _TensorParallelLinear.apply(x, weight, bias, group, input_mode, fuse_wgrad, times)

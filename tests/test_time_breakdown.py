@@ -4,6 +4,9 @@ parallelism, and the parts the layout has must be there."""
 
 from __future__ import annotations
 
+import time
+
+from parallel.timing import StepTimes
 from tests.test_training import base_args, pretrain, records
 
 PARTS = {"batch-generator", "forward-compute", "backward-compute", "grads-sync", "loss-sync",
@@ -11,8 +14,14 @@ PARTS = {"batch-generator", "forward-compute", "backward-compute", "grads-sync",
 
 
 def test_parts_add_up_to_the_iteration_time(dataset_prefix, tokenizer_model, tmp_path):
-    for world, extra in ((1, {}), (2, {"--pipeline-model-parallel-size": "2"})):
-        log = str(tmp_path / f"log{world}.jsonl")
+    layouts = (
+        (1, {}),
+        (2, {"--pipeline-model-parallel-size": "2"}),
+        (2, {"--tensor-model-parallel-size": "2", "--sequence-parallel": True}),
+    )
+    for world, extra in layouts:
+        tp = "--tensor-model-parallel-size" in extra
+        log = str(tmp_path / f"log{world}{tp}.jsonl")
         args = base_args(
             dataset_prefix,
             tokenizer_model,
@@ -21,7 +30,7 @@ def test_parts_add_up_to_the_iteration_time(dataset_prefix, tokenizer_model, tmp
             # steps long enough that the loop's own bookkeeping (about 1-3 ms an iteration, not
             # a part) stays well inside the 5%
             **{"--hidden-size": "128", "--seq-length": "128"},
-            **{"--save": str(tmp_path / f"c{world}"), "--save-interval": "4"},
+            **{"--save": str(tmp_path / f"c{world}{tp}"), "--save-interval": "4"},
             **{"--eval-interval": "4"},
         )
         assert pretrain(world, args) == [0] * world
@@ -29,12 +38,31 @@ def test_parts_add_up_to_the_iteration_time(dataset_prefix, tokenizer_model, tmp
         assert len(train) == 4
         for record in train:
             parts = {k.removeprefix("time/"): v for k, v in record.items() if k.startswith("time/")}
-            expected = PARTS | ({"pipeline-wait"} if world > 1 else set())
+            expected = PARTS | ({"tp-comm"} if tp else {"pipeline-wait"} if world > 1 else set())
             assert expected <= set(parts), (world, sorted(parts))
             total, wall = sum(parts.values()), record["iteration_time_s"]
             assert abs(total - wall) <= 0.05 * wall, (world, record["iteration"], parts, wall)
+            if tp:  # (it is taken out of forward and backward compute: the sum above holds)
+                assert parts["tp-comm"] > 0.05 * wall, (record["iteration"], parts)
+            else:
+                assert "tp-comm" not in parts, (world, parts)
         # the checkpoint saved and the evaluation at iteration 4 count in the next window
         later = train[2]
         assert later["time/save-checkpoint"] > 0 and later["time/evaluate"] > 0
         # (before any save, only the check for an asynchronous copy in flight counts there)
         assert train[0].get("time/save-checkpoint", 0.0) < 0.1 * later["time/save-checkpoint"]
+
+
+def test_a_part_measured_inside_another_is_taken_out_of_it():
+    times = StepTimes()
+    with times.measure("outer"):
+        time.sleep(0.02)
+        with times.measure("inner"):
+            time.sleep(0.05)
+        with times.paused(), times.measure("not-counted"):
+            time.sleep(0.01)
+    parts = times.take()
+    assert set(parts) == {"outer", "inner"}
+    assert 0.05 <= parts["inner"] < 0.08
+    assert 0.03 <= parts["outer"] < 0.06  # its own 20 ms and the paused 10 ms, not the inner 50
+    assert times.take() == {}

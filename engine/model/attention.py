@@ -44,6 +44,7 @@ class SelfAttention(nn.Module):
             gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             params_dtype=ctx.params_dtype,
             device=ctx.device,
+            times=ctx.times,
         )
         self.linear_proj = RowParallelLinear(
             n * d,
@@ -56,6 +57,7 @@ class SelfAttention(nn.Module):
             gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             params_dtype=ctx.params_dtype,
             device=ctx.device,
+            times=ctx.times,
         )
         if cfg.qk_layernorm:
             partial = ctx.tp_size > 1  # each TP rank normalises different heads

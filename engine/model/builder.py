@@ -27,13 +27,15 @@ def build_model_chunks(
     ops=None,
     torch_compile: bool = False,
     cp_comm_type: tuple[str, ...] | list[str] = ("p2p",),
+    times=None,
 ) -> list[GPTModel]:
     """One GPTModel per (virtual) pipeline stage of this rank, in execution order. `ops` is
     the op set from engine.ops.select_ops (the PyTorch ops by default). `torch_compile`
     (--torch-compile) compiles each transformer layer's forward with torch.compile; the
     layer's module call, and so the data-parallel hooks around it, stay eager.
     `cp_comm_type` (--cp-comm-type): context-parallel attention's exchange, for every layer or
-    one per layer."""
+    one per layer. `times` (parallel.timing.StepTimes): the layers count their tensor-parallel
+    communication there."""
     ctx = BuildContext(
         config,
         tp_group=state.tp_group,
@@ -48,6 +50,7 @@ def build_model_chunks(
         params_dtype=params_dtype,
         device=state.device,
         seed=seed,
+        times=times,
     )
     if ops is not None:
         ctx.ops = ops

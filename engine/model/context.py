@@ -33,6 +33,7 @@ class BuildContext:
     device: torch.device | str = "cpu"
     seed: int = 1234
     ops: object = field(default_factory=TorchOps)  # TorchOps or engine.ops.fused.FusedOps
+    times: object = None  # parallel.timing.StepTimes: TP communication counted as "tp-comm"
 
     def param_seed(self, name: str) -> int:
         """Initialisation seed of the parameter with this global name: the same on every rank

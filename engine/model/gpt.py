@@ -49,6 +49,7 @@ class Embedding(nn.Module):
             sequence_parallel=ctx.sequence_parallel,
             params_dtype=ctx.params_dtype,
             device=ctx.device,
+            times=ctx.times,
         )
         # --decoupled-lr trains the word embeddings and the output layer at its own rate
         self.word_embeddings.weight.is_embedding_or_output_parameter = True
@@ -139,6 +140,7 @@ class GPTModel(nn.Module):
                     gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
                     params_dtype=ctx.params_dtype,
                     device=ctx.device,
+                    times=ctx.times,
                 )
                 self.output_layer.weight.is_embedding_or_output_parameter = True
             elif not pre_process:
@@ -153,6 +155,7 @@ class GPTModel(nn.Module):
                     vocab_size=config.vocab_size,
                     params_dtype=ctx.params_dtype,
                     device=ctx.device,
+                    times=ctx.times,
                 )
                 weight = self.word_embeddings_for_head.weight
                 weight.shared_embedding = True  # a duplicate: not counted in the grad norm
@@ -237,7 +240,12 @@ class GPTModel(nn.Module):
             return logits
         coeff = self.config.z_loss_coeff
         loss, lse = self.ctx.ops.cross_entropy(
-            logits, labels.t(), self.ctx.tp_group, self.config.vocab_size, return_logsumexp=True
+            logits,
+            labels.t(),
+            self.ctx.tp_group,
+            self.config.vocab_size,
+            return_logsumexp=True,
+            times=self.ctx.times,
         )
         if coeff > 0.0:
             return loss.t(), (coeff * lse.square()).t()

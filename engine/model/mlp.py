@@ -32,6 +32,7 @@ class MLP(nn.Module):
             gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             params_dtype=ctx.params_dtype,
             device=ctx.device,
+            times=ctx.times,
         )
         self.linear_fc2 = RowParallelLinear(
             f,
@@ -44,6 +45,7 @@ class MLP(nn.Module):
             gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
             params_dtype=ctx.params_dtype,
             device=ctx.device,
+            times=ctx.times,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

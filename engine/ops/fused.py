@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel.comm import all_reduce, group_rank
+from parallel.comm import all_reduce, group_rank, measure_tp_comm
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc" / "fused"
 SOURCES = ["bindings.cpp", "norms.cu", "rope.cu", "swiglu.cu", "cross_entropy.cu"]
@@ -96,18 +96,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     made (max, sum of exp, target logit), never a softmax of the logits' size."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, vocab_size, kernels):
+    def forward(ctx, logits, target, group, vocab_start, vocab_size, kernels, times):
         shape = target.shape
         rows = logits.reshape(-1, logits.shape[-1]).contiguous()
         flat_target = target.reshape(-1).contiguous()
         stream = _stream(logits)
         row_max = kernels.ce_max(rows, vocab_start, vocab_size, stream)
-        all_reduce(row_max, group, op=dist.ReduceOp.MAX)
+        with measure_tp_comm(times, group):
+            all_reduce(row_max, group, op=dist.ReduceOp.MAX)
         sum_exp, predicted = kernels.ce_stats(
             rows, row_max, flat_target, vocab_start, vocab_size, stream
         )
         stats = torch.stack([sum_exp, predicted])
-        all_reduce(stats, group)
+        with measure_tp_comm(times, group):
+            all_reduce(stats, group)
         sum_exp, predicted = stats[0].contiguous(), stats[1]
         log_sum_exp = torch.log(sum_exp)
         ctx.save_for_backward(rows, row_max, sum_exp, flat_target)
@@ -129,7 +131,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             vocab_size,
             _stream(rows),
         )
-        return grad.view(shape), None, None, None, None, None
+        return grad.view(shape), None, None, None, None, None, None
 
 
 class FusedOps:
@@ -152,11 +154,13 @@ class FusedOps:
     def swiglu(self, h):
         return _SwiGLU.apply(h, self.kernels)
 
-    def cross_entropy(self, logits, target, tp_group, vocab_size=None, return_logsumexp=False):
+    def cross_entropy(
+        self, logits, target, tp_group, vocab_size=None, return_logsumexp=False, times=None
+    ):
         vocab_start = group_rank(tp_group) * logits.shape[-1]
         limit = vocab_size if vocab_size is not None else vocab_start + logits.shape[-1]
         loss, lse = _VocabParallelCrossEntropy.apply(
-            logits, target, tp_group, vocab_start, limit, self.kernels
+            logits, target, tp_group, vocab_start, limit, self.kernels, times
         )
         return (loss, lse) if return_logsumexp else loss
 
