@@ -595,6 +595,11 @@ class DataConfig:
     data_args_path: str | None = option(
         None, "a file holding the --data-path list (whitespace-separated), for long blends"
     )
+    data_mix_schedule: str | None = option(
+        None,
+        "a JSON or YAML file of blend weights over training: phases starting at a fraction of "
+        "the training samples (at: 0.8) or an iteration, weights by --data-path's dataset names",
+    )
     per_split_data_args_path: str | None = option(
         None,
         'a JSON file with the train/valid/test split\'s paths ({"train": [...], "valid": '

@@ -7,6 +7,7 @@ import dataclasses
 from engine.checkpoint_files import find_latest, iteration_dir
 from engine.checkpoint_load import load_checkpoint
 from engine.compat.megatron_checkpoint import load_weights, megatron_latest, megatron_progress
+from engine.data.mix_schedule import check_resumed_schedule
 from engine.data.streaming import StreamingDataset
 from engine.data.tokenizers import tokenizer_record
 from engine.run_state import Counters, Run, layout_of
@@ -45,6 +46,8 @@ def resume(run: Run) -> None:
         run.writer.print(f"fine-tuning from the weights of {path}; starting at iteration 0")
         reseed(run, 0)
         return
+    mix_now = run.mix.record() if run.mix is not None else None
+    check_resumed_schedule(meta.get("mix"), mix_now, meta["iteration"])
     counters = meta.get("counters", {})
     run.counters = Counters(
         iteration=meta["iteration"],
@@ -150,6 +153,8 @@ def save(run: Run) -> None:
         },
         "spikes": run.spikes.state_dict(),
     }
+    if run.mix is not None:  # the blend's weights over the run, compared on resume
+        meta["mix"] = run.mix.record()
     if isinstance(run.datasets[0], StreamingDataset) and run.train_iterator is not None:
         meta["data"] = run.train_iterator.state_dict()  # rank 0 (a first stage) writes meta
     stall = run.checkpointer.save(c.iteration, run.chunks, run.optimizer, meta, run.tracker)

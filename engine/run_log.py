@@ -37,6 +37,7 @@ def log_window(run: Run, window: list[dict], tokens: int) -> None:
     if scales:  # the smoothed estimate after the window's last measured step
         record["gradient_noise_scale"] = scales[-1]
     record |= _window_domain_losses(updated or window)
+    record |= _mix_keys(run)
     parts = [r["part_norms"] for r in window if r.get("part_norms")]
     if parts:  # the latest breakdown in the window (--log-grad-norms-interval)
         record |= {f"grad_norm/{label}": value for label, value in parts[-1].items()}
@@ -63,6 +64,21 @@ def _write(run: Run, record: dict, loss: float) -> None:
         f"TFLOP/s/device{mfu} | skipped {c.skipped_iters} | mem {record['mem_gb']:.2f} GB"
         + _domains_text(record)
     )
+
+
+def _mix_keys(run: Run) -> dict:
+    """A blend's weights now (`mix_weight/<name>`) and the tokens each dataset has given so far
+    (`consumed_tokens/<name>`, samples x --seq-length; blends of .bin/.idx datasets)."""
+    if run.mix is None:
+        return {}
+    phase = run.mix.phase_at(run.counters.iteration)
+    keys = {f"mix_weight/{n}": w for n, w in zip(run.mix.names, phase.weights)}
+    counts = getattr(run.datasets[0], "consumed_per_dataset", None)
+    if counts is not None:
+        seq = run.cfg.model.seq_length
+        given = counts(run.counters.consumed_samples)
+        keys |= {f"consumed_tokens/{n}": int(k) * seq for n, k in zip(run.mix.names, given)}
+    return keys
 
 
 def _window_domain_losses(window: list[dict]) -> dict:

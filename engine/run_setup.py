@@ -19,6 +19,7 @@ from engine.data.builder import (
     data_format,
 )
 from engine.data.gpt_dataset import SPLIT_NAMES
+from engine.data.mix_schedule import train_mix
 from engine.data.tokenizers import build_tokenizer
 from engine.errors import ConfigError
 from engine.grad_norm_parts import grad_norm_parts
@@ -124,7 +125,8 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         overlap_p2p=par.overlap_p2p_communication,
         times=times,
     )
-    datasets = _datasets(cfg, state, batches)
+    mix = train_mix(cfg.data, train.train_iters, batches)
+    datasets = _datasets(cfg, state, batches, mix if cfg.data.data_mix_schedule else None)
     flops = model_flops_per_token(m, m.padded_vocab_size(state.tp_size))
     peak, _ = device_peak_tflops(
         state.device, "bf16" if train.bf16 else "fp16" if train.fp16 else "fp32"
@@ -165,7 +167,10 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         ),
         profiler=StepProfiler(train, state.rank, state.device, optimizer.finish_param_sync),
         times=times,
+        mix=mix,
     )
+    if mix is not None and len(mix.phases) > 1:
+        run.writer.print(mix.describe())
     if train.log_gradient_noise_scale:
         run.local_squares = LocalGradSquares(ddps, state.tp_rank)
         run.noise_scale = NoiseScale()
@@ -233,7 +238,7 @@ def _eval_prompts(cfg: Configs, state: ParallelState):
     )
 
 
-def _datasets(cfg: Configs, state: ParallelState, batches) -> list:
+def _datasets(cfg: Configs, state: ParallelState, batches, mix) -> list:
     train = cfg.train
     global_batch = batches.final
     samples = split_sample_counts(train, global_batch)
@@ -270,6 +275,7 @@ def _datasets(cfg: Configs, state: ParallelState, batches) -> list:
             samples,
             data.data_cache_path,
             data.per_split_paths,
+            mix,
         )
 
     # Rank 0 builds the index caches (indexed and mock data); the others then load them.

@@ -76,6 +76,7 @@ class Run:
     noise_scale: object = None
     times: object = None  # parallel.timing.StepTimes: where the steps' time goes
     eval_prompts: object = None  # --eval-prompts: engine/eval/samples.py EvalPrompts
+    mix: object = None  # the train blend's weights over the run: engine/data/mix_schedule.py
 
 
 def params_dtype(train: TrainConfig) -> torch.dtype:

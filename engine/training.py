@@ -170,6 +170,18 @@ def next_batches(iterator, count: int, device: torch.device) -> list[dict]:
     return [to_device(next(iterator), device) for _ in range(count)]
 
 
+def _announce_mix_phase(run: Run) -> None:
+    """A console line when a phase of --data-mix-schedule starts with this iteration."""
+    mix, iteration = run.mix, run.counters.iteration
+    if mix is None or iteration == 0 or mix.phase_at(iteration).iteration != iteration:
+        return
+    phase = mix.phase_at(iteration)
+    weights = ", ".join(f"{n} {w:.3g}" for n, w in zip(mix.names, phase.weights))
+    run.writer.print(
+        f"data mix from iteration {iteration} (sample {phase.first_sample}): {weights}"
+    )
+
+
 class NaNLimit(Exception):
     """--exit-on-nan-count reached."""
 
@@ -187,6 +199,7 @@ def train(run: Run) -> Counters:
     run.times.take()  # the time breakdown starts with the window
     while c.iteration < train_cfg.train_iters:
         run.profiler.before_iteration(c.iteration)
+        _announce_mix_phase(run)
         global_batch = run.batches.at(c.consumed_samples)
         count = micro_batches_per_step(run, global_batch)
         with run.times.measure("batch-generator"):

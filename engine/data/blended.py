@@ -109,7 +109,9 @@ def parse_data_path(data_path: list[str]) -> tuple[list[float], list[str]]:
 
 class BlendedDataset:
     """`size` samples drawn from `datasets` in the proportions of `weights` (normalised here,
-    as megatron-core's BlendedDataset does); `names`: one short name per dataset."""
+    as megatron-core's BlendedDataset does); `names`: one short name per dataset. `indices`
+    (dataset of each sample, its index there) replaces the one-weight order, for weights that
+    change over training (engine/data/mix_schedule.py)."""
 
     def __init__(
         self,
@@ -118,11 +120,14 @@ class BlendedDataset:
         size: int,
         split_name: str = "",
         names: tuple[str, ...] | list[str] = (),
+        indices: tuple[np.ndarray, np.ndarray] | None = None,
     ):
         self.datasets = datasets
         self.names = tuple(names) or tuple(f"dataset{d}" for d in range(len(datasets)))
         self.weights = normalize_weights(weights)
-        self.dataset_index, self.dataset_sample_index = build_blending_indices(self.weights, size)
+        if indices is None:
+            indices = build_blending_indices(self.weights, size)
+        self.dataset_index, self.dataset_sample_index = indices
         counts = np.bincount(self.dataset_index, minlength=len(datasets))
         for d, dataset in enumerate(datasets):
             if counts[d] > len(dataset):
@@ -136,6 +141,11 @@ class BlendedDataset:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.datasets[self.dataset_index[i]][int(self.dataset_sample_index[i])]
+
+    def consumed_per_dataset(self, consumed: int) -> np.ndarray:
+        """How many of the first `consumed` samples each dataset gave."""
+        head = self.dataset_index[: min(consumed, len(self.dataset_index))]
+        return np.bincount(head, minlength=len(self.datasets))
 
     def domain(self, i: int) -> int:
         """The index (in `datasets` and `names`) of the dataset sample i comes from."""

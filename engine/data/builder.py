@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
+
 from engine.data.blended import (
     Blend,
     BlendedDataset,
@@ -42,6 +44,7 @@ def build_gpt_datasets(
     num_samples: tuple[int, int, int],
     cache_dir: str | None = None,
     per_split_paths: tuple[list[str] | None, ...] | None = None,
+    mix=None,
 ) -> list[BlendedDataset | None]:
     """[train, valid, test], sample for sample as megatron-core's BlendedMegatronDatasetBuilder
     builds them for the same paths, split, seed, sequence length and sample counts.
@@ -49,7 +52,9 @@ def build_gpt_datasets(
     Either `data_path` is cut by `split` into the three splits, or `per_split_paths` gives each
     split its own paths (--train-data-path, ...; --split is then not used). A split is None where
     it is asked for no samples, has no paths, or its share of the documents rounds to none in
-    every dataset (e.g. a 0.1% test split of a small corpus)."""
+    every dataset (e.g. a 0.1% test split of a small corpus). `mix`
+    (engine/data/mix_schedule.py MixSchedule) sets the train split's order instead of its
+    blend weights."""
     opened: dict[str, IndexedDataset] = {}
 
     def indexed(prefix: str) -> IndexedDataset:
@@ -76,6 +81,9 @@ def build_gpt_datasets(
         # megatron-core takes a split's only prefix as it is when the split has paths of its
         # own, weighted or not
         direct = per_split_paths is not None and len(blends[k].prefixes) == 1
+        if k == 0 and mix is not None:
+            result.append(_scheduled_split(blends[k], part, num_samples[k], name, mix))
+            continue
         result.append(_blend_split(blends[k], part, num_samples[k], name, direct))
     return result
 
@@ -127,6 +135,19 @@ def _blend_split(blend: Blend, part, size: int, name: str, direct: bool) -> Blen
         for target, (_, prefix, _) in zip(targets, kept)
     ]
     return BlendedDataset(parts, weights, sum(targets), name, [n for _, _, n in kept])
+
+
+def _scheduled_split(blend: Blend, part, size: int, name: str, mix) -> BlendedDataset:
+    """The train split under a mix schedule: every dataset built for the samples the schedule
+    takes from it plus megatron-core's surplus."""
+    indices = mix.blending_indices(size)
+    counts = np.bincount(indices[0], minlength=len(blend.prefixes))
+    parts = [
+        part(prefix, max(1, math.ceil(int(count) * (1 + MID_LEVEL_SURPLUS))))
+        for prefix, count in zip(blend.prefixes, counts)
+    ]
+    weights = list(mix.phases[0].weights)
+    return BlendedDataset(parts, weights, size, name, blend.names, indices=indices)
 
 
 def build_mock_datasets(
