@@ -747,7 +747,8 @@ class TrainConfig:
         "the time breakdown (time/* in the log) is always measured; from 1 on, the device is "
         "synchronised around each measured part so that GPU work is counted where it runs "
         "(adds synchronisations); 2 also times each tensor-parallel collective on a GPU "
-        "(tp-comm, always timed on CPU), giving up its overlap with the GEMMs",
+        "(tp-comm, timed on CPU at any level; never under --torch-compile), giving up its "
+        "overlap with the GEMMs",
         choices=(0, 1, 2),
     )
     log_gradient_noise_scale: bool = option(

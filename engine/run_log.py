@@ -67,17 +67,18 @@ def _write(run: Run, record: dict, loss: float) -> None:
 
 
 def _mix_keys(run: Run) -> dict:
-    """A blend's weights now (`mix_weight/<name>`) and the tokens each dataset has given so far
-    (`consumed_tokens/<name>`, samples x --seq-length; blends of .bin/.idx datasets)."""
-    if run.mix is None:
-        return {}
-    phase = run.mix.phase_at(run.counters.iteration)
-    keys = {f"mix_weight/{n}": w for n, w in zip(run.mix.names, phase.weights)}
-    counts = getattr(run.datasets[0], "consumed_per_dataset", None)
-    if counts is not None:
+    """A weighted blend's weights in the window's last step (`mix_weight/<name>`), and the
+    tokens each dataset of a blend of .bin/.idx datasets has given so far
+    (`consumed_tokens/<name>`, samples x --seq-length)."""
+    keys = {}
+    if run.mix is not None:
+        phase = run.mix.phase_at(max(0, run.counters.iteration - 1))
+        keys |= {f"mix_weight/{n}": w for n, w in zip(run.mix.names, phase.weights)}
+    dataset = run.datasets[0]
+    if hasattr(dataset, "consumed_per_dataset") and len(dataset.names) > 1:
         seq = run.cfg.model.seq_length
-        given = counts(run.counters.consumed_samples)
-        keys |= {f"consumed_tokens/{n}": int(k) * seq for n, k in zip(run.mix.names, given)}
+        given = dataset.consumed_per_dataset(run.counters.consumed_samples)
+        keys |= {f"consumed_tokens/{n}": int(k) * seq for n, k in zip(dataset.names, given)}
     return keys
 
 

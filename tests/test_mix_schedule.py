@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engine.batch_schedule import BatchSchedule
+from engine.data.builder import build_gpt_datasets
 from engine.data.helpers import build_blending_indices
 from engine.data.indexed import IndexedDataset
 from engine.data.mix_schedule import check_resumed_schedule, read_mix_schedule
@@ -89,12 +90,40 @@ def test_bad_schedules_are_refused_naming_the_file(tmp_path, phases, expected):
 
 def test_a_resume_keeps_the_phases_already_begun():
     before = [{"iteration": 0, "weights": {"web": 0.5, "code": 0.5}}]
-    saved = before + [{"iteration": 6, "weights": {"web": 1.0, "code": 0.0}}]
-    later = before + [{"iteration": 8, "weights": {"web": 0.0, "code": 1.0}}]
+
+    def mix(*phases, scheduled=True, samples=80):
+        return {"phases": before + list(phases), "scheduled": scheduled, "run_samples": samples}
+
+    saved = mix({"iteration": 6, "weights": {"web": 1.0, "code": 0.0}})
+    later = mix({"iteration": 8, "weights": {"web": 0.0, "code": 1.0}})
     check_resumed_schedule(saved, later, 4)  # the second phase had not begun: may change
     with pytest.raises(ConfigError, match="differ from those the checkpoint trained with"):
         check_resumed_schedule(saved, later, 7)
+    with pytest.raises(ConfigError, match="changes each dataset's order"):
+        check_resumed_schedule(saved, mix(samples=96), 4)
     check_resumed_schedule(None, later, 7)  # a checkpoint from before mixes were recorded
+    # blends of fixed weights resume as Megatron-LM's do, whatever the weights
+    plain = {"phases": [{"iteration": 0, "weights": {"web": 0.2, "code": 0.8}}],
+             "scheduled": False, "run_samples": 0}  # fmt: skip
+    check_resumed_schedule(mix(scheduled=False), plain, 7)
+    with pytest.raises(ConfigError, match="trained without a mix schedule"):
+        check_resumed_schedule(plain, saved, 7)  # a schedule added to a fixed blend
+
+
+def test_a_later_phase_changed_leaves_the_samples_already_read(dataset_prefix, tmp_path):
+    blend = ["0.5", f"web:{dataset_prefix}", "0.5", f"code:{dataset_prefix}"]
+    names, batches = ("web", "code"), BatchSchedule(8)
+    built = []
+    for at in (0.5, 0.75):
+        path = tmp_path / f"mix{at}.json"
+        path.write_text(json.dumps({"phases": [{"at": at, "weights": {"code": 1}}]}))
+        mix = read_mix_schedule(str(path), names, [0.5, 0.5], 10, batches)
+        train = build_gpt_datasets(blend, "100,0,0", 32, 1234, (80, 0, 0), None, mix=mix)[0]
+        built.append(train)
+    first, second = built
+    for i in range(40):  # the first 5 iterations: before either switch
+        assert np.array_equal(first[i], second[i]), i
+    assert any(not np.array_equal(first[i], second[i]) for i in range(40, 80))
 
 
 def _args(dataset_prefix, tokenizer_model, tmp_path, log, schedule, **extra):
@@ -127,7 +156,7 @@ def test_training_switches_exactly_and_resumes_exactly(dataset_prefix, tokenizer
         assert r["consumed_tokens/web"] == web_samples * seq, r
         assert r["consumed_tokens/code"] == (it * batch - web_samples) * seq, r
         # the step that made this record trained with the phase of its start
-        assert r["mix_weight/web"] == (0.5 if it < 4 else 0.0), r
+        assert r["mix_weight/web"] == (0.5 if it <= 4 else 0.0), r
         if it > 4:  # no web sample in the batch: no web loss at all
             assert r.get("lm_loss_share/web", 0.0) == 0.0 and r["lm_loss_share/code"] == 1.0
         else:

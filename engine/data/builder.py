@@ -5,8 +5,6 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
-
 from engine.data.blended import (
     Blend,
     BlendedDataset,
@@ -138,14 +136,13 @@ def _blend_split(blend: Blend, part, size: int, name: str, direct: bool) -> Blen
 
 
 def _scheduled_split(blend: Blend, part, size: int, name: str, mix) -> BlendedDataset:
-    """The train split under a mix schedule: every dataset built for the samples the schedule
-    takes from it plus megatron-core's surplus."""
+    """The train split under a mix schedule. Every dataset is built for the whole split's
+    samples plus megatron-core's surplus, whatever the schedule takes from it: its order
+    (the epochs it spans decide its shuffle) then does not change with the schedule, so a
+    phase that has not begun can change on resume without moving samples already read."""
     indices = mix.blending_indices(size)
-    counts = np.bincount(indices[0], minlength=len(blend.prefixes))
-    parts = [
-        part(prefix, max(1, math.ceil(int(count) * (1 + MID_LEVEL_SURPLUS))))
-        for prefix, count in zip(blend.prefixes, counts)
-    ]
+    count = math.ceil(size * (1 + MID_LEVEL_SURPLUS))
+    parts = [part(prefix, count) for prefix in blend.prefixes]
     weights = list(mix.phases[0].weights)
     return BlendedDataset(parts, weights, size, name, blend.names, indices=indices)
 

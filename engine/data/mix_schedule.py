@@ -13,8 +13,9 @@ Before the first phase the `--data-path` weights hold. A fraction becomes the fi
 that starts at or past that many samples, so every switch falls between two steps. Each
 phase's samples are assigned to datasets by megatron-core's greedy blending rule with that
 phase's weights, and each dataset's samples are taken in order across phases (none is seen
-twice): the global sample order is a function of the file and the run's length alone, so a
-resumed run continues it exactly.
+twice). Each dataset is built for the whole run's samples, whatever its weights (builder.py),
+so its own order depends on the run's length but not on the schedule: a resumed run whose
+phases not yet begun were changed still reads every sample already read where it was.
 """
 
 from __future__ import annotations
@@ -44,17 +45,20 @@ class MixPhase:
 class MixSchedule:
     names: tuple[str, ...]
     phases: tuple[MixPhase, ...]  # the first starts at iteration 0
+    scheduled: bool = False  # from --data-mix-schedule (else a blend's fixed weights)
+    run_samples: int = 0  # the samples of the whole run (scheduled: each dataset's size)
 
     def phase_at(self, iteration: int) -> MixPhase:
         """The phase the step after `iteration` steps trains with."""
         return [p for p in self.phases if p.iteration <= iteration][-1]
 
-    def record(self) -> list[dict]:
+    def record(self) -> dict:
         """The schedule as the checkpoint keeps it (and compares it on resume)."""
-        return [
+        phases = [
             {"iteration": p.iteration, "weights": dict(zip(self.names, p.weights))}
             for p in self.phases
         ]
+        return {"phases": phases, "scheduled": self.scheduled, "run_samples": self.run_samples}
 
     def blending_indices(self, size: int) -> tuple[np.ndarray, np.ndarray]:
         """(dataset of global sample i, its index within that dataset) for `size` samples."""
@@ -95,9 +99,9 @@ def train_mix(data, train_iters: int, batches) -> MixSchedule | None:
         return None
     blend = parse_blend(paths, "--train-data-path" if data.train_data_path else "--data-path")
     if data.data_mix_schedule is None:
-        if len(blend.prefixes) < 2:
+        if len(blend.prefixes) < 2 or blend.weights is None:  # (alone: weighted by size)
             return None
-        return plain_schedule(blend.names, blend.weights or [1.0] * len(blend.prefixes))
+        return plain_schedule(blend.names, blend.weights)
     if blend.weights is None:
         raise ConfigError(
             f"{FLAG} needs weight/prefix pairs in --data-path (0.7 web:A 0.3 code:B), not "
@@ -147,18 +151,34 @@ def read_mix_schedule(path: str, names, base_weights, train_iters: int, batches)
     for k, (entry, start) in enumerate(zip(phases_raw, starts)):
         weights = _weights(path, k, entry, names)
         phases.append(MixPhase(start, batches.sizes(start)[1], tuple(weights)))
-    return MixSchedule(tuple(names), tuple(phases))
+    return MixSchedule(tuple(names), tuple(phases), scheduled=True, run_samples=total)
 
 
-def check_resumed_schedule(saved: list[dict] | None, now: list[dict] | None, iteration: int):
-    """ConfigError when the phases a checkpoint already trained with (those begun before
-    `iteration`) differ from the ones given now (`MixSchedule.record()`s; None: no blend, or a
-    checkpoint from before they were kept): the samples it consumed would not be the ones the
-    new schedule says. Phases that have not begun may change."""
-    if saved is None or now is None:
+def check_resumed_schedule(saved: dict | None, now: dict | None, iteration: int):
+    """ConfigError when a run with a mix schedule (then or now) resumes at `iteration` with
+    other weights before it, or another length (which changes every dataset's order): the
+    samples it consumed would not be the ones the schedule now says. Phases that have not
+    begun may change. (`MixSchedule.record()`s; a checkpoint kept no record before mixes
+    existed, and fixed-weight blends resume as Megatron-LM's do, unchecked.)"""
+    if not isinstance(saved, dict) or now is None:
         return
-    begun = _rounded([p for p in saved if p["iteration"] < iteration])
-    if begun != _rounded([p for p in now if p["iteration"] < iteration]):
+    if not (saved.get("scheduled") or now["scheduled"]):
+        return
+    if saved.get("scheduled") != now["scheduled"]:
+        had = "with" if saved.get("scheduled") else "without"
+        raise ConfigError(
+            f"{FLAG}: the checkpoint at iteration {iteration} was trained {had} a mix schedule, "
+            "and adding or dropping one changes each dataset's order; resume as it was trained "
+            "(a schedule can start with the weights of --data-path and change them later)"
+        )
+    if saved["run_samples"] != now["run_samples"]:
+        raise ConfigError(
+            f"{FLAG}: the checkpoint's run was {saved['run_samples']} samples long and this one "
+            f"is {now['run_samples']}, which changes each dataset's order; keep --train-iters "
+            "(or --train-samples) and the batch sizes as they were"
+        )
+    begun = _rounded([p for p in saved["phases"] if p["iteration"] < iteration])
+    if begun != _rounded([p for p in now["phases"] if p["iteration"] < iteration]):
         text = "; ".join(
             f"from iteration {i}: " + ", ".join(f"{k} {v:.3g}" for k, v in w.items())
             for i, w in begun
