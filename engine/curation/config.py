@@ -1,0 +1,156 @@
+"""tools/curate.py's configuration: one YAML or JSON file whose keys are the stages.
+
+Every stage has the published defaults (see each stage's module); the file only says what
+differs. A stage is turned off with `false` (or `enabled: false`) and on with `true` or a
+mapping of its parameters:
+
+    text_key: text               # the field holding the document's text
+    language: {languages: [en, fr], min_score: 0.5}
+    c4: {terminal_punctuation: false}     # FineWeb's choice
+    decontamination: {files: [eval/hellaswag.jsonl], keys: [ctx]}
+    minhash: {threshold: 0.7}
+    pii: false
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from engine.curation.decontamination import Decontamination
+from engine.curation.langid import Language
+from engine.curation.minhash import MinHashConfig
+from engine.curation.pii import PII
+from engine.curation.quality import C4, FineWeb, GopherQuality, GopherRepetition
+from engine.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ExactDedup:
+    documents: bool = True  # documents whose normalised text was seen before
+    lines: bool = True  # lines seen before anywhere in the corpus (CCNet, used by LLaMA)
+
+
+# in the order they run: the per-document rules, then the corpus-wide deduplication, then PII
+STAGES = {
+    "language": (Language, True),
+    "gopher_repetition": (GopherRepetition, True),
+    "gopher_quality": (GopherQuality, True),
+    "c4": (C4, True),
+    "fineweb": (FineWeb, True),
+    "decontamination": (Decontamination, False),
+    "exact_dedup": (ExactDedup, True),
+    "minhash": (MinHashConfig, True),
+    "pii": (PII, True),
+}
+
+
+@dataclass(frozen=True)
+class CurateConfig:
+    text_key: str = "text"
+    stages: dict = field(
+        default_factory=lambda: {n: cls() for n, (cls, on) in STAGES.items() if on}
+    )
+
+    def stage(self, name: str):
+        """The stage's parameters, or None when it is off."""
+        return self.stages.get(name)
+
+    def record(self) -> dict:
+        return {
+            "text_key": self.text_key,
+            "stages": {n: dataclasses.asdict(p) for n, p in self.stages.items()},
+        }
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.record(), sort_keys=True).encode()).hexdigest()
+
+
+def _value(where: str, default, value):
+    """`value` checked against the type of the field's default (tuples from lists)."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: {value!r} is not true or false")
+        return value
+    if isinstance(default, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: {value!r} is not a list")
+        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    if isinstance(default, int | float) or default is None:
+        if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
+            return value
+        if default is None and isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: {value!r} is not a number (or null to turn the rule off)")
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: {value!r} is not a string")
+        return value
+    return value
+
+
+def _stage(path: str, name: str, value):
+    cls, on = STAGES[name]
+    if isinstance(value, bool):
+        return cls() if value else None
+    if value is None:
+        return cls() if on else None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: {name} is {value!r}; give true, false or its parameters")
+    value = dict(value)
+    if not value.pop("enabled", True):
+        return None
+    defaults = cls()
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(
+            f"{path}: {name} has no parameter {unknown[0]!r} (its parameters: "
+            f"{', '.join(sorted(known))})"
+        )
+    given = {k: _value(f"{path}: {name}.{k}", getattr(defaults, k), v) for k, v in value.items()}
+    return dataclasses.replace(defaults, **given)
+
+
+def read_config(path: str | None) -> CurateConfig:
+    """The configuration of the file at `path` (None: every default)."""
+    if path is None:
+        return CurateConfig()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as err:
+        raise ConfigError(f"--config {path}: cannot read it ({err.strerror})") from None
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            raw = yaml.safe_load(text)
+        else:
+            raw = json.loads(text)
+    except (ValueError, ImportError) as err:
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError(f"--config {path}: not valid YAML/JSON ({first}); fix it") from None
+    except Exception as err:  # yaml.YAMLError
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError(f"--config {path}: not valid YAML ({first}); fix it") from None
+    raw = raw or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: not a mapping of stage names to parameters")
+    unknown = sorted(set(raw) - set(STAGES) - {"text_key"})
+    if unknown:
+        raise ConfigError(
+            f"--config {path}: no stage {unknown[0]!r} (stages: {', '.join(STAGES)}; and text_key)"
+        )
+    text_key = raw.get("text_key", "text")
+    if not isinstance(text_key, str):
+        raise ConfigError(f"--config {path}: text_key {text_key!r} is not a field name")
+    stages = {}
+    for name, (cls, on) in STAGES.items():
+        given = raw.get(name)
+        params = _stage(f"--config {path}", name, given) if name in raw else (cls() if on else None)
+        if params is not None:
+            stages[name] = params
+    return CurateConfig(text_key, stages)

@@ -1,0 +1,307 @@
+"""The curation run: per-document stages on every input file in parallel, corpus-wide
+deduplication, then PII and the output shards.
+
+    1. per input file (a shard), in worker processes: language ID, Gopher repetition and
+       quality, C4, FineWeb, decontamination; the first rule a document fails removes it.
+       The survivors, their hashes (document and lines) and MinHash signatures go to
+       <output>/work/shard-NNNNN/, written whole or not at all;
+    2. corpus-wide, in this process: exact duplicates of documents (the first is kept), lines
+       seen before in the corpus, then near duplicates by MinHash + LSH (the first of each
+       cluster is kept). Signatures are gathered into one file on disk and indexed band by
+       band (engine/curation/minhash.py);
+    3. per shard, in workers: the kept documents with their duplicate lines dropped and PII
+       replaced go to <output>/kept/shard-NNNNN.parquet, the removed ones with `curate_reason`
+       to <output>/removed/shard-NNNNN.parquet.
+
+A run killed at any point is resumed by running the same command again: finished shards of
+steps 1 and 3 are kept, step 2 is recomputed from what step 1 wrote. Memory holds one input
+file at a time per worker, and 8 bytes per document and per line for the deduplication.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+import xxhash
+
+from engine.curation import minhash
+from engine.curation.config import CurateConfig
+from engine.curation.decontamination import ContaminationIndex
+from engine.curation.documents import read_documents, read_parquet_rows, write_parquet
+from engine.curation.langid import LanguageIdentifier, language_reason
+from engine.curation.pii import replace_pii
+from engine.curation.quality import c4, fineweb, gopher_quality, gopher_repetition
+from engine.curation.stats import ShardStats
+from engine.errors import ConfigError
+
+# step 2's reasons, by code in the decisions files
+DEDUP_REASONS = {1: "exact_dedup:document", 2: "exact_dedup:lines", 3: "minhash:near_duplicate"}
+
+
+def _fault_after(step: str, k: int) -> None:
+    """Fault injection for the kill-and-resume test, inert unless TRIPOD_FAULT_CURATE_KILL_AT
+    is `first:K` or `final:K`: the process kills itself once that step has finished shard K."""
+    if os.environ.get("TRIPOD_FAULT_CURATE_KILL_AT") == f"{step}:{k}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}"
+
+
+def _line_hash(line: str) -> int:
+    return xxhash.xxh64_intdigest(line.strip().encode("utf-8"))
+
+
+class DocumentRules:
+    """Step 1's stages for one worker (the language model and evaluation n-grams loaded once
+    per shard)."""
+
+    def __init__(self, config: CurateConfig):
+        self.config = config
+        self.language = config.stage("language")
+        self.identifier = LanguageIdentifier() if self.language else None
+        contamination = config.stage("decontamination")
+        self.contamination = ContaminationIndex(contamination) if contamination else None
+
+    def apply(self, text: str) -> tuple[str | None, str]:
+        """(reason or None, the text kept)."""
+        s = self.config.stage
+        if self.language:
+            reason = language_reason(text, self.language, self.identifier)[0]
+            if reason:
+                return reason, text
+        for name, rule in (
+            ("gopher_repetition", gopher_repetition),
+            ("gopher_quality", gopher_quality),
+        ):
+            if s(name) and (reason := rule(text, s(name))):
+                return reason, text
+        if s("c4"):
+            reason, text = c4(text, s("c4"))
+            if reason:
+                return reason, text
+        if s("fineweb") and (reason := fineweb(text, s("fineweb"))):
+            return reason, text
+        if self.contamination is not None and self.contamination.contaminated(text):
+            return "decontamination:ngram", text
+        return None, text
+
+
+def first_pass(k: int, path: str, config: CurateConfig, work: str) -> None:
+    """Step 1 for shard k (input file `path`)."""
+    final = os.path.join(work, shard_name(k))
+    if os.path.exists(final):
+        return
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    rules, key = DocumentRules(config), config.text_key
+    stats = ShardStats()
+    kept, removed, reasons = [], [], []
+    for row in read_documents(path, key):
+        stats.before(row[key])
+        reason, text = rules.apply(row[key])
+        if reason:
+            removed.append(row)
+            reasons.append(reason)
+            stats.removed(reason)
+        else:
+            kept.append({**row, key: text})
+    write_parquet(os.path.join(tmp, "survivors.parquet"), kept)
+    write_parquet(os.path.join(tmp, "removed.parquet"), removed, {"curate_reason": reasons})
+    texts = [row[key] for row in kept]
+    np.savez(os.path.join(tmp, "hashes.npz"), **_hashes(texts, config.stage("exact_dedup")))
+    if config.stage("minhash"):
+        minhash.signatures(texts, config.stage("minhash"), os.path.join(tmp, "signatures.npy"))
+    stats.save(os.path.join(tmp, "stats.json"))
+    os.replace(tmp, final)
+    _fault_after("first", k)
+
+
+def _hashes(texts: list[str], exact) -> dict[str, np.ndarray]:
+    """What step 2's exact deduplication needs of the survivors of a shard: each document's
+    hash (normalised text) and, for the lines, each line's hash, whether it is blank, and the
+    lines of each document (empty arrays for what is off)."""
+    documents = exact is not None and exact.documents
+    lines = [t.split("\n") for t in texts] if exact is not None and exact.lines else []
+    return {
+        "document": np.array(
+            [xxhash.xxh64_intdigest(minhash.normalise(t).encode()) for t in texts]
+            if documents
+            else [],
+            np.uint64,
+        ),
+        "line": np.array([_line_hash(x) for ls in lines for x in ls], np.uint64),
+        "lines_per_document": np.array([len(ls) for ls in lines], np.int64),
+        "blank": np.array([not x.strip() for ls in lines for x in ls], bool),
+    }
+
+
+def dedup_pass(shards: int, config: CurateConfig, work: str) -> None:
+    """Step 2: <work>/decisions-NNNNN.npz for every shard (per survivor a reason code, per
+    line whether it is dropped)."""
+    loaded = [np.load(os.path.join(work, shard_name(k), "hashes.npz")) for k in range(shards)]
+    counts = [_survivors(work, k) for k in range(shards)]
+    documents = np.concatenate([h["document"] for h in loaded] or [np.empty(0, np.uint64)])
+    code = np.zeros(sum(counts), np.int8)
+    exact = config.stage("exact_dedup")
+    if exact is not None and exact.documents and len(documents):
+        _, first = np.unique(documents, return_index=True)
+        repeat = np.ones(len(documents), bool)
+        repeat[first] = False
+        code[repeat] = 1
+    line_hash = np.concatenate([h["line"] for h in loaded] or [np.empty(0, np.uint64)])
+    per_doc = np.concatenate([h["lines_per_document"] for h in loaded] or [np.empty(0, np.int64)])
+    blank = np.concatenate([h["blank"] for h in loaded] or [np.empty(0, bool)])
+    owner = np.repeat(np.arange(len(code)), per_doc) if len(per_doc) else per_doc
+    drop = np.zeros(len(line_hash), bool)
+    if exact is not None and exact.lines and len(line_hash):
+        alive = (code[owner] == 0) & ~blank
+        candidates = np.flatnonzero(alive)
+        _, first = np.unique(line_hash[candidates], return_index=True)
+        drop[candidates] = True
+        drop[candidates[first]] = False
+        left = np.bincount(owner[alive & ~drop], minlength=len(code))
+        has_lines = np.bincount(owner[alive], minlength=len(code)) > 0
+        code[(code == 0) & has_lines & (left == 0)] = 2
+    if config.stage("minhash") and len(code):
+        code = _near_duplicates(code, counts, config, work)
+    starts = np.cumsum([0, *counts])
+    line_starts = np.cumsum([0, *[len(h["line"]) for h in loaded]])
+    for k in range(shards):
+        np.savez(
+            os.path.join(work, f"decisions-{k:05d}.npz"),
+            code=code[starts[k] : starts[k + 1]],
+            drop=drop[line_starts[k] : line_starts[k + 1]],
+        )
+
+
+def _survivors(work: str, k: int) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(os.path.join(work, shard_name(k), "survivors.parquet")).metadata.num_rows
+
+
+def _near_duplicates(code: np.ndarray, counts: list[int], config: CurateConfig, work: str):
+    """Documents still kept whose MinHash cluster has an earlier kept member: code 3."""
+    alive = np.flatnonzero(code == 0)
+    params = config.stage("minhash")
+    width = int(np.prod(params.bands_rows()))
+    path = os.path.join(work, "signatures-kept.npy")
+    gathered = np.lib.format.open_memmap(
+        path, mode="w+", dtype=np.uint32, shape=(len(alive), width)
+    )
+    starts = np.cumsum([0, *counts])
+    at = 0
+    for k, count in enumerate(counts):
+        mine = alive[(alive >= starts[k]) & (alive < starts[k + 1])] - starts[k]
+        if count and len(mine):
+            sigs = np.load(os.path.join(work, shard_name(k), "signatures.npy"), mmap_mode="r")
+            gathered[at : at + len(mine)] = sigs[mine]
+        at += len(mine)
+    gathered.flush()
+    first = minhash.duplicate_of(gathered, params)
+    code = code.copy()
+    code[alive[first != np.arange(len(alive))]] = 3
+    del gathered
+    os.remove(path)
+    return code
+
+
+def final_pass(k: int, config: CurateConfig, work: str, output: str) -> None:
+    """Step 3 for shard k."""
+    kept_path = os.path.join(output, "kept", f"{shard_name(k)}.parquet")
+    removed_path = os.path.join(output, "removed", f"{shard_name(k)}.parquet")
+    stats_path = os.path.join(work, f"final-{k:05d}.json")
+    if os.path.exists(stats_path):
+        return
+    key, pii = config.text_key, config.stage("pii")
+    shard = os.path.join(work, shard_name(k))
+    survivors = read_parquet_rows(os.path.join(shard, "survivors.parquet"))
+    removed = read_parquet_rows(os.path.join(shard, "removed.parquet"))
+    reasons = [row.pop("curate_reason") for row in removed]
+    decisions = np.load(os.path.join(work, f"decisions-{k:05d}.npz"))
+    stats = ShardStats()
+    exact = config.stage("exact_dedup")
+    by_lines = exact is not None and exact.lines
+    kept, line = [], 0
+    for row, code in zip(survivors, decisions["code"]):
+        text = row[key]
+        if by_lines:  # the lines step 2 found earlier in the corpus are dropped
+            lines = text.split("\n")
+            dropped = decisions["drop"][line : line + len(lines)]
+            line += len(lines)
+            text = "\n".join(x for x, gone in zip(lines, dropped, strict=True) if not gone)
+        if code:
+            removed.append(row)
+            reasons.append(DEDUP_REASONS[int(code)])
+            stats.removed(DEDUP_REASONS[int(code)])
+            continue
+        if pii is not None:
+            text, replaced = replace_pii(text, pii)
+            stats.pii(replaced)
+        stats.after(text)
+        kept.append({**row, key: text})
+    write_parquet(kept_path, kept)
+    write_parquet(removed_path, removed, {"curate_reason": reasons})
+    stats.save(stats_path)
+    _fault_after("final", k)
+
+
+def _check_run(output: str, config: CurateConfig, inputs: list[str]) -> None:
+    """<output>/curate.json records the run; a different run there is refused."""
+    record = json.loads(json.dumps({"inputs": inputs, "config": config.record()}))
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ConfigError(f"--output {output}: is a file; give a folder (new or of this run)")
+    try:
+        os.makedirs(output, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--output {output}: cannot create it ({err.strerror})") from None
+    path = os.path.join(output, "curate.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            if json.load(f) != record:
+                raise ConfigError(
+                    f"--output {output}: holds a curation of other inputs or another config; "
+                    "give a new --output (or delete it) to start afresh"
+                )
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, path)
+
+
+def curate(inputs: list[str], output: str, config: CurateConfig, workers: int = 1) -> dict:
+    """Run the three steps (resuming a killed run in `output`); returns the report."""
+    from engine.curation.report import write_report
+
+    _check_run(output, config, inputs)
+    work = os.path.join(output, "work")
+    for sub in (work, os.path.join(output, "kept"), os.path.join(output, "removed")):
+        os.makedirs(sub, exist_ok=True)
+    shards = range(len(inputs))
+    _parallel(first_pass, [(k, inputs[k], config, work) for k in shards], workers)
+    dedup_pass(len(inputs), config, work)
+    _parallel(final_pass, [(k, config, work, output) for k in shards], workers)
+    return write_report(output, work, len(inputs), config)
+
+
+def _parallel(function, calls: list[tuple], workers: int) -> None:
+    if workers <= 1:
+        for args in calls:
+            function(*args)
+        return
+    start = "fork" if sys.platform == "linux" else "spawn"
+    context = multiprocessing.get_context(start)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        for future in [pool.submit(function, *args) for args in calls]:
+            future.result()

@@ -1,0 +1,373 @@
+"""tools/curate.py: each stage on small crafted inputs with known answers, the whole pipeline
+(every input field kept, reasons, report, preprocess_data taking the kept shards), a killed
+run resumed to the same output, and bad configs refused in one line."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine.curation import minhash, quality
+from engine.curation.config import read_config
+from engine.curation.decontamination import ContaminationIndex, Decontamination
+from engine.curation.langid import Language, LanguageIdentifier, language_reason
+from engine.curation.pii import PII, replace_pii
+from engine.curation.planted import planted_corpus
+from engine.errors import ConfigError
+from tests.cli import one_line_error, run_python, run_tool
+
+SENTENCE = "The cat sat on the mat with the dog and that was fine."  # 13 words, stop words
+
+
+NOUNS = [
+    "farmer",
+    "teacher",
+    "sailor",
+    "neighbour",
+    "doctor",
+    "student",
+    "baker",
+    "brother",
+    "pilot",
+    "painter",
+    "river",
+    "market",
+    "letter",
+    "garden",
+    "station",
+    "hill",
+    "boat",
+    "library",
+    "village",
+    "morning",
+    "winter",
+    "kitchen",
+    "window",
+    "story",
+    "question",
+    "answer",
+    "journey",
+    "harbour",
+    "orchard",
+    "bridge",
+    "engine",
+    "lantern",
+    "meadow",
+]
+VERBS = [
+    "found",
+    "carried",
+    "painted",
+    "visited",
+    "opened",
+    "described",
+    "followed",
+    "repaired",
+    "noticed",
+    "loved",
+]
+ADJECTIVES = [
+    "old",
+    "quiet",
+    "small",
+    "bright",
+    "early",
+    "narrow",
+    "heavy",
+    "gentle",
+    "distant",
+    "careful",
+]
+
+
+def prose(sentences: int, seed: int = 0) -> str:
+    """Varied English sentences, one per line (5 or more pass every quality rule)."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(sentences):
+        a, b, c = rng.choice(NOUNS, 3, replace=False)
+        adjective, other = rng.choice(ADJECTIVES, 2, replace=False)
+        verb = rng.choice(VERBS)
+        number = rng.integers(1000)
+        lines.append(
+            f"The {adjective} {a} {verb} a {other} {b} near the {c} and that was {number}."
+        )
+    return "\n".join(lines)
+
+
+def test_gopher_quality_rules():
+    c = quality.GopherQuality()
+    assert quality.gopher_quality(prose(8), c) is None
+    assert quality.gopher_quality(" ".join(["the word"] * 24), c) == "gopher_quality:short_doc"
+    long_words = " ".join(["the incomprehensibilities"] * 40)
+    assert quality.gopher_quality(long_words, c) == "gopher_quality:long_words"
+    hashes = prose(8) + "\n" + "#" * 20
+    assert quality.gopher_quality(hashes, c) == "gopher_quality:hashes"
+    bullets = "\n".join(f"- {line}" for line in prose(8).splitlines())
+    assert quality.gopher_quality(bullets, c) == "gopher_quality:bullet_lines"
+    no_stop = " ".join(f"alpha{i} beta gamma" for i in range(30))
+    assert quality.gopher_quality(no_stop, c) == "gopher_quality:few_stop_words"
+    numbers = prose(2) + " " + " ".join(str(10**6 + i) for i in range(200))
+    assert quality.gopher_quality(numbers, c) == "gopher_quality:non_alpha_words"
+    off = quality.GopherQuality(min_words=None, min_stop_words=None)  # null turns a rule off
+    assert quality.gopher_quality(" ".join(["the word"] * 24), off) is None
+
+
+def test_gopher_repetition_rules():
+    c = quality.GopherRepetition()
+    assert quality.gopher_repetition(prose(10), c) is None
+    repeated = "\n".join([SENTENCE] * 4 + prose(4).splitlines())
+    assert quality.gopher_repetition(repeated, c) == "gopher_repetition:duplicate_lines"
+    paragraphs = "\n\n".join([prose(3)] * 2 + [prose(3, 10)])
+    assert quality.gopher_repetition(paragraphs, c) == "gopher_repetition:duplicate_paragraphs"
+    spam = " ".join(["buy now"] * 30) + " " + prose(3)
+    assert quality.gopher_repetition(spam, c).startswith("gopher_repetition:")
+    assert quality.gopher_repetition("", c) == "gopher_repetition:empty"
+
+
+def test_c4_rules_drop_lines_and_documents():
+    c = quality.C4()
+    text = "\n".join(
+        [prose(5), "A menu line without an end", "Enable JavaScript to see this page.",
+         "We use cookies, see our privacy policy.", "Short one.", "Cited fact here [12]."]
+    )  # fmt: skip
+    reason, kept = quality.c4(text, c)
+    assert reason is None
+    assert kept == prose(5) + "\nCited fact here ."  # citation removed, the rest dropped
+    assert quality.c4(prose(4), c)[0] == "c4:few_sentences"
+    assert quality.c4(prose(5) + "\nLorem ipsum dolor sit amet.", c)[0] == "c4:lorem_ipsum"
+    assert quality.c4(prose(5) + "\nThe value is {x} here.", c)[0] == "c4:curly_bracket"
+    fineweb_choice = quality.C4(terminal_punctuation=False)
+    assert "A menu line without an end" in quality.c4(text, fineweb_choice)[1]
+
+
+def test_fineweb_rules():
+    c = quality.FineWeb()
+    assert quality.fineweb(prose(10), c) is None
+    no_ends = "\n".join(line.rstrip(".") for line in prose(10).splitlines())
+    assert quality.fineweb(no_ends, c) == "fineweb:terminal_lines"
+    short = "\n".join(["Fine."] * 3 + [f"Item {i}." for i in range(10)] + [prose(2)])
+    assert quality.fineweb(short, c) == "fineweb:short_lines"
+    dup = prose(10) + "\n" + prose(1)
+    assert quality.fineweb(dup, c) == "fineweb:duplicate_line_chars"
+
+
+def test_language_identification():
+    identifier, c = LanguageIdentifier(), Language()
+    assert language_reason(prose(3), c, identifier)[:2] == (None, "en")
+    french = "Le fermier a marché jusqu'à la rivière et il a regardé les bateaux du port."
+    assert language_reason(french, c, identifier)[:2] == ("language:other", "fr")
+    both = Language(languages=("en", "fr"))
+    assert language_reason(french, both, identifier)[0] is None
+    assert language_reason(prose(1), Language(min_score=1.01), identifier)[0] == (
+        "language:low_score"
+    )
+
+
+def test_pii_placeholders():
+    text = ("Write to jane.doe+news@example.co.uk or call +1 (555) 123-4567 or 555.987.6543; "
+            "the server is at 192.168.0.17 and fe80:0:0:0:202:b3ff:fe1e:8329. In 2024 we had "
+            "12345 users and version 3.11.")  # fmt: skip
+    replaced, count = replace_pii(text, PII())
+    assert count == 5
+    assert replaced == (
+        "Write to <EMAIL> or call <PHONE_NUMBER> or <PHONE_NUMBER>; the server is at "
+        "<IP_ADDRESS> and <IP_ADDRESS>. In 2024 we had 12345 users and version 3.11."
+    )
+    assert replace_pii(text, PII(email=None))[0].startswith("Write to jane.doe+news@")
+
+
+def test_decontamination_by_13_grams(tmp_path):
+    question = "which of these animals would most likely be found living in a cold dry desert"
+    evaluation = tmp_path / "eval.jsonl"
+    evaluation.write_text(json.dumps({"question": question, "answer": "camel"}) + "\n")
+    index = ContaminationIndex(Decontamination(files=(str(evaluation),), keys=("question",)))
+    copied = prose(3) + " Which of these ANIMALS would most likely be found living in a cold!"
+    assert index.contaminated(copied)  # 13 words in a row, whatever the case and punctuation
+    twelve = prose(3) + " which of these animals would most likely be found living in a warm"
+    assert not index.contaminated(twelve)
+
+
+def test_minhash_finds_planted_near_duplicates():
+    config = minhash.MinHashConfig(threshold=0.8)
+    assert config.bands_rows() == (9, 13)  # as datasketch chooses for 0.8 and 128
+    corpus = planted_corpus(60, (1.0, 0.95, 0.9, 0.6, 0.5), seed=1)
+    first = minhash.duplicate_of(minhash.signatures(corpus.texts, config), config)
+    removed = first != np.arange(len(first))
+    truth = corpus.true_duplicates(0.8)
+    hits = np.sum(removed & truth)
+    assert hits / removed.sum() >= 0.95 and hits / truth.sum() >= 0.95
+    assert np.all(first[removed] < np.flatnonzero(removed))  # the first of a cluster stays
+
+
+CONTACT = prose(6, 100) + "\nContact me at someone@example.org today please."
+
+
+def _write_inputs(folder):
+    """Three shards: JSONL.gz with extra fields, Parquet with an extra column, plain JSONL."""
+    folder.mkdir()
+    docs = [
+        {"text": prose(6, 0), "url": "a", "meta": {"n": 1}},
+        {"text": prose(6, 0).replace("\n", "\n\n"), "url": "dup"},  # exact once normalised
+        {"text": "Le fermier a marché jusqu'à la rivière. " * 20, "url": "fr"},
+        {"text": CONTACT, "url": "p"},
+    ]
+    with gzip.open(folder / "a.jsonl.gz", "wt") as f:
+        for d in docs:
+            f.write(json.dumps(d) + "\n")
+    near = CONTACT.replace("The", "One", 1)  # one word changed: a near duplicate
+    table = pa.table({"text": [near, prose(6, 200)], "lang_hint": ["en", "en"]})
+    pq.write_table(table, folder / "b.parquet")
+    (folder / "c.jsonl").write_text(json.dumps({"text": prose(4, 300)}) + "\n")
+
+
+def _rows(path):
+    return pq.read_table(path).to_pylist()
+
+
+def test_curate_end_to_end_then_preprocess(tmp_path, tokenizer_model):
+    _write_inputs(tmp_path / "raw")
+    out = tmp_path / "curated"
+    result = run_tool("curate.py", "--input", str(tmp_path / "raw"), "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    kept = [r for k in range(3) for r in _rows(out / "kept" / f"shard-{k:05d}.parquet")]
+    removed = [r for k in range(3) for r in _rows(out / "removed" / f"shard-{k:05d}.parquet")]
+    reasons = {r.get("url") or r["text"][:10]: r["curate_reason"] for r in removed}
+    assert reasons["dup"] == "exact_dedup:document"
+    assert reasons["fr"] == "language:other"
+    assert reasons[prose(4, 300)[:10]] == "c4:few_sentences"  # shard c: four sentences
+    near = [r for r in removed if r["curate_reason"] == "minhash:near_duplicate"]
+    assert len(near) == 1 and near[0]["lang_hint"] == "en"  # the Parquet copy, its column kept
+    first = next(r for r in kept if r.get("url") == "a")
+    assert first["meta"] == {"n": 1}  # every input field kept
+    pii = next(r for r in kept if r.get("url") == "p")
+    assert "<EMAIL>" in pii["text"] and "someone@" not in pii["text"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["input"]["documents"] == 7 == len(kept) + len(removed)
+    assert report["kept"]["documents"] == len(kept) == 3
+    assert report["removed"]["exact_dedup"] == {"exact_dedup:document": 1}
+    assert report["pii_replaced"] == 1
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the kept shards go to preprocessing unchanged
+    prefix = tmp_path / "data"
+    done = run_tool("preprocess_data.py", "--input", str(out / "kept"), "--output-prefix",
+                    str(prefix), "--tokenizer-model", tokenizer_model, "--append-eod")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert os.path.getsize(f"{prefix}_text_document.bin") > 0
+
+
+def _outputs(folder):
+    return {
+        name: _rows(folder / sub / name)
+        for sub in ("kept", "removed")
+        for name in sorted(os.listdir(folder / sub))
+    }
+
+
+@pytest.mark.parametrize("kill_at", ["first:1", "final:0"])
+def test_a_killed_run_resumes_to_the_same_output(tmp_path, kill_at):
+    _write_inputs(tmp_path / "raw")
+    args = ["--input", str(tmp_path / "raw"), "--config"]
+    config = tmp_path / "c.yaml"
+    config.write_text("minhash: {threshold: 0.7}\nexact_dedup: {lines: true}\n")
+    whole = run_tool("curate.py", *args, str(config), "--output", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    out = tmp_path / "killed"
+    killed = run_python(
+        "tools/curate.py", *args, str(config), "--output", str(out),
+        env={"TRIPOD_FAULT_CURATE_KILL_AT": kill_at},
+    )  # fmt: skip
+    assert killed.returncode == -9
+    assert not (out / "report.json").exists()
+    done = sorted(n for n in os.listdir(out / "work") if n.startswith("shard-"))
+    assert done == (["shard-00000", "shard-00001"] if kill_at == "first:1" else
+                    ["shard-00000", "shard-00001", "shard-00002"])  # fmt: skip
+    again = run_tool("curate.py", *args, str(config), "--output", str(out))
+    assert again.returncode == 0, again.stderr
+    assert _outputs(out) == _outputs(tmp_path / "whole")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("quality: {}\n", "no stage 'quality'"),
+        ("gopher_quality: {min_wrds: 3}\n", "gopher_quality has no parameter 'min_wrds'"),
+        ("minhash: {threshold: high}\n", "minhash.threshold: 'high' is not a number"),
+        ("c4: 3\n", "c4 is 3; give true, false or its parameters"),
+        ("pii: [a\n", "not valid YAML"),
+    ],
+)
+def test_bad_configs_are_refused(tmp_path, text, expected):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        read_config(str(path))
+    assert str(err.value).startswith(f"--config {path}") and expected in str(err.value)
+
+
+def test_configs_turn_stages_off_and_on(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"pii": False, "language": {"enabled": False},
+                                "decontamination": {"files": ["x.jsonl"]}}))  # fmt: skip
+    config = read_config(str(path))
+    assert config.stage("pii") is None and config.stage("language") is None
+    assert config.stage("decontamination").files == ("x.jsonl",)
+    assert read_config(None).stage("decontamination") is None  # off unless given files
+
+
+def test_another_run_in_the_output_folder_is_refused(tmp_path):
+    _write_inputs(tmp_path / "raw")
+    out = tmp_path / "curated"
+    first = run_tool("curate.py", "--input", str(tmp_path / "raw"), "--output", str(out))
+    assert first.returncode == 0, first.stderr
+    before = _outputs(out)
+    config = tmp_path / "c.yaml"
+    config.write_text("pii: false\n")
+    line = one_line_error(
+        run_tool("curate.py", "--input", str(tmp_path / "raw"), "--output", str(out),
+                 "--config", str(config))
+    )  # fmt: skip
+    assert "holds a curation of other inputs or another config" in line
+    assert _outputs(out) == before
+
+
+def test_bench_against_datatrove_and_planted_duplicates(tmp_path):
+    """The bench's numbers, at a small size: MinHash precision and recall on planted
+    near-duplicates, and each rule set's agreement with datatrove's on real local text."""
+    pytest.importorskip("datatrove")
+    out = tmp_path / "bench.json"
+    result = run_tool("bench_curate.py", "--families", "60", "--documents", "400", "--workers",
+                      "1", "--throughput-documents", "400", "--json", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for row in report["minhash"]:
+        assert row["precision"] >= 0.95 and row["recall"] >= 0.95, row
+    for name, rules in report["rules"].items():
+        assert rules["agreement"] >= 0.99, (name, rules["differences"][:5])
+        assert rules["removed_ours"] > 0, name  # the corpus exercises every rule set
+    assert report["throughput"]["ours_docs_per_s"] > 0
+
+
+def test_bad_input_is_one_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": prose(6)}) + "\nnot json\n")
+    line = one_line_error(
+        run_tool("curate.py", "--input", str(bad), "--output", str(tmp_path / "o"))
+    )
+    assert f"{bad}:line 2: not a JSON object" in line
+    nofield = tmp_path / "nofield.jsonl"
+    nofield.write_text(json.dumps({"content": "x"}) + "\n")
+    line = one_line_error(
+        run_tool("curate.py", "--input", str(nofield), "--output", str(tmp_path / "p"))
+    )
+    assert "no string field 'text'; name the text field with text_key in --config" in line
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    line = one_line_error(run_tool("curate.py", "--input", str(bad), "--output", str(afile)))
+    assert "is a file; give a folder" in line

@@ -1,0 +1,265 @@
+"""Curation measured against its anchors. Prints tables and writes JSON.
+
+1. MinHash deduplication on a corpus with planted near-duplicates (engine/curation/planted.py:
+   copies of originals with words replaced, at known shingle Jaccard similarities): precision
+   and recall of the documents removed, at each threshold.
+2. The heuristic rules beside datatrove's (the library FineWeb was built with), rule set by
+   rule set, on the same documents (engine/curation/local_text.py: real text found on this
+   machine) and the same parameters: the share of documents both keep or both remove, each
+   difference listed; and throughput in documents/s, ours (tools/curate.py's pipeline with
+   only these rules: reading JSONL, the three steps, Parquet shards and the report) over
+   datatrove's (its JSONL reader, the four filters, its JSONL writer), both with --workers
+   processes, on the same documents cycled to --throughput-documents. Both split words and
+   sentences the same way (ours): datatrove's English splitter needs NLTK's punkt data, which
+   is a download.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from engine.cli import run_main
+from engine.curation import minhash, quality
+from engine.curation.config import CurateConfig
+from engine.curation.local_text import local_documents
+from engine.curation.pipeline import curate
+from engine.curation.planted import planted_corpus
+from engine.curation.text import sentences, words
+
+RULE_SETS = ("gopher_repetition", "gopher_quality", "c4", "fineweb")
+
+
+def bench_minhash(thresholds, families: int, seed: int) -> list[dict]:
+    rows = []
+    for threshold in thresholds:
+        targets = tuple(
+            t for t in (1.0, 0.95, 0.9, 0.85, 0.7, 0.6, 0.5) if abs(t - threshold) >= 0.05
+        )
+        corpus = planted_corpus(families, targets, seed=seed)
+        config = minhash.MinHashConfig(threshold=threshold)
+        start = time.perf_counter()
+        first = minhash.duplicate_of(minhash.signatures(corpus.texts, config), config)
+        seconds = time.perf_counter() - start
+        removed = first != np.arange(len(first))
+        truth = corpus.true_duplicates(threshold)
+        hits = int(np.sum(removed & truth))
+        rows.append(
+            {
+                "threshold": threshold,
+                "bands_rows": config.bands_rows(),
+                "documents": len(corpus.texts),
+                "true_duplicates": int(truth.sum()),
+                "removed": int(removed.sum()),
+                "precision": hits / max(1, int(removed.sum())),
+                "recall": hits / max(1, int(truth.sum())),
+                "docs_per_s": len(corpus.texts) / seconds,
+            }
+        )
+    return rows
+
+
+def _datatrove_tokenizer():
+    from datatrove.utils.word_tokenizers import WordTokenizer
+
+    class SameSplitting(WordTokenizer):
+        """Our words and sentences, for datatrove's rules (see the module docstring)."""
+
+        def word_tokenize(self, text):
+            return words(text)
+
+        def sent_tokenize(self, text):
+            return sentences(text)
+
+        def span_tokenize(self, text):
+            spans, at = [], 0
+            for sentence in sentences(text):
+                start = text.index(sentence, at)
+                at = start + len(sentence)
+                spans.append((start, at))
+            return spans
+
+    return SameSplitting("en")
+
+
+def _datatrove_filters(language):
+    from datatrove.pipeline.filters import (
+        C4QualityFilter,
+        FineWebQualityFilter,
+        GopherQualityFilter,
+        GopherRepetitionFilter,
+    )
+
+    return {
+        "gopher_repetition": GopherRepetitionFilter(language=language),
+        "gopher_quality": GopherQualityFilter(language=language),
+        "c4": C4QualityFilter(language=language),
+        "fineweb": FineWebQualityFilter(language=language),
+    }
+
+
+def _ours(name: str, text: str) -> tuple[bool, str]:
+    rules = {
+        "gopher_repetition": lambda t: (
+            quality.gopher_repetition(t, quality.GopherRepetition()),
+            t,
+        ),
+        "gopher_quality": lambda t: (quality.gopher_quality(t, quality.GopherQuality()), t),
+        "c4": lambda t: quality.c4(t, quality.C4()),
+        "fineweb": lambda t: (quality.fineweb(t, quality.FineWeb()), t),
+    }
+    reason, kept_text = rules[name](text)
+    return reason is None, kept_text
+
+
+def compare_rules(documents: list[dict]) -> dict:
+    from datatrove.data import Document
+
+    filters = _datatrove_filters(_datatrove_tokenizer())
+    out = {}
+    for name, theirs in filters.items():
+        agree, differences, ours_removed, theirs_removed = 0, [], 0, 0
+        for k, row in enumerate(documents):
+            doc = Document(text=row["text"], id=str(k))
+            try:
+                result = theirs.filter(doc)
+            except ZeroDivisionError:  # datatrove divides by a count of zero words or lines
+                result = (False, "division_by_zero")
+            their_keep = result is True or (isinstance(result, tuple) and result[0])
+            our_keep, our_text = _ours(name, row["text"])
+            same = their_keep == our_keep and (not our_keep or our_text == doc.text)
+            agree += same
+            ours_removed += not our_keep
+            theirs_removed += not their_keep
+            if not same:
+                differences.append(
+                    {
+                        "document": k,
+                        "source": row["source"],
+                        "ours": our_keep,
+                        "datatrove": their_keep,
+                        "datatrove_reason": result[1] if isinstance(result, tuple) else None,
+                    }
+                )
+        out[name] = {
+            "documents": len(documents),
+            "agreement": agree / len(documents),
+            "removed_ours": ours_removed,
+            "removed_datatrove": theirs_removed,
+            "differences": differences,
+        }
+    return out
+
+
+def compare_throughput(documents: list[dict], workers: int, folder: str) -> dict:
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.writers import JsonlWriter
+
+    inputs = os.path.join(folder, "input")
+    os.makedirs(inputs)
+    for part in range(workers):
+        with open(os.path.join(inputs, f"part{part}.jsonl"), "w") as f:
+            for row in documents[part::workers]:
+                f.write(json.dumps(row) + "\n")
+    files = sorted(os.path.join(inputs, n) for n in os.listdir(inputs))
+    config = CurateConfig(stages={n: c for n, c in CurateConfig().stages.items() if n in RULE_SETS})
+    start = time.perf_counter()
+    curate(files, os.path.join(folder, "ours"), config, workers)
+    ours = time.perf_counter() - start
+    pipeline = [
+        JsonlReader(inputs),
+        *_datatrove_filters(_datatrove_tokenizer()).values(),
+        JsonlWriter(os.path.join(folder, "theirs"), compression=None),
+    ]
+    executor = LocalPipelineExecutor(
+        pipeline,
+        tasks=workers,
+        workers=workers,
+        logging_dir=os.path.join(folder, "logs"),
+        start_method="fork",
+    )
+    start = time.perf_counter()
+    executor.run()
+    theirs = time.perf_counter() - start
+    n = len(documents)
+    return {
+        "documents": n,
+        "workers": workers,
+        "ours_docs_per_s": n / ours,
+        "datatrove_docs_per_s": n / theirs,
+        "ratio": theirs / ours,
+    }
+
+
+def _table(header: list[str], rows: list[list]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(str(cell).rjust(width) for cell, width in zip(row, widths)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.7, 0.8, 0.9])
+    parser.add_argument("--families", type=int, default=300, help="originals with planted copies")
+    parser.add_argument("--documents", type=int, default=2500, help="for the rule comparison")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--throughput-documents",
+        type=int,
+        default=10_000,
+        help="the rule comparison's documents, cycled to this many, for the throughput",
+    )
+    parser.add_argument("--no-datatrove", action="store_true", help="the MinHash table only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="bench_curate.json")
+    args = parser.parse_args(argv)
+    report = {"minhash": bench_minhash(args.thresholds, args.families, args.seed)}
+    print("MinHash + LSH on planted near-duplicates (word 5-grams, 128 hash functions)")
+    header = ["threshold", "bands x rows", "docs", "true dups", "removed", "precision", "recall"]
+    rows = [
+        [f"{r['threshold']:.2f}", "{} x {}".format(*r["bands_rows"]), r["documents"],
+         r["true_duplicates"], r["removed"], f"{r['precision']:.4f}", f"{r['recall']:.4f}"]
+        for r in report["minhash"]
+    ]  # fmt: skip
+    _table(header, rows)
+    if not args.no_datatrove:
+        documents = local_documents(args.documents)
+        report["rules"] = compare_rules(documents)
+        print(f"\nrules beside datatrove on {len(documents)} local documents")
+        header = ["rule set", "agreement", "removed (ours)", "removed (datatrove)", "differences"]
+        rows = [
+            [name, f"{r['agreement']:.4f}", r["removed_ours"], r["removed_datatrove"],
+             len(r["differences"])]
+            for name, r in report["rules"].items()
+        ]  # fmt: skip
+        _table(header, rows)
+        with tempfile.TemporaryDirectory() as folder:
+            cycled = [documents[i % len(documents)] for i in range(args.throughput_documents)]
+            report["throughput"] = compare_throughput(cycled, args.workers, folder)
+        t = report["throughput"]
+        print(f"\nthroughput, four rule sets, {t['documents']} documents, {t['workers']} workers")
+        _table(
+            ["ours docs/s", "datatrove docs/s", "ours / datatrove"],
+            [
+                [
+                    f"{t['ours_docs_per_s']:.0f}",
+                    f"{t['datatrove_docs_per_s']:.0f}",
+                    f"{t['ratio']:.2f}",
+                ]
+            ],
+        )
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

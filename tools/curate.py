@@ -1,0 +1,47 @@
+"""Curate raw text before tokenizing it: language ID, heuristic quality rules (Gopher, C4,
+FineWeb), decontamination, exact and MinHash deduplication, PII replacement.
+
+    python tools/curate.py --input raw/ --output curated/ [--config curate.yaml] [--workers 2]
+
+Input: JSONL (plain, .gz, .zst), Parquet or .txt files, a folder or a glob, as
+tools/preprocess_data.py reads them. Output: curated/kept/*.parquet (the kept documents with
+every input field), curated/removed/*.parquet (with `curate_reason`), curated/report.json and
+report.png. Running the same command again resumes a killed run. The kept shards go to
+tools/preprocess_data.py --input curated/kept unchanged. See the README for the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.cli import run_main
+from engine.curation.config import read_config
+from engine.curation.pipeline import curate
+from engine.data.readers import expand_inputs
+from engine.errors import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--input", nargs="+", required=True, help="files, folders or globs")
+    parser.add_argument("--output", required=True, help="folder for kept/, removed/ and the report")
+    parser.add_argument("--config", help="YAML or JSON: the stages and their parameters")
+    parser.add_argument("--workers", type=int, default=1, help="processes for the per-shard steps")
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        raise ConfigError(f"--workers {args.workers}: give at least 1")
+    config = read_config(args.config)
+    inputs = expand_inputs(args.input)
+    report = curate(inputs, args.output, config, args.workers)
+    kept, total = report["kept"]["documents"], report["input"]["documents"]
+    print(f"{total:,} documents in, {kept:,} kept, {report['removed_documents']:,} removed")
+    for stage, rules in report["removed"].items():
+        print(f"  {stage}: " + ", ".join(f"{r.split(':', 1)[1]} {c:,}" for r, c in rules.items()))
+    print(f"report: {args.output}/report.json, {args.output}/report.png")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
