@@ -68,8 +68,13 @@ class CurateConfig:
         return hashlib.sha256(json.dumps(self.record(), sort_keys=True).encode()).hexdigest()
 
 
-def _value(where: str, default, value):
-    """`value` checked against the type of the field's default (tuples from lists)."""
+def _value(where: str, field: dataclasses.Field, default, value):
+    """`value` checked against the field: its default's type (tuples from lists), and null
+    only where the field allows it (a rule that can be turned off, a kind of PII kept)."""
+    if value is None:
+        if "None" not in str(field.type):
+            raise ConfigError(f"{where}: null is not allowed here; give a value")
+        return None
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: {value!r} is not true or false")
@@ -78,16 +83,14 @@ def _value(where: str, default, value):
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{where}: {value!r} is not a list")
         return tuple(tuple(v) if isinstance(v, list) else v for v in value)
-    if isinstance(default, int | float) or default is None:
-        if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
-            return value
-        if default is None and isinstance(value, str):
-            return value
-        raise ConfigError(f"{where}: {value!r} is not a number (or null to turn the rule off)")
-    if isinstance(default, str):
+    if isinstance(default, str) or "str" in str(field.type):
         if not isinstance(value, str):
             raise ConfigError(f"{where}: {value!r} is not a string")
         return value
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ConfigError(f"{where}: {value!r} is not a number (or null to turn the rule off)")
+    if "float" not in str(field.type) and not float(value).is_integer():
+        raise ConfigError(f"{where}: {value!r} is not a whole number")
     return value
 
 
@@ -103,15 +106,21 @@ def _stage(path: str, name: str, value):
     if not value.pop("enabled", True):
         return None
     defaults = cls()
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(value) - known)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - set(fields))
     if unknown:
         raise ConfigError(
             f"{path}: {name} has no parameter {unknown[0]!r} (its parameters: "
-            f"{', '.join(sorted(known))})"
+            f"{', '.join(sorted(fields))})"
         )
-    given = {k: _value(f"{path}: {name}.{k}", getattr(defaults, k), v) for k, v in value.items()}
-    return dataclasses.replace(defaults, **given)
+    given = {
+        k: _value(f"{path}: {name}.{k}", fields[k], getattr(defaults, k), v)
+        for k, v in value.items()
+    }
+    try:
+        return dataclasses.replace(defaults, **given)
+    except ValueError as err:  # the stage's own range checks
+        raise ConfigError(f"{path}: {name}: {err}") from None
 
 
 def read_config(path: str | None) -> CurateConfig:

@@ -1,29 +1,40 @@
 """Documents of one input file with every field kept, and Parquet shards written back.
 
-JSONL (plain, .gz, .zst) gives its records as they are, Parquet all its columns, a text file
-one document {"text": ...}. A record that is not a JSON object, or lacks the text field, is
-an InputError naming the file and line.
+JSONL (plain, .gz, .zst) gives its records as they are, Parquet all its columns (and its
+schema, which the shards written from it keep), a text file one document {"text": ...}. A
+record that is not a JSON object, or whose text field is missing or not a string, is an
+InputError naming the file and line (or row).
+
+JSONL fields have no schema: each shard's columns take the Arrow type of their values, and a
+field whose values have none in common (a number in one record, a string in another; an
+empty object) is kept as JSON text.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 
 from engine.data.readers import PARQUET_SUFFIXES, TEXT_SUFFIXES, iter_records
 from engine.errors import InputError
 
+FIX = "name the text field with text_key in --config"
 
-def read_documents(path: str, text_key: str) -> list[dict]:
+
+def read_documents(path: str, text_key: str, fix: str = FIX):
+    """(rows, the Arrow schema of a Parquet file or None)."""
     if path.lower().endswith(PARQUET_SUFFIXES):
-        return _parquet_rows(path, text_key)
+        return _parquet_rows(path, text_key, fix)
     if path.lower().endswith(TEXT_SUFFIXES):
         with open(path, "rb") as f:
             data = f.read()
         try:
-            return [{text_key: data.decode("utf-8")}]
+            return [{text_key: data.decode("utf-8")}], None
         except UnicodeDecodeError as err:
-            raise InputError(f"{path}: bytes that are not UTF-8 at byte {err.start}") from None
+            raise InputError(
+                f"{path}: bytes that are not UTF-8 at byte {err.start}; fix its encoding"
+            ) from None
     rows = []
     for record in iter_records([path], [text_key]):
         try:
@@ -31,55 +42,86 @@ def read_documents(path: str, text_key: str) -> list[dict]:
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise InputError(f"{record.where}: not a JSON object ({err}); fix or drop it") from None
         if not isinstance(row, dict) or not isinstance(row.get(text_key), str):
-            raise InputError(
-                f"{record.where}: no string field {text_key!r}; name the text field with "
-                "text_key in --config"
-            )
+            raise InputError(f"{record.where}: no string field {text_key!r}; {fix}")
         rows.append(row)
-    return rows
+    return rows, None
 
 
-def _parquet_rows(path: str, text_key: str) -> list[dict]:
+def _parquet_rows(path: str, text_key: str, fix: str):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as err:
-        raise InputError(f"{path}: not a Parquet file, or damaged ({err})") from None
+        raise InputError(f"{path}: not a Parquet file, or damaged ({err}); re-create it") from None
     if text_key not in table.column_names:
         raise InputError(
-            f"{path}: no column {text_key!r} (columns: {', '.join(table.column_names)}); name "
-            "the text field with text_key in --config"
+            f"{path}: no column {text_key!r} (columns: {', '.join(table.column_names)}); {fix}"
         )
-    return table.to_pylist()
+    rows = table.to_pylist()
+    for number, row in enumerate(rows, start=1):
+        if not isinstance(row[text_key], str):
+            raise InputError(f"{path}:row {number}: {text_key!r} is not a string; {fix}")
+    return rows, table.schema
 
 
-def write_parquet(path: str, rows: list[dict], extra: dict[str, list] | None = None) -> None:
-    """rows (any fields; a field missing from a row is null) plus `extra` columns, written
-    to a temporary file then renamed, so that `path` is whole or absent."""
+def _writable(array) -> bool:
+    """Whether Parquet can store the column (it cannot, e.g., a struct with no fields)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    names: dict[str, None] = {}
-    for row in rows:
-        names.update(dict.fromkeys(row))
-    columns = {}
-    for name in names:
-        values = [row.get(name) for row in rows]
-        try:
-            columns[name] = pa.array(values)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):  # mixed types: kept as JSON text
-            columns[name] = pa.array([None if v is None else json.dumps(v) for v in values])
+    try:
+        pq.write_table(pa.table({"c": array}), io.BytesIO())
+    except (pa.ArrowException, OverflowError):
+        return False
+    return True
+
+
+def _column(values: list):
+    import pyarrow as pa
+
+    try:
+        array = pa.array(values)
+        if _writable(array):
+            return array
+    except (pa.ArrowException, OverflowError):
+        pass
+    return pa.array([None if v is None else json.dumps(v) for v in values], pa.string())
+
+
+def write_parquet(
+    path: str,
+    rows: list[dict],
+    text_key: str,
+    extra: dict[str, list] | None = None,
+    schema=None,
+) -> None:
+    """rows (a field missing from a row is null) plus `extra` string columns, in `schema`
+    when given (the input's), written to a temporary file then renamed, so that `path` is
+    whole or absent."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if schema is not None:
+        table = pa.Table.from_pylist(rows, schema=schema)
+    else:
+        names: dict[str, None] = {text_key: None}
+        for row in rows:
+            names.update(dict.fromkeys(row))
+        table = pa.table({name: _column([row.get(name) for row in rows]) for name in names})
+        if not rows:
+            table = pa.table({text_key: pa.array([], pa.string())})
     for name, values in (extra or {}).items():
-        columns[name] = pa.array(values, type=pa.string())
-    table = pa.table(columns) if columns else pa.table({"text": pa.array([], pa.string())})
+        table = table.append_column(name, pa.array(values, pa.string()))
     tmp = f"{path}.tmp"
     pq.write_table(table, tmp)
     os.replace(tmp, path)
 
 
-def read_parquet_rows(path: str) -> list[dict]:
+def read_parquet_rows(path: str):
+    """(rows, schema) of a shard written by write_parquet."""
     import pyarrow.parquet as pq
 
-    return pq.read_table(path).to_pylist()
+    table = pq.read_table(path)
+    return table.to_pylist(), table.schema

@@ -11,6 +11,10 @@ class Language:
     languages: tuple[str, ...] = ("en",)  # ISO 639-1 codes kept
     min_score: float = 0.65  # the identified language's probability (FineWeb's threshold)
 
+    def __post_init__(self):
+        if not 0.0 <= self.min_score <= 1.0:
+            raise ValueError(f"min_score {self.min_score} is not between 0 and 1")
+
 
 class LanguageIdentifier:
     """`identify(text)` -> (language code, probability)."""

@@ -40,6 +40,14 @@ class MinHashConfig:
     seed: int = 42
     verify: bool = True  # join candidates only when their signatures agree enough
 
+    def __post_init__(self):
+        if not 0.0 < self.threshold < 1.0:
+            raise ValueError(f"threshold {self.threshold} is not between 0 and 1")
+        if self.num_perm < 2 or self.ngram < 1:
+            raise ValueError("num_perm must be at least 2 and ngram at least 1")
+        if self.unit not in ("word", "char"):
+            raise ValueError(f"unit {self.unit!r} is not 'word' or 'char'")
+
     def bands_rows(self) -> tuple[int, int]:
         return optimal_bands_rows(self.threshold, self.num_perm)
 

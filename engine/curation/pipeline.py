@@ -5,17 +5,19 @@ deduplication, then PII and the output shards.
        quality, C4, FineWeb, decontamination; the first rule a document fails removes it.
        The survivors, their hashes (document and lines) and MinHash signatures go to
        <output>/work/shard-NNNNN/, written whole or not at all;
-    2. corpus-wide, in this process: exact duplicates of documents (the first is kept), lines
-       seen before in the corpus, then near duplicates by MinHash + LSH (the first of each
-       cluster is kept). Signatures are gathered into one file on disk and indexed band by
-       band (engine/curation/minhash.py);
+    2. corpus-wide, in this process: exact duplicates of documents (the first is kept), near
+       duplicates by MinHash + LSH (the first of each cluster is kept), then lines seen
+       before in the documents that stay (so that a line's kept copy is never in a removed
+       document). Signatures are gathered into one file on disk and indexed band by band
+       (engine/curation/minhash.py);
     3. per shard, in workers: the kept documents with their duplicate lines dropped and PII
        replaced go to <output>/kept/shard-NNNNN.parquet, the removed ones with `curate_reason`
        to <output>/removed/shard-NNNNN.parquet.
 
 A run killed at any point is resumed by running the same command again: finished shards of
 steps 1 and 3 are kept, step 2 is recomputed from what step 1 wrote. Memory holds one input
-file at a time per worker, and 8 bytes per document and per line for the deduplication.
+file at a time per worker, and for the deduplication a few tens of bytes per document and per
+line (hashes, sort orders; one band of the signatures at a time).
 """
 
 from __future__ import annotations
@@ -64,12 +66,15 @@ class DocumentRules:
     """Step 1's stages for one worker (the language model and evaluation n-grams loaded once
     per shard)."""
 
-    def __init__(self, config: CurateConfig):
+    def __init__(self, config: CurateConfig, work: str):
         self.config = config
         self.language = config.stage("language")
         self.identifier = LanguageIdentifier() if self.language else None
         contamination = config.stage("decontamination")
-        self.contamination = ContaminationIndex(contamination) if contamination else None
+        self.contamination = None
+        if contamination is not None:  # built once by curate()
+            path = os.path.join(work, "contamination.npy")
+            self.contamination = ContaminationIndex.load(path, contamination.ngram)
 
     def apply(self, text: str) -> tuple[str | None, str]:
         """(reason or None, the text kept)."""
@@ -103,20 +108,23 @@ def first_pass(k: int, path: str, config: CurateConfig, work: str) -> None:
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    rules, key = DocumentRules(config), config.text_key
+    rules, key = DocumentRules(config, work), config.text_key
     stats = ShardStats()
     kept, removed, reasons = [], [], []
-    for row in read_documents(path, key):
+    rows, schema = read_documents(path, key)
+    for row in rows:
         stats.before(row[key])
-        reason, text = rules.apply(row[key])
+        # line endings as \n: the line rules split on it (FineWeb's would fail on \r\n)
+        reason, text = rules.apply(row[key].replace("\r\n", "\n").replace("\r", "\n"))
         if reason:
             removed.append(row)
             reasons.append(reason)
             stats.removed(reason)
         else:
             kept.append({**row, key: text})
-    write_parquet(os.path.join(tmp, "survivors.parquet"), kept)
-    write_parquet(os.path.join(tmp, "removed.parquet"), removed, {"curate_reason": reasons})
+    write_parquet(os.path.join(tmp, "survivors.parquet"), kept, key, schema=schema)
+    extra = {"curate_reason": reasons}
+    write_parquet(os.path.join(tmp, "removed.parquet"), removed, key, extra, schema)
     texts = [row[key] for row in kept]
     np.savez(os.path.join(tmp, "hashes.npz"), **_hashes(texts, config.stage("exact_dedup")))
     if config.stage("minhash"):
@@ -158,6 +166,9 @@ def dedup_pass(shards: int, config: CurateConfig, work: str) -> None:
         repeat = np.ones(len(documents), bool)
         repeat[first] = False
         code[repeat] = 1
+    if config.stage("minhash") and len(code):
+        code = _near_duplicates(code, counts, config, work)
+    # lines last: a line's first copy must be in a document that stays
     line_hash = np.concatenate([h["line"] for h in loaded] or [np.empty(0, np.uint64)])
     per_doc = np.concatenate([h["lines_per_document"] for h in loaded] or [np.empty(0, np.int64)])
     blank = np.concatenate([h["blank"] for h in loaded] or [np.empty(0, bool)])
@@ -172,8 +183,6 @@ def dedup_pass(shards: int, config: CurateConfig, work: str) -> None:
         left = np.bincount(owner[alive & ~drop], minlength=len(code))
         has_lines = np.bincount(owner[alive], minlength=len(code)) > 0
         code[(code == 0) & has_lines & (left == 0)] = 2
-    if config.stage("minhash") and len(code):
-        code = _near_duplicates(code, counts, config, work)
     starts = np.cumsum([0, *counts])
     line_starts = np.cumsum([0, *[len(h["line"]) for h in loaded]])
     for k in range(shards):
@@ -216,8 +225,8 @@ def _near_duplicates(code: np.ndarray, counts: list[int], config: CurateConfig, 
     return code
 
 
-def final_pass(k: int, config: CurateConfig, work: str, output: str) -> None:
-    """Step 3 for shard k."""
+def final_pass(k: int, path: str, config: CurateConfig, work: str, output: str) -> None:
+    """Step 3 for shard k (input file `path`)."""
     kept_path = os.path.join(output, "kept", f"{shard_name(k)}.parquet")
     removed_path = os.path.join(output, "removed", f"{shard_name(k)}.parquet")
     stats_path = os.path.join(work, f"final-{k:05d}.json")
@@ -225,19 +234,20 @@ def final_pass(k: int, config: CurateConfig, work: str, output: str) -> None:
         return
     key, pii = config.text_key, config.stage("pii")
     shard = os.path.join(work, shard_name(k))
-    survivors = read_parquet_rows(os.path.join(shard, "survivors.parquet"))
-    removed = read_parquet_rows(os.path.join(shard, "removed.parquet"))
+    survivors, schema = read_parquet_rows(os.path.join(shard, "survivors.parquet"))
+    removed = read_parquet_rows(os.path.join(shard, "removed.parquet"))[0]
     reasons = [row.pop("curate_reason") for row in removed]
-    decisions = np.load(os.path.join(work, f"decisions-{k:05d}.npz"))
+    with np.load(os.path.join(work, f"decisions-{k:05d}.npz")) as decisions:
+        codes, drop = decisions["code"], decisions["drop"]  # read once, not per document
     stats = ShardStats()
     exact = config.stage("exact_dedup")
     by_lines = exact is not None and exact.lines
     kept, line = [], 0
-    for row, code in zip(survivors, decisions["code"]):
+    for row, code in zip(survivors, codes):
         text = row[key]
         if by_lines:  # the lines step 2 found earlier in the corpus are dropped
             lines = text.split("\n")
-            dropped = decisions["drop"][line : line + len(lines)]
+            dropped = drop[line : line + len(lines)]
             line += len(lines)
             text = "\n".join(x for x, gone in zip(lines, dropped, strict=True) if not gone)
         if code:
@@ -250,8 +260,10 @@ def final_pass(k: int, config: CurateConfig, work: str, output: str) -> None:
             stats.pii(replaced)
         stats.after(text)
         kept.append({**row, key: text})
-    write_parquet(kept_path, kept)
-    write_parquet(removed_path, removed, {"curate_reason": reasons})
+    write_parquet(kept_path, kept, key, schema=schema)
+    parquet = path.lower().endswith(".parquet")  # its schema holds every removed row too
+    extra = {"curate_reason": reasons}
+    write_parquet(removed_path, removed, key, extra, schema if parquet else None)
     stats.save(stats_path)
     _fault_after("final", k)
 
@@ -289,9 +301,12 @@ def curate(inputs: list[str], output: str, config: CurateConfig, workers: int = 
     for sub in (work, os.path.join(output, "kept"), os.path.join(output, "removed")):
         os.makedirs(sub, exist_ok=True)
     shards = range(len(inputs))
+    contamination = config.stage("decontamination")
+    if contamination is not None:
+        ContaminationIndex.build(contamination).save(os.path.join(work, "contamination.npy"))
     _parallel(first_pass, [(k, inputs[k], config, work) for k in shards], workers)
     dedup_pass(len(inputs), config, work)
-    _parallel(final_pass, [(k, config, work, output) for k in shards], workers)
+    _parallel(final_pass, [(k, inputs[k], config, work, output) for k in shards], workers)
     return write_report(output, work, len(inputs), config)
 
 

@@ -38,7 +38,7 @@ class GopherQuality:
 
 def gopher_quality(text: str, c: GopherQuality) -> str | None:
     tokens = words(text)
-    content = content_words(text)  # the tokens that are not only punctuation
+    content = content_words(tokens)
     if c.min_words is not None and len(content) < c.min_words:
         return "gopher_quality:short_doc"
     if c.max_words is not None and len(content) > c.max_words:
