@@ -78,3 +78,16 @@ def test_the_tool(tmp_path):
     line = one_line_error(run_tool("compute_budget.py", "--parameters", "7B", "--gpu", "X1",
                                    "--gpus", "8"))  # fmt: skip
     assert "--gpu X1: no bf16 peak known; one of:" in line
+
+
+def test_bad_amounts_are_refused(tmp_path):
+    assert parse_amount("--parameters", "7b") == 7e9  # suffixes in either case
+    for flag, text in (("--flops", "1e400"), ("--parameters", "0"), ("--tokens", "many")):
+        with pytest.raises(ConfigError, match=flag):
+            parse_amount(flag, text)
+    line = one_line_error(run_tool("compute_budget.py", "--parameters", "7B", "--json",
+                                   str(tmp_path / "no" / "such" / "b.json")))  # fmt: skip
+    assert "--json" in line and "cannot write it" in line
+    line = one_line_error(run_tool("compute_budget.py", "--parameters", "7B", "--gpu", "H100",
+                                   "--gpus", "8", "--mfu", "0"))  # fmt: skip
+    assert line.startswith("error: --mfu 0.0:")

@@ -83,3 +83,16 @@ def test_model_state_bytes_after_a_step(strategy):
     for held in run_ranks(_state, 4, LLAMA, layout):
         for kind, value in predicted.items():
             assert held[kind] == pytest.approx(value, rel=0.05), (strategy, kind, held, predicted)
+
+
+def test_layouts_the_engine_refuses_are_refused():
+    from engine.errors import ConfigError
+
+    for layout, pp_rank, match in (
+        (Layout(tp=3), 0, "not divisible"),
+        (Layout(strategy="zero3"), 0, "sharding strategy 'zero3'"),
+        (Layout(pp=1, virtual=2), 0, "virtual pipeline stages need"),
+        (Layout(pp=2), 2, "outside 2 stages"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            rank_parameters(GPT2, layout, pp_rank)

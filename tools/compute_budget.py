@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from engine.cli import run_main
@@ -28,8 +29,10 @@ def _cluster(args):
         return None
     if args.gpu is None or args.gpus is None:
         raise ConfigError("a cluster needs both --gpu and --gpus")
-    if args.gpus < 1 or not 0 < args.mfu <= 1:
-        raise ConfigError(f"--gpus {args.gpus} / --mfu {args.mfu}: need >= 1 GPU and 0 < mfu <= 1")
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus}: give at least 1")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu {args.mfu}: give a share of the peak in (0, 1]")
     names = sorted({name for name, kind in PEAK_TFLOPS if kind == args.dtype})
     match = [n for n in names if n.lower() == args.gpu.lower()]
     if not match:
@@ -64,8 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         name: parse_amount(f"--{name}", getattr(args, name)) if getattr(args, name) else None
         for name in ("parameters", "tokens", "flops")
     }
-    if args.days is not None and args.days <= 0:
-        raise ConfigError(f"--days {args.days}: must be more than 0")
+    if args.days is not None and not 0 < args.days < math.inf:
+        raise ConfigError(f"--days {args.days}: must be a finite number more than 0")
+    report = None
+    if args.json:
+        try:
+            report = open(args.json, "w")  # noqa: SIM115 (closed below; opened early to fail early)
+        except OSError as err:
+            raise ConfigError(f"--json {args.json}: cannot write it ({err.strerror})") from None
     cluster = _cluster(args)
     out = solve(**amounts, cluster=cluster, days=args.days)
     print(f"parameters N       {_short(out['parameters'])}")
@@ -86,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     print("published runs (tokens/parameter):")
     for name, n, d in PUBLISHED_RUNS:
         print(f"  {name:<15} N {_short(n):>6}  D {_short(d):>6}  {d / n:>7.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    if report is not None:
+        with report:
+            json.dump(out, report, indent=1)
     return 0
 
 

@@ -73,12 +73,14 @@ _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15
 
 def parse_amount(flag: str, text: str) -> float:
     """`7B`, `1.4T`, `5.76e23`, `300M` -> a number; ConfigError naming the flag otherwise."""
-    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMBGTP]?)\s*", text)
+    found = re.fullmatch(
+        r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMBGTP]?)\s*", text, re.IGNORECASE
+    )
     if not found:
         raise ConfigError(f"{flag} {text!r}: not a number; write e.g. 7B, 1.4T or 5.76e23")
     value = float(found.group(1)) * _SUFFIX[found.group(2).upper()]
-    if value <= 0:
-        raise ConfigError(f"{flag} {text}: must be more than 0")
+    if not 0 < value < math.inf:
+        raise ConfigError(f"{flag} {text}: must be a finite number more than 0")
     return value
 
 

@@ -17,8 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import ModelConfig
+from engine.errors import ConfigError
 from engine.state_memory import formula_bytes_per_param
 from parallel.pipeline.layout import stage_layers
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,20 @@ def layer_parameters(cfg: ModelConfig, tp: int) -> int:
     return count
 
 
+def check_layout(cfg: ModelConfig, layout: Layout, pp_rank: int) -> None:
+    """ConfigError, as the engine would refuse the layout (and a stage outside it)."""
+    cfg.validate(layout.tp)
+    if layout.strategy not in STRATEGIES:
+        raise ConfigError(f"sharding strategy {layout.strategy!r} is not one of {STRATEGIES}")
+    if layout.virtual > 1 and layout.pp < 2:
+        raise ConfigError("virtual pipeline stages need pipeline-model-parallel-size >= 2")
+    if not 0 <= pp_rank < layout.pp:
+        raise ConfigError(f"pipeline stage {pp_rank} is outside {layout.pp} stages")
+
+
 def rank_parameters(cfg: ModelConfig, layout: Layout, pp_rank: int) -> int:
     """Parameters held by one (any) TP rank of pipeline stage `pp_rank`."""
+    check_layout(cfg, layout, pp_rank)
     tp, h = layout.tp, cfg.hidden_size
     chunks = stage_layers(
         cfg.num_layers,
