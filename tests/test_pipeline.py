@@ -10,6 +10,7 @@ import torch
 
 from engine.errors import ConfigError
 from parallel.pipeline.layout import stage_layers
+from parallel.pipeline.schedules import peak_in_flight
 from parallel.state import ParallelState
 from tests.distributed import rel_err, run_ranks
 from tests.harness import (
@@ -89,6 +90,9 @@ def test_schedules_match_unpipelined_model(pp):
             # Sent outputs are freed: one element each is left (a held [s, b, h] output would
             # be 16 x 2 x 32 x 4 bytes); the last stage holds its scalar losses.
             assert r["output_bytes"] <= r["peak"] * 4, r
+            # the planner's count (parallel/pipeline/schedules.py:peak_in_flight) is what ran
+            schedule, v = ("interleaved", 2) if kind.startswith("interleaved") else (kind, 1)
+            assert r["peak"] == peak_in_flight(schedule, pp, r["rank"], m, v), r
             if kind == "gpipe":
                 assert r["peak"] == m, r
             elif kind == "1f1b":

@@ -79,6 +79,25 @@ def forward_backward_no_pipelining(
 # --- pipelined schedules -------------------------------------------------------------------
 
 
+def warmup_forwards(kind: str, p: int, rank: int, m: int, v: int = 1) -> int:
+    """Forwards (of chunk-micro-batches) stage `rank` runs before its first backward."""
+    if kind == "gpipe":
+        return m
+    if kind == "1f1b":
+        return min(p - rank - 1, m)
+    total = m * v
+    if m == p:
+        return total  # all forwards, then all backwards
+    return min((p - rank - 1) * 2 + (v - 1) * p, total)
+
+
+def peak_in_flight(kind: str, p: int, rank: int, m: int, v: int = 1) -> int:
+    """The most chunk-micro-batches whose activations stage `rank` holds at once (forward
+    done, backward not yet): the warm-up forwards and the steady state's one more."""
+    warmup, total = warmup_forwards(kind, p, rank, m, v), m * v
+    return total if warmup >= total else warmup + 1
+
+
 class _Stage:
     """One rank's bookkeeping: running chunks forward and backward. `stats` (optional) gets
     'peak_held', the most micro-batches whose activations were held at once (forward done,
@@ -181,7 +200,7 @@ def forward_backward_1f1b(
     stage = _Stage(chunks, batches, forward_step, loss_func, forward_only, stats, times)
     state, m = p2p.state, len(batches)
     first, last = state.is_first_stage, state.is_last_stage
-    warmup = min(state.pp_size - state.pp_rank - 1, m)
+    warmup = warmup_forwards("1f1b", state.pp_size, state.pp_rank, m)
     steady = m - warmup
     saved = []
     for k in range(warmup):
@@ -333,10 +352,7 @@ def forward_backward_interleaved(
         )
         return None if first_virtual(c) else grad
 
-    if forward_only or m == p:
-        warmup = total  # all forwards, then all backwards
-    else:
-        warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    warmup = total if forward_only else warmup_forwards("interleaved", p, rank, m, v)
     steady = total - warmup
 
     if first:
