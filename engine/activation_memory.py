@@ -60,14 +60,21 @@ def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = Fal
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:
     """The same count for this engine's bf16 GPT-2 style layer with flash attention on CPU
-    (module docstring): 36 instead of 34, 4a/h instead of 5as/h, plus the norm statistics."""
-    sbh = s * b * h
-    lse = 4 * a / (h * t)
-    norm_stats = 8 * s * b / (t if sp else 1)
-    if sp:
-        return sbh * (36 / t + lse) + norm_stats
-    # Without SP the norms' inputs (4), the QKV and MLP inputs (4) and the masks (4) are whole.
-    return sbh * (12 + 24 / t + lse) + norm_stats
+    (module docstring): 36 instead of 34, 4a/h instead of 5as/h, plus the norm statistics.
+    Counted by engine/planning/activations.py, which covers the other layer styles too."""
+    from engine.planning.activations import layer_activation_bytes as count
+
+    cfg = ModelConfig(
+        num_layers=1,
+        hidden_size=h,
+        num_attention_heads=a,
+        seq_length=s,
+        max_position_embeddings=s,
+        vocab_size=1,
+        hidden_dropout=0.1,
+        attention_dropout=0.0,
+    )
+    return float(count(cfg, t, sp, micro_batch_size=b))
 
 
 def measure_layer(cfg: ModelConfig, tp_group, tp_size: int, sp: bool, micro_batch_size: int) -> int:
@@ -85,7 +92,13 @@ def measure_layer(cfg: ModelConfig, tp_group, tp_size: int, sp: bool, micro_batc
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(s, micro_batch_size, cfg.hidden_size, generator=generator)
     x = x.to(torch.bfloat16).requires_grad_()
-    return saved_activation_bytes(lambda: layer(x), layer.parameters())[1]
+    rotary = None
+    if cfg.uses_rope:  # the whole sequence's positions, as the model passes them
+        from engine.model.rope import RotaryEmbedding
+
+        positions = ctx.token_positions(cfg.seq_length, "cpu")
+        rotary = RotaryEmbedding.for_config(cfg)(positions, cfg.seq_length)
+    return saved_activation_bytes(lambda: layer(x, rotary), layer.parameters())[1]
 
 
 def measure_layer_context_parallel(

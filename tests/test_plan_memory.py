@@ -96,3 +96,45 @@ def test_layouts_the_engine_refuses_are_refused():
     ):
         with pytest.raises(ConfigError, match=match):
             rank_parameters(GPT2, layout, pp_rank)
+
+
+STYLES = {
+    "gpt2": dict(hidden_dropout=0.1),  # LayerNorm, GELU, biases, learned positions, dropout
+    "llama": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                  add_bias_linear=False, hidden_dropout=0.0),
+    "llama-gqa-qknorm": dict(position_embedding_type="rope", normalization="RMSNorm",
+                             swiglu=True, add_bias_linear=False, hidden_dropout=0.0,
+                             group_query_attention=True, num_query_groups=4,
+                             qk_layernorm=True),
+}  # fmt: skip
+TP_LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]
+
+
+def _style(name: str) -> ModelConfig:
+    return ModelConfig(
+        num_layers=1, hidden_size=256, num_attention_heads=8, seq_length=128,
+        max_position_embeddings=128, vocab_size=1024, attention_dropout=0.0, **STYLES[name],
+    )  # fmt: skip
+
+
+def _layer_bytes(rank, world, sequence_parallel):
+    from engine.activation_memory import measure_layer
+    from parallel.state import ParallelState
+
+    state = ParallelState.build(tp=world)
+    return {
+        name: measure_layer(_style(name), state.tp_group, world, sequence_parallel, 2)
+        for name in STYLES
+    }
+
+
+def test_layer_activations_predicted_for_each_style_and_tp_layout():
+    """15 layouts: 3 layer styles x (TP 1, 2 and 4, with and without SP); the issue asks 10%,
+    the model counts tensor by tensor and is held to 1% (measured: equal on every rank)."""
+    from engine.planning.activations import layer_activation_bytes
+
+    for tp, sp in TP_LAYOUTS:
+        for measured in run_ranks(_layer_bytes, tp, sp):
+            for name, value in measured.items():
+                predicted = layer_activation_bytes(_style(name), tp, sp, micro_batch_size=2)
+                assert value == pytest.approx(predicted, rel=0.01), (name, tp, sp)  # (equal here)

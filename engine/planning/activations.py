@@ -1,0 +1,73 @@
+"""Activation memory of one transformer layer for one micro-batch, predicted tensor by tensor
+from what the engine's layer saves for backward (engine/model/, the PyTorch op set of
+engine/ops/torch_ops.py), with 16-bit activations and attention through torch's
+scaled_dot_product_attention without attention dropout.
+
+Terms, for T tokens per micro-batch (s x b), t the TP size, T_r = T / t between TP blocks
+with sequence parallelism (T otherwise), a = 2 bytes per activation, d the head size, n and g
+the query heads and key/value groups, f the MLP size:
+
+- each norm: LayerNorm keeps its input and its mean and 1/std in the activation dtype,
+  a T_r (h + 2); RMSNorm (computed in fp32) keeps the fp32 input and 1/rms and the 16-bit
+  normalised input for the weight's gradient, (4 + a) T_r h + 4 T_r;
+- the QKV and first MLP linears keep their input, a T_r h (under SP the shard, not the
+  gathered tensor);
+- the fused QKV output, whose views attention keeps, a T (n + 2g) d / t; RoPE makes new query
+  and key tensors, a T (n + g) d / t, and keeps its cos and sin, 2 x 4 s d; query/key norms
+  (RMSNorm per head) keep (4 + a) per element plus 4 per row of each;
+- attention keeps its output, a T n d / t, and its fp32 log-sum-exp, 4 T n / t;
+- each hidden dropout keeps its mask, `mask_bytes` T_r h (2 on CPU, where torch's dropout keeps
+  it in the activation dtype; 1 on CUDA);
+- the MLP: GELU keeps its input and output, 2 a T f / t; SwiGLU keeps the fused first
+  projection, a T 2f / t, the SiLU of the gate and the product, 2 a T f / t.
+
+The output projection's input is the attention output, already counted. Not modelled yet
+(the planner refuses them): recomputation, context parallelism, attention dropout, fp32
+activations, and the fused CUDA kernels (which keep less).
+"""
+
+from __future__ import annotations
+
+from engine.config import ModelConfig
+from engine.errors import ConfigError
+
+ACTIVATION_BYTES = 2  # bf16 / fp16
+
+
+def _norm_bytes(cfg: ModelConfig, rows: int, width: int) -> int:
+    a = ACTIVATION_BYTES
+    if cfg.normalization == "LayerNorm":
+        return a * rows * (width + 2)
+    return (4 + a) * rows * width + 4 * rows
+
+
+def layer_activation_bytes(
+    cfg: ModelConfig,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    micro_batch_size: int = 1,
+    mask_bytes: int = 2,
+) -> int:
+    """Bytes one layer keeps for backward on one TP rank for one micro-batch of
+    cfg.seq_length tokens per sample (module docstring)."""
+    if cfg.attention_dropout:
+        raise ConfigError("the activation model assumes --attention-dropout 0")
+    if cfg.recompute_granularity:
+        raise ConfigError("the activation model does not cover recomputation yet")
+    a, s, h = ACTIVATION_BYTES, cfg.seq_length, cfg.hidden_size
+    n, g, d, f = cfg.num_attention_heads // tp, cfg.query_groups // tp, cfg.head_dim, cfg.ffn_size
+    f //= tp
+    tokens = s * micro_batch_size
+    between = tokens // tp if sequence_parallel and tp > 1 else tokens
+    total = 2 * _norm_bytes(cfg, between, h)  # input and pre-MLP norms
+    total += 2 * a * between * h  # the inputs kept by the QKV and first MLP linears
+    total += a * tokens * (n + 2 * g) * d  # the fused QKV output
+    if cfg.qk_layernorm:
+        total += _norm_bytes(cfg, tokens * n, d) + _norm_bytes(cfg, tokens * g, d)
+    if cfg.position_embedding_type == "rope":
+        total += a * tokens * (n + g) * d + 2 * 4 * s * d
+    total += a * tokens * n * d + 4 * tokens * n  # attention output, log-sum-exp
+    if cfg.hidden_dropout:
+        total += 2 * mask_bytes * between * h
+    total += a * tokens * f * (4 if cfg.swiglu else 2)
+    return total
