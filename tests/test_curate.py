@@ -237,13 +237,19 @@ def _rows(path):
     return pq.read_table(path).to_pylist()
 
 
+def _shard_rows(folder, k):
+    """The rows of every part of shard k, in order."""
+    names = sorted(n for n in os.listdir(folder) if n.startswith(f"shard-{k:05d}-"))
+    return [row for name in names for row in _rows(folder / name)]
+
+
 def test_curate_end_to_end_then_preprocess(tmp_path, tokenizer_model):
     _write_inputs(tmp_path / "raw")
     out = tmp_path / "curated"
     result = run_tool("curate.py", "--input", str(tmp_path / "raw"), "--output", str(out))
     assert result.returncode == 0, result.stderr
-    kept = [r for k in range(3) for r in _rows(out / "kept" / f"shard-{k:05d}.parquet")]
-    removed = [r for k in range(3) for r in _rows(out / "removed" / f"shard-{k:05d}.parquet")]
+    kept = [r for k in range(3) for r in _shard_rows(out / "kept", k)]
+    removed = [r for k in range(3) for r in _shard_rows(out / "removed", k)]
     reasons = {r.get("url") or r["text"][:10]: r["curate_reason"] for r in removed}
     assert reasons["dup"] == "exact_dedup:document"
     assert reasons["fr"] == "language:other"
@@ -429,8 +435,8 @@ def test_a_line_is_kept_where_its_first_copy_was_a_removed_near_duplicate(tmp_pa
     raw.write_text("".join(json.dumps({"text": t}) + "\n" for t in (original, near, other)))
     out = tmp_path / "out"
     assert run_tool("curate.py", "--input", str(raw), "--output", str(out)).returncode == 0
-    kept = _rows(out / "kept" / "shard-00000.parquet")
-    removed = _rows(out / "removed" / "shard-00000.parquet")
+    kept = _shard_rows(out / "kept", 0)
+    removed = _shard_rows(out / "removed", 0)
     assert [r["curate_reason"] for r in removed] == ["minhash:near_duplicate"]
     assert [r["text"] for r in kept] == [original, other]  # the shared line stays in `other`
 
@@ -450,10 +456,10 @@ def test_fields_keep_their_types(tmp_path):
     out = tmp_path / "out"
     result = run_tool("curate.py", "--input", str(raw), "--output", str(out))
     assert result.returncode == 0, result.stderr
-    kept = pq.read_table(out / "kept" / "shard-00000.parquet")
+    kept = pq.read_table(out / "kept" / "shard-00000-00000.parquet")
     assert kept.schema == schema  # a Parquet input's schema, map and uint64 included
     assert kept.column("id").to_pylist() == [2**64 - 1, 7]
-    jsonl = pq.read_table(out / "kept" / "shard-00001.parquet").to_pylist()
+    jsonl = _shard_rows(out / "kept", 1)
     assert [r["mixed"] for r in jsonl] == ["1", '"x"']  # no common type: JSON text
     assert jsonl[0]["empty"] == "{}"
 
@@ -465,3 +471,28 @@ def test_a_null_text_in_parquet_is_refused(tmp_path):
         run_tool("curate.py", "--input", str(path), "--output", str(tmp_path / "o"))
     )
     assert f"{path}:row 2: 'text' is not a string" in line
+
+
+def test_a_shard_read_in_parts_gives_the_same_documents(tmp_path):
+    """documents_per_part bounds what a worker holds: a shard of many parts curates to the
+    same documents, in the same order, as one part."""
+    raw = tmp_path / "raw.jsonl"
+    texts = [prose(6, i) for i in range(9)] + [
+        prose(6, 0),
+        CONTACT,
+        CONTACT.replace("The", "One", 1),
+    ]
+    raw.write_text("".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(texts)))
+    outputs = {}
+    for per_part in (2, 100):
+        config = tmp_path / f"c{per_part}.yaml"
+        config.write_text(f"documents_per_part: {per_part}\n")
+        out = tmp_path / f"out{per_part}"
+        result = run_tool("curate.py", "--input", str(raw), "--output", str(out), "--config",
+                          str(config))  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        outputs[per_part] = (_shard_rows(out / "kept", 0), _shard_rows(out / "removed", 0))
+    assert len(os.listdir(tmp_path / "out2" / "kept")) == 6  # 12 documents, 2 a part
+    assert outputs[2] == outputs[100]
+    reasons = sorted(r["curate_reason"] for r in outputs[2][1])
+    assert reasons == ["exact_dedup:document", "minhash:near_duplicate"]

@@ -5,6 +5,7 @@ differs. A stage is turned off with `false` (or `enabled: false`) and on with `t
 mapping of its parameters:
 
     text_key: text               # the field holding the document's text
+    documents_per_part: 10000    # documents a worker holds at once (one output file each)
     language: {languages: [en, fr], min_score: 0.5}
     c4: {terminal_punctuation: false}     # FineWeb's choice
     decontamination: {files: [eval/hellaswag.jsonl], keys: [ctx]}
@@ -50,6 +51,7 @@ STAGES = {
 @dataclass(frozen=True)
 class CurateConfig:
     text_key: str = "text"
+    documents_per_part: int = 10_000
     stages: dict = field(
         default_factory=lambda: {n: cls() for n, (cls, on) in STAGES.items() if on}
     )
@@ -61,6 +63,7 @@ class CurateConfig:
     def record(self) -> dict:
         return {
             "text_key": self.text_key,
+            "documents_per_part": self.documents_per_part,
             "stages": {n: dataclasses.asdict(p) for n, p in self.stages.items()},
         }
 
@@ -148,11 +151,15 @@ def read_config(path: str | None) -> CurateConfig:
     raw = raw or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: not a mapping of stage names to parameters")
-    unknown = sorted(set(raw) - set(STAGES) - {"text_key"})
+    unknown = sorted(set(raw) - set(STAGES) - {"text_key", "documents_per_part"})
     if unknown:
         raise ConfigError(
-            f"--config {path}: no stage {unknown[0]!r} (stages: {', '.join(STAGES)}; and text_key)"
+            f"--config {path}: no stage {unknown[0]!r} (stages: {', '.join(STAGES)}; and "
+            "text_key, documents_per_part)"
         )
+    per_part = raw.get("documents_per_part", CurateConfig.documents_per_part)
+    if not isinstance(per_part, int) or isinstance(per_part, bool) or per_part < 1:
+        raise ConfigError(f"--config {path}: documents_per_part {per_part!r} is not a count >= 1")
     text_key = raw.get("text_key", "text")
     if not isinstance(text_key, str):
         raise ConfigError(f"--config {path}: text_key {text_key!r} is not a field name")
@@ -162,4 +169,4 @@ def read_config(path: str | None) -> CurateConfig:
         params = _stage(f"--config {path}", name, given) if name in raw else (cls() if on else None)
         if params is not None:
             stages[name] = params
-    return CurateConfig(text_key, stages)
+    return CurateConfig(text_key, per_part, stages)

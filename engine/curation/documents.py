@@ -23,18 +23,30 @@ FIX = "name the text field with text_key in --config"
 
 
 def read_documents(path: str, text_key: str, fix: str = FIX):
-    """(rows, the Arrow schema of a Parquet file or None)."""
+    """(rows, the Arrow schema of a Parquet file or None): the whole file."""
+    rows, schema = [], None
+    for part, part_schema in iter_documents(path, text_key, 1 << 62, fix):
+        rows.extend(part)
+        schema = part_schema
+    return rows, schema
+
+
+def iter_documents(path: str, text_key: str, per_part: int, fix: str = FIX):
+    """(rows, schema or None) for each run of `per_part` documents of the file, read as it
+    goes: memory holds one part, not the file."""
     if path.lower().endswith(PARQUET_SUFFIXES):
-        return _parquet_rows(path, text_key, fix)
+        yield from _parquet_parts(path, text_key, per_part, fix)
+        return
     if path.lower().endswith(TEXT_SUFFIXES):
         with open(path, "rb") as f:
             data = f.read()
         try:
-            return [{text_key: data.decode("utf-8")}], None
+            yield [{text_key: data.decode("utf-8")}], None
         except UnicodeDecodeError as err:
             raise InputError(
                 f"{path}: bytes that are not UTF-8 at byte {err.start}; fix its encoding"
             ) from None
+        return
     rows = []
     for record in iter_records([path], [text_key]):
         try:
@@ -44,26 +56,41 @@ def read_documents(path: str, text_key: str, fix: str = FIX):
         if not isinstance(row, dict) or not isinstance(row.get(text_key), str):
             raise InputError(f"{record.where}: no string field {text_key!r}; {fix}")
         rows.append(row)
-    return rows, None
+        if len(rows) == per_part:
+            yield rows, None
+            rows = []
+    if rows:
+        yield rows, None
 
 
-def _parquet_rows(path: str, text_key: str, fix: str):
+def _parquet_parts(path: str, text_key: str, per_part: int, fix: str):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        parquet = pq.ParquetFile(path)
+        schema = parquet.schema_arrow
     except (pa.ArrowException, OSError) as err:
         raise InputError(f"{path}: not a Parquet file, or damaged ({err}); re-create it") from None
-    if text_key not in table.column_names:
+    if text_key not in schema.names:
         raise InputError(
-            f"{path}: no column {text_key!r} (columns: {', '.join(table.column_names)}); {fix}"
+            f"{path}: no column {text_key!r} (columns: {', '.join(schema.names)}); {fix}"
         )
-    rows = table.to_pylist()
-    for number, row in enumerate(rows, start=1):
-        if not isinstance(row[text_key], str):
-            raise InputError(f"{path}:row {number}: {text_key!r} is not a string; {fix}")
-    return rows, table.schema
+    number = 0
+    batches = parquet.iter_batches(batch_size=min(per_part, 1 << 20))
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as err:
+            raise InputError(f"{path}: damaged after row {number} ({err}); re-create it") from None
+        if batch is None:
+            return
+        rows = pa.Table.from_batches([batch], schema).to_pylist()
+        for row in rows:
+            number += 1
+            if not isinstance(row[text_key], str):
+                raise InputError(f"{path}:row {number}: {text_key!r} is not a string; {fix}")
+        yield rows, schema
 
 
 def _writable(array) -> bool:

@@ -1,23 +1,25 @@
 """The curation run: per-document stages on every input file in parallel, corpus-wide
 deduplication, then PII and the output shards.
 
-    1. per input file (a shard), in worker processes: language ID, Gopher repetition and
-       quality, C4, FineWeb, decontamination; the first rule a document fails removes it.
-       The survivors, their hashes (document and lines) and MinHash signatures go to
-       <output>/work/shard-NNNNN/, written whole or not at all;
+    1. per input file (a shard), in worker processes, read in parts of `documents_per_part`
+       documents: language ID, Gopher repetition and quality, C4, FineWeb, decontamination;
+       the first rule a document fails removes it. Each part's survivors, their hashes
+       (document and lines) and MinHash signatures go to
+       <output>/work/shard-NNNNN/part-PPPPP/; the shard's folder is written whole or not at
+       all;
     2. corpus-wide, in this process: exact duplicates of documents (the first is kept), near
        duplicates by MinHash + LSH (the first of each cluster is kept), then lines seen
        before in the documents that stay (so that a line's kept copy is never in a removed
        document). Signatures are gathered into one file on disk and indexed band by band
        (engine/curation/minhash.py);
     3. per shard, in workers: the kept documents with their duplicate lines dropped and PII
-       replaced go to <output>/kept/shard-NNNNN.parquet, the removed ones with `curate_reason`
-       to <output>/removed/shard-NNNNN.parquet.
+       replaced go to <output>/kept/shard-NNNNN-PPPPP.parquet (one file per part), the
+       removed ones with `curate_reason` to <output>/removed/shard-NNNNN-PPPPP.parquet.
 
 A run killed at any point is resumed by running the same command again: finished shards of
-steps 1 and 3 are kept, step 2 is recomputed from what step 1 wrote. Memory holds one input
-file at a time per worker, and for the deduplication a few tens of bytes per document and per
-line (hashes, sort orders; one band of the signatures at a time).
+steps 1 and 3 are kept, step 2 is recomputed from what step 1 wrote. Memory holds one part
+of an input file at a time per worker, and for the deduplication a few tens of bytes per
+document and per line (hashes, sort orders; one band of the signatures at a time).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import xxhash
 from engine.curation import minhash
 from engine.curation.config import CurateConfig
 from engine.curation.decontamination import ContaminationIndex
-from engine.curation.documents import read_documents, read_parquet_rows, write_parquet
+from engine.curation.documents import iter_documents, read_parquet_rows, write_parquet
 from engine.curation.langid import LanguageIdentifier, language_reason
 from engine.curation.pii import replace_pii
 from engine.curation.quality import c4, fineweb, gopher_quality, gopher_repetition
@@ -56,6 +58,12 @@ def _fault_after(step: str, k: int) -> None:
 
 def shard_name(k: int) -> str:
     return f"shard-{k:05d}"
+
+
+def shard_parts(work: str, k: int) -> list[str]:
+    """The part folders step 1 wrote for shard k, in order."""
+    folder = os.path.join(work, shard_name(k))
+    return [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.startswith("part-")]
 
 
 def _line_hash(line: str) -> int:
@@ -101,7 +109,7 @@ class DocumentRules:
 
 
 def first_pass(k: int, path: str, config: CurateConfig, work: str) -> None:
-    """Step 1 for shard k (input file `path`)."""
+    """Step 1 for shard k (input file `path`), part by part."""
     final = os.path.join(work, shard_name(k))
     if os.path.exists(final):
         return
@@ -110,25 +118,30 @@ def first_pass(k: int, path: str, config: CurateConfig, work: str) -> None:
     os.makedirs(tmp)
     rules, key = DocumentRules(config, work), config.text_key
     stats = ShardStats()
-    kept, removed, reasons = [], [], []
-    rows, schema = read_documents(path, key)
-    for row in rows:
-        stats.before(row[key])
-        # line endings as \n: the line rules split on it (FineWeb's would fail on \r\n)
-        reason, text = rules.apply(row[key].replace("\r\n", "\n").replace("\r", "\n"))
-        if reason:
-            removed.append(row)
-            reasons.append(reason)
-            stats.removed(reason)
-        else:
-            kept.append({**row, key: text})
-    write_parquet(os.path.join(tmp, "survivors.parquet"), kept, key, schema=schema)
-    extra = {"curate_reason": reasons}
-    write_parquet(os.path.join(tmp, "removed.parquet"), removed, key, extra, schema)
-    texts = [row[key] for row in kept]
-    np.savez(os.path.join(tmp, "hashes.npz"), **_hashes(texts, config.stage("exact_dedup")))
-    if config.stage("minhash"):
-        minhash.signatures(texts, config.stage("minhash"), os.path.join(tmp, "signatures.npy"))
+    parts = iter_documents(path, key, config.documents_per_part)
+    for p, (rows, schema) in enumerate(parts):
+        kept, removed, reasons = [], [], []
+        for row in rows:
+            stats.before(row[key])
+            # line endings as \n: the line rules split on it (FineWeb's would fail on \r\n)
+            reason, text = rules.apply(row[key].replace("\r\n", "\n").replace("\r", "\n"))
+            if reason:
+                removed.append(row)
+                reasons.append(reason)
+                stats.removed(reason)
+            else:
+                kept.append({**row, key: text})
+        folder = os.path.join(tmp, f"part-{p:05d}")
+        os.makedirs(folder)
+        write_parquet(os.path.join(folder, "survivors.parquet"), kept, key, schema=schema)
+        extra = {"curate_reason": reasons}
+        write_parquet(os.path.join(folder, "removed.parquet"), removed, key, extra, schema)
+        texts = [row[key] for row in kept]
+        hashes = _hashes(texts, config.stage("exact_dedup"))
+        np.savez(os.path.join(folder, "hashes.npz"), **hashes, survivors=len(kept))
+        if config.stage("minhash"):
+            signatures = os.path.join(folder, "signatures.npy")
+            minhash.signatures(texts, config.stage("minhash"), signatures)
     stats.save(os.path.join(tmp, "stats.json"))
     os.replace(tmp, final)
     _fault_after("first", k)
@@ -154,10 +167,11 @@ def _hashes(texts: list[str], exact) -> dict[str, np.ndarray]:
 
 
 def dedup_pass(shards: int, config: CurateConfig, work: str) -> None:
-    """Step 2: <work>/decisions-NNNNN.npz for every shard (per survivor a reason code, per
-    line whether it is dropped)."""
-    loaded = [np.load(os.path.join(work, shard_name(k), "hashes.npz")) for k in range(shards)]
-    counts = [_survivors(work, k) for k in range(shards)]
+    """Step 2: a decisions.npz in every part folder (per survivor a reason code, per line
+    whether it is dropped), over all parts of all shards in order."""
+    parts = [part for k in range(shards) for part in shard_parts(work, k)]
+    loaded = [np.load(os.path.join(part, "hashes.npz")) for part in parts]
+    counts = [int(h["survivors"]) for h in loaded]
     documents = np.concatenate([h["document"] for h in loaded] or [np.empty(0, np.uint64)])
     code = np.zeros(sum(counts), np.int8)
     exact = config.stage("exact_dedup")
@@ -167,7 +181,7 @@ def dedup_pass(shards: int, config: CurateConfig, work: str) -> None:
         repeat[first] = False
         code[repeat] = 1
     if config.stage("minhash") and len(code):
-        code = _near_duplicates(code, counts, config, work)
+        code = _near_duplicates(code, counts, parts, config, work)
     # lines last: a line's first copy must be in a document that stays
     line_hash = np.concatenate([h["line"] for h in loaded] or [np.empty(0, np.uint64)])
     per_doc = np.concatenate([h["lines_per_document"] for h in loaded] or [np.empty(0, np.int64)])
@@ -185,21 +199,15 @@ def dedup_pass(shards: int, config: CurateConfig, work: str) -> None:
         code[(code == 0) & has_lines & (left == 0)] = 2
     starts = np.cumsum([0, *counts])
     line_starts = np.cumsum([0, *[len(h["line"]) for h in loaded]])
-    for k in range(shards):
+    for u, part in enumerate(parts):
         np.savez(
-            os.path.join(work, f"decisions-{k:05d}.npz"),
-            code=code[starts[k] : starts[k + 1]],
-            drop=drop[line_starts[k] : line_starts[k + 1]],
+            os.path.join(part, "decisions.npz"),
+            code=code[starts[u] : starts[u + 1]],
+            drop=drop[line_starts[u] : line_starts[u + 1]],
         )
 
 
-def _survivors(work: str, k: int) -> int:
-    import pyarrow.parquet as pq
-
-    return pq.ParquetFile(os.path.join(work, shard_name(k), "survivors.parquet")).metadata.num_rows
-
-
-def _near_duplicates(code: np.ndarray, counts: list[int], config: CurateConfig, work: str):
+def _near_duplicates(code, counts: list[int], parts: list[str], config: CurateConfig, work: str):
     """Documents still kept whose MinHash cluster has an earlier kept member: code 3."""
     alive = np.flatnonzero(code == 0)
     params = config.stage("minhash")
@@ -210,10 +218,10 @@ def _near_duplicates(code: np.ndarray, counts: list[int], config: CurateConfig, 
     )
     starts = np.cumsum([0, *counts])
     at = 0
-    for k, count in enumerate(counts):
-        mine = alive[(alive >= starts[k]) & (alive < starts[k + 1])] - starts[k]
+    for u, count in enumerate(counts):
+        mine = alive[(alive >= starts[u]) & (alive < starts[u + 1])] - starts[u]
         if count and len(mine):
-            sigs = np.load(os.path.join(work, shard_name(k), "signatures.npy"), mmap_mode="r")
+            sigs = np.load(os.path.join(parts[u], "signatures.npy"), mmap_mode="r")
             gathered[at : at + len(mine)] = sigs[mine]
         at += len(mine)
     gathered.flush()
@@ -226,20 +234,32 @@ def _near_duplicates(code: np.ndarray, counts: list[int], config: CurateConfig, 
 
 
 def final_pass(k: int, path: str, config: CurateConfig, work: str, output: str) -> None:
-    """Step 3 for shard k (input file `path`)."""
-    kept_path = os.path.join(output, "kept", f"{shard_name(k)}.parquet")
-    removed_path = os.path.join(output, "removed", f"{shard_name(k)}.parquet")
+    """Step 3 for shard k (input file `path`), part by part."""
     stats_path = os.path.join(work, f"final-{k:05d}.json")
     if os.path.exists(stats_path):
         return
-    key, pii = config.text_key, config.stage("pii")
-    shard = os.path.join(work, shard_name(k))
-    survivors, schema = read_parquet_rows(os.path.join(shard, "survivors.parquet"))
-    removed = read_parquet_rows(os.path.join(shard, "removed.parquet"))[0]
-    reasons = [row.pop("curate_reason") for row in removed]
-    with np.load(os.path.join(work, f"decisions-{k:05d}.npz")) as decisions:
-        codes, drop = decisions["code"], decisions["drop"]  # read once, not per document
     stats = ShardStats()
+    parquet = path.lower().endswith(".parquet")  # its schema holds every removed row too
+    for p, part in enumerate(shard_parts(work, k)):
+        name = f"{shard_name(k)}-{p:05d}.parquet"
+        kept, removed, reasons, schema = _final_part(part, config, stats)
+        key = config.text_key
+        write_parquet(os.path.join(output, "kept", name), kept, key, schema=schema)
+        extra = {"curate_reason": reasons}
+        removed_path = os.path.join(output, "removed", name)
+        write_parquet(removed_path, removed, key, extra, schema if parquet else None)
+    stats.save(stats_path)
+    _fault_after("final", k)
+
+
+def _final_part(part: str, config: CurateConfig, stats: ShardStats):
+    """(kept rows, removed rows, their reasons, the survivors' schema) of one part."""
+    key, pii = config.text_key, config.stage("pii")
+    survivors, schema = read_parquet_rows(os.path.join(part, "survivors.parquet"))
+    removed = read_parquet_rows(os.path.join(part, "removed.parquet"))[0]
+    reasons = [row.pop("curate_reason") for row in removed]
+    with np.load(os.path.join(part, "decisions.npz")) as decisions:
+        codes, drop = decisions["code"], decisions["drop"]  # read once, not per document
     exact = config.stage("exact_dedup")
     by_lines = exact is not None and exact.lines
     kept, line = [], 0
@@ -260,12 +280,7 @@ def final_pass(k: int, path: str, config: CurateConfig, work: str, output: str) 
             stats.pii(replaced)
         stats.after(text)
         kept.append({**row, key: text})
-    write_parquet(kept_path, kept, key, schema=schema)
-    parquet = path.lower().endswith(".parquet")  # its schema holds every removed row too
-    extra = {"curate_reason": reasons}
-    write_parquet(removed_path, removed, key, extra, schema if parquet else None)
-    stats.save(stats_path)
-    _fault_after("final", k)
+    return kept, removed, reasons, schema
 
 
 def _check_run(output: str, config: CurateConfig, inputs: list[str]) -> None:
