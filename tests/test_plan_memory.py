@@ -5,6 +5,8 @@ after a training step against the predicted bytes."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -138,3 +140,63 @@ def test_layer_activations_predicted_for_each_style_and_tp_layout():
             for name, value in measured.items():
                 predicted = layer_activation_bytes(_style(name), tp, sp, micro_batch_size=2)
                 assert value == pytest.approx(predicted, rel=0.01), (name, tp, sp)  # (equal here)
+
+
+RECOMPUTE = {
+    "none": {},
+    "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform",
+                           recompute_num_layers=1),
+    "full-uniform-3": dict(recompute_granularity="full", recompute_method="uniform",
+                           recompute_num_layers=3),
+    "full-block-2": dict(recompute_granularity="full", recompute_method="block",
+                         recompute_num_layers=2),
+    "selective": dict(recompute_granularity="selective"),
+}  # fmt: skip
+
+
+def _chunk_style(name: str, recompute: str) -> ModelConfig:
+    return ModelConfig(
+        num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128,
+        max_position_embeddings=128, vocab_size=1024, attention_dropout=0.0,
+        **STYLES[name], **RECOMPUTE[recompute],
+    )  # fmt: skip
+
+
+def _chunk_bytes(rank, world, sequence_parallel):
+    """What a middle pipeline chunk of 4 layers keeps for one micro-batch of 2 samples."""
+    from engine.activation_memory import saved_activation_bytes
+    from engine.model.context import BuildContext
+    from engine.model.gpt import GPTModel
+    from parallel.random import model_parallel_seed
+    from parallel.state import ParallelState
+
+    state = ParallelState.build(tp=world)
+    sp = sequence_parallel and world > 1
+    out = {}
+    for name in ("gpt2", "llama"):
+        for recompute in RECOMPUTE:
+            cfg = _chunk_style(name, recompute)
+            tracker = model_parallel_seed(1234, state.tp_rank, 0, state.device, 0)
+            ctx = BuildContext(
+                cfg, tp_group=state.tp_group, tp_size=world, sequence_parallel=sp,
+                params_dtype=torch.bfloat16, tracker=tracker,
+            )  # fmt: skip
+            model = GPTModel(cfg, ctx, tp_rank=state.tp_rank, pre_process=False,
+                             post_process=False).train()  # fmt: skip
+            s = cfg.seq_length // world if sp else cfg.seq_length
+            x = torch.randn(s, 2, cfg.hidden_size).to(torch.bfloat16).requires_grad_()
+            run = functools.partial(model, hidden=x)
+            out[name, recompute] = saved_activation_bytes(run, model.parameters())[1]
+    return out
+
+
+def test_a_chunk_of_layers_with_each_recomputation():
+    """2 styles x 5 recomputation choices x (TP 1, TP 2 with SP): 20 more layouts."""
+    from engine.planning.activations import layers_activation_bytes
+
+    for tp, sp in ((1, False), (2, True)):
+        for measured in run_ranks(_chunk_bytes, tp, sp):
+            for (name, recompute), value in measured.items():
+                cfg = _chunk_style(name, recompute)
+                predicted = layers_activation_bytes(cfg, 4, tp, sp, micro_batch_size=2)
+                assert value == pytest.approx(predicted, rel=0.01), (name, recompute, tp)

@@ -21,9 +21,14 @@ the query heads and key/value groups, f the MLP size:
 - the MLP: GELU keeps its input and output, 2 a T f / t; SwiGLU keeps the fused first
   projection, a T 2f / t, the SiLU of the gate and the product, 2 a T f / t.
 
-The output projection's input is the attention output, already counted. Not modelled yet
-(the planner refuses them): recomputation, context parallelism, attention dropout, fp32
-activations, and the fused CUDA kernels (which keep less).
+The output projection's input is the attention output, already counted.
+
+A run of layers (one model chunk, `layers_activation_bytes`) shares RoPE's tables, and
+recomputation keeps less: full recomputation keeps each checkpointed group's input, a T_r h
+(uniform: groups of N layers; block: the first N layers one by one, the rest whole);
+selective recomputation reruns the core attention, whose log-sum-exp is then not kept.
+Not modelled yet (refused): context parallelism, attention dropout, and the fused CUDA
+kernels (which keep less). Activations are 16-bit.
 """
 
 from __future__ import annotations
@@ -48,12 +53,10 @@ def layer_activation_bytes(
     micro_batch_size: int = 1,
     mask_bytes: int = 2,
 ) -> int:
-    """Bytes one layer keeps for backward on one TP rank for one micro-batch of
-    cfg.seq_length tokens per sample (module docstring)."""
+    """Bytes one layer, not recomputed, keeps for backward on one TP rank for one
+    micro-batch of cfg.seq_length tokens per sample (module docstring)."""
     if cfg.attention_dropout:
         raise ConfigError("the activation model assumes --attention-dropout 0")
-    if cfg.recompute_granularity:
-        raise ConfigError("the activation model does not cover recomputation yet")
     a, s, h = ACTIVATION_BYTES, cfg.seq_length, cfg.hidden_size
     n, g, d, f = cfg.num_attention_heads // tp, cfg.query_groups // tp, cfg.head_dim, cfg.ffn_size
     f //= tp
@@ -71,3 +74,33 @@ def layer_activation_bytes(
         total += 2 * mask_bytes * between * h
     total += a * tokens * f * (4 if cfg.swiglu else 2)
     return total
+
+
+def layers_activation_bytes(
+    cfg: ModelConfig,
+    num_layers: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    micro_batch_size: int = 1,
+    mask_bytes: int = 2,
+) -> int:
+    """Bytes `num_layers` consecutive layers (one model chunk) keep for one micro-batch, with
+    cfg's recomputation (module docstring)."""
+    if num_layers == 0:
+        return 0
+    a, s, h = ACTIVATION_BYTES, cfg.seq_length, cfg.hidden_size
+    layer = layer_activation_bytes(cfg, tp, sequence_parallel, micro_batch_size, mask_bytes)
+    tables = 2 * 4 * s * cfg.head_dim if cfg.position_embedding_type == "rope" else 0
+    layer -= tables  # counted once for the chunk, below
+    tokens = s * micro_batch_size
+    between = tokens // tp if sequence_parallel and tp > 1 else tokens
+    group_input = a * between * h
+    if cfg.recompute_granularity == "full":
+        n = cfg.recompute_num_layers
+        if cfg.recompute_method == "uniform":
+            return -(-num_layers // n) * group_input + tables
+        recomputed = min(n, num_layers)  # block: the first N of the chunk
+        return recomputed * group_input + (num_layers - recomputed) * layer + tables
+    if cfg.recompute_granularity == "selective":
+        layer -= 4 * tokens * (cfg.num_attention_heads // tp)  # the log-sum-exp
+    return num_layers * layer + tables
