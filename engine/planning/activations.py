@@ -27,8 +27,9 @@ A run of layers (one model chunk, `layers_activation_bytes`) shares RoPE's table
 recomputation keeps less: full recomputation keeps each checkpointed group's input, a T_r h
 (uniform: groups of N layers; block: the first N layers one by one, the rest whole);
 selective recomputation reruns the core attention, whose log-sum-exp is then not kept.
-Not modelled yet (refused): context parallelism, attention dropout, and the fused CUDA
-kernels (which keep less). Activations are 16-bit.
+Not modelled yet: context parallelism (no CP size is taken), the fused CUDA kernels (which
+keep less), and, refused in one line, attention dropout, partial RoPE (--rotary-percent below
+1) and sliding-window attention. Activations are 16-bit.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def layer_activation_bytes(
     micro-batch of cfg.seq_length tokens per sample (module docstring)."""
     if cfg.attention_dropout:
         raise ConfigError("the activation model assumes --attention-dropout 0")
+    if cfg.rotary_percent != 1.0 or cfg.window_size is not None:
+        raise ConfigError(
+            "the activation model does not cover --rotary-percent below 1 or --window-size yet"
+        )
     a, s, h = ACTIVATION_BYTES, cfg.seq_length, cfg.hidden_size
     n, g, d, f = cfg.num_attention_heads // tp, cfg.query_groups // tp, cfg.head_dim, cfg.ffn_size
     f //= tp
