@@ -26,6 +26,7 @@ from engine.curation.minhash import MinHashConfig
 from engine.curation.pii import PII
 from engine.curation.quality import C4, FineWeb, GopherQuality, GopherRepetition
 from engine.errors import ConfigError
+from engine.structured_file import read_yaml_or_json
 
 
 @dataclass(frozen=True)
@@ -130,24 +131,7 @@ def read_config(path: str | None) -> CurateConfig:
     """The configuration of the file at `path` (None: every default)."""
     if path is None:
         return CurateConfig()
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as err:
-        raise ConfigError(f"--config {path}: cannot read it ({err.strerror})") from None
-    try:
-        if path.endswith((".yaml", ".yml")):
-            import yaml
-
-            raw = yaml.safe_load(text)
-        else:
-            raw = json.loads(text)
-    except (ValueError, ImportError) as err:
-        first = str(err).strip().splitlines()[0]
-        raise ConfigError(f"--config {path}: not valid YAML/JSON ({first}); fix it") from None
-    except Exception as err:  # yaml.YAMLError
-        first = str(err).strip().splitlines()[0]
-        raise ConfigError(f"--config {path}: not valid YAML ({first}); fix it") from None
+    raw = read_yaml_or_json(path, "--config")
     raw = raw or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: not a mapping of stage names to parameters")

@@ -20,7 +20,6 @@ phases not yet begun were changed still reads every sample already read where it
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from engine.data.blended import normalize_weights, parse_blend
 from engine.data.helpers import build_blending_indices
 from engine.data.parquet_shards import is_parquet_path
 from engine.errors import ConfigError
+from engine.structured_file import read_yaml_or_json
 
 FLAG = "--data-mix-schedule"
 
@@ -125,7 +125,7 @@ def plain_schedule(names, weights) -> MixSchedule:
 def read_mix_schedule(path: str, names, base_weights, train_iters: int, batches) -> MixSchedule:
     """The schedule of the file at `path` for a blend of `names` (weights `base_weights` from
     --data-path) and a run of `train_iters` steps of `batches` (engine.batch_schedule)."""
-    raw = _load(path)
+    raw = read_yaml_or_json(path, FLAG)
     phases_raw = raw.get("phases") if isinstance(raw, dict) else None
     if not isinstance(phases_raw, list) or not phases_raw:
         raise ConfigError(
@@ -194,36 +194,6 @@ def _rounded(phases: list[dict]) -> list:
     return [
         (p["iteration"], {k: round(v, 12) for k, v in p["weights"].items() if v}) for p in phases
     ]
-
-
-def _load(path: str):
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as err:
-        raise ConfigError(
-            f"{FLAG} {path}: cannot read it ({err.strerror}); give a JSON or YAML file"
-        ) from None
-    if path.endswith((".yaml", ".yml")):
-        import yaml
-
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(
-                f"{FLAG} {path}: not YAML ({_first_line(err)}); fix the file"
-            ) from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ConfigError(
-            f"{FLAG} {path}: not JSON ({err.msg}, line {err.lineno}); fix it, or name a YAML "
-            "file *.yaml"
-        ) from None
-
-
-def _first_line(err: Exception) -> str:
-    return str(err).strip().splitlines()[0]
 
 
 def _start(path, k, entry, total_samples: int, train_iters: int, batches) -> int:
