@@ -43,7 +43,10 @@ from engine.curation.langid import LanguageIdentifier, language_reason
 from engine.curation.pii import replace_pii
 from engine.curation.quality import c4, fineweb, gopher_quality, gopher_repetition
 from engine.curation.stats import ShardStats
+from engine.curation.text import words
 from engine.errors import ConfigError
+
+GOPHER_RULES = (("gopher_repetition", gopher_repetition), ("gopher_quality", gopher_quality))
 
 # step 2's reasons, by code in the decisions files
 DEDUP_REASONS = {1: "exact_dedup:document", 2: "exact_dedup:lines", 3: "minhash:near_duplicate"}
@@ -91,11 +94,10 @@ class DocumentRules:
             reason = language_reason(text, self.language, self.identifier)[0]
             if reason:
                 return reason, text
-        for name, rule in (
-            ("gopher_repetition", gopher_repetition),
-            ("gopher_quality", gopher_quality),
-        ):
-            if s(name) and (reason := rule(text, s(name))):
+        gopher = [(n, rule) for n, rule in GOPHER_RULES if s(n)]
+        tokens = words(text) if gopher else None  # split once for both rule sets
+        for name, rule in gopher:
+            if reason := rule(text, s(name), tokens):
                 return reason, text
         if s("c4"):
             reason, text = c4(text, s("c4"))

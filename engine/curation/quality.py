@@ -36,8 +36,9 @@ class GopherQuality:
     stop_words: tuple[str, ...] = STOP_WORDS
 
 
-def gopher_quality(text: str, c: GopherQuality) -> str | None:
-    tokens = words(text)
+def gopher_quality(text: str, c: GopherQuality, tokens: list[str] | None = None) -> str | None:
+    """`tokens`: words(text), when the caller has them already."""
+    tokens = words(text) if tokens is None else tokens
     content = content_words(tokens)
     if c.min_words is not None and len(content) < c.min_words:
         return "gopher_quality:short_doc"
@@ -97,7 +98,10 @@ def _repeats(items: list[str]) -> tuple[int, int]:
     return count, chars
 
 
-def gopher_repetition(text: str, c: GopherRepetition) -> str | None:
+def gopher_repetition(
+    text: str, c: GopherRepetition, tokens: list[str] | None = None
+) -> str | None:
+    """`tokens`: words(text), when the caller has them already."""
     if not text:
         return "gopher_repetition:empty"
     paragraphs = _PARAGRAPHS.split(text.strip())
@@ -118,7 +122,7 @@ def gopher_repetition(text: str, c: GopherRepetition) -> str | None:
         return "gopher_repetition:duplicate_lines"
     if c.max_duplicate_line_chars is not None and chars / len(text) > c.max_duplicate_line_chars:
         return "gopher_repetition:duplicate_line_chars"
-    grams = DocumentNgrams(words(text))
+    grams = DocumentNgrams(words(text) if tokens is None else tokens)
     for n, limit in c.top_ngram_chars:
         if grams.top_chars(n) / len(text) > limit:
             return f"gopher_repetition:top_{n}gram"
