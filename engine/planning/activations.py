@@ -47,6 +47,12 @@ def _norm_bytes(cfg: ModelConfig, rows: int, width: int) -> int:
     return (4 + a) * rows * width + 4 * rows
 
 
+def _tokens(cfg: ModelConfig, tp: int, sequence_parallel: bool, micro_batch_size: int):
+    """(tokens of a micro-batch, the tokens a rank holds between TP blocks)."""
+    tokens = cfg.seq_length * micro_batch_size
+    return tokens, tokens // tp if sequence_parallel and tp > 1 else tokens
+
+
 def layer_activation_bytes(
     cfg: ModelConfig,
     tp: int = 1,
@@ -65,8 +71,7 @@ def layer_activation_bytes(
     a, s, h = ACTIVATION_BYTES, cfg.seq_length, cfg.hidden_size
     n, g, d, f = cfg.num_attention_heads // tp, cfg.query_groups // tp, cfg.head_dim, cfg.ffn_size
     f //= tp
-    tokens = s * micro_batch_size
-    between = tokens // tp if sequence_parallel and tp > 1 else tokens
+    tokens, between = _tokens(cfg, tp, sequence_parallel, micro_batch_size)
     total = 2 * _norm_bytes(cfg, between, h)  # input and pre-MLP norms
     total += 2 * a * between * h  # the inputs kept by the QKV and first MLP linears
     total += a * tokens * (n + 2 * g) * d  # the fused QKV output
@@ -97,8 +102,7 @@ def layers_activation_bytes(
     layer = layer_activation_bytes(cfg, tp, sequence_parallel, micro_batch_size, mask_bytes)
     tables = 2 * 4 * s * cfg.head_dim if cfg.position_embedding_type == "rope" else 0
     layer -= tables  # counted once for the chunk, below
-    tokens = s * micro_batch_size
-    between = tokens // tp if sequence_parallel and tp > 1 else tokens
+    tokens, between = _tokens(cfg, tp, sequence_parallel, micro_batch_size)
     group_input = a * between * h
     if cfg.recompute_granularity == "full":
         n = cfg.recompute_num_layers
