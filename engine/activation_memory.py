@@ -21,6 +21,7 @@ prediction includes them:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -47,6 +48,48 @@ def saved_activation_bytes(
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = fn()
     return out, sum(seen.values())
+
+
+class PeakSavedBytes:
+    """Within `with`: the most bytes autograd held saved for backward at once (`.peak`),
+    counting each storage once while any tensor the graph saved from it is alive, parameters
+    (storages in `skip`) left out. Across a whole pipeline step this is the activation memory
+    a rank needs: the graphs of the micro-batches in flight."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()):
+        self.skip = {p.untyped_storage().data_ptr() for p in parameters}
+        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, saved tensors alive]
+        self.held = self.peak = 0
+        self.hooks = None
+
+    def _release(self, address: int) -> None:
+        entry = self.live[address]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.held -= entry[0]
+            del self.live[address]
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        if address in self.skip or tensor.device.type == "meta":
+            return tensor
+        saved = tensor.detach()  # the graph's own handle: it dies when the graph frees it
+        entry = self.live.setdefault(address, [storage.nbytes(), 0])
+        if entry[1] == 0:
+            self.held += entry[0]
+            self.peak = max(self.peak, self.held)
+        entry[1] += 1
+        weakref.finalize(saved, self._release, address)
+        return saved
+
+    def __enter__(self) -> PeakSavedBytes:
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
 
 
 def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:

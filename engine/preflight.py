@@ -115,21 +115,12 @@ def check(cfg, world_size: int) -> None:
         if not train.load:
             raise ConfigError("--use-checkpoint-args needs --load DIR")
         use_checkpoint_args(cfg)
-    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    if par.sequence_parallel and tp == 1:
-        par.sequence_parallel = False  # nothing to split, as in Megatron-LM
-    dp = check_layout(world_size, tp, pp, cp=par.context_parallel_size)
+    dp = check_layout_flags(cfg, world_size)
     check_compat(cfg.megatron, m.position_embedding_type, cfg.parallel.use_megatron_fsdp)
-    m.validate(tp, par.sequence_parallel)
-    _check_context_parallel(m, par)
     _check_noise_scale(train, par, dp)
-    par.validate(m.num_layers)
-    train.validate()
     check_profile_flags(train)
     check_wandb_flags(train)
-    train.resolve_length(dp, m.seq_length)
     cfg.optimizer.validate(train.train_iters, train.train_samples, train.global_batch(dp))
-    _check_pipeline(cfg, dp)
     _check_device(train)
     _check_data(cfg, vocab_flag)
     _check_outputs(train)
@@ -137,6 +128,25 @@ def check(cfg, world_size: int) -> None:
         iteration = find_latest(train.load)  # a broken latest file is reported now
         if iteration is not None:  # files present with their sizes; checksums in the ranks
             verify_checkpoint(iteration_dir(train.load, iteration), digests=False)
+
+
+def check_layout_flags(cfg, world_size: int) -> int:
+    """The checks of a layout that need no data or files (sizes against the world and the
+    model, context parallelism, pipeline stages and schedule, the batch split, the run's
+    length); returns the data-parallel size. The planner (engine/planning/) validates each
+    layout it proposes with this."""
+    m, par, train = cfg.model, cfg.parallel, cfg.train
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    if par.sequence_parallel and tp == 1:
+        par.sequence_parallel = False  # nothing to split, as in Megatron-LM
+    dp = check_layout(world_size, tp, pp, cp=par.context_parallel_size)
+    m.validate(tp, par.sequence_parallel)
+    _check_context_parallel(m, par)
+    par.validate(m.num_layers)
+    train.validate()
+    train.resolve_length(dp, m.seq_length)
+    _check_pipeline(cfg, dp)
+    return dp
 
 
 def _check_noise_scale(train, par, dp: int) -> None:

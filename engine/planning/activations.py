@@ -27,8 +27,9 @@ A run of layers (one model chunk, `layers_activation_bytes`) shares RoPE's table
 recomputation keeps less: full recomputation keeps each checkpointed group's input, a T_r h
 (uniform: groups of N layers; block: the first N layers one by one, the rest whole);
 selective recomputation reruns the core attention, whose log-sum-exp is then not kept.
-Not modelled yet: context parallelism (no CP size is taken), the fused CUDA kernels (which
-keep less), and, refused in one line, attention dropout, partial RoPE (--rotary-percent below
+With context parallelism (`cp`) a rank holds s / C of each sequence; the ring's received key
+and value chunks are not counted. Not modelled yet: the fused CUDA kernels (which keep
+less), and, refused in one line, attention dropout, partial RoPE (--rotary-percent below
 1) and sliding-window attention. Activations are 16-bit.
 """
 
@@ -47,9 +48,9 @@ def _norm_bytes(cfg: ModelConfig, rows: int, width: int) -> int:
     return (4 + a) * rows * width + 4 * rows
 
 
-def _tokens(cfg: ModelConfig, tp: int, sequence_parallel: bool, micro_batch_size: int):
-    """(tokens of a micro-batch, the tokens a rank holds between TP blocks)."""
-    tokens = cfg.seq_length * micro_batch_size
+def _tokens(cfg: ModelConfig, tp: int, sequence_parallel: bool, micro_batch_size: int, cp: int):
+    """(tokens of a micro-batch on a CP rank, the tokens a rank holds between TP blocks)."""
+    tokens = cfg.seq_length // cp * micro_batch_size
     return tokens, tokens // tp if sequence_parallel and tp > 1 else tokens
 
 
@@ -59,19 +60,23 @@ def layer_activation_bytes(
     sequence_parallel: bool = False,
     micro_batch_size: int = 1,
     mask_bytes: int = 2,
+    cp: int = 1,
 ) -> int:
     """Bytes one layer, not recomputed, keeps for backward on one TP rank for one
     micro-batch of cfg.seq_length tokens per sample (module docstring)."""
     if cfg.attention_dropout:
-        raise ConfigError("the activation model assumes --attention-dropout 0")
+        raise ConfigError(
+            "the activation model assumes --attention-dropout 0 (as modern recipes run); pass "
+            "--attention-dropout 0.0"
+        )
     if cfg.rotary_percent != 1.0 or cfg.window_size is not None:
         raise ConfigError(
             "the activation model does not cover --rotary-percent below 1 or --window-size yet"
         )
-    a, s, h = ACTIVATION_BYTES, cfg.seq_length, cfg.hidden_size
+    a, s, h = ACTIVATION_BYTES, cfg.seq_length // cp, cfg.hidden_size
     n, g, d, f = cfg.num_attention_heads // tp, cfg.query_groups // tp, cfg.head_dim, cfg.ffn_size
     f //= tp
-    tokens, between = _tokens(cfg, tp, sequence_parallel, micro_batch_size)
+    tokens, between = _tokens(cfg, tp, sequence_parallel, micro_batch_size, cp)
     total = 2 * _norm_bytes(cfg, between, h)  # input and pre-MLP norms
     total += 2 * a * between * h  # the inputs kept by the QKV and first MLP linears
     total += a * tokens * (n + 2 * g) * d  # the fused QKV output
@@ -93,16 +98,17 @@ def layers_activation_bytes(
     sequence_parallel: bool = False,
     micro_batch_size: int = 1,
     mask_bytes: int = 2,
+    cp: int = 1,
 ) -> int:
     """Bytes `num_layers` consecutive layers (one model chunk) keep for one micro-batch, with
     cfg's recomputation (module docstring)."""
     if num_layers == 0:
         return 0
-    a, s, h = ACTIVATION_BYTES, cfg.seq_length, cfg.hidden_size
-    layer = layer_activation_bytes(cfg, tp, sequence_parallel, micro_batch_size, mask_bytes)
+    a, s, h = ACTIVATION_BYTES, cfg.seq_length // cp, cfg.hidden_size
+    layer = layer_activation_bytes(cfg, tp, sequence_parallel, micro_batch_size, mask_bytes, cp)
     tables = 2 * 4 * s * cfg.head_dim if cfg.position_embedding_type == "rope" else 0
     layer -= tables  # counted once for the chunk, below
-    tokens, between = _tokens(cfg, tp, sequence_parallel, micro_batch_size)
+    tokens, between = _tokens(cfg, tp, sequence_parallel, micro_batch_size, cp)
     group_input = a * between * h
     if cfg.recompute_granularity == "full":
         n = cfg.recompute_num_layers
@@ -113,3 +119,33 @@ def layers_activation_bytes(
     if cfg.recompute_granularity == "selective":
         layer -= 4 * tokens * (cfg.num_attention_heads // tp)  # the log-sum-exp
     return num_layers * layer + tables
+
+
+def stage_ends_activation_bytes(
+    cfg: ModelConfig,
+    padded_vocab: int,
+    first: bool,
+    last: bool,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    micro_batch_size: int = 1,
+    mask_bytes: int = 2,
+    cp: int = 1,
+) -> int:
+    """Bytes the first stage's embedding and the last stage's head keep for one micro-batch
+    (besides the layers): the token ids (8 T), learned positions (8 s) and the embedding
+    dropout's mask; the final norm, the output layer's input (a T_r h) and the vocab-parallel
+    cross-entropy's fp32 softmax (4 T V / t) with its target ids and padding mask (9 T)."""
+    a, h = ACTIVATION_BYTES, cfg.hidden_size
+    tokens, between = _tokens(cfg, tp, sequence_parallel, micro_batch_size, cp)
+    total = 0
+    if first:
+        total += 8 * tokens
+        if cfg.position_embedding_type == "learned_absolute":
+            total += 8 * (cfg.seq_length // cp)
+        if cfg.hidden_dropout:
+            total += mask_bytes * between * h
+    if last:
+        total += _norm_bytes(cfg, between, h) + a * between * h
+        total += 4 * tokens * (padded_vocab // tp) + 9 * tokens
+    return total

@@ -14,18 +14,23 @@ embeddings when it is not also the first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.config import ModelConfig
 from engine.errors import ConfigError
+from engine.planning.activations import layers_activation_bytes, stage_ends_activation_bytes
 from engine.state_memory import formula_bytes_per_param
 from parallel.pipeline.layout import stage_layers
+from parallel.pipeline.schedules import peak_in_flight
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 @dataclass(frozen=True)
 class Layout:
+    """One way to lay a run out: the parallel sizes, the sharding strategy, the micro-batch
+    and its count per step on a rank, and the pipeline schedule."""
+
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -33,6 +38,24 @@ class Layout:
     strategy: str = "no_shard"  # --data-parallel-sharding-strategy (distributed optimizer: optim)
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    cp: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    schedule: str | None = None  # default: 1f1b (interleaved with virtual stages)
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    tp_comm_overlap: bool = False  # Megatron-LM's --tp-comm-overlap (Transformer Engine)
+    fp32_wgrad_gemm: bool = False  # weight-gradient GEMMs accumulate into fp32 (Megatron-LM's
+    # fused kernels); this engine's bf16 GEMM output is added into the fp32 buffer in a pass
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def schedule_kind(self) -> str:
+        return self.schedule or ("interleaved" if self.virtual > 1 else "1f1b")
 
 
 def _norm(cfg: ModelConfig, size: int) -> int:
@@ -66,10 +89,8 @@ def check_layout(cfg: ModelConfig, layout: Layout, pp_rank: int) -> None:
         raise ConfigError(f"pipeline stage {pp_rank} is outside {layout.pp} stages")
 
 
-def rank_parameters(cfg: ModelConfig, layout: Layout, pp_rank: int) -> int:
-    """Parameters held by one (any) TP rank of pipeline stage `pp_rank`."""
-    check_layout(cfg, layout, pp_rank)
-    tp, h = layout.tp, cfg.hidden_size
+def chunk_layer_counts(cfg: ModelConfig, layout: Layout, pp_rank: int) -> list[int]:
+    """Layers of each model chunk stage `pp_rank` holds."""
     chunks = stage_layers(
         cfg.num_layers,
         layout.pp,
@@ -78,7 +99,14 @@ def rank_parameters(cfg: ModelConfig, layout: Layout, pp_rank: int) -> int:
         layout.first_stage_layers,
         layout.last_stage_layers,
     )
-    count = sum(len(layers) for layers in chunks) * layer_parameters(cfg, tp)
+    return [len(layers) for layers in chunks]
+
+
+def rank_parameters(cfg: ModelConfig, layout: Layout, pp_rank: int) -> int:
+    """Parameters held by one (any) TP rank of pipeline stage `pp_rank`."""
+    check_layout(cfg, layout, pp_rank)
+    tp, h = layout.tp, cfg.hidden_size
+    count = sum(chunk_layer_counts(cfg, layout, pp_rank)) * layer_parameters(cfg, tp)
     vocab = cfg.padded_vocab_size(tp) * h // tp
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     if first:
@@ -96,5 +124,51 @@ def rank_state_bytes(cfg: ModelConfig, layout: Layout, pp_rank: int) -> dict[str
     """{params, grads, optimizer}: bytes one rank of stage `pp_rank` holds (bf16 parameters,
     fp32 main gradients, Adam with fp32 masters)."""
     count = rank_parameters(cfg, layout, pp_rank)
-    per = formula_bytes_per_param(layout.strategy, layout.dp)
+    per = formula_bytes_per_param(layout.strategy, layout.dp * layout.cp)  # CP ranks shard too
     return {kind: count * b for kind, b in per.items()}
+
+
+def rank_activation_bytes(
+    cfg: ModelConfig, layout: Layout, pp_rank: int, mask_bytes: int = 2
+) -> int:
+    """The most activation bytes stage `pp_rank` holds at once in a training step: its
+    schedule's peak of chunk-micro-batches in flight (forward done, backward not yet), each
+    holding its chunk's layers (cfg's recomputation), plus the embedding's bytes for those of
+    the first model chunk on the first stage and the head's for those of the last chunk on the
+    last stage (the interleaved schedule runs chunk (k // p) mod v as a rank's k-th forward).
+    With full recomputation, backward's rerun of one group's forward comes on top."""
+    check_layout(cfg, layout, pp_rank)
+    counts = chunk_layer_counts(cfg, layout, pp_rank)
+    m, p, v = layout.num_microbatches, layout.pp, layout.virtual
+    if p == 1 and v == 1:
+        held = 1  # no pipelining: each micro-batch's backward follows its forward
+    else:
+        held = peak_in_flight(layout.schedule_kind, p, pp_rank, m, v)
+    shape = (layout.tp, layout.sequence_parallel, layout.micro_batch_size, mask_bytes, layout.cp)
+    total = held * max(layers_activation_bytes(cfg, n, *shape) for n in counts)
+    vocab = cfg.padded_vocab_size(layout.tp)
+    head = 0
+    for end, is_end, chunk in ((0, pp_rank == 0, 0), (1, pp_rank == p - 1, v - 1)):
+        if is_end:
+            of_chunk = sum(1 for k in range(held) if (k // p) % v == chunk)
+            ends = stage_ends_activation_bytes(cfg, vocab, end == 0, end == 1, *shape)
+            total += of_chunk * ends
+            head = ends if end == 1 else head
+    if cfg.recompute_granularity == "full":
+        # backward reruns a group's forward while the in-flight inputs are held; the head of
+        # that micro-batch has been freed by then
+        group = cfg.recompute_num_layers if cfg.recompute_method == "uniform" else 1
+        plain = replace(cfg, recompute_granularity=None, recompute_method=None)
+        working = layers_activation_bytes(plain, min(group, max(counts)), *shape)
+        total = max(total, total + working - head)
+    return total
+
+
+def rank_memory_bytes(
+    cfg: ModelConfig, layout: Layout, pp_rank: int, mask_bytes: int = 2
+) -> dict[str, float]:
+    """{params, grads, optimizer, activations, total} of one rank of stage `pp_rank`."""
+    out = rank_state_bytes(cfg, layout, pp_rank)
+    out["activations"] = rank_activation_bytes(cfg, layout, pp_rank, mask_bytes)
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,61 @@
+"""What a layout really costs: the engine set up from its flags on gloo ranks, running real
+training steps on random tokens, each rank reporting its median step time, the most
+activation bytes it held (engine/activation_memory.PeakSavedBytes over the whole step) and
+its parameter, gradient and optimizer bytes (engine/state_memory.py). The planner's
+predictions are checked against these (tests/test_plan.py, tools/bench_plan.py)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def measure_rank(rank: int, world: int, flags: list[str], warmup: int, steps: int) -> dict:
+    """Run in each rank (parallel.launch.run_local): {pp_rank, step_s (the slowest rank's
+    median), activations, params, grads, optimizer}."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.activation_memory import PeakSavedBytes
+    from engine.preflight import check
+    from engine.pretrain import parse
+    from engine.run_setup import setup
+    from engine.state_memory import held_state_bytes
+    from engine.training import train_iteration
+    from parallel.state import ParallelState
+
+    cfg = parse(flags)
+    check(cfg, world)
+    par = cfg.parallel
+    state = ParallelState.build(
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
+        cp=par.context_parallel_size,
+    )
+    run = setup(cfg, state)
+    train, seq = cfg.train, cfg.model.seq_length
+    m = train.num_microbatches(state.dp_size, train.global_batch(state.dp_size))
+    generator = torch.Generator().manual_seed(1 + state.dp_rank)
+    tokens = torch.randint(
+        0, cfg.model.vocab_size, (m * train.micro_batch_size, seq + 1), generator=generator
+    )
+    batches = [
+        {"tokens": part[:, :-1], "labels": part[:, 1:]}
+        for part in tokens.split(train.micro_batch_size)
+    ]
+    params = [p for chunk in run.chunks for p in chunk.parameters()]
+    times = []
+    with PeakSavedBytes(params) as saved:
+        for step in range(warmup + steps):
+            dist.barrier()
+            start = time.perf_counter()
+            train_iteration(run, batches)
+            run.counters.iteration += 1
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if step >= warmup:
+                times.append(elapsed.item())
+    out = {"pp_rank": state.pp_rank, "step_s": statistics.median(times)}
+    out["activations"] = saved.peak
+    out.update(held_state_bytes(run.chunks, run.optimizer))
+    return out

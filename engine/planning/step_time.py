@@ -1,0 +1,220 @@
+"""Step time of a layout, predicted from a Machine's rates (engine/planning/hardware.py).
+
+Per micro-batch, per layer, on one rank (T tokens of a CP rank, T_r between TP blocks):
+- compute: the layer's four GEMMs at the machine's rate for their sizes (backward: two GEMMs
+  of the same sizes each, so 3x the forward), core attention's model FLOPs at the attention
+  rate, and the memory-bound ops' bytes (`layer_memory_bytes`; backward 2x) at the memory rate;
+- recomputation: full reruns the layer's forward, selective reruns core attention's forward;
+- TP: forward waits for its collectives (per block an all-reduce, or with SP an all-gather and
+  a reduce-scatter); backward waits for the row-parallel output's gather (SP) and for what
+  the column-parallel GEMMs do not hide of the input-gradient reduce and the input re-gather
+  (parallel/tp_linear.py overlaps them);
+- CP: the ring passes key/value chunks C-1 times forward and key/value plus their gradients
+  backward, hidden behind core attention as far as it lasts.
+Per micro-batch on a stage: the embedding and the head (output GEMM, cross-entropy bytes) on
+the first and last stage, adding each weight gradient into its fp32 buffer, and the pipeline
+transfers (1F1B sends and receives block). The step: (m + (p - 1) / v) x the slowest stage's
+time per micro-batch (the schedule's bubble), then the data-parallel collectives the
+engine's overlap does not hide (gradients in fp32, parameters gathered in the activation
+dtype; with optim_grads(_params) every micro-batch), and the optimizer's pass over its shard.
+
+Collectives are rings: an all-reduce of B bytes over n ranks takes 2(n-1) latencies and moves
+2(n-1)/n B; an all-gather or reduce-scatter half of that. A group uses the intra-node link when
+its ranks fit in a node (TP innermost, then CP, DP, PP, as parallel/state.py orders them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import ModelConfig
+from engine.metrics import model_flops_per_token
+from engine.planning.hardware import Machine
+from engine.planning.memory import Layout, chunk_layer_counts, rank_parameters
+
+GRAD_BYTES = 4  # fp32 main gradients, reduced in fp32 (Megatron-LM's default under bf16)
+ADAM_BYTES_PER_PARAM = 42  # grad read, fp32 master and both moments read + written, param written,
+# and the clipping's norm and scale passes over the gradient
+
+
+def collective_s(kind: str, nbytes: float, n: int, stride: int, machine: Machine) -> float:
+    """Seconds of a ring all-reduce, all-gather or reduce-scatter ("all_reduce" or "gather";
+    `nbytes` the full tensor) over `n` ranks `stride` ranks apart. A group with k members per
+    node runs hierarchically: a ring inside each node over the intra-node link, and between
+    nodes each member carries 1/k of the data over its own link (as NCCL's rings do)."""
+    if n == 1:
+        return 0.0
+    per_node = (
+        max(1, min(n, machine.gpus_per_node // stride)) if stride < machine.gpus_per_node else 1
+    )
+    nodes = n // per_node
+    rounds = 2 if kind == "all_reduce" else 1
+    seconds = 0.0
+    if per_node > 1:
+        k, link = per_node, machine.intra
+        seconds += rounds * ((k - 1) * link.latency_s + (k - 1) / k * nbytes / link.bytes_per_s)
+    if nodes > 1:
+        link, part = machine.inter, nbytes / per_node
+        seconds += rounds * (
+            (nodes - 1) * link.latency_s + (nodes - 1) / nodes * part / link.bytes_per_s
+        )
+    return seconds
+
+
+def layer_memory_bytes(cfg: ModelConfig, tokens: int, between: int, tp: int, a: int) -> float:
+    """Bytes the memory-bound ops of one layer read and write in forward: two norms (RMSNorm
+    computes in fp32), two residual adds, dropout with its mask, RoPE on queries and keys,
+    the attention layout copies, and the MLP's activation."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    n, g, f = cfg.num_attention_heads // tp, cfg.query_groups // tp, cfg.ffn_size // tp
+    norm = 2 * a + (8 if cfg.normalization == "RMSNorm" else 0)
+    total = 2 * norm * between * h + 2 * 3 * a * between * h
+    if cfg.hidden_dropout:
+        total += 2 * (2 * a + a) * between * h
+    if cfg.position_embedding_type == "rope":
+        total += 3 * 2 * a * tokens * (n + g) * d
+    total += 2 * a * tokens * (n + 2 * g) * d + 2 * a * tokens * n * d
+    total += (5 if cfg.swiglu else 2) * a * tokens * f
+    return total
+
+
+@dataclass
+class _Shape:
+    tokens: int  # per micro-batch on a CP rank
+    between: int  # held between TP blocks
+    a: int
+
+
+def _layer_parts(cfg: ModelConfig, layout: Layout, machine: Machine, shape: _Shape) -> dict:
+    """Seconds of one layer for one micro-batch, forward + backward, by part."""
+    h, d, tp = cfg.hidden_size, cfg.head_dim, layout.tp
+    n, g, f = cfg.num_attention_heads // tp, cfg.query_groups // tp, cfg.ffn_size // tp
+    T, a = shape.tokens, shape.a
+    fc1 = f * (2 if cfg.swiglu else 1)
+    column = machine.gemm_seconds(T, (n + 2 * g) * d, h) + machine.gemm_seconds(T, fc1, h)
+    row = machine.gemm_seconds(T, h, n * d) + machine.gemm_seconds(T, h, f)
+    attention_flops = 4 * T * cfg.seq_length * n * d  # a CP rank's queries against all keys
+    attention = 3 * attention_flops / machine.attention_flops
+    memory = 3 * layer_memory_bytes(cfg, T, shape.between, tp, a) / machine.memory_bytes_per_s
+    parts = {"gemm": 3 * (column + row), "attention": attention, "memory": memory}
+    forward = column + row + attention / 3 + memory / 3
+    # TP, per block (attention, MLP): the column input and the row output
+    full = T * h * a
+    hide = column if machine.overlaps_comm else 0.0  # the column-parallel GEMMs of backward
+    if layout.sequence_parallel and tp > 1:
+        gather = collective_s("gather", full, tp, 1, machine)
+        forward_comm = 2 * 2 * gather
+        backward_comm = 2 * gather  # the row output's gradient gathered
+        backward_comm += 2 * 2 * max(0.0, gather - hide)  # re-gather, reduce-scatter
+    else:
+        forward_comm = 2 * collective_s("all_reduce", full, tp, 1, machine)
+        backward_comm = 2 * max(0.0, collective_s("all_reduce", full, tp, 1, machine) - hide)
+    if layout.tp_comm_overlap:  # Megatron-LM's --tp-comm-overlap: chunks hidden behind GEMMs
+        forward_comm = max(0.0, forward_comm - (column + row))
+        backward_comm = max(0.0, backward_comm - 2 * (column + row))
+    parts["tp_comm"] = forward_comm + backward_comm
+    # CP ring: key and value chunks (and their gradients backward), hidden behind attention
+    cp = layout.cp
+    if cp > 1:
+        kv = 2 * T * g * d * a
+        ring = machine.link(tp * cp)
+        passes = (cp - 1) * ring.seconds(kv) + 2 * (cp - 1) * ring.seconds(kv)
+        parts["cp_comm"] = max(0.0, passes - (attention if machine.overlaps_comm else 0.0))
+    recompute = cfg.recompute_granularity
+    if recompute == "full":
+        parts["recompute"] = forward + forward_comm
+    elif recompute == "selective":
+        parts["recompute"] = attention / 3
+    return parts
+
+
+def _stage_parts(cfg: ModelConfig, layout: Layout, machine: Machine, pp_rank: int) -> dict:
+    """Seconds of stage `pp_rank` per micro-batch (all its chunks), by part."""
+    a, tp, h = machine.activation_bytes, layout.tp, cfg.hidden_size
+    tokens = cfg.seq_length // layout.cp * layout.micro_batch_size
+    between = tokens // tp if layout.sequence_parallel and tp > 1 else tokens
+    shape = _Shape(tokens, between, a)
+    layers = sum(chunk_layer_counts(cfg, layout, pp_rank))
+    parts = {k: v * layers for k, v in _layer_parts(cfg, layout, machine, shape).items()}
+    vocab = cfg.padded_vocab_size(tp) // tp
+    if pp_rank == 0:  # the embedding's gather, and its gradient added into fp32
+        parts["memory"] += tokens * h * (2 * a + 8) / machine.memory_bytes_per_s
+    if pp_rank == layout.pp - 1:  # the output GEMMs, the final norm, the cross-entropy
+        parts["gemm"] += 3 * machine.gemm_seconds(tokens, vocab, h)
+        head = tokens * vocab * (3 * a + 28) + 3 * tokens * h * (2 * a + 8)
+        parts["memory"] += head / machine.memory_bytes_per_s
+        if tp > 1:
+            parts["tp_comm"] += 2 * collective_s("gather", tokens * h * a, tp, 1, machine)
+    if not layout.fp32_wgrad_gemm:
+        held = rank_parameters(cfg, layout, pp_rank)
+        parts["grad_accumulation"] = held * (a + 2 * GRAD_BYTES) / machine.memory_bytes_per_s
+    if layout.pp > 1:
+        span = layout.tp * layout.cp * layout.dp * 2
+        transfer = machine.link(span).seconds(between * h * a)
+        parts["pp_comm"] = 2 * transfer * layout.virtual
+    return parts
+
+
+def _data_parallel_s(
+    layout: Layout, machine: Machine, params: int, forward: float, backward: float
+):
+    """Exposed seconds of the data-parallel collectives of a step (gradients of the params a
+    rank holds, parameters gathered), given one micro-batch's forward and backward time."""
+    m = layout.num_microbatches
+    dp = layout.dp * layout.cp  # gradients are reduced over the CP ranks too
+    if dp == 1:
+        return 0.0
+    stride = layout.tp
+    grads, weights = params * GRAD_BYTES, params * machine.activation_bytes
+    if not machine.overlaps_comm:
+        forward = backward = 0.0
+    hide_reduce = backward if layout.overlap_grad_reduce else 0.0
+    if layout.strategy == "no_shard":
+        return max(0.0, collective_s("all_reduce", grads, dp, stride, machine) - hide_reduce)
+    reduce = collective_s("gather", grads, dp, stride, machine)
+    gather = collective_s("gather", weights, dp, stride, machine)
+    if layout.strategy == "optim":
+        hide_gather = forward if layout.overlap_param_gather else 0.0
+        return max(0.0, reduce - hide_reduce) + max(0.0, gather - hide_gather)
+    per_microbatch = max(0.0, reduce - hide_reduce)
+    if layout.strategy == "optim_grads":
+        hide_gather = forward if layout.overlap_param_gather else 0.0
+        return m * per_microbatch + max(0.0, gather - hide_gather)
+    # optim_grads_params: gathered ahead of every forward and backward (prefetched)
+    return m * (per_microbatch + max(0.0, gather - forward) + max(0.0, gather - backward))
+
+
+def predict_step(cfg: ModelConfig, layout: Layout, machine: Machine) -> dict:
+    """{parts: seconds per step by part (the slowest stage), step_s, tokens_per_s, tflops
+    (model TFLOP/s per device), mfu (None without a peak)}."""
+    stages = [0, layout.pp - 1] if layout.pp > 1 else [0]
+    per_stage = {r: _stage_parts(cfg, layout, machine, r) for r in stages}
+    slowest = max(stages, key=lambda r: sum(per_stage[r].values()))
+    stage = per_stage[slowest]
+    t_mb = sum(stage.values())
+    m, p, v = layout.num_microbatches, layout.pp, layout.virtual
+    parts = {k: val * m for k, val in stage.items()}
+    parts["bubble"] = (p - 1) / v * t_mb
+    params = rank_parameters(cfg, layout, slowest)
+    compute = stage["gemm"] + stage["attention"] + stage["memory"]
+    parts["dp_comm"] = _data_parallel_s(layout, machine, params, compute / 3, 2 * compute / 3)
+    local = params if layout.strategy == "no_shard" else params / (layout.dp * layout.cp)
+    parts["optimizer"] = local * ADAM_BYTES_PER_PARAM / machine.memory_bytes_per_s
+    overheads = machine.overheads
+    if overheads:
+        layers = max(sum(chunk_layer_counts(cfg, layout, r)) for r in stages)
+        parts["overhead"] = overheads["step"] + (m + (p - 1) / v) * (
+            overheads["per_microbatch"] + layers * overheads["per_microbatch_layer"]
+        )
+    step = sum(parts.values())
+    tokens = cfg.seq_length * layout.micro_batch_size * m * layout.dp
+    tflops = tokens * model_flops_per_token(cfg, cfg.padded_vocab_size(layout.tp)) / step
+    tflops /= layout.world * 1e12
+    peak = machine.peak_flops
+    return {
+        "parts": parts,
+        "step_s": step,
+        "tokens_per_s": tokens / step,
+        "tflops": tflops,
+        "mfu": tflops * 1e12 / peak if peak else None,
+    }
