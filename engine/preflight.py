@@ -115,8 +115,8 @@ def check(cfg, world_size: int) -> None:
         if not train.load:
             raise ConfigError("--use-checkpoint-args needs --load DIR")
         use_checkpoint_args(cfg)
-    dp = check_layout_flags(cfg, world_size)
     check_compat(cfg.megatron, m.position_embedding_type, cfg.parallel.use_megatron_fsdp)
+    dp = check_layout_flags(cfg, world_size)
     _check_noise_scale(train, par, dp)
     check_profile_flags(train)
     check_wandb_flags(train)
@@ -133,8 +133,8 @@ def check(cfg, world_size: int) -> None:
 def check_layout_flags(cfg, world_size: int) -> int:
     """The checks of a layout that need no data or files (sizes against the world and the
     model, context parallelism, pipeline stages and schedule, the batch split, the run's
-    length); returns the data-parallel size. The planner (engine/planning/) validates each
-    layout it proposes with this."""
+    length); returns the data-parallel size. tools/plan.py validates the layouts it shows
+    with this."""
     m, par, train = cfg.model, cfg.parallel, cfg.train
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     if par.sequence_parallel and tp == 1:

@@ -92,17 +92,19 @@ def _cpu_machine(memory_bytes: float):
 def test_every_planned_layout_passes_the_engines_checks_and_the_shown_ones_run_and_fit():
     from engine.planning.flags import layout_flags
     from engine.planning.measure import measure_rank
-    from engine.planning.search import plan
+    from engine.planning.search import SearchSpace, plan
     from engine.preflight import check_layout_flags
     from engine.pretrain import parse
 
     base = parse(LLAMA + RUN + ["--micro-batch-size", "1"]).model
     budget = 24e6  # bytes per rank: full-size micro-batches without recomputation do not fit
-    rows = plan(base, 2, 8, _cpu_machine(budget), memory_fraction=1.0)
+    space = SearchSpace(cp=(1, 2))
+    rows = plan(base, 2, 8, _cpu_machine(budget), space, memory_fraction=1.0)
     assert len(rows) > 50 and any(not r["fits"] for r in rows) and rows[0]["fits"]
+    assert {r["layout"].cp for r in rows} == {1, 2} and {r["layout"].tp for r in rows} == {1, 2}
     for row in rows:
         flags = LLAMA + RUN + layout_flags(row["cfg"], row["layout"])
-        assert check_layout_flags(parse(flags), 2) == row["layout"].dp * row["layout"].cp
+        assert check_layout_flags(parse(flags), 2) == row["layout"].dp
     proposed = [r for r in rows if r["fits"]][:6]
     for row in proposed:
         layout = row["layout"]
@@ -123,6 +125,8 @@ def test_published_megatron_results_are_predicted_within_15_percent():
 
 
 def test_plan_tool_prints_the_table_and_emits_flags_the_engine_accepts(tmp_path):
+    from engine.hf.architectures import model_config_from_hf
+    from engine.planning.flags import model_flags
     from engine.preflight import check_layout_flags
     from engine.pretrain import parse
 
@@ -142,10 +146,8 @@ def test_plan_tool_prints_the_table_and_emits_flags_the_engine_accepts(tmp_path)
     assert "layouts of 16 x H100" in lines[0] and "MFU" in lines[1] and len(lines) == 8
     emitted = lines[-1].split()
     assert emitted == json.loads(out.read_text())[0]["flags"]
-    model = ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16",
-             "--seq-length", "4096", "--max-position-embeddings", "4096",
-             "--vocab-size", "32000", "--train-iters", "1"]  # fmt: skip
-    check_layout_flags(parse(model + emitted), 16)
+    model = model_flags(model_config_from_hf(json.loads(hf.read_text()))[0])
+    check_layout_flags(parse(model + ["--seq-length", "4096", "--train-iters", "1"] + emitted), 16)
 
 
 @pytest.mark.parametrize(
@@ -157,6 +159,11 @@ def test_plan_tool_prints_the_table_and_emits_flags_the_engine_accepts(tmp_path)
         (["--gpu", "h100", "--gpus", "6", "--global-batch-size", "7"], "no layout of this model"),
         (["--gpu", "h100", "--gemm-efficiency", "1.5", "--global-batch-size", "8"],
          "--gemm-efficiency 1.5"),
+        (["--gpu", "h100", "--gpus", "0", "--global-batch-size", "8"], "--gpus 0: give at"),
+        (["--gpu", "h100", "--top", "0", "--global-batch-size", "8"], "--top 0: give at"),
+        (["--gpu", "h100", "--micro-batch-sizes", "0", "--global-batch-size", "8"],
+         "--micro-batch-sizes / --context-parallel-sizes 0"),
+        (["--gpu", "h100", "--global-batch-size", "-8"], "give --global-batch-size (>= 1)"),
     ],
 )  # fmt: skip
 def test_plan_tool_refuses_bad_input_in_one_line(args, match):
@@ -164,3 +171,24 @@ def test_plan_tool_refuses_bad_input_in_one_line(args, match):
              "--seq-length", "256", "--vocab-size", "1000",
              "--attention-dropout", "0.0"]  # fmt: skip
     assert match in one_line_error(run_tool("plan.py", *model, *args))
+
+
+def test_plan_tool_refuses_bad_files_and_plans_a_small_model(tmp_path):
+    hf, calibration = tmp_path / "config.json", tmp_path / "cal.json"
+    hf.write_text("[1, 2]")
+    line = one_line_error(run_tool("plan.py", "--hf-config", str(hf), "--gpu", "h100",
+                                   "--global-batch-size", "8"))  # fmt: skip
+    assert "not a model's config.json" in line
+    calibration.write_text(json.dumps({"name": "x", "gemm_rates": [[1, 2, 3]]}))
+    line = one_line_error(run_tool("plan.py", "--calibration", str(calibration)))
+    assert "not a calibration file" in line
+    line = one_line_error(run_tool("plan.py", "--load", str(tmp_path / "none"), "--gpu", "h100",
+                                   "--global-batch-size", "8"))  # fmt: skip
+    assert "--use-checkpoint-args: no checkpoint in" in line
+    # a model whose sizes equal the engine's defaults (4 heads, seq 128) is still written out
+    small = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
+             "--seq-length", "128", "--vocab-size", "1000", "--attention-dropout", "0.0",
+             "--gpu", "h100", "--gpus", "24", "--global-batch-size", "48"]  # fmt: skip
+    result = run_tool("plan.py", *small, "--emit-flags")
+    assert result.returncode == 0, result.stderr
+    assert "--tensor-model-parallel-size" in result.stdout.splitlines()[-1]

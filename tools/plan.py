@@ -89,16 +89,26 @@ def _model(args, rest: list[str]):
         try:
             with open(args.hf_config) as f:
                 hf = json.load(f)
+            model, _ = model_config_from_hf(hf)
         except (OSError, ValueError) as err:
             raise ConfigError(f"--hf-config {args.hf_config}: cannot be read ({err})") from None
-        model, _ = model_config_from_hf(hf)
+        except (KeyError, TypeError, AttributeError) as err:
+            raise ConfigError(
+                f"--hf-config {args.hf_config}: not a model's config.json ({type(err).__name__}: "
+                f"{err}); give the config.json of a Llama-family or GPT-2 model"
+            ) from None
         flags = model_flags(model) + rest
     else:
         flags = rest
     if "--max-position-embeddings" not in flags and "--seq-length" in flags:
         flags = flags + ["--max-position-embeddings", flags[flags.index("--seq-length") + 1]]
+    from engine.arguments import given_flags
+
+    given = given_flags(flags)
+    if "--load" in given and "--num-layers" not in given and not args.hf_config:
+        flags = flags + ["--use-checkpoint-args"]  # the model from the checkpoint
     cfg = parse(flags + extra)
-    if cfg.train.use_checkpoint_args or (cfg.train.load and "--num-layers" not in flags):
+    if cfg.train.use_checkpoint_args:
         from engine.preflight import use_checkpoint_args
 
         if not cfg.train.load:
@@ -106,8 +116,10 @@ def _model(args, rest: list[str]):
         use_checkpoint_args(cfg)
     if cfg.model.vocab_size is None:
         raise ConfigError("the vocabulary size is unknown: give --vocab-size")
-    if not cfg.train.global_batch_size:
-        raise ConfigError("give --global-batch-size: the planner splits it into micro-batches")
+    if not cfg.train.global_batch_size or cfg.train.global_batch_size < 1:
+        raise ConfigError(
+            "give --global-batch-size (>= 1): the planner splits it into micro-batches"
+        )
     return cfg
 
 
@@ -137,9 +149,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         args.calibration = args.calibrate
     machine = _machine(args)
-    world = args.gpus or machine.gpus_per_node
-    if world < 1:
-        raise ConfigError(f"--gpus {world}: give at least 1")
+    world = machine.gpus_per_node if args.gpus is None else args.gpus
+    for flag, value in (("--gpus", world), ("--top", args.top)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: give at least 1")
+    for size in args.micro_batch_sizes + args.context_parallel_sizes:
+        if size < 1:
+            raise ConfigError(f"--micro-batch-sizes / --context-parallel-sizes {size}: give >= 1")
     if not 0 < args.memory_fraction <= 1:
         raise ConfigError(f"--memory-fraction {args.memory_fraction}: give a share in (0, 1]")
     cfg = _model(args, rest)

@@ -10,13 +10,16 @@ from engine.planning.memory import Layout
 
 
 def model_flags(cfg: ModelConfig) -> list[str]:
-    """The flags that give a ModelConfig (those that differ from the defaults), so a model
+    """The flags that give a ModelConfig (the required ones and those that differ from the
+    defaults), so a model
     read from a Hugging Face config or a checkpoint can be launched and checked as flags."""
     default = ModelConfig()
     flags: list[str] = []
     for field in dataclasses.fields(ModelConfig):
         value = getattr(cfg, field.name)
-        if "help" not in field.metadata or value == getattr(default, field.name):
+        if "help" not in field.metadata:
+            continue
+        if value == getattr(default, field.name) and not field.metadata.get("required"):
             continue
         if isinstance(value, bool):
             if value == (field.metadata.get("action", "store_true") == "store_true"):

@@ -43,7 +43,8 @@ class Machine:
     # Whether communication the engine starts asynchronously runs beside compute: on GPUs the
     # collectives have their own streams; a CPU rank's one core runs gloo's work too
     overlaps_comm: bool = True
-    # Fixed costs measured with a tiny model (seconds): "step", "per_microbatch_layer"
+    # Fixed costs measured with tiny models (seconds): "step", "per_microbatch" and
+    # "per_microbatch_layer" (all three, or none)
     overheads: dict = field(default_factory=dict)
 
     def gemm_seconds(self, m: float, n: float, k: float) -> float:
@@ -84,22 +85,31 @@ class Machine:
 
 
 def load_machine(path: str, flag: str = "--calibration") -> Machine:
-    """A Machine from a calibration file; ConfigError naming the flag and the fix otherwise."""
+    """A Machine from a calibration file; a ConfigError naming the flag and the fix for a file
+    that cannot be read or is not one --calibrate writes."""
     try:
         with open(path) as f:
             raw = json.load(f)
         raw["intra"], raw["inter"] = Link(**raw["intra"]), Link(**raw["inter"])
-        raw["gemm_rates"] = tuple(tuple(pair) for pair in raw["gemm_rates"])
+        raw["gemm_rates"] = tuple(sorted((float(s), float(r)) for s, r in raw["gemm_rates"]))
         machine = Machine(**raw)
+        rates = [r for _, r in machine.gemm_rates] + [
+            machine.attention_flops, machine.memory_bytes_per_s, machine.memory_bytes,
+            machine.intra.bytes_per_s, machine.inter.bytes_per_s, machine.gpus_per_node,
+        ]  # fmt: skip
+        overheads = set(machine.overheads)
     except OSError as err:
         raise ConfigError(f"{flag} {path}: cannot be read ({err.strerror})") from None
-    except (ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ConfigError(
             f"{flag} {path}: not a calibration file ({type(err).__name__}: {err}); write one "
             "with tools/plan.py --calibrate"
         ) from None
-    if not machine.gemm_rates or min(r for _, r in machine.gemm_rates) <= 0:
-        raise ConfigError(f"{flag} {path}: no positive GEMM rate; calibrate again")
+    if not machine.gemm_rates or min(rates) <= 0:
+        raise ConfigError(f"{flag} {path}: a rate, size or count is not positive; calibrate again")
+    if overheads and overheads != {"step", "per_microbatch", "per_microbatch_layer"}:
+        raise ConfigError(f"{flag} {path}: overheads must name step, per_microbatch and "
+                          "per_microbatch_layer; calibrate again")  # fmt: skip
     return machine
 
 

@@ -136,7 +136,8 @@ def rank_activation_bytes(
     holding its chunk's layers (cfg's recomputation), plus the embedding's bytes for those of
     the first model chunk on the first stage and the head's for those of the last chunk on the
     last stage (the interleaved schedule runs chunk (k // p) mod v as a rank's k-th forward).
-    With full recomputation, backward's rerun of one group's forward comes on top."""
+    With full recomputation, backward's rerun of one group's forward comes on top of the
+    in-flight bytes less that micro-batch's head (freed before the rerun)."""
     check_layout(cfg, layout, pp_rank)
     counts = chunk_layer_counts(cfg, layout, pp_rank)
     m, p, v = layout.num_microbatches, layout.pp, layout.virtual

@@ -6,9 +6,11 @@ micro-batch size, recomputation (none, selective, full: uniform, 1 layer per gro
 data-parallel sharding strategy and sequence parallelism. Enumerated are those whose sizes
 fit the model as the engine requires (TP divides the heads and key/value groups, PP the
 layers evenly, virtual stages each PP stage's layers and the micro-batches a multiple of PP,
-the sequence 2 x CP, the micro-batches the global batch); tools/plan.py runs the engine's own
-layout checks (engine/preflight.py) on what it shows. A layout fits when the fullest
-pipeline stage's predicted bytes are at most `memory_fraction` of the device's memory.
+the sequence 2 x CP, the micro-batches the global batch, and ModelConfig.validate's checks
+against TP and SP); tools/plan.py also runs the engine's own layout checks
+(engine/preflight.py) on the rows it shows. A layout fits when the fullest pipeline stage's
+predicted bytes (a bf16 run's: 16-bit parameters and activations) are at most
+`memory_fraction` of the device's memory.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from engine.config import ModelConfig
+from engine.errors import ConfigError
 from engine.planning.hardware import Machine
 from engine.planning.memory import STRATEGIES, Layout, rank_memory_bytes
 from engine.planning.step_time import predict_step
@@ -51,6 +54,16 @@ def _divisors(n: int) -> list[int]:
 
 def _allowed(choices, value: int) -> bool:
     return choices is None or value in choices
+
+
+def _model_fits(cfg: ModelConfig, tp: int, cp: int, sp: bool) -> bool:
+    """What the engine checks of the model against TP and SP (ModelConfig.validate: the MLP,
+    the vocabulary, the sequence under SP) and of each CP rank's part under SP."""
+    try:
+        cfg.validate(tp, sp)
+    except ConfigError:
+        return False
+    return not (sp and (cfg.seq_length // cp) % tp)
 
 
 def with_recompute(cfg: ModelConfig, recompute: str) -> ModelConfig:
@@ -90,6 +103,8 @@ def _inner(cfg, space, tp, cp, pp, dp, per_replica) -> Iterator[tuple[str, Layou
             if not _allowed(space.virtual, v):
                 continue
             for sp in space.sequence_parallel if tp > 1 else (False,):
+                if not _model_fits(cfg, tp, cp, sp):
+                    continue
                 for strategy in space.strategies if dp > 1 else ("no_shard",):
                     layout = Layout(
                         tp=tp, pp=pp, dp=dp, virtual=v, strategy=strategy, cp=cp,

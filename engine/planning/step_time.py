@@ -25,6 +25,7 @@ its ranks fit in a node (TP innermost, then CP, DP, PP, as parallel/state.py ord
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.config import ModelConfig
@@ -44,9 +45,9 @@ def collective_s(kind: str, nbytes: float, n: int, stride: int, machine: Machine
     nodes each member carries 1/k of the data over its own link (as NCCL's rings do)."""
     if n == 1:
         return 0.0
-    per_node = (
-        max(1, min(n, machine.gpus_per_node // stride)) if stride < machine.gpus_per_node else 1
-    )
+    per_node = 1  # members of the group on one node: a divisor of n that fits in a node
+    if stride < machine.gpus_per_node:
+        per_node = math.gcd(n, max(1, machine.gpus_per_node // stride))
     nodes = n // per_node
     rounds = 2 if kind == "all_reduce" else 1
     seconds = 0.0
@@ -91,7 +92,8 @@ def _layer_parts(cfg: ModelConfig, layout: Layout, machine: Machine, shape: _Sha
     n, g, f = cfg.num_attention_heads // tp, cfg.query_groups // tp, cfg.ffn_size // tp
     T, a = shape.tokens, shape.a
     fc1 = f * (2 if cfg.swiglu else 1)
-    column = machine.gemm_seconds(T, (n + 2 * g) * d, h) + machine.gemm_seconds(T, fc1, h)
+    qkv, fc1_s = machine.gemm_seconds(T, (n + 2 * g) * d, h), machine.gemm_seconds(T, fc1, h)
+    column = qkv + fc1_s
     row = machine.gemm_seconds(T, h, n * d) + machine.gemm_seconds(T, h, f)
     attention_flops = 4 * T * cfg.seq_length * n * d  # a CP rank's queries against all keys
     attention = 3 * attention_flops / machine.attention_flops
@@ -100,15 +102,18 @@ def _layer_parts(cfg: ModelConfig, layout: Layout, machine: Machine, shape: _Sha
     forward = column + row + attention / 3 + memory / 3
     # TP, per block (attention, MLP): the column input and the row output
     full = T * h * a
-    hide = column if machine.overlaps_comm else 0.0  # the column-parallel GEMMs of backward
+    # in backward, each block's column-parallel GEMMs (its input gradient, its weight
+    # gradient: each as long as the forward GEMM) hide that block's input-side collectives
+    hides = (qkv, fc1_s) if machine.overlaps_comm else (0.0, 0.0)
     if layout.sequence_parallel and tp > 1:
         gather = collective_s("gather", full, tp, 1, machine)
         forward_comm = 2 * 2 * gather
         backward_comm = 2 * gather  # the row output's gradient gathered
-        backward_comm += 2 * 2 * max(0.0, gather - hide)  # re-gather, reduce-scatter
+        backward_comm += sum(2 * max(0.0, gather - hide) for hide in hides)  # re-gather, reduce
     else:
-        forward_comm = 2 * collective_s("all_reduce", full, tp, 1, machine)
-        backward_comm = 2 * max(0.0, collective_s("all_reduce", full, tp, 1, machine) - hide)
+        reduce = collective_s("all_reduce", full, tp, 1, machine)
+        forward_comm = 2 * reduce
+        backward_comm = sum(max(0.0, reduce - hide) for hide in hides)
     if layout.tp_comm_overlap:  # Megatron-LM's --tp-comm-overlap: chunks hidden behind GEMMs
         forward_comm = max(0.0, forward_comm - (column + row))
         backward_comm = max(0.0, backward_comm - 2 * (column + row))
@@ -201,7 +206,7 @@ def predict_step(cfg: ModelConfig, layout: Layout, machine: Machine) -> dict:
     local = params if layout.strategy == "no_shard" else params / (layout.dp * layout.cp)
     parts["optimizer"] = local * ADAM_BYTES_PER_PARAM / machine.memory_bytes_per_s
     overheads = machine.overheads
-    if overheads:
+    if overheads:  # calibrated: "step", "per_microbatch", "per_microbatch_layer"
         layers = max(sum(chunk_layer_counts(cfg, layout, r)) for r in stages)
         parts["overhead"] = overheads["step"] + (m + (p - 1) / v) * (
             overheads["per_microbatch"] + layers * overheads["per_microbatch_layer"]
