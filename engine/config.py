@@ -463,8 +463,10 @@ class ParallelConfig:
     )
     pipeline_schedule: str | None = option(
         None,
-        "force a schedule (default: 1F1B, interleaved with virtual stages)",
-        choices=["gpipe", "1f1b", "interleaved"],
+        "force a schedule (default: 1F1B, interleaved with virtual stages): gpipe, 1f1b, "
+        "interleaved, zb-h1 (zero bubble, 1F1B's memory), zb-v (zero bubble, 2 chunks per "
+        "rank in a V)",
+        choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
     )
     overlap_p2p_communication: bool = option(
         False, "interleaved schedule: pipeline transfers run during compute"
@@ -547,10 +549,16 @@ class ParallelConfig:
             raise ConfigError(
                 "--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage"
             )
-        if self.pipeline_schedule in ("gpipe", "1f1b") and layers_per_virtual:
+        if self.pipeline_schedule in ("gpipe", "1f1b", "zb-h1") and layers_per_virtual:
             raise ConfigError(
                 f"--pipeline-schedule {self.pipeline_schedule} cannot run virtual stages; "
                 "drop --num-layers-per-virtual-pipeline-stage"
+            )
+        if self.pipeline_schedule == "zb-v" and self.virtual_size(num_layers) != 2:
+            raise ConfigError(
+                "--pipeline-schedule zb-v runs 2 model chunks per rank: set "
+                "--num-layers-per-virtual-pipeline-stage to num-layers / (2 x "
+                "pipeline-model-parallel-size)"
             )
         if self.overlap_p2p_communication and not layers_per_virtual:
             raise ConfigError(

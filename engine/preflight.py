@@ -32,6 +32,7 @@ from engine.profiling import check_profile_flags
 from engine.wandb_writer import check_wandb_flags, wandb_folder
 from parallel.errors import describe_os_error
 from parallel.pipeline.layout import stage_layers
+from parallel.pipeline.tables import PLACEMENT
 from parallel.state import check_layout
 
 # Fields that define the model's tensors; --use-checkpoint-args takes them from the checkpoint.
@@ -226,12 +227,33 @@ def _check_pipeline(cfg, dp: int) -> None:
             virtual,
             par.decoder_first_pipeline_num_layers,
             par.decoder_last_pipeline_num_layers,
+            PLACEMENT.get(par.pipeline_schedule, "loop"),
+        )
+    if par.pipeline_schedule in ("zb-h1", "zb-v") and par.sharding_strategy() == (
+        "optim_grads_params"
+    ):
+        raise ConfigError(
+            f"--pipeline-schedule {par.pipeline_schedule} with --data-parallel-sharding-strategy "
+            "optim_grads_params is not available yet (deferred weight gradients and released "
+            "parameters); use optim_grads, or 1f1b / interleaved"
+        )
+    if par.pipeline_schedule == "zb-v" and not m.untie_embeddings_and_output_weights:
+        raise ConfigError(
+            "--pipeline-schedule zb-v puts the embedding and the output layer on the first "
+            "rank's two chunks, which cannot share a tied weight yet: add "
+            "--untie-embeddings-and-output-weights or use zb-h1"
         )
     schedule = train.batch_schedule(dp, m.seq_length)
     batches, _ = schedule.sizes(train.train_iters)
     for batch in sorted(batches | {schedule.final}):
         microbatches = train.num_microbatches(dp, batch)
-        if virtual > 1 and microbatches % pp:
+        if par.pipeline_schedule == "zb-v" and microbatches < 2 * pp - 1:
+            raise ConfigError(
+                f"--pipeline-schedule zb-v needs at least 2 x pipeline-model-parallel-size - 1 = "
+                f"{2 * pp - 1} micro-batches per step ({microbatches} = global batch {batch} / "
+                f"(micro-batch-size x data-parallel size {dp}))"
+            )
+        if virtual > 1 and microbatches % pp and par.pipeline_schedule != "zb-v":
             raise ConfigError(
                 f"interleaved pipelining needs the micro-batches per step ({microbatches} = "
                 f"global batch {batch} / (micro-batch-size x data-parallel size {dp})) to be a "

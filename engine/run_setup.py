@@ -41,6 +41,7 @@ from engine.run_state import Configs, Counters, Run, logging_rank, params_dtype
 from engine.wandb_writer import WandbWriter
 from parallel.ddp import DistributedDataParallel
 from parallel.pipeline.schedules import get_schedule
+from parallel.pipeline.tables import PLACEMENT
 from parallel.random import model_parallel_seed
 from parallel.state import ParallelState
 from parallel.timing import StepTimes
@@ -84,6 +85,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         torch_compile=train.torch_compile,
         cp_comm_type=par.cp_comm_type,
         times=_tp_comm_times(times, train, state.device),
+        placement=PLACEMENT.get(par.pipeline_schedule, "loop"),
     )
     ddps = [
         DistributedDataParallel(

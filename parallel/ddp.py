@@ -61,6 +61,7 @@ from parallel.buckets import (
     release,
 )
 from parallel.comm import all_gather_into, group_rank, group_size, reduce_scatter_into
+from parallel.weight_grad import QUEUE_ATTRIBUTE
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -204,6 +205,8 @@ class DistributedDataParallel(nn.Module):
             bucket.grad.zero_()
 
     def _grad_ready(self, param: nn.Parameter) -> None:
+        if param.grad is None and getattr(param, QUEUE_ATTRIBUTE, None) is not None:
+            return  # its weight gradient was deferred (parallel/weight_grad.py): W adds it
         if param.grad is not None:
             self._prepare_main_grad(param)
             param.main_grad.add_(param.grad)

@@ -28,11 +28,14 @@ callback. Without the buffer the gradient is returned to autograd as usual.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from parallel.comm import TP_COMM, all_gather_into, group_size, reduce_scatter_into
 from parallel.timing import measure
+from parallel.weight_grad import QUEUE_ATTRIBUTE
 
 INPUT_MODES = ("none", "copy", "gather")
 
@@ -97,20 +100,30 @@ class _TensorParallelLinear(torch.autograd.Function):
 
 
 def _weight_grad(weight, grad_output_2d, input_2d, ctx):
-    """dL/dW = grad_output^T input, or None when it went straight into weight.main_grad."""
+    """dL/dW = grad_output^T input, or None when it went straight into weight.main_grad (or
+    was queued to: parallel/weight_grad.py, for zero-bubble schedules)."""
     main_grad = getattr(weight, "main_grad", None)
     added = getattr(weight, "on_main_grad_added", None)
     if not (ctx.fuse_wgrad and main_grad is not None and added is not None):
         return grad_output_2d.t().matmul(input_2d)
+    queue = getattr(weight, QUEUE_ATTRIBUTE, None)
+    if queue is not None:
+        queue.add(functools.partial(_add_to_main_grad, weight, grad_output_2d, input_2d))
+        return None
+    _add_to_main_grad(weight, grad_output_2d, input_2d)
+    return None
+
+
+def _add_to_main_grad(weight, grad_output_2d, input_2d) -> None:
     prepare = getattr(weight, "prepare_main_grad", None)
     if prepare is not None:
         prepare(weight)  # sharded gradients: the bucket's buffer may be released
+    main_grad = weight.main_grad
     if main_grad.dtype == grad_output_2d.dtype:
         main_grad.addmm_(grad_output_2d.t(), input_2d)
     else:
         main_grad.add_(grad_output_2d.t().matmul(input_2d))
-    added(weight)
-    return None
+    weight.on_main_grad_added(weight)
 
 
 def tensor_parallel_linear(

@@ -15,6 +15,7 @@ from engine.step import run_schedule, train_step
 from parallel.ddp import DistributedDataParallel
 from parallel.grads import finalize_model_grads
 from parallel.pipeline.schedules import get_schedule
+from parallel.pipeline.tables import PLACEMENT
 from parallel.sharding import full_from_local, tp_sharding_of
 
 VOCAB = 300
@@ -149,6 +150,7 @@ def engine_run(
         last_stage_layers=last_stage_layers,
         torch_compile=torch_compile,
         cp_comm_type=cp_comm_type,
+        placement=PLACEMENT.get(schedule_kind, "loop"),
     )
     ddps = [
         DistributedDataParallel(
@@ -208,6 +210,7 @@ def make_schedule(
     kind=None,
     stats=None,
     overlap_p2p=False,
+    trace=False,
 ):
     seq = cfg.seq_length // state.cp_size
     if sequence_parallel and state.tp_size > 1:
@@ -220,6 +223,7 @@ def make_schedule(
         dtype=dtype,
         stats=stats,
         overlap_p2p=overlap_p2p,
+        trace=trace,
     )
 
 
@@ -235,15 +239,18 @@ def engine_grads(
     stats=None,
     overlap_p2p=False,
     cp_comm_type=("p2p",),
+    trace=False,
 ):
     """One forward/backward of the global batch through the engine: (losses, full grads).
-    Under context parallelism the losses are this CP rank's shares."""
+    Under context parallelism the losses are this CP rank's shares. `trace`: stats get the
+    runtime's 'events'."""
     chunks = build_model_chunks(
         cfg,
         state,
         sequence_parallel=sequence_parallel,
         virtual_size=virtual_size,
         cp_comm_type=cp_comm_type,
+        placement=PLACEMENT.get(schedule_kind, "loop"),
     )
     ddps = [DistributedDataParallel(c, state.dp_cp_group, bucket_size=2000) for c in chunks]
     schedule = make_schedule(
@@ -256,6 +263,7 @@ def engine_grads(
         schedule_kind,
         stats,
         overlap_p2p,
+        trace,
     )
     batches = micro_batches(tokens, mbs, state.dp_rank, state.dp_size)
     for ddp in ddps:

@@ -1,5 +1,6 @@
-"""The pipeline, data-parallel and streaming benchmarks run end to end on tiny inputs and write
-the tables their closing-note numbers come from (timings are not checked: numbers, not asserts)."""
+"""The pipeline, data-parallel, streaming, planner and scaling benchmarks run end to end on
+tiny inputs and write the tables their closing-note numbers come from (timings are not
+checked: numbers, not asserts)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 from engine.metrics import PEAK_TFLOPS
 from tests.tokenizer_files import make_hf_folder
-from tools import bench_ddp, bench_pipeline, bench_streaming
+from tools import bench_ddp, bench_pipeline, bench_plan, bench_scaling, bench_streaming
 
 TINY = ["--hidden-size", "64", "--seq-length", "16", "--warmup", "0", "--steps", "1"]
 
@@ -67,3 +68,50 @@ def test_bench_streaming_rows(tmp_path, corpus, tokenizer_model):
     for c in consumers:  # 45% of the H100's peak over the FLOPs per token
         h100 = 0.45 * PEAK_TFLOPS[("H100 SXM", "bf16")] * 1e12
         assert abs(c["tokens_per_s"] * c["flops_per_token"] - h100) < 1e-6 * h100
+
+
+def _machine_file(tmp_path) -> str:
+    from engine.planning.hardware import Link, Machine
+
+    path = str(tmp_path / "machine.json")
+    Machine(
+        name="cpu", memory_bytes=1e9, gemm_rates=((64.0, 20e9), (256.0, 50e9)),
+        attention_flops=30e9, memory_bytes_per_s=10e9, intra=Link(1e-4, 1e9),
+        inter=Link(1e-4, 1e9), gpus_per_node=2, activation_bytes=4, overlaps_comm=False,
+        overheads={"step": 1e-3, "per_microbatch": 1e-4, "per_microbatch_layer": 1e-4},
+    ).to_json(path)  # fmt: skip
+    return path
+
+
+def test_bench_scaling_rows_and_figure(tmp_path):
+    out, png = tmp_path / "scaling.json", tmp_path / "scaling.png"
+    argv = ["--num-layers", "2", "--vocab-size", "128", "--world-sizes", "1", "2",
+            "--predict-sizes", "4", "--global-batch-size", "8", "--calibration",
+            _machine_file(tmp_path), *TINY, "--json", str(out), "--png", str(png)]  # fmt: skip
+    assert bench_scaling.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["world"], r["measured"]) for r in rows] == [
+        ("weak", 1, True), ("weak", 2, True), ("weak", 4, False),
+        ("strong", 1, True), ("strong", 2, True), ("strong", 4, False),
+    ]  # fmt: skip
+    for r in rows:
+        assert r["predicted_tokens_per_s"] > 0 and r["efficiency"] > 0
+        assert not r["measured"] or r["tokens_per_s"] > 0
+    weak, strong = rows[:3], rows[3:]
+    assert weak[0]["efficiency"] == 1.0 and strong[0]["efficiency"] == 1.0
+    assert [r["tokens_per_step"] for r in weak] == [64, 128, 256]  # per-rank work fixed
+    assert {r["tokens_per_step"] for r in strong} == {128}  # the global batch fixed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_plan_rows(tmp_path):
+    out = tmp_path / "plan.json"
+    argv = ["--num-layers", "4", "--vocab-size", "128", "--calibration",
+            _machine_file(tmp_path), *TINY, "--hidden-size", "128",  # 2 heads for TP 2
+            "--json", str(out)]  # fmt: skip
+    assert bench_plan.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert len(result["cpu"]["rows"]) == len(bench_plan.CPU_LAYOUTS) >= 10
+    for r in result["cpu"]["rows"]:
+        assert r["measured_s"] > 0 and r["predicted_s"] > 0
+    assert result["published"]["median_error"] <= 0.15

@@ -91,3 +91,27 @@ def test_bad_amounts_are_refused(tmp_path):
     line = one_line_error(run_tool("compute_budget.py", "--parameters", "7B", "--gpu", "H100",
                                    "--gpus", "8", "--mfu", "0"))  # fmt: skip
     assert line.startswith("error: --mfu 0.0:")
+
+
+def test_days_at_the_planners_rate(tmp_path):
+    """--plan: the cluster and MFU of tools/plan.py's best fitting layout of a model."""
+    plan = tmp_path / "plan.json"
+    model = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
+             "--seq-length", "4096", "--vocab-size", "32000", "--attention-dropout", "0.0",
+             "--global-batch-size", "512", "--gpu", "h100", "--gpus", "64"]  # fmt: skip
+    assert run_tool("plan.py", *model, "--top", "3", "--json", str(plan)).returncode == 0
+    best = json.loads(plan.read_text())[0]
+    out = tmp_path / "b.json"
+    result = run_tool("compute_budget.py", "--parameters", "7B", "--tokens", "2T", "--plan",
+                      str(plan), "--json", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    seconds = 8.4e22 / (64 * best["prediction"]["tflops"] * 1e12)
+    assert json.loads(out.read_text())["days"] == pytest.approx(seconds / 86400, rel=1e-9)
+    assert f"at {best['prediction']['mfu']:.1%} MFU (tools/plan.py's best layout)" in result.stdout
+    line = one_line_error(run_tool("compute_budget.py", "--parameters", "7B", "--plan",
+                                   str(plan), "--gpus", "8"))  # fmt: skip
+    assert "--plan gives the cluster and its MFU" in line
+    (tmp_path / "bad.json").write_text('{"rows": 1}')
+    line = one_line_error(run_tool("compute_budget.py", "--parameters", "7B", "--plan",
+                                   str(tmp_path / "bad.json")))  # fmt: skip
+    assert "not a file of tools/plan.py --json" in line

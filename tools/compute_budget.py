@@ -7,7 +7,11 @@
 Prints the budget (C = 6 N D), its tokens per parameter beside published runs', the
 compute-optimal split of the same FLOPs (20 tokens per parameter, and Hoffmann et al.'s
 fitted law, engine/planning/budget.py), and, with a cluster, the days and GPU hours at
---mfu of the datasheet peak (--gpu names a row of engine/metrics.py's table).
+--mfu of the datasheet peak (--gpu names a row of engine/metrics.py's table), or at the MFU
+tools/plan.py predicts for the best layout of a model (--plan, its --json file):
+
+    python tools/plan.py --gpu h100 --gpus 256 <model flags> --json plan.json
+    python tools/compute_budget.py --parameters 7B --tokens 2T --plan plan.json
 """
 
 from __future__ import annotations
@@ -22,9 +26,36 @@ from engine.errors import ConfigError
 from engine.planning.budget import PUBLISHED_RUNS, Cluster, parse_amount, solve
 
 
+def _planned_cluster(path: str) -> tuple[Cluster, str]:
+    """The cluster and rate of the best fitting row of tools/plan.py --json's file."""
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+        best = next(r for r in rows if r["fits"])
+        layout, prediction = best["layout"], best["prediction"]
+        gpus = layout["tp"] * layout["cp"] * layout["pp"] * layout["dp"]
+        tflops, mfu, name = prediction["tflops"], prediction["mfu"], best["machine"]
+    except OSError as err:
+        raise ConfigError(f"--plan {path}: cannot be read ({err.strerror})") from None
+    except StopIteration:
+        raise ConfigError(f"--plan {path}: no layout in it fits in memory; plan again") from None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ConfigError(
+            f"--plan {path}: not a file of tools/plan.py --json; write one with it"
+        ) from None
+    if not mfu or tflops <= 0:
+        raise ConfigError(f"--plan {path}: planned for {name}, which has no datasheet peak")
+    return Cluster(gpus, tflops / mfu, mfu), name
+
+
 def _cluster(args):
     from engine.metrics import PEAK_TFLOPS
 
+    if args.plan is not None:
+        if args.gpu or args.gpus or args.mfu_given:
+            raise ConfigError("--plan gives the cluster and its MFU; drop --gpu, --gpus, --mfu")
+        cluster, args.gpu = _planned_cluster(args.plan)
+        return cluster
     if args.gpu is None and args.gpus is None:
         return None
     if args.gpu is None or args.gpus is None:
@@ -59,10 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--days", type=float, help="wall-clock days on the cluster")
     parser.add_argument("--gpu", help="e.g. H100, H200, A100")
     parser.add_argument("--gpus", type=int)
-    parser.add_argument("--mfu", type=float, default=0.4, help="share of the peak reached")
+    parser.add_argument("--mfu", type=float, help="share of the peak reached (default 0.4)")
+    parser.add_argument(
+        "--plan", help="the cluster and MFU of the best layout in tools/plan.py --json's file"
+    )
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args.mfu_given = args.mfu is not None
+    args.mfu = 0.4 if args.mfu is None else args.mfu
     amounts = {
         name: parse_amount(f"--{name}", getattr(args, name)) if getattr(args, name) else None
         for name in ("parameters", "tokens", "flops")
@@ -89,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  fitted law       N {_short(nfit)}, D {_short(dfit)} "
           f"(loss {out['loss_fitted_optimal']:.3f})")  # fmt: skip
     if cluster is not None:
-        print(f"on {cluster.gpus} x {args.gpu} at {cluster.mfu:.0%} MFU "
+        source = " (tools/plan.py's best layout)" if args.plan else ""
+        print(f"on {cluster.gpus} x {args.gpu} at {cluster.mfu:.1%} MFU{source} "
               f"({cluster.peak_tflops:g} TFLOP/s {args.dtype} peak): {out['days']:.2f} days, "
               f"{out['gpu_hours']:,.0f} GPU hours")  # fmt: skip
     print("published runs (tokens/parameter):")

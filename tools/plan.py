@@ -200,16 +200,17 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(layout_flags(best["cfg"], best["layout"])))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([_record(r) for r in shown], f, indent=1)
+            json.dump([_record(r, machine.name) for r in shown], f, indent=1)
     return 0
 
 
-def _record(row) -> dict:
+def _record(row, machine: str) -> dict:
     from dataclasses import asdict
 
     from engine.planning.flags import layout_flags
 
     return {
+        "machine": machine,
         "layout": asdict(row["layout"]),
         "recompute": row["recompute"],
         "memory_bytes": row["memory"],

@@ -7,7 +7,7 @@ import torch
 from engine.config import ModelConfig
 from engine.model.context import BuildContext
 from engine.model.gpt import GPTModel
-from parallel.pipeline.layout import stage_layers
+from parallel.pipeline.layout import stage_layers, virtual_stage
 from parallel.random import RNGStatesTracker
 from parallel.state import ParallelState
 
@@ -28,6 +28,7 @@ def build_model_chunks(
     torch_compile: bool = False,
     cp_comm_type: tuple[str, ...] | list[str] = ("p2p",),
     times=None,
+    placement: str = "loop",
 ) -> list[GPTModel]:
     """One GPTModel per (virtual) pipeline stage of this rank, in execution order. `ops` is
     the op set from engine.ops.select_ops (the PyTorch ops by default). `torch_compile`
@@ -35,7 +36,8 @@ def build_model_chunks(
     layer's module call, and so the data-parallel hooks around it, stay eager.
     `cp_comm_type` (--cp-comm-type): context-parallel attention's exchange, for every layer or
     one per layer. `times` (parallel.timing.StepTimes): the layers count their tensor-parallel
-    communication there."""
+    communication there. `placement`: where each chunk sits in the model
+    (parallel/pipeline/layout.py: "loop", or "v" for the zb-v schedule)."""
     ctx = BuildContext(
         config,
         tp_group=state.tp_group,
@@ -61,11 +63,12 @@ def build_model_chunks(
         virtual_size,
         first_stage_layers,
         last_stage_layers,
+        placement,
     )
     chunks = []
     for index, numbers in enumerate(layers):
-        pre = state.is_first_stage and index == 0
-        post = state.is_last_stage and index == len(layers) - 1
+        stage = virtual_stage(placement, state.pp_size, state.pp_rank, index)
+        pre, post = stage == 0, stage == state.pp_size * virtual_size - 1
         chunks.append(
             GPTModel(
                 config,

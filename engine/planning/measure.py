@@ -17,7 +17,8 @@ def measure_rank(rank: int, world: int, flags: list[str], warmup: int, steps: in
     import torch.distributed as dist
 
     from engine.activation_memory import PeakSavedBytes
-    from engine.preflight import check
+    from engine.benchmarks import sync_device
+    from engine.preflight import check, device_of
     from engine.pretrain import parse
     from engine.run_setup import setup
     from engine.state_memory import held_state_bytes
@@ -27,10 +28,15 @@ def measure_rank(rank: int, world: int, flags: list[str], warmup: int, steps: in
     cfg = parse(flags)
     check(cfg, world)
     par = cfg.parallel
+    device = device_of(cfg.train)
+    if device.type == "cuda":  # one GPU per rank, as torchrun places them
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     state = ParallelState.build(
         par.tensor_model_parallel_size,
         par.pipeline_model_parallel_size,
         cp=par.context_parallel_size,
+        device=device,
     )
     run = setup(cfg, state)
     train, seq = cfg.train, cfg.model.seq_length
@@ -40,7 +46,7 @@ def measure_rank(rank: int, world: int, flags: list[str], warmup: int, steps: in
         0, cfg.model.vocab_size, (m * train.micro_batch_size, seq + 1), generator=generator
     )
     batches = [
-        {"tokens": part[:, :-1], "labels": part[:, 1:]}
+        {"tokens": part[:, :-1].to(state.device), "labels": part[:, 1:].to(state.device)}
         for part in tokens.split(train.micro_batch_size)
     ]
     params = [p for chunk in run.chunks for p in chunk.parameters()]
@@ -51,7 +57,8 @@ def measure_rank(rank: int, world: int, flags: list[str], warmup: int, steps: in
             start = time.perf_counter()
             train_iteration(run, batches)
             run.counters.iteration += 1
-            elapsed = torch.tensor([time.perf_counter() - start])
+            sync_device(state.device)
+            elapsed = torch.tensor([time.perf_counter() - start], device=state.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if step >= warmup:
                 times.append(elapsed.item())

@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from parallel.errors import ConfigError
 
+PLACEMENTS = ("loop", "v")
+
+
+def virtual_stage(placement: str, pp_size: int, pp_rank: int, chunk: int) -> int:
+    """Where chunk `chunk` of rank `pp_rank` sits in the model: "loop" (Megatron-LM's
+    interleaving) puts it at chunk * pp_size + pp_rank; "v" (two chunks, zero-bubble ZB-V)
+    puts chunk 0 at pp_rank and chunk 1 at 2 pp_size - 1 - pp_rank."""
+    if placement == "v":
+        return pp_rank if chunk == 0 else 2 * pp_size - 1 - pp_rank
+    return chunk * pp_size + pp_rank
+
 
 def stage_layers(
     num_layers: int,
@@ -12,14 +23,17 @@ def stage_layers(
     virtual_size: int = 1,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    placement: str = "loop",
 ) -> list[list[int]]:
     """Global layer numbers of each model chunk on this pipeline rank.
 
     Layers are cut into pp_size * virtual_size consecutive chunks; chunk c of rank r is
-    global chunk c * pp_size + r (interleaved order). --decoder-first/last-pipeline-num-layers
+    global chunk `virtual_stage(placement, ...)`. --decoder-first/last-pipeline-num-layers
     give the first and last stage a different count (only without virtual stages); the rest
     is split evenly.
     """
+    if placement == "v" and virtual_size != 2:
+        raise ConfigError("the V placement (zb-v) holds exactly 2 model chunks per rank")
     if pp_size == 1 and virtual_size == 1:
         return [list(range(num_layers))]
     if (first_stage_layers or last_stage_layers) and virtual_size > 1:
@@ -29,15 +43,8 @@ def stage_layers(
         )
     counts = _stage_counts(num_layers, pp_size, virtual_size, first_stage_layers, last_stage_layers)
     starts = [sum(counts[:i]) for i in range(len(counts))]
-    return [
-        list(
-            range(
-                starts[c * pp_size + pp_rank],
-                starts[c * pp_size + pp_rank] + counts[c * pp_size + pp_rank],
-            )
-        )
-        for c in range(virtual_size)
-    ]
+    stages = [virtual_stage(placement, pp_size, pp_rank, c) for c in range(virtual_size)]
+    return [list(range(starts[s], starts[s] + counts[s])) for s in stages]
 
 
 def _stage_counts(num_layers, pp, vpp, first, last) -> list[int]:

@@ -25,6 +25,7 @@ from parallel.state import ParallelState
 from parallel.timing import StepTimes, measure
 
 ACTIVATION_TAG, GRADIENT_TAG = 1, 2
+TAGS = {"activation": ACTIVATION_TAG, "gradient": GRADIENT_TAG}
 
 
 @dataclass
@@ -47,6 +48,31 @@ class Pending:
         if self.from_prev is not None:
             self.from_prev.requires_grad_(True)
         return self.from_prev, self.from_next
+
+
+@dataclass
+class Transfer:
+    """One batch of `P2P.post_to` in flight; `wait()` returns what it received (an activation
+    requires grad: it is a stage's input)."""
+
+    works: list
+    buffers: list[torch.Tensor]
+    received: torch.Tensor | None
+    activation: bool
+    times: StepTimes | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.works)
+
+    def wait(self) -> torch.Tensor | None:
+        with measure(self.times, "pipeline-wait"):
+            for work in self.works:
+                work.wait()
+        self.works, self.buffers = [], []
+        if self.received is not None and self.activation:
+            self.received.requires_grad_(True)
+        return self.received
 
 
 @dataclass
@@ -106,6 +132,29 @@ class P2P:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """`post` and wait: returns (tensor from prev, tensor from next)."""
         return self.post(send_next, send_prev, recv_prev, recv_next).wait()
+
+    def post_to(
+        self,
+        send: tuple[torch.Tensor, int, str] | None = None,
+        recv_from: tuple[int, str] | None = None,
+    ) -> Transfer:
+        """One batch, not waited for: `send` = (tensor, pipeline rank, kind), `recv_from` =
+        (pipeline rank, kind), kind "activation" or "gradient" (its tag). For schedules whose
+        neighbours are not just the next and previous stage (parallel/pipeline/runtime.py)."""
+        state, ops, received = self.state, [], None
+        if send is not None:
+            tensor, peer, kind = send
+            ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(),
+                                  state.pp_ranks[peer], state.pp_group, TAGS[kind]))  # fmt: skip
+        if recv_from is not None:
+            peer, kind = recv_from
+            received = self._buffer()
+            ops.append(dist.P2POp(dist.irecv, received, state.pp_ranks[peer], state.pp_group,
+                                  TAGS[kind]))  # fmt: skip
+        with measure(self.times, "pipeline-wait"):
+            works = dist.batch_isend_irecv(ops) if ops else []
+        activation = recv_from is not None and recv_from[1] == "activation"
+        return Transfer(works, [op.tensor for op in ops], received, activation, self.times)
 
     # Named helpers for readability in the schedules.
     def recv_forward(self, receive: bool = True) -> torch.Tensor | None:

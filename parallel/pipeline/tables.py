@@ -1,0 +1,234 @@
+"""Pipeline schedules as data: for each rank, the ordered list of compute actions it runs.
+
+An action is F (forward), B (backward: input and weight gradients together), I (backward for
+the input gradient only) or W (the weight gradients, deferred from I), of one of the rank's
+model chunks on one micro-batch. Transfers are not written in the table: every F of a
+virtual stage after the first receives its input from the stage before, every B or I of a
+stage before the last receives its output gradient from the stage after, and each sends its
+result the other way; the runtime and the validator (parallel/pipeline/validate.py) derive
+them.
+
+Where chunks sit: `loop` placement puts chunk c of rank r at virtual stage c x p + r (Megatron-
+LM's interleaving; one chunk per rank is plain pipelining); `v` placement puts chunk 0 at stage
+r and chunk 1 at stage 2p - 1 - r, so the last stage's forward turns straight into its own
+backward (ZB-V).
+
+Generators take (p ranks, v chunks per rank, m micro-batches) and return a Table:
+- gpipe: every forward, then every backward;
+- 1f1b: p - r - 1 warm-up forwards on rank r, then forward/backward pairs, then the rest of
+  the backwards;
+- interleaved: 1F1B over v chunks per rank, micro-batches in groups of p (m a multiple of p);
+- zb-h1: 1F1B with backward split into I and W, rank r holding back up to r W's and running
+  them where it would otherwise wait (the peak activations stay 1F1B's p; Qi et al., "Zero
+  Bubble Pipeline Parallelism", 2023, its handcrafted ZB-H1);
+- zb-v: two chunks per rank in a V (m at least 2p - 1): forwards of chunk 0 down the V, then
+  of both chunks, then chunk 1's F, I, W as its gradients come back, then both chunks' F, I
+  and W in turn (the paper's ZB-V; with F = I = W its steady state has no bubble).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from parallel.errors import ConfigError
+from parallel.pipeline.layout import virtual_stage
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F", "B", "I" or "W"
+    chunk: int  # the rank's model chunk
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.chunk}.{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    p: int
+    v: int
+    m: int
+    placement: str  # "loop" or "v"
+    ranks: tuple[tuple[Action, ...], ...]
+
+    def stage(self, rank: int, chunk: int) -> int:
+        """The virtual stage (position in the model) of chunk `chunk` of rank `rank`."""
+        return virtual_stage(self.placement, self.p, rank, chunk)
+
+    def place(self, stage: int) -> tuple[int, int]:
+        """(rank, chunk) of a virtual stage."""
+        if self.placement == "v":
+            return (stage, 0) if stage < self.p else (2 * self.p - 1 - stage, 1)
+        return stage % self.p, stage // self.p
+
+    @property
+    def stages(self) -> int:
+        return self.p * self.v
+
+
+def gpipe(p: int, v: int, m: int) -> Table:
+    _single_chunk("gpipe", v)
+    ranks = [
+        [Action("F", 0, k) for k in range(m)] + [Action("B", 0, k) for k in range(m)]
+        for _ in range(p)
+    ]
+    return _table("gpipe", p, 1, m, "loop", ranks)
+
+
+def warmup_forwards(kind: str, p: int, rank: int, m: int, v: int = 1) -> int:
+    """Forwards (of chunk-micro-batches) rank `rank` runs before its first backward."""
+    if kind == "gpipe":
+        return m
+    if kind in ("1f1b", "zb-h1"):
+        return min(p - rank - 1, m)
+    total = m * v
+    if m == p:
+        return total  # all forwards, then all backwards
+    return min((p - rank - 1) * 2 + (v - 1) * p, total)
+
+
+def one_f_one_b(p: int, v: int, m: int) -> Table:
+    _single_chunk("1f1b", v)
+    ranks = []
+    for r in range(p):
+        warmup = warmup_forwards("1f1b", p, r, m)
+        order = [Action("F", 0, k) for k in range(warmup)]
+        for k in range(m - warmup):
+            order += [Action("F", 0, warmup + k), Action("B", 0, k)]
+        order += [Action("B", 0, k) for k in range(m - warmup, m)]
+        ranks.append(order)
+    return _table("1f1b", p, 1, m, "loop", ranks)
+
+
+def interleaved(p: int, v: int, m: int) -> Table:
+    if v < 2:
+        raise ConfigError("the interleaved schedule needs 2 or more model chunks per rank")
+    if m % p:
+        raise ConfigError(
+            f"interleaved pipelining needs the micro-batches per step ({m}) to be a multiple of "
+            f"pipeline-model-parallel-size {p}"
+        )
+
+    def chunk_of(k: int, forward: bool) -> int:
+        c = (k % (p * v)) // p
+        return c if forward else v - 1 - c
+
+    def microbatch_of(k: int) -> int:
+        return (k // (p * v)) * p + k % p
+
+    ranks = []
+    total = m * v
+    for r in range(p):
+        warmup = warmup_forwards("interleaved", p, r, m, v)
+
+        def forward(k: int) -> Action:
+            return Action("F", chunk_of(k, True), microbatch_of(k))
+
+        def backward(k: int) -> Action:
+            return Action("B", chunk_of(k, False), microbatch_of(k))
+
+        order = [forward(k) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [forward(warmup + k), backward(k)]
+        order += [backward(k) for k in range(total - warmup, total)]
+        ranks.append(order)
+    return _table("interleaved", p, v, m, "loop", ranks)
+
+
+def zb_h1(p: int, v: int, m: int) -> Table:
+    _single_chunk("zb-h1", v)
+    return _table("zb-h1", p, 1, m, "loop", [_zb_h1_rank(p, m, r) for r in range(p)])
+
+
+def _zb_h1_rank(p: int, m: int, r: int) -> list[Action]:
+    warmup = warmup_forwards("zb-h1", p, r, m)
+    order = [Action("F", 0, k) for k in range(warmup)]
+    pending: list[int] = []  # micro-batches whose W is held back
+
+    def backward(k: int) -> None:
+        order.append(Action("I", 0, k))
+        pending.append(k)
+        if len(pending) > r:  # rank r holds back at most r W's
+            order.append(Action("W", 0, pending.pop(0)))
+
+    for k in range(m - warmup):
+        order.append(Action("F", 0, warmup + k))
+        backward(k)
+    for k in range(m - warmup, m):
+        backward(k)
+        if pending:  # the cool-down waits for gradients: a held-back W fills the wait
+            order.append(Action("W", 0, pending.pop(0)))
+    return order + [Action("W", 0, k) for k in pending]
+
+
+def zb_v(p: int, v: int, m: int) -> Table:
+    if v != 2:
+        raise ConfigError("the zb-v schedule runs exactly 2 model chunks per rank (a V)")
+    if m < 2 * p - 1:
+        raise ConfigError(
+            f"zb-v needs at least 2 x pipeline stages - 1 = {2 * p - 1} micro-batches per step "
+            f"({m} given)"
+        )
+    return _table("zb-v", p, 2, m, "v", [_zb_v_rank(p, m, r) for r in range(p)])
+
+
+def _zb_v_rank(p: int, m: int, r: int) -> list[Action]:
+    done = {kind: [0, 0] for kind in "FIW"}  # per kind: how many of each chunk so far
+    order: list[Action] = []
+
+    def run(kind: str, chunk: int) -> None:
+        order.append(Action(kind, chunk, done[kind][chunk]))
+        done[kind][chunk] += 1
+
+    for _ in range(2 * (p - r) - 1):  # chunk 0 down the V
+        run("F", 0)
+    for _ in range(r):  # then both chunks
+        run("F", 1)
+        run("F", 0)
+    for _ in range(p - r):  # chunk 1's first gradients come back from the bottom
+        run("F", 1)
+        run("I", 1)
+        run("W", 1)
+    while done["W"][0] < m or done["W"][1] < m:  # steady: both chunks, F I W
+        for chunk in (0, 1):
+            behind = chunk == 0 or done["F"][1] < done["F"][0]
+            if done["F"][chunk] < m and behind:
+                run("F", chunk)
+            ready = chunk == 1 or done["I"][0] < done["I"][1]
+            if done["I"][chunk] < done["F"][chunk] and ready:
+                run("I", chunk)
+            if done["W"][chunk] < done["I"][chunk]:
+                run("W", chunk)
+    return order
+
+
+def _single_chunk(name: str, v: int) -> None:
+    if v != 1:
+        raise ConfigError(f"the {name} schedule runs one model chunk per rank; drop the virtual "
+                          "stages or use interleaved")  # fmt: skip
+
+
+def _table(name, p, v, m, placement, ranks) -> Table:
+    return Table(name, p, v, m, placement, tuple(tuple(order) for order in ranks))
+
+
+PLACEMENT = {"zb-v": "v"}  # the others: "loop"
+
+GENERATORS: dict[str, Callable[[int, int, int], Table]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "zb-h1": zb_h1,
+    "zb-v": zb_v,
+}
+
+
+def build_table(name: str, p: int, v: int, m: int) -> Table:
+    if name not in GENERATORS:
+        raise ConfigError(f"pipeline schedule {name!r} is not one of {', '.join(GENERATORS)}")
+    if p < 2:
+        raise ConfigError(f"the {name} schedule needs 2 or more pipeline stages")
+    return GENERATORS[name](p, v, m)
