@@ -23,11 +23,14 @@ def test_bench_pipeline_rows(tmp_path):
         "1f1b",
         "interleaved",
         "interleaved+overlap",
+        "zb-h1",  # (zb-v needs m >= 2p - 1)
     ]
     for r in rows:
         assert r["measured_s"] > 0 and r["stage_s"] > 0
-        v = 2 if r["schedule"].startswith("interleaved") else 1
-        assert abs(r["ideal_bubble"] - (1 - 2 / (2 + 1 / v))) < 1e-12
+        if r["schedule"] != "zb-h1":
+            v = 2 if r["schedule"].startswith("interleaved") else 1
+            assert abs(r["ideal_bubble"] - (1 - 2 / (2 + 1 / v))) < 1e-12
+    assert rows[-1]["ideal_bubble"] < rows[1]["ideal_bubble"]  # zb-h1 below 1f1b
 
 
 def test_bench_ddp_rows(tmp_path):

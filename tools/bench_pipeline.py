@@ -1,9 +1,12 @@
-"""Pipeline bubble on CPU gloo: GPipe, 1F1B and interleaved 1F1B against their ideal times.
+"""Pipeline bubble on CPU gloo: GPipe, 1F1B, interleaved 1F1B and the zero-bubble ZB-H1 and
+ZB-V against their ideal times.
 
 For p stages and m micro-batches, the single-stage time t (forward + backward of one stage on
-one micro-batch) gives the ideal step time m * t / e, with ideal efficiency e = m / (m + p - 1)
-for GPipe and 1F1B and m / (m + (p - 1) / v) for interleaved 1F1B with v virtual stages
-(run with blocking transfers, and with --overlap-p2p-communication).
+one micro-batch) gives the ideal step time m * t / e, with e = 1 - the schedule's bubble as its
+table simulates it with forward 1, backward 2 (input and weight gradients 1 each) per chunk
+(parallel/pipeline/validate.py): m / (m + p - 1) for GPipe and 1F1B, m / (m + (p - 1) / v) for
+interleaved 1F1B with v virtual stages (run with blocking transfers, and with
+--overlap-p2p-communication), less for the zero-bubble schedules.
 t is measured inside each run (the slowest stage's compute time / m, so it sees the same
 caches, clocks and core sharing as the step), and also alone beforehand for reference.
 Measured bubble = 1 - m * t / measured step time. Stages are balanced (a small vocabulary keeps
@@ -29,11 +32,16 @@ from engine.model import BuildContext, GPTModel
 from engine.model.builder import build_model_chunks
 from engine.step import run_schedule
 from parallel.ddp import DistributedDataParallel
+from parallel.errors import ConfigError
 from parallel.launch import run_local
 from parallel.pipeline.schedules import get_schedule
+from parallel.pipeline.tables import PLACEMENT, build_table
+from parallel.pipeline.validate import simulate
 from parallel.state import ParallelState
 
 OVERLAP = "interleaved+overlap"  # --overlap-p2p-communication
+SCHEDULES = ["gpipe", "1f1b", "interleaved", OVERLAP, "zb-h1", "zb-v"]
+CHUNKS = {"interleaved": 2, "zb-v": 2}
 
 
 def _stage_time(rank, world, args):
@@ -57,15 +65,17 @@ def _stage_time(rank, world, args):
 def _pipeline_time(rank, world, args, kind, m):
     state = ParallelState.build(tp=1, pp=world)
     cfg = bench_model_config(args, make_vocab_size_divisible_by=64)
-    interleaved = kind.startswith("interleaved")
-    v = 2 if interleaved else 1
-    chunks = build_model_chunks(cfg, state, virtual_size=v)
+    schedule_kind = "interleaved" if kind == OVERLAP else kind
+    v = CHUNKS.get(schedule_kind, 1)
+    chunks = build_model_chunks(
+        cfg, state, virtual_size=v, placement=PLACEMENT.get(schedule_kind, "loop")
+    )
     ddps = [DistributedDataParallel(c, None) for c in chunks]
     stats: dict = {}
     schedule = get_schedule(
         state,
         virtual_size=v,
-        kind="interleaved" if interleaved else kind,
+        kind=schedule_kind,
         overlap_p2p=kind == OVERLAP,
         tensor_shape=(args.seq_length, args.micro_batch_size, args.hidden_size),
         dtype=torch.float32,
@@ -108,18 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
     parser.add_argument("--json", default="bench_pipeline.json")
     args = parser.parse_args(argv)
-    p, v = args.pp, 2
+    p = args.pp
     alone = run_local(_stage_time, 1, args, timeout=3600)[0]
     rows = []
     for m in args.microbatches:
-        for kind in ("gpipe", "1f1b", "interleaved", OVERLAP):
-            interleaved = kind.startswith("interleaved")
-            if interleaved and m % p:
+        for kind in args.schedules:
+            schedule_kind = "interleaved" if kind == OVERLAP else kind
+            try:
+                table = build_table(schedule_kind, p, CHUNKS.get(schedule_kind, 1), m)
+            except ConfigError:  # interleaved: m % p; zb-v: m < 2p - 1
                 continue
             measured, stage = run_local(_pipeline_time, p, args, kind, m, timeout=3600)[0]
-            ideal_efficiency = m / (m + (p - 1) / (v if interleaved else 1))
+            ideal_efficiency = 1 - max(simulate(table).bubble)
             ideal = m * stage / ideal_efficiency
             rows.append(
                 {
@@ -133,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
     print(
-        f"p={p} stages, v={v} for interleaved; {os.cpu_count()} CPU cores; single-stage time "
+        f"p={p} stages, v=2 for interleaved and zb-v; {os.cpu_count()} CPU cores; stage time "
         f"alone: {alone * 1e3:.1f} ms per micro-batch (forward + backward, one thread)"
     )
     print(
