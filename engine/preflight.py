@@ -237,6 +237,12 @@ def _check_pipeline(cfg, dp: int) -> None:
             "optim_grads_params is not available yet (deferred weight gradients and released "
             "parameters); use optim_grads, or 1f1b / interleaved"
         )
+    if par.pipeline_schedule in ("zb-h1", "zb-v") and not par.gradient_accumulation_fusion:
+        raise ConfigError(
+            f"--pipeline-schedule {par.pipeline_schedule} defers the weight-gradient GEMMs that "
+            "add into the fp32 gradient buffer, which --no-gradient-accumulation-fusion turns "
+            "off (every W would be empty): drop that flag or use 1f1b"
+        )
     if par.pipeline_schedule == "zb-v" and not m.untie_embeddings_and_output_weights:
         raise ConfigError(
             "--pipeline-schedule zb-v puts the embedding and the output layer on the first "

@@ -205,7 +205,8 @@ class DistributedDataParallel(nn.Module):
             bucket.grad.zero_()
 
     def _grad_ready(self, param: nn.Parameter) -> None:
-        if param.grad is None and getattr(param, QUEUE_ATTRIBUTE, None) is not None:
+        queue = getattr(param, QUEUE_ATTRIBUTE, None)
+        if param.grad is None and queue is not None and queue.defers(param):
             return  # its weight gradient was deferred (parallel/weight_grad.py): W adds it
         if param.grad is not None:
             self._prepare_main_grad(param)

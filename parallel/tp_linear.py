@@ -10,7 +10,8 @@ backward, what Megatron-LM's linear with asynchronous communication does:
   [s/tp, b, h] input along the sequence but saves only this rank's shard for backward, which
   gathers it again (overlapped with the input-gradient GEMM) and reduce-scatters the input
   gradient (overlapped with the weight-gradient GEMM). Activation memory of the layer input is
-  1/tp of the gathered tensor;
+  1/tp of the gathered tensor (a zero-bubble schedule's deferred weight gradient holds the
+  gathered input and the output gradient until its W runs);
 - input_mode "none" (row-parallel): no communication on the input side.
 
 Given a `times` (parallel.timing.StepTimes), the communication this rank waits for counts as
@@ -108,7 +109,7 @@ def _weight_grad(weight, grad_output_2d, input_2d, ctx):
         return grad_output_2d.t().matmul(input_2d)
     queue = getattr(weight, QUEUE_ATTRIBUTE, None)
     if queue is not None:
-        queue.add(functools.partial(_add_to_main_grad, weight, grad_output_2d, input_2d))
+        queue.add(weight, functools.partial(_add_to_main_grad, weight, grad_output_2d, input_2d))
         return None
     _add_to_main_grad(weight, grad_output_2d, input_2d)
     return None

@@ -23,6 +23,7 @@ QUEUE_ATTRIBUTE = "weight_grad_queue"
 class WeightGradQueue:
     def __init__(self):
         self.work: list[Callable[[], None]] = []
+        self.deferred: set[int] = set()  # ids of the parameters whose gradient is queued
 
     @contextlib.contextmanager
     def collecting(self, parameters: Iterable[torch.nn.Parameter]):
@@ -35,12 +36,19 @@ class WeightGradQueue:
             for param in params:
                 delattr(param, QUEUE_ATTRIBUTE)
 
-    def add(self, work: Callable[[], None]) -> None:
+    def add(self, param: torch.nn.Parameter, work: Callable[[], None]) -> None:
         self.work.append(work)
+        self.deferred.add(id(param))
+
+    def defers(self, param: torch.nn.Parameter) -> bool:
+        """Whether param's gradient of this backward waits in the queue (the data-parallel
+        wrapper must not count it in before `run`)."""
+        return id(param) in self.deferred
 
     def run(self) -> None:
         """The queued GEMMs, outside autograd (as inside a backward)."""
         work, self.work = self.work, []
+        self.deferred = set()
         with torch.no_grad():
             for item in work:
                 item()

@@ -12,7 +12,7 @@ import torch
 from parallel.errors import ConfigError
 from parallel.pipeline.schedules import peak_in_flight
 from parallel.pipeline.tables import Action, Table, build_table
-from parallel.pipeline.validate import ScheduleError, simulate, validate
+from parallel.pipeline.validate import ScheduleError, pair_order_violation, simulate, validate
 from parallel.state import ParallelState
 from tests.distributed import run_ranks
 from tests.harness import (
@@ -79,13 +79,22 @@ def test_the_validator_names_the_first_violation():
         (_broken([F(0), F(0), B(0), B(1)], good.ranks[1]), "F0.0 runs twice"),
         (_broken([F(0), F(1), Action("W", 0, 0), B(0), B(1)], good.ranks[1]),
          "W0.0 before its I"),
-        # rank 0 waits for B0.1's gradient before sending F0.1's output: a deadlock
-        (_broken([F(0), B(0), F(1), B(1)], [F(1), B(1), F(0), B(0)]), "deadlock"),
-        (_broken(good.ranks[0], [F(0), F(1), B(1), B(0)]), "out of order"),
+        # rank 0 waits for B0.0's gradient before sending F0.1's output, which rank 1 waits
+        # for before its F0.0 and B0.0: a deadlock
+        (_broken([F(0), B(0), F(1), B(1)], [F(1), F(0), B(0), B(1)]), "deadlock"),
+        (Table("broken", 2, 1, 3, "loop", ((F(0), F(1), F(2), B(0), B(1), B(2)),
+                                           (F(0), F(2), F(1), B(0), B(1), B(2)))),
+         "rank 1 receives activations from rank 0 out of order"),
     ]  # fmt: skip
     for table, match in cases:
         with pytest.raises(ScheduleError, match=match):
             validate(table)
+    late = _broken([F(0), F(1), B(1), B(0)], [F(0), B(0), F(1), B(1)])
+    with pytest.raises(ScheduleError, match="chunk 0's last gradient step is B0.0"):
+        validate(late)
+    # NCCL matches a pair's messages in posting order whatever their kind: only zb-v mixes them
+    for table in _tables():
+        assert (pair_order_violation(table) is not None) == (table.name == "zb-v"), table.name
     with pytest.raises(ScheduleError, match="holds 4 micro-batches of activations"):
         validate(build_table("gpipe", 2, 1, 4), max_in_flight=2)
     assert simulate(good).length == 9.0  # (m + p - 1) x (F + B)

@@ -85,6 +85,11 @@ def check_layout(cfg: ModelConfig, layout: Layout, pp_rank: int) -> None:
         raise ConfigError(f"sharding strategy {layout.strategy!r} is not one of {STRATEGIES}")
     if layout.virtual > 1 and layout.pp < 2:
         raise ConfigError("virtual pipeline stages need pipeline-model-parallel-size >= 2")
+    if layout.schedule in ("zb-h1", "zb-v"):
+        raise ConfigError(
+            f"the planner does not model the {layout.schedule} schedule yet (its deferred "
+            "weight gradients, and zb-v's V placement)"
+        )
     if not 0 <= pp_rank < layout.pp:
         raise ConfigError(f"pipeline stage {pp_rank} is outside {layout.pp} stages")
 

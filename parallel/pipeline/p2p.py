@@ -1,16 +1,16 @@
-"""Point-to-point transfers between neighbouring pipeline stages.
+"""Point-to-point transfers between pipeline stages.
 
-Every transfer of a schedule step goes through `post`, one batch of isend/irecv posted
-together, so a stage can send forward and receive backward at once without deadlock.
-`exchange` waits for the batch at once; with --overlap-p2p-communication the interleaved
-schedule waits only when it needs what was received, so transfers run during compute. Shapes
-are known ahead ([s, micro-batch, h], with s divided by TP under sequence parallelism), so no
-shape metadata is exchanged. Neighbours wrap around: the last stage's
-next rank is the first stage, which the interleaved schedule uses between model chunks.
+The schedule runtime (parallel/pipeline/runtime.py) posts each transfer with `post_to`: a send
+to a pipeline rank and the receive the next action needs from one, as one batch of
+isend/irecv, so the two go out together; the receive is waited for when needed and the send
+completes on its own. `post` and `exchange` (sends and receives with the next and previous
+stage; `exchange` waits at once) remain for direct use. Shapes are known ahead ([s,
+micro-batch, h], with s divided by TP under sequence parallelism), so no shape metadata is
+exchanged. Activations and gradients have their own tags.
 
 Once posted, a stage's output activation is needed only as the root of its autograd graph: the
-schedules free its data with `free_sent_output` (the transfer keeps its own reference until it
-completes), and `backward_from` runs backward from such a root, as Megatron-LM does.
+runtime frees its data with `free_sent_output` (the transfer keeps its own reference until the
+send completes), and `backward_from` runs backward from such a root, as Megatron-LM does.
 """
 
 from __future__ import annotations
@@ -52,10 +52,13 @@ class Pending:
 
 @dataclass
 class Transfer:
-    """One batch of `P2P.post_to` in flight; `wait()` returns what it received (an activation
-    requires grad: it is a stage's input)."""
+    """One batch of `P2P.post_to` in flight: `wait()` waits for its receive and returns the
+    tensor (an activation requires grad: it is a stage's input); its send completes on its own
+    (`sent()`, `wait_sent()`). Where the backend coalesces the batch into one work (NCCL),
+    waiting for the receive waits for the send too."""
 
-    works: list
+    send_works: list
+    recv_works: list
     buffers: list[torch.Tensor]
     received: torch.Tensor | None
     activation: bool
@@ -63,16 +66,30 @@ class Transfer:
 
     @property
     def in_flight(self) -> bool:
-        return bool(self.works)
+        """A receive not waited for yet."""
+        return bool(self.recv_works)
 
     def wait(self) -> torch.Tensor | None:
         with measure(self.times, "pipeline-wait"):
-            for work in self.works:
+            for work in self.recv_works:
                 work.wait()
-        self.works, self.buffers = [], []
+        self.recv_works = []
         if self.received is not None and self.activation:
             self.received.requires_grad_(True)
         return self.received
+
+    def sent(self) -> bool:
+        """Whether the send is done (its tensor then released)."""
+        if all(work.is_completed() for work in self.send_works):
+            self.send_works, self.buffers = [], []
+            return True
+        return False
+
+    def wait_sent(self) -> None:
+        with measure(self.times, "pipeline-wait"):
+            for work in self.send_works:
+                work.wait()
+        self.send_works, self.buffers = [], []
 
 
 @dataclass
@@ -153,8 +170,14 @@ class P2P:
                                   TAGS[kind]))  # fmt: skip
         with measure(self.times, "pipeline-wait"):
             works = dist.batch_isend_irecv(ops) if ops else []
+        sends = int(send is not None)
+        if len(works) == len(ops):
+            send_works, recv_works = works[:sends], works[sends:]
+        else:  # coalesced into one work
+            send_works = recv_works = works
         activation = recv_from is not None and recv_from[1] == "activation"
-        return Transfer(works, [op.tensor for op in ops], received, activation, self.times)
+        buffers = [op.tensor for op in ops]
+        return Transfer(send_works, recv_works, buffers, received, activation, self.times)
 
     # Named helpers for readability in the schedules.
     def recv_forward(self, receive: bool = True) -> torch.Tensor | None:

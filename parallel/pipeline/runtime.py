@@ -10,14 +10,17 @@ For each action of its list, in order:
 - I: the same backward with the linear layers' weight-gradient GEMMs deferred into this
   micro-batch's queue (parallel/weight_grad.py); W runs the queue.
 
-Transfers. A result is sent as soon as it is computed, without waiting (the send completes
-when its receiver takes it; all are waited for at the end of the step), so a rank only ever
-waits for data it needs, and a table whose data dependencies can be met in order
-(parallel/pipeline/validate.py simulates it) cannot deadlock. Receives: posted when the action
-needing them comes and waited for at once (blocking, the default), or with `overlap` posted
-right after the action before and waited for only by the compute that needs them, so they
-arrive during that compute. On gloo, matching is by peer and tag (activation or gradient) in
-posting order, which the validator checks each table keeps.
+Transfers. A result is sent as soon as it is computed, in one batch with the receive the next
+action needs (as Megatron-LM pairs a stage's "send output" with its "receive gradient"); the
+send is not waited for (it completes when its receiver takes it; its tensor is let go then,
+and whatever is left at the end of the step is waited for), so a rank only ever waits for data
+it needs, and on gloo a table whose data dependencies can be met in order
+(parallel/pipeline/validate.py simulates it) cannot deadlock. Receives are waited for by the
+action that needs them; with `overlap` the next two are kept posted ahead, so they arrive
+during the computes before. Matching is by peer and tag (activation or gradient) in posting
+order, which the validator checks each table keeps; NCCL ignores tags, and zb-v's tables mix
+the two kinds between a pair of ranks, so it is refused on NCCL (`pair_order_violation`).
+None of this has run on NCCL yet.
 
 Data-parallel rules: gradients accumulate locally (DDP no-sync) until a chunk's last
 micro-batch's backward (its W, when split), whose DDP may then reduce; with sharded gradients
@@ -39,6 +42,7 @@ import torch
 
 from parallel.pipeline.p2p import backward_from, free_sent_output
 from parallel.pipeline.tables import Action, Table
+from parallel.pipeline.validate import pair_order_violation
 from parallel.timing import StepTimes, measure
 from parallel.weight_grad import WeightGradQueue
 
@@ -73,6 +77,13 @@ class TableRuntime:
         if trace:
             self.stats["events"] = []
         self.order = [a for a in table.ranks[self.rank] if a.kind == "F" or not forward_only]
+        violation = pair_order_violation(table)
+        if violation and self._backend() == "nccl":
+            raise ValueError(
+                f"schedule {table.name}: {violation}; NCCL matches messages between two ranks "
+                "in posting order whatever their kind, so this table cannot run on it yet "
+                "(use gloo, or another schedule)"
+            )
         split = any(a.kind == "W" for a in self.order)
         if split and any(getattr(c, "gathering", None) is not None for c in chunks):
             raise ValueError(
@@ -87,6 +98,10 @@ class TableRuntime:
         self.sends: list = []  # sends in flight (overlap)
         self.held = 0
         self.started = time.perf_counter()
+
+    def _backend(self) -> str:
+        group = self.p2p.state.pp_group
+        return "none" if group is None else torch.distributed.get_backend(group)
 
     # --- where data comes from and goes to ------------------------------------------------
 
@@ -131,7 +146,8 @@ class TableRuntime:
         return self.received.pop(key).wait()
 
     def _after(self, index: int, action: Action, result) -> None:
-        """Send (or hand over) `result`, with the next action's receive (module docstring)."""
+        """Send (or hand over) `result`, in one batch with the receive the next action needs
+        (module docstring); with overlap, keep receives posted ahead."""
         link = self._link(action, incoming=False)
         send = None
         if link is not None and result is not None:
@@ -141,8 +157,16 @@ class TableRuntime:
                 self.handed[kind, chunk, action.microbatch] = handed
             else:
                 send = (result, rank, kind)
+        self.sends = [transfer for transfer in self.sends if not transfer.sent()]
         if send is not None:
-            self.sends.append(self.p2p.post_to(send=send))
+            upcoming = self.order[index + 1] if index + 1 < len(self.order) else None
+            source = self._remote_source(upcoming)
+            key = source and (source[0], upcoming.chunk, upcoming.microbatch)
+            receive = (source[1], source[0]) if source and key not in self.received else None
+            transfer = self.p2p.post_to(send=send, recv_from=receive)
+            self.sends.append(transfer)
+            if receive is not None:
+                self.received[key] = transfer
             if action.kind == "F":
                 free_sent_output(result)
         if self.overlap:
@@ -245,5 +269,5 @@ class TableRuntime:
         for index, action in enumerate(self.order):
             run[action.kind](index, action)
         for transfer in self.sends:
-            transfer.wait()
+            transfer.wait_sent()
         return self.losses

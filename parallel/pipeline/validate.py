@@ -10,7 +10,10 @@ under given action durations.
   gradient), and the simulation must reach every action (else: a deadlock, named by the
   actions the ranks are stuck at);
 - on each pair of ranks, messages are received in the order they are sent, per direction
-  and kind (what transports that match in posting order need);
+  and kind (gloo matches by peer and tag in posting order; `pair_order_violation` checks the
+  kinds together, as NCCL, which ignores tags, would need);
+- each chunk's last gradient step (B, or W) is the last micro-batch's: the runtime lets the
+  data-parallel reduction start there;
 - `max_in_flight` (optional): the most micro-batches of activations a rank holds at once
   (from its F until its B, or its W).
 
@@ -76,10 +79,28 @@ def _check_counts(table: Table) -> None:
                                         "one backward: B, or I and W")  # fmt: skip
                 if split in seen and Action("W", chunk, k) not in seen:
                     raise ScheduleError(f"rank {rank}: W{chunk}.{k} never runs")
+            last = max(i for a, i in seen.items() if a.chunk == chunk and a.kind in "BW")
+            if order[last].microbatch != table.m - 1:
+                raise ScheduleError(
+                    f"rank {rank}: chunk {chunk}'s last gradient step is {order[last]}, not "
+                    f"micro-batch {table.m - 1}'s (the data-parallel reduction starts there)"
+                )
 
 
 def _check_message_order(table: Table) -> None:
     """Per (sender, receiver, kind): the receiver consumes in the sender's order."""
+    first = _order_violation(table, by_kind=True)
+    if first:
+        raise ScheduleError(first)
+
+
+def pair_order_violation(table: Table) -> str | None:
+    """Where a pair of ranks exchanges messages whose kinds interleave differently on the two
+    sides (what a transport that ignores tags, NCCL, would mismatch), or None."""
+    return _order_violation(table, by_kind=False)
+
+
+def _order_violation(table: Table, by_kind: bool) -> str | None:
     sent: dict[tuple, list] = defaultdict(list)
     received: dict[tuple, list] = defaultdict(list)
     for rank, order in enumerate(table.ranks):
@@ -88,22 +109,23 @@ def _check_message_order(table: Table) -> None:
             if need is None or need[0] == rank:
                 continue
             src, producer = need
-            kind = "activation" if action.kind == "F" else "gradient"
+            kind = ("activation" if action.kind == "F" else "gradient") if by_kind else "message"
             received[src, rank, kind].append(producer)
     for rank, order in enumerate(table.ranks):
         for action in order:
             for dst, _ in _consumers(table, rank, action):
                 if dst != rank:
                     kind = "activation" if action.kind == "F" else "gradient"
-                    sent[rank, dst, kind].append(action)
+                    sent[rank, dst, kind if by_kind else "message"].append(action)
     for key, messages in sent.items():
         if received[key] != messages:
             src, dst, kind = key
             first = next(i for i, (a, b) in enumerate(zip(messages, received[key])) if a != b)
-            raise ScheduleError(
+            return (
                 f"rank {dst} receives {kind}s from rank {src} out of order: message {first} "
                 f"is {messages[first]}, but rank {dst} first waits for {received[key][first]}"
             )
+    return None
 
 
 def _consumers(table: Table, rank: int, action: Action) -> list[tuple[int, Action]]:
