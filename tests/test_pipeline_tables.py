@@ -194,3 +194,36 @@ def test_zero_bubble_in_3d_with_each_sharding_strategy():
         for r in results[rank]:
             if r["case"][2] == kind:
                 assert r["loss"] is not None and r["loss"] < 1e-6, r
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--pipeline-schedule", "zb-v", "--num-layers-per-virtual-pipeline-stage", "1"],
+         "add --untie-embeddings-and-output-weights"),
+        (["--pipeline-schedule", "zb-v", "--untie-embeddings-and-output-weights"],
+         "zb-v runs 2 model chunks per rank"),
+        (["--pipeline-schedule", "zb-h1", "--use-megatron-fsdp"], "not available yet"),
+        (["--pipeline-schedule", "zb-h1", "--no-gradient-accumulation-fusion"],
+         "drop that flag or use 1f1b"),
+        (["--pipeline-schedule", "zb-v", "--untie-embeddings-and-output-weights",
+          "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "2"],
+         "at least 2 x pipeline-model-parallel-size - 1 = 3 micro-batches"),
+        (["--pipeline-schedule", "zb-v", "--untie-embeddings-and-output-weights",
+          "--num-layers-per-virtual-pipeline-stage", "1"], None),
+        (["--pipeline-schedule", "zb-h1"], None),
+    ],
+)  # fmt: skip
+def test_the_engine_checks_zero_bubble_flags(extra, match):
+    from engine.preflight import check_layout_flags
+    from engine.pretrain import parse
+
+    flags = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "100",
+             "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "1",
+             "--pipeline-model-parallel-size", "2", *extra]  # fmt: skip
+    if match is None:
+        assert check_layout_flags(parse(flags), 2) == 1
+    else:
+        with pytest.raises(ConfigError, match=match):
+            check_layout_flags(parse(flags), 2)
