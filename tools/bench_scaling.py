@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=2, help="per rank, weak scaling")
-    parser.add_argument("--global-batch-size", type=int, default=16, help="strong scaling")
+    parser.add_argument("--global-batch-size", type=int, default=32, help="strong scaling")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", default="bench_scaling.json")
@@ -174,13 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("world_sizes", "predict_sizes"):
         if any(w < 1 for w in getattr(args, flag)):
             raise ConfigError(f"--{flag.replace('_', '-')}: every size must be at least 1")
+    modes = ("weak", "strong") if args.mode == "both" else (args.mode,)
+    for mode in modes:  # every size's layout checked before anything runs
+        for world in set(args.world_sizes) | set(args.predict_sizes):
+            scaling_layout(mode, args.grow, world, args)
     if args.gpu:
         machine = datasheet_machine(args.gpu)
     elif args.calibration:
         machine = load_machine(args.calibration)
     else:
         machine = calibrate_cpu()
-    modes = ("weak", "strong") if args.mode == "both" else (args.mode,)
     rows = [row for mode in modes for row in rows_for(mode, args, machine)]
     print(f"machine: {machine.name}; the world grows along {args.grow}")
     header = (f"{'mode':6s} {'ranks':>5s} {'tokens/s':>10s} {'per rank':>9s} {'TFLOP/s/rank':>12s} "
