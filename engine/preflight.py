@@ -245,8 +245,8 @@ def _check_pipeline(cfg, dp: int) -> None:
         )
     if par.pipeline_schedule == "zb-v" and not m.untie_embeddings_and_output_weights:
         raise ConfigError(
-            "--pipeline-schedule zb-v puts the embedding and the output layer on the first "
-            "rank's two chunks, which cannot share a tied weight yet: add "
+            "--pipeline-schedule zb-v puts both copies of the tied embedding on the first rank, "
+            "whose checkpoint does not resume them exactly yet: add "
             "--untie-embeddings-and-output-weights or use zb-h1"
         )
     schedule = train.batch_schedule(dp, m.seq_length)

@@ -1,7 +1,8 @@
 """What happens to gradients between the last backward and the optimizer step.
 
 finalize_model_grads: (1) with pipeline parallelism and tied embeddings, all-reduce the
-word-embedding gradient between the first and last stage so both copies take the same step;
+word-embedding gradient between the first and last stage so both copies take the same step
+(or, when one rank holds both, as zb-v's first rank does, add them there);
 (2) finish the data-parallel bucket reductions; (3) sum the partial gradients of
 TP-replicated parameters over the TP group (see parallel.sharding). Every step is a sum, so
 the order is free mathematically, but (1) must come before (2): with the distributed optimizer
@@ -25,7 +26,12 @@ from parallel.tensor import all_reduce_flat, has_tp_partial_grad
 
 def finalize_model_grads(ddps, tp_group, embedding_group=None, shared_embeddings=()) -> None:
     """Make main_grad final on every rank (see module docstring)."""
-    if embedding_group is not None:
+    shared_embeddings = list(shared_embeddings)
+    if len(shared_embeddings) == 2:  # both copies on this rank (zb-v's V): sum them here
+        first, second = (weight.main_grad for weight in shared_embeddings)
+        first.add_(second)
+        second.copy_(first)
+    elif embedding_group is not None:
         for weight in shared_embeddings:
             all_reduce(weight.main_grad, embedding_group)
     for ddp in ddps:
