@@ -228,3 +228,41 @@ def test_the_engine_checks_zero_bubble_flags(extra, match):
     else:
         with pytest.raises(ConfigError, match=match):
             check_layout_flags(parse(flags), 2)
+
+
+def _pretrain(rank, world, flags):
+    from engine.pretrain import main
+
+    return main(flags)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_zero_bubble_training_resumes_bit_exactly(tmp_path, schedule):
+    """engine.pretrain on 2 ranks: 4 iterations straight, against 2, a checkpoint, and 2 more
+    from it; the losses are equal to the last bit."""
+    import json
+
+    flags = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "128",
+             "--tokenizer-type", "NullTokenizer", "--mock-data", "--lr", "1e-3",
+             "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4",
+             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule,
+             "--untie-embeddings-and-output-weights", "--log-interval", "1",
+             "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+             "--eval-iters", "0"]  # fmt: skip
+    if schedule == "zb-v":
+        flags += ["--num-layers-per-virtual-pipeline-stage", "1"]
+    checkpoints = str(tmp_path / "checkpoints")
+    runs = {
+        "straight": [],
+        "first": ["--save", checkpoints, "--save-interval", "2", "--exit-interval", "2"],
+        "resumed": ["--load", checkpoints, "--save", checkpoints],
+    }
+    losses = {}
+    for name, extra in runs.items():
+        log = tmp_path / f"{name}.jsonl"
+        run_ranks(_pretrain, 2, flags + extra + ["--log-jsonl", str(log)], timeout=300)
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        losses[name] = [(r["iteration"], r["lm_loss"]) for r in records if "lm_loss" in r]
+    assert [i for i, _ in losses["straight"]] == [1, 2, 3, 4]
+    assert losses["first"] + losses["resumed"] == losses["straight"]
