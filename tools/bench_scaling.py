@@ -29,15 +29,9 @@ from engine.planning.memory import Layout
 
 
 def _model_flags(args) -> list[str]:
-    return [
-        "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
-        "--num-attention-heads", str(args.hidden_size // 64),
-        "--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length),
-        "--vocab-size", str(args.vocab_size), "--tokenizer-type", "NullTokenizer",
-        "--make-vocab-size-divisible-by", "128", "--hidden-dropout", "0.0",
-        "--attention-dropout", "0.0", "--mock-data", "--train-iters", "1000", "--lr", "1e-4",
-        "--log-interval", "100000",
-    ]  # fmt: skip
+    from engine.planning.measure import mock_gpt_flags
+
+    return mock_gpt_flags(args.num_layers, args.hidden_size, args.seq_length, args.vocab_size)
 
 
 def scaling_layout(mode: str, grow: str, world: int, args) -> Layout:

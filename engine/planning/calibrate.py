@@ -114,14 +114,10 @@ def fit_link(times: list[tuple[int, float]], ranks: int = 2) -> Link:
 
 def tiny_model_flags(num_layers: int, microbatches: int) -> list[str]:
     """A model small enough that its step is mostly the engine's fixed costs."""
-    return [
-        "--num-layers", str(num_layers), "--hidden-size", "64", "--num-attention-heads", "2",
-        "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "128",
-        "--tokenizer-type", "NullTokenizer", "--make-vocab-size-divisible-by", "128",
-        "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--mock-data",
-        "--train-iters", "1000", "--lr", "1e-4", "--log-interval", "100000",
-        "--micro-batch-size", "1", "--global-batch-size", str(microbatches),
-    ]  # fmt: skip
+    from engine.planning.measure import mock_gpt_flags
+
+    batch = ["--micro-batch-size", "1", "--global-batch-size", str(microbatches)]
+    return mock_gpt_flags(num_layers, 64, 32, 128, heads=2) + batch
 
 
 OVERHEAD_RUNS = ((2, 1), (2, 8), (8, 8))  # (layers, micro-batches)

@@ -10,6 +10,22 @@ import statistics
 import time
 
 
+def mock_gpt_flags(
+    num_layers: int, hidden_size: int, seq_length: int, vocab_size: int, heads: int | None = None
+) -> list[str]:
+    """engine.pretrain flags of a GPT-2 style model (64-wide heads unless `heads`) on mock
+    data with the null tokenizer and no dropout: the runs the planner is measured with."""
+    return [
+        "--num-layers", str(num_layers), "--hidden-size", str(hidden_size),
+        "--num-attention-heads", str(heads or hidden_size // 64),
+        "--seq-length", str(seq_length), "--max-position-embeddings", str(seq_length),
+        "--vocab-size", str(vocab_size), "--tokenizer-type", "NullTokenizer",
+        "--make-vocab-size-divisible-by", "128", "--hidden-dropout", "0.0",
+        "--attention-dropout", "0.0", "--mock-data", "--train-iters", "1000", "--lr", "1e-4",
+        "--log-interval", "100000",
+    ]  # fmt: skip
+
+
 def measure_rank(rank: int, world: int, flags: list[str], warmup: int, steps: int) -> dict:
     """Run in each rank (parallel.launch.run_local): {pp_rank, step_s (the slowest rank's
     median), activations, params, grads, optimizer}."""

@@ -46,7 +46,7 @@ from parallel.pipeline.validate import pair_order_violation
 from parallel.timing import StepTimes, measure
 from parallel.weight_grad import WeightGradQueue
 
-ACTIVATION, GRADIENT = "activation", "gradient"
+ACTIVATION = "activation"  # the kind Table.link gives activations (gradients: "gradient")
 LOOKAHEAD = 2  # receives posted ahead with overlap
 
 
@@ -106,19 +106,7 @@ class TableRuntime:
     # --- where data comes from and goes to ------------------------------------------------
 
     def _link(self, action: Action, incoming: bool):
-        """(kind, rank, chunk) of the stage `action` receives from (incoming) or sends to."""
-        stage = self.table.stage(self.rank, action.chunk)
-        step = -1 if incoming else 1
-        if action.kind == "F":
-            other, kind = stage + step, ACTIVATION
-        elif action.kind in ("B", "I"):
-            other, kind = stage - step, GRADIENT
-        else:
-            return None
-        if not 0 <= other < self.table.stages or (self.forward_only and not incoming and
-                                                  action.kind != "F"):  # fmt: skip
-            return None
-        return (kind, *self.table.place(other))
+        return self.table.link(self.rank, action, incoming)
 
     def _remote_source(self, action: Action | None):
         if action is None:

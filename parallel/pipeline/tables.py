@@ -68,6 +68,23 @@ class Table:
     def stages(self) -> int:
         return self.p * self.v
 
+    def link(self, rank: int, action: Action, incoming: bool) -> tuple[str, int, int] | None:
+        """("activation" or "gradient", rank, chunk) of the stage `action` of rank `rank`
+        receives its input from (`incoming`) or sends its result to, or None: an F moves
+        activations from the stage before to the stage after, a B or I gradients the other
+        way, a W nothing; the first and last stage have no neighbour on their outer side."""
+        stage = self.stage(rank, action.chunk)
+        step = -1 if incoming else 1
+        if action.kind == "F":
+            other, kind = stage + step, "activation"
+        elif action.kind in ("B", "I"):
+            other, kind = stage - step, "gradient"
+        else:
+            return None
+        if not 0 <= other < self.stages:
+            return None
+        return (kind, *self.place(other))
+
 
 def gpipe(p: int, v: int, m: int) -> Table:
     _single_chunk("gpipe", v)

@@ -37,15 +37,17 @@ class ScheduleError(ConfigError):
 
 def _needs(table: Table, rank: int, action: Action) -> tuple[int, Action] | None:
     """(rank, action) whose result `action` receives, or None (it starts from local data)."""
-    stage = table.stage(rank, action.chunk)
-    if action.kind == "F" and stage > 0:
-        src, chunk = table.place(stage - 1)
-        return src, Action("F", chunk, action.microbatch)
-    if action.kind in ("B", "I") and stage < table.stages - 1:
-        src, chunk = table.place(stage + 1)
-        backward = _backward_kind(table, src, chunk, action.microbatch)
-        return src, Action(backward, chunk, action.microbatch)
-    return None
+    return _peer_action(table, rank, action, incoming=True)
+
+
+def _peer_action(table: Table, rank: int, action: Action, incoming: bool):
+    link = table.link(rank, action, incoming)
+    if link is None:
+        return None
+    kind, other, chunk = link
+    k = action.microbatch
+    return other, Action("F" if kind == "activation" else _backward_kind(table, other, chunk, k),
+                         chunk, k)  # fmt: skip
 
 
 def _backward_kind(table: Table, rank: int, chunk: int, microbatch: int) -> str:
@@ -129,15 +131,8 @@ def _order_violation(table: Table, by_kind: bool) -> str | None:
 
 
 def _consumers(table: Table, rank: int, action: Action) -> list[tuple[int, Action]]:
-    stage = table.stage(rank, action.chunk)
-    if action.kind == "F" and stage < table.stages - 1:
-        dst, chunk = table.place(stage + 1)
-        return [(dst, Action("F", chunk, action.microbatch))]
-    if action.kind in ("B", "I") and stage > 0:
-        dst, chunk = table.place(stage - 1)
-        return [(dst, Action(_backward_kind(table, dst, chunk, action.microbatch), chunk,
-                             action.microbatch))]  # fmt: skip
-    return []
+    consumer = _peer_action(table, rank, action, incoming=False)
+    return [] if consumer is None else [consumer]
 
 
 @dataclass
