@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.batch_schedule import BatchSchedule, parse_step_schedule
 from engine.errors import ConfigError
+from parallel.pipeline.tables import V_SHAPED
 
 
 def option(default, help: str, flag: str | None = None, **argparse_kwargs):
@@ -465,8 +466,8 @@ class ParallelConfig:
         None,
         "force a schedule (default: 1F1B, interleaved with virtual stages): gpipe, 1f1b, "
         "interleaved, zb-h1 (zero bubble, 1F1B's memory), zb-v (zero bubble, 2 chunks per "
-        "rank in a V)",
-        choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
+        "rank in a V), dualpipe-v (DeepSeek's DualPipe in a V)",
+        choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"],
     )
     overlap_p2p_communication: bool = option(
         False, "interleaved schedule: pipeline transfers run during compute"
@@ -554,9 +555,9 @@ class ParallelConfig:
                 f"--pipeline-schedule {self.pipeline_schedule} cannot run virtual stages; "
                 "drop --num-layers-per-virtual-pipeline-stage"
             )
-        if self.pipeline_schedule == "zb-v" and self.virtual_size(num_layers) != 2:
+        if self.pipeline_schedule in V_SHAPED and self.virtual_size(num_layers) != 2:
             raise ConfigError(
-                "--pipeline-schedule zb-v runs 2 model chunks per rank: set "
+                f"--pipeline-schedule {self.pipeline_schedule} runs 2 model chunks per rank: set "
                 "--num-layers-per-virtual-pipeline-stage to num-layers / (2 x "
                 "pipeline-model-parallel-size)"
             )

@@ -32,7 +32,7 @@ from engine.profiling import check_profile_flags
 from engine.wandb_writer import check_wandb_flags, wandb_folder
 from parallel.errors import describe_os_error
 from parallel.pipeline.layout import stage_layers
-from parallel.pipeline.tables import PLACEMENT
+from parallel.pipeline.tables import PLACEMENT, SPLIT_BACKWARD, V_SHAPED, min_microbatches
 from parallel.state import check_layout
 
 # Fields that define the model's tensors; --use-checkpoint-args takes them from the checkpoint.
@@ -229,37 +229,25 @@ def _check_pipeline(cfg, dp: int) -> None:
             par.decoder_last_pipeline_num_layers,
             PLACEMENT.get(par.pipeline_schedule, "loop"),
         )
-    if par.pipeline_schedule in ("zb-h1", "zb-v") and par.sharding_strategy() == (
-        "optim_grads_params"
-    ):
-        raise ConfigError(
-            f"--pipeline-schedule {par.pipeline_schedule} with --data-parallel-sharding-strategy "
-            "optim_grads_params is not available yet (deferred weight gradients and released "
-            "parameters); use optim_grads, or 1f1b / interleaved"
-        )
-    if par.pipeline_schedule in ("zb-h1", "zb-v") and not par.gradient_accumulation_fusion:
+    if par.pipeline_schedule in SPLIT_BACKWARD and not par.gradient_accumulation_fusion:
         raise ConfigError(
             f"--pipeline-schedule {par.pipeline_schedule} defers the weight-gradient GEMMs that "
             "add into the fp32 gradient buffer, which --no-gradient-accumulation-fusion turns "
             "off (every W would be empty): drop that flag or use 1f1b"
         )
-    if par.pipeline_schedule == "zb-v" and not m.untie_embeddings_and_output_weights:
-        raise ConfigError(
-            "--pipeline-schedule zb-v puts both copies of the tied embedding on the first rank, "
-            "whose checkpoint does not resume them exactly yet: add "
-            "--untie-embeddings-and-output-weights or use zb-h1"
-        )
     schedule = train.batch_schedule(dp, m.seq_length)
     batches, _ = schedule.sizes(train.train_iters)
     for batch in sorted(batches | {schedule.final}):
         microbatches = train.num_microbatches(dp, batch)
-        if par.pipeline_schedule == "zb-v" and microbatches < 2 * pp - 1:
+        fewest = min_microbatches(par.pipeline_schedule, pp)
+        if microbatches < fewest:
+            rule = "2 x pipeline-model-parallel-size" + (" - 1" if fewest % 2 else "")
             raise ConfigError(
-                f"--pipeline-schedule zb-v needs at least 2 x pipeline-model-parallel-size - 1 = "
-                f"{2 * pp - 1} micro-batches per step ({microbatches} = global batch {batch} / "
+                f"--pipeline-schedule {par.pipeline_schedule} needs at least {rule} = {fewest} "
+                f"micro-batches per step ({microbatches} = global batch {batch} / "
                 f"(micro-batch-size x data-parallel size {dp}))"
             )
-        if virtual > 1 and microbatches % pp and par.pipeline_schedule != "zb-v":
+        if virtual > 1 and microbatches % pp and par.pipeline_schedule not in V_SHAPED:
             raise ConfigError(
                 f"interleaved pipelining needs the micro-batches per step ({microbatches} = "
                 f"global batch {batch} / (micro-batch-size x data-parallel size {dp})) to be a "

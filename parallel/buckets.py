@@ -47,6 +47,7 @@ class Bucket:
     data_shard: torch.Tensor | None = None  # sharded parameters: this rank's shard
     unit: nn.Module | None = None  # sharded parameters: the module whose forward uses them
     pending: set = field(default_factory=set)
+    passed: set = field(default_factory=set)  # split backward: parameters it is done with
     delayed: bool = False  # holds a pipeline-shared weight: reduce in finish_grad_sync only
     grad_work: object = None
     grad_shard_tmp: torch.Tensor | None = None

@@ -38,7 +38,9 @@ class BoxTensor:
     """The boxes of one global tensor that this rank holds (possibly none).
 
     boxes: list of (global offset, tensor of the box's size). On save the tensors are read;
-    on load they are written in place (views of live state work)."""
+    on load they are written in place (views of live state work). Two boxes may cover the
+    same region (one rank holding both copies of a tied embedding, as zb-v's first rank
+    does): DCP names each local chunk by its position in the list, and each box is filled."""
 
     global_shape: torch.Size
     dtype: torch.dtype
@@ -47,7 +49,13 @@ class BoxTensor:
     def size(self) -> torch.Size:  # DCP compares it with the stored size on load
         return self.global_shape
 
-    def tensor_at(self, offsets) -> torch.Tensor:
+    def tensor_at(self, offsets, position: int | None = None) -> torch.Tensor:
+        """The box at global `offsets`; `position` (DCP's index of the local chunk) picks
+        among boxes that start at the same place."""
+        if position is not None and 0 <= position < len(self.boxes):
+            offset, tensor = self.boxes[position]
+            if tuple(offset) == tuple(offsets):
+                return tensor
         for offset, tensor in self.boxes:
             if tuple(offset) == tuple(offsets):
                 return tensor
@@ -174,7 +182,7 @@ class BoxLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         value = self.state_dict[index.fqn]
         if isinstance(value, BoxTensor):
-            return value.tensor_at(index.offset)
+            return value.tensor_at(index.offset, index.index)
         return super().lookup_tensor(index)
 
     def load_bytes(self, read_item, value) -> None:

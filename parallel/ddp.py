@@ -197,15 +197,25 @@ class DistributedDataParallel(nn.Module):
             self.is_last_microbatch = previous
 
     def _prepare_main_grad(self, param: nn.Parameter) -> None:
-        """Before a gradient is added into main_grad: a released bucket gradient is allocated
-        again, zeroed."""
+        """Before a gradient is added into main_grad, with sharded gradients: a reduction of
+        its bucket still in flight is landed first (a zero-bubble schedule runs the next
+        micro-batch's input-gradient backward before the previous one's deferred weight
+        gradients, so a bucket reduced in one can be written again by the next; that
+        gradient is reduced later, by the bucket's next reduction or `end_backward`), and a
+        released bucket gradient is allocated again, zeroed."""
         bucket = self.bucket_of[param]
-        if self.shard_grads and not is_allocated(bucket.grad):
+        if not self.shard_grads:
+            return
+        if bucket.grad_work is not None and not bucket.delayed:
+            self._complete_bucket_reduce(bucket)
+        if not is_allocated(bucket.grad):
             allocate(bucket.grad)
             bucket.grad.zero_()
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         queue = getattr(param, QUEUE_ATTRIBUTE, None)
+        if queue is not None and self.gathering is not None:
+            self._passed_in_split_backward(param)
         if param.grad is None and queue is not None and queue.defers(param):
             return  # its weight gradient was deferred (parallel/weight_grad.py): W adds it
         if param.grad is not None:
@@ -213,6 +223,25 @@ class DistributedDataParallel(nn.Module):
             param.main_grad.add_(param.grad)
             param.grad = None
         self._main_grad_added(param)
+
+    def _passed_in_split_backward(self, param: nn.Parameter) -> None:
+        """An input-gradient backward (a zero-bubble schedule's I) is done with param: its
+        gradient is in, or queued for W, which needs no parameters. Once it is done with
+        every parameter of a unit, the unit's gathered parameters are released (the bucket's
+        gradient still waits for W's part before it is reduced)."""
+        bucket = self.bucket_of[param]
+        bucket.passed.add(param)
+        if len(bucket.passed) == len(bucket.params):
+            bucket.passed = set()
+            self.gathering.release(bucket)
+
+    def end_input_backward(self) -> None:
+        """After each input-gradient backward (I): release what is still gathered (a unit
+        with a parameter that got no gradient)."""
+        for bucket in self.buckets:
+            bucket.passed = set()
+        if self.gathering is not None:
+            self.gathering.release_all()
 
     def _main_grad_added(self, param: nn.Parameter) -> None:
         """This micro-batch's gradient of param is in main_grad: once every parameter of its

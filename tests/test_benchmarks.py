@@ -23,7 +23,7 @@ def test_bench_pipeline_rows(tmp_path):
         "1f1b",
         "interleaved",
         "interleaved+overlap",
-        "zb-h1",  # (zb-v needs m >= 2p - 1)
+        "zb-h1",  # (zb-v needs m >= 2p - 1, dualpipe-v m >= 2p)
     ]
     for r in rows:
         assert r["measured_s"] > 0 and r["stage_s"] > 0

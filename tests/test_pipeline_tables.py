@@ -1,18 +1,21 @@
 """Schedules as tables (parallel/pipeline/tables.py), their validator and the one runtime:
 every generator's table is valid, its simulated bubble is the schedule's theoretical one and
 its activations in flight the planner's count; the validator names broken tables; the
-zero-bubble schedules (zb-h1, zb-v; tied and untied embeddings) give the loss and every
-gradient of the PP=1 model, run exactly their tables, and hold their 3D parity with TP2 x
-DP2 and each sharding strategy they take."""
+schedules that split backward (zb-h1, zb-v, dualpipe-v; tied and untied embeddings) give the
+loss and every gradient of the PP=1 model, run exactly their tables, hold their 3D parity
+with TP2 x DP2 and each sharding strategy, release sharded parameters behind each
+input-gradient backward, and resume from a checkpoint bit-exactly."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
 from parallel.errors import ConfigError
 from parallel.pipeline.schedules import peak_in_flight
-from parallel.pipeline.tables import Action, Table, build_table
+from parallel.pipeline.tables import V_SHAPED, Action, Table, build_table, min_microbatches
 from parallel.pipeline.validate import ScheduleError, pair_order_violation, simulate, validate
 from parallel.state import ParallelState
 from tests.distributed import run_ranks
@@ -29,7 +32,7 @@ from tests.harness import (
     tiny_config,
 )
 
-KINDS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2}
+KINDS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2, "dualpipe-v": 2}
 
 
 def _tables():
@@ -38,8 +41,8 @@ def _tables():
             for m in (1, 2, 4, 8, 16):
                 try:
                     yield build_table(kind, p, v, m)
-                except ConfigError as err:  # interleaved: m % p; zb-v: m < 2p - 1
-                    assert kind in ("interleaved", "zb-v"), err
+                except ConfigError as err:  # interleaved: m % p; zb-v: m < 2p - 1; dualpipe-v
+                    assert kind in ("interleaved", "zb-v", "dualpipe-v"), err  # m < 2p
 
 
 def test_every_table_is_valid_with_the_theoretical_bubble_and_peak():
@@ -62,7 +65,36 @@ def test_every_table_is_valid_with_the_theoretical_bubble_and_peak():
             if m >= 2 * p - 1:  # (equal at p = 2; below from p = 4)
                 assert bubbles["zb-v", p, m] <= bubbles["zb-h1", p, m]
                 assert p == 2 or bubbles["zb-v", p, m] < bubbles["zb-h1", p, m]
+            if m >= 2 * p:  # simulated: below zb-v's too
+                assert bubbles["dualpipe-v", p, m] < bubbles["zb-v", p, m]
     assert validate(build_table("zb-h1", 4, 1, 8), max_in_flight=4)
+
+
+def test_dualpipe_v_runs_the_compute_order_of_torch_pipelining():
+    """torch.distributed.pipelining's ScheduleDualPipeV is an independent reference: its
+    per-rank compute actions (each overlapped forward-backward pair taken in turn, forward
+    first) are ours, for p 2 to 4 and m from 2p to 4p."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    if not hasattr(schedules, "ScheduleDualPipeV"):
+        pytest.skip("this torch has no ScheduleDualPipeV")
+    kinds = {"F": "F", "B": "B", "I": "I", "W": "W"}
+
+    class Sizes:  # what its per-rank generator reads from the schedule object
+        def __init__(self, p, m):
+            self.pp_group_size, self._n_microbatches = p, m
+
+    for p in (2, 3, 4):
+        for m in range(2 * p, 4 * p + 1):
+            table = build_table("dualpipe-v", p, 2, m)
+            for rank in range(p):
+                theirs = []
+                ops = schedules.ScheduleDualPipeV._calculate_single_rank_operations
+                for action in ops(Sizes(p, m), rank):
+                    for part in action.sub_actions or (action,):
+                        kind = kinds[part.computation_type.value]
+                        chunk = 0 if part.stage_index == rank else 1
+                        theirs.append(str(Action(kind, chunk, part.microbatch_index)))
+                assert [str(a) for a in table.ranks[rank]] == theirs, (p, m, rank)
 
 
 def _broken(order0, order1, name="broken") -> Table:
@@ -93,9 +125,11 @@ def test_the_validator_names_the_first_violation():
     late = _broken([F(0), F(1), B(1), B(0)], [F(0), B(0), F(1), B(1)])
     with pytest.raises(ScheduleError, match="chunk 0's last gradient step is B0.0"):
         validate(late)
-    # NCCL matches a pair's messages in posting order whatever their kind: only zb-v mixes them
+    # NCCL matches a pair's messages in posting order whatever their kind: only the V-shaped
+    # tables mix them (zb-v always, dualpipe-v from p = 4)
     for table in _tables():
-        assert (pair_order_violation(table) is not None) == (table.name == "zb-v"), table.name
+        mixed = table.name == "zb-v" or (table.name == "dualpipe-v" and table.p > 2)
+        assert (pair_order_violation(table) is not None) == mixed, (table.name, table.p)
     with pytest.raises(ScheduleError, match="holds 4 micro-batches of activations"):
         validate(build_table("gpipe", 2, 1, 4), max_in_flight=2)
     assert simulate(good).length == 9.0  # (m + p - 1) x (F + B)
@@ -109,10 +143,9 @@ def _zero_bubble(rank, world, pp):
         for m in (1, 4, 8):
             tokens = global_batch(m, 2 * m * state.dp_size, cfg.seq_length)
             ref_loss, ref_grads = reference_grads(cfg, tokens)
-            for kind, overlap in (("zb-h1", False), ("zb-h1", True), ("zb-v", False),
-                                  ("zb-v", True)):  # fmt: skip
-                if kind == "zb-v" and m < 2 * pp - 1:
-                    continue  # zb-v needs m >= 2p - 1
+            for kind, overlap in itertools.product(("zb-h1", "zb-v", "dualpipe-v"), (False, True)):
+                if m < min_microbatches(kind, pp):
+                    continue  # zb-v needs m >= 2p - 1, dualpipe-v m >= 2p
                 stats = {}
                 losses, grads = engine_grads(
                     state, cfg, tokens, 2, schedule_kind=kind, stats=stats,
@@ -140,7 +173,8 @@ def _zero_bubble(rank, world, pp):
 def test_zero_bubble_schedules_match_unpipelined_model(pp):
     results = run_ranks(_zero_bubble, 4, pp, timeout=400)
     for rank_results in results:
-        assert len(rank_results) == (20 if pp == 2 else 16)  # zb-h1: 12; zb-v: m >= 2p - 1
+        # zb-h1: 12; zb-v (m >= 2p - 1): 8, then 4; dualpipe-v (m >= 2p): 8, then 4
+        assert len(rank_results) == (28 if pp == 2 else 20)
         for r in rank_results:
             style, m, kind, overlap = r["case"]
             assert r["grad"] < 1e-5 and r["ran_its_table"], r
@@ -149,7 +183,7 @@ def test_zero_bubble_schedules_match_unpipelined_model(pp):
                 assert r["overlapped"] > 0, r
             elif not overlap:
                 assert r["overlapped"] == 0, r
-            if kind == "zb-h1" and r["rank"] == pp - 1 or kind == "zb-v" and r["rank"] == 0:
+            if kind == "zb-h1" and r["rank"] == pp - 1 or kind in V_SHAPED and r["rank"] == 0:
                 assert r["loss"] is not None and r["loss"] < 1e-6, r
 
 
@@ -157,8 +191,13 @@ THREE_D_ZERO_BUBBLE = [
     ("gpt2", "no_shard", "zb-h1"),
     ("gpt2", "optim", "zb-h1"),
     ("llama", "optim_grads", "zb-h1"),
+    ("gpt2", "optim_grads_params", "zb-h1"),
+    ("llama", "optim_grads_params", "zb-h1"),
     ("gpt2", "optim", "zb-v"),
     ("llama", "optim_grads", "zb-v"),
+    ("gpt2", "optim_grads_params", "zb-v"),
+    ("gpt2", "optim", "dualpipe-v"),
+    ("llama", "optim_grads_params", "dualpipe-v"),
 ]
 
 
@@ -184,14 +223,16 @@ def _three_d(rank, world):
 def test_zero_bubble_in_3d_with_each_sharding_strategy():
     """TP2 x PP2 x DP2 with SP and overlapped reductions, 5 optimizer steps of 4 micro-batches:
     the weight gradients deferred to W reach the (sharded) gradient buffers as a plain
-    backward's do (sharded parameters, optim_grads_params, are refused with these schedules)."""
+    backward's do, also where the next micro-batch's I writes a bucket before the previous
+    one's W (a bucket with no deferred weight, e.g. the final norm's under
+    optim_grads_params, is reduced during I)."""
     results = run_ranks(_three_d, 8, timeout=400)
     for rank_results in results:
         for r in rank_results:
             assert r["moved"] > 0.02, r
             assert r["model"] < 1e-6 and r["worst_tensor"] < 1e-5, r
-    # the loss is computed on the last virtual stage: pipeline rank 1 for zb-h1, 0 for zb-v
-    for rank, kind in ((7, "zb-h1"), (0, "zb-v")):
+    # the loss is computed on the last virtual stage: pipeline rank 1 for zb-h1, 0 for the V
+    for rank, kind in ((7, "zb-h1"), (0, "zb-v"), (0, "dualpipe-v")):
         for r in results[rank]:
             if r["case"][2] == kind:
                 assert r["loss"] is not None and r["loss"] < 1e-6, r
@@ -202,7 +243,7 @@ def test_zero_bubble_in_3d_with_each_sharding_strategy():
     [
         (["--pipeline-schedule", "zb-v", "--untie-embeddings-and-output-weights"],
          "zb-v runs 2 model chunks per rank"),
-        (["--pipeline-schedule", "zb-h1", "--use-megatron-fsdp"], "not available yet"),
+        (["--pipeline-schedule", "zb-h1", "--use-megatron-fsdp"], None),
         (["--pipeline-schedule", "zb-h1", "--no-gradient-accumulation-fusion"],
          "drop that flag or use 1f1b"),
         (["--pipeline-schedule", "zb-v", "--untie-embeddings-and-output-weights",
@@ -210,8 +251,15 @@ def test_zero_bubble_in_3d_with_each_sharding_strategy():
          "at least 2 x pipeline-model-parallel-size - 1 = 3 micro-batches"),
         (["--pipeline-schedule", "zb-v", "--untie-embeddings-and-output-weights",
           "--num-layers-per-virtual-pipeline-stage", "1"], None),
-        (["--pipeline-schedule", "zb-v", "--num-layers-per-virtual-pipeline-stage", "1"],
-         "add --untie-embeddings-and-output-weights"),
+        (["--pipeline-schedule", "zb-v", "--num-layers-per-virtual-pipeline-stage", "1"], None),
+        (["--pipeline-schedule", "dualpipe-v"], "dualpipe-v runs 2 model chunks per rank"),
+        (["--pipeline-schedule", "dualpipe-v", "--num-layers-per-virtual-pipeline-stage", "1",
+          "--global-batch-size", "3"],
+         "at least 2 x pipeline-model-parallel-size = 4 micro-batches"),
+        (["--pipeline-schedule", "dualpipe-v", "--num-layers-per-virtual-pipeline-stage", "1",
+          "--no-gradient-accumulation-fusion"], "drop that flag or use 1f1b"),
+        (["--pipeline-schedule", "dualpipe-v", "--num-layers-per-virtual-pipeline-stage", "1",
+          "--use-megatron-fsdp"], None),
         (["--pipeline-schedule", "zb-h1"], None),
     ],
 )  # fmt: skip
@@ -236,10 +284,21 @@ def _pretrain(rank, world, flags):
     return main(flags)
 
 
-@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
-def test_zero_bubble_training_resumes_bit_exactly(tmp_path, schedule):
-    """engine.pretrain on 2 ranks: 4 iterations straight, against 2, a checkpoint, and 2 more
-    from it; the losses are equal to the last bit."""
+@pytest.mark.parametrize(
+    "schedule, tied, world",
+    [
+        ("zb-h1", False, 2),
+        ("zb-v", False, 2),
+        ("zb-v", True, 2),
+        ("zb-h1", True, 4),
+        ("dualpipe-v", True, 2),
+    ],
+)
+def test_zero_bubble_training_resumes_bit_exactly(tmp_path, schedule, tied, world):
+    """engine.pretrain on PP 2 (x DP 2 with sharded parameters): 4 iterations straight,
+    against 2, a checkpoint, and 2 more from it; the losses are equal to the last bit. Tied
+    zb-v: the first rank holds both copies of the embedding, and the checkpoint's one tensor
+    fills both."""
     import json
 
     flags = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -247,11 +306,15 @@ def test_zero_bubble_training_resumes_bit_exactly(tmp_path, schedule):
              "--tokenizer-type", "NullTokenizer", "--mock-data", "--lr", "1e-3",
              "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4",
              "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule,
-             "--untie-embeddings-and-output-weights", "--log-interval", "1",
+             "--log-interval", "1",
              "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
              "--eval-iters", "0"]  # fmt: skip
-    if schedule == "zb-v":
+    if schedule in V_SHAPED:
         flags += ["--num-layers-per-virtual-pipeline-stage", "1"]
+    if not tied:
+        flags += ["--untie-embeddings-and-output-weights"]
+    if world == 4:
+        flags += ["--use-megatron-fsdp", "--global-batch-size", "8"]
     checkpoints = str(tmp_path / "checkpoints")
     runs = {
         "straight": [],
@@ -261,8 +324,47 @@ def test_zero_bubble_training_resumes_bit_exactly(tmp_path, schedule):
     losses = {}
     for name, extra in runs.items():
         log = tmp_path / f"{name}.jsonl"
-        run_ranks(_pretrain, 2, flags + extra + ["--log-jsonl", str(log)], timeout=300)
+        run_ranks(_pretrain, world, flags + extra + ["--log-jsonl", str(log)], timeout=300)
         records = [json.loads(line) for line in log.read_text().splitlines()]
         losses[name] = [(r["iteration"], r["lm_loss"]) for r in records if "lm_loss" in r]
     assert [i for i, _ in losses["straight"]] == [1, 2, 3, 4]
     assert losses["first"] + losses["resumed"] == losses["straight"]
+
+
+def _gathered_under_zero_bubble(rank, world, kind):
+    """The most units whose parameters are gathered at once on this rank, seen from every
+    module's forward and every gradient hook, over two steps of 8 micro-batches with the
+    parameters sharded (optim_grads_params)."""
+    from parallel.buckets import is_allocated
+
+    state = ParallelState.build(tp=1, pp=2)
+    cfg = tiny_config("gpt2", num_layers=8)
+    peak = {"units": 0}
+
+    def look(ddps):
+        gathered = sum(is_allocated(b.data) for ddp in ddps for b in ddp.buckets)
+        peak["units"] = max(peak["units"], gathered)
+
+    def hook(step, ddps, optimizer):
+        if step == 0:
+            for ddp in ddps:
+                for module in ddp.module.modules():
+                    module.register_forward_pre_hook(lambda *_: look(ddps))
+                for param in ddp.params:
+                    param.register_hook(lambda grad: look(ddps))
+
+    _, ddps, _ = engine_run(
+        state, cfg, opt_config(), 2, 32, 2, sharding="optim_grads_params", overlap=True,
+        hook=hook, virtual_size=KINDS[kind], schedule_kind=kind,
+    )  # fmt: skip
+    return peak["units"], sum(len(ddp.buckets) for ddp in ddps)
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1", "zb-v", "dualpipe-v"])
+def test_sharded_parameters_are_released_behind_each_input_gradient_backward(kind):
+    """With the weight gradients deferred, a unit's parameters are still released as soon as
+    the input-gradient backward has passed it (its W needs none of them): as many units at
+    once as under 1F1B, not the whole chunk."""
+    for units, buckets in run_ranks(_gathered_under_zero_bubble, 4, kind):
+        assert buckets >= 4, buckets  # 8 layers over 2 (zb-v: 4) stages, embeddings, norm
+        assert 2 <= units <= 3, (units, buckets)

@@ -1,12 +1,12 @@
-"""Pipeline bubble on CPU gloo: GPipe, 1F1B, interleaved 1F1B and the zero-bubble ZB-H1 and
-ZB-V against their ideal times.
+"""Pipeline bubble on CPU gloo: GPipe, 1F1B, interleaved 1F1B, the zero-bubble ZB-H1 and ZB-V,
+and DualPipeV against their ideal times.
 
 For p stages and m micro-batches, the single-stage time t (forward + backward of one stage on
 one micro-batch) gives the ideal step time m * t / e, with e = 1 - the schedule's bubble as its
 table simulates it with forward 1, backward 2 (input and weight gradients 1 each) per chunk
 (parallel/pipeline/validate.py): m / (m + p - 1) for GPipe and 1F1B, m / (m + (p - 1) / v) for
 interleaved 1F1B with v virtual stages (run with blocking transfers, and with
---overlap-p2p-communication), less for the zero-bubble schedules.
+--overlap-p2p-communication), less for the schedules that split backward.
 t is measured inside each run (the slowest stage's compute time / m, so it sees the same
 caches, clocks and core sharing as the step), and also alone beforehand for reference.
 Measured bubble = 1 - m * t / measured step time. Stages are balanced (a small vocabulary keeps
@@ -35,13 +35,12 @@ from parallel.ddp import DistributedDataParallel
 from parallel.errors import ConfigError
 from parallel.launch import run_local
 from parallel.pipeline.schedules import get_schedule
-from parallel.pipeline.tables import PLACEMENT, build_table
+from parallel.pipeline.tables import PLACEMENT, build_table, default_chunks
 from parallel.pipeline.validate import simulate
 from parallel.state import ParallelState
 
 OVERLAP = "interleaved+overlap"  # --overlap-p2p-communication
-SCHEDULES = ["gpipe", "1f1b", "interleaved", OVERLAP, "zb-h1", "zb-v"]
-CHUNKS = {"interleaved": 2, "zb-v": 2}
+SCHEDULES = ["gpipe", "1f1b", "interleaved", OVERLAP, "zb-h1", "zb-v", "dualpipe-v"]
 
 
 def _stage_time(rank, world, args):
@@ -66,7 +65,7 @@ def _pipeline_time(rank, world, args, kind, m):
     state = ParallelState.build(tp=1, pp=world)
     cfg = bench_model_config(args, make_vocab_size_divisible_by=64)
     schedule_kind = "interleaved" if kind == OVERLAP else kind
-    v = CHUNKS.get(schedule_kind, 1)
+    v = default_chunks(schedule_kind)
     chunks = build_model_chunks(
         cfg, state, virtual_size=v, placement=PLACEMENT.get(schedule_kind, "loop")
     )
@@ -128,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         for kind in args.schedules:
             schedule_kind = "interleaved" if kind == OVERLAP else kind
             try:
-                table = build_table(schedule_kind, p, CHUNKS.get(schedule_kind, 1), m)
-            except ConfigError:  # interleaved: m % p; zb-v: m < 2p - 1
+                table = build_table(schedule_kind, p, default_chunks(schedule_kind), m)
+            except ConfigError:  # interleaved: m % p; zb-v, dualpipe-v: m too small
                 continue
             measured, stage = run_local(_pipeline_time, p, args, kind, m, timeout=3600)[0]
             ideal_efficiency = 1 - max(simulate(table).bubble)
@@ -146,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
     print(
-        f"p={p} stages, v=2 for interleaved and zb-v; {os.cpu_count()} CPU cores; stage time "
-        f"alone: {alone * 1e3:.1f} ms per micro-batch (forward + backward, one thread)"
+        f"p={p} stages, v=2 for interleaved, zb-v and dualpipe-v; {os.cpu_count()} CPU cores; "
+        f"stage time alone: {alone * 1e3:.1f} ms per micro-batch (forward + backward, one thread)"
     )
     print(
         f"{'m':>3s} {'schedule':20s} {'t (ms)':>7s} {'measured s':>10s} {'ideal s':>8s} "

@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 
 from engine.cli import run_main
-from parallel.pipeline.tables import GENERATORS, PLACEMENT, build_table
+from parallel.pipeline.tables import GENERATORS, PLACEMENT, build_table, default_chunks
 from parallel.pipeline.validate import simulate, validate
 
 COLORS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:red", "W": "tab:green"}
-CHUNKS = {"interleaved": 2, "zb-v": 2}
 
 
 def text(table) -> str:
@@ -52,7 +51,7 @@ def _measure(rank, world, args):
 
     state = ParallelState.build(tp=1, pp=world)
     cfg = bench_model_config(args, make_vocab_size_divisible_by=64)
-    v = CHUNKS.get(args.schedule, 1)
+    v = default_chunks(args.schedule)
     placement = PLACEMENT.get(args.schedule, "loop")
     chunks = build_model_chunks(cfg, state, virtual_size=v, placement=placement)
     ddps = [DistributedDataParallel(c, None) for c in chunks]
@@ -115,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     args = parser.parse_args(argv)
-    table = build_table(args.schedule, args.pp, CHUNKS.get(args.schedule, 1), args.microbatches)
+    table = build_table(args.schedule, args.pp, default_chunks(args.schedule), args.microbatches)
     validate(table)
     print(text(table))
     if args.png:

@@ -22,6 +22,7 @@ from engine.planning.activations import layers_activation_bytes, stage_ends_acti
 from engine.state_memory import formula_bytes_per_param
 from parallel.pipeline.layout import stage_layers
 from parallel.pipeline.schedules import peak_in_flight
+from parallel.pipeline.tables import SPLIT_BACKWARD
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -85,10 +86,10 @@ def check_layout(cfg: ModelConfig, layout: Layout, pp_rank: int) -> None:
         raise ConfigError(f"sharding strategy {layout.strategy!r} is not one of {STRATEGIES}")
     if layout.virtual > 1 and layout.pp < 2:
         raise ConfigError("virtual pipeline stages need pipeline-model-parallel-size >= 2")
-    if layout.schedule in ("zb-h1", "zb-v"):
+    if layout.schedule in SPLIT_BACKWARD:
         raise ConfigError(
             f"the planner does not model the {layout.schedule} schedule yet (its deferred "
-            "weight gradients, and zb-v's V placement)"
+            "weight gradients, and the V placement of zb-v and dualpipe-v)"
         )
     if not 0 <= pp_rank < layout.pp:
         raise ConfigError(f"pipeline stage {pp_rank} is outside {layout.pp} stages")

@@ -18,13 +18,14 @@ it needs, and on gloo a table whose data dependencies can be met in order
 (parallel/pipeline/validate.py simulates it) cannot deadlock. Receives are waited for by the
 action that needs them; with `overlap` the next two are kept posted ahead, so they arrive
 during the computes before. Matching is by peer and tag (activation or gradient) in posting
-order, which the validator checks each table keeps; NCCL ignores tags, and zb-v's tables mix
-the two kinds between a pair of ranks, so it is refused on NCCL (`pair_order_violation`).
-None of this has run on NCCL yet.
+order, which the validator checks each table keeps; NCCL ignores tags, so a table that mixes
+the two kinds differently on the two sides of a pair of ranks (zb-v; dualpipe-v from p = 4)
+is refused on NCCL (`pair_order_violation`). None of this has run on NCCL yet.
 
 Data-parallel rules: gradients accumulate locally (DDP no-sync) until a chunk's last
 micro-batch's backward (its W, when split), whose DDP may then reduce; with sharded gradients
-every micro-batch's backward ends with the chunk's `end_backward`.
+every micro-batch's backward (B, or W) ends with the chunk's `end_backward`, and an I with
+`end_input_backward` (sharded parameters gathered for it are released).
 
 `stats` (optional) gets 'peak_held' (most micro-batches whose activations were held at once:
 from F until B, or W), 'peak_output_bytes' (the most bytes held outputs took when a forward
@@ -83,12 +84,6 @@ class TableRuntime:
                 f"schedule {table.name}: {violation}; NCCL matches messages between two ranks "
                 "in posting order whatever their kind, so this table cannot run on it yet "
                 "(use gloo, or another schedule)"
-            )
-        split = any(a.kind == "W" for a in self.order)
-        if split and any(getattr(c, "gathering", None) is not None for c in chunks):
-            raise ValueError(
-                f"schedule {table.name} defers weight gradients, which sharded parameters "
-                "(optim_grads_params) do not support yet"
             )
         self.losses: list[torch.Tensor] = []
         self.saved: dict = {}  # (chunk, k) -> (input, output or loss) until backward
@@ -218,6 +213,9 @@ class TableRuntime:
                     ddp.is_last_microbatch = last
                 with queue.collecting(ddp.parameters()):
                     backward_from(output, output_grad)
+                end = getattr(ddp, "end_input_backward", None)
+                if end is not None:
+                    end()
                 if hasattr(ddp, "is_last_microbatch"):
                     ddp.is_last_microbatch = True
                 self.queues[c, k] = queue

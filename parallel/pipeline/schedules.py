@@ -17,8 +17,8 @@ after each. Every schedule returns the reported losses of the last
 stage's micro-batches (an empty list on other stages).
 
 Pipelined schedules are tables of actions per rank (parallel/pipeline/tables.py: gpipe, 1f1b,
-interleaved, zb-h1, zb-v), validated (parallel/pipeline/validate.py) and run by one runtime
-(parallel/pipeline/runtime.py).
+interleaved, zb-h1, zb-v, dualpipe-v), validated (parallel/pipeline/validate.py) and run by one
+runtime (parallel/pipeline/runtime.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import functools
 import torch
 
 from parallel.pipeline.runtime import TableRuntime
-from parallel.pipeline.tables import Table, build_table, warmup_forwards
+from parallel.pipeline.tables import V_SHAPED, Table, build_table, warmup_forwards
 from parallel.pipeline.validate import validate
 from parallel.timing import StepTimes, measure
 
@@ -89,12 +89,15 @@ def peak_in_flight(kind: str, p: int, rank: int, m: int, v: int = 1) -> int:
     """The most chunk-micro-batches whose activations rank `rank` holds at once (forward
     done, backward not yet) under schedule `kind`: the warm-up forwards and the steady
     state's one more (zb-h1 holds back up to `rank` weight gradients: p in all; zb-v's V
-    holds 2p half-size chunks). tests/test_pipeline_tables.py checks it against the tables."""
+    holds 2p half-size chunks, dualpipe-v's 2p + 1). tests/test_pipeline_tables.py checks it
+    against the tables."""
     total = m * v
     if kind == "zb-h1":
         return min(p, m)
     if kind == "zb-v":
         return min(2 * p, total)
+    if kind == "dualpipe-v":  # its steady pairs hold one more
+        return min(2 * p + 1, total)
     warmup = warmup_forwards(kind, p, rank, m, v)
     return total if warmup >= total else warmup + 1
 
@@ -151,8 +154,8 @@ def get_schedule(
     if state.pp_size == 1 and virtual_size == 1:
         return functools.partial(forward_backward_no_pipelining, times=times)
     kind = kind or ("interleaved" if virtual_size > 1 else "1f1b")
-    chunks_needed = {"interleaved": "2 or more", "zb-v": "2"}.get(kind, "1")
-    fits = virtual_size == 2 if kind == "zb-v" else (virtual_size > 1) == (kind == "interleaved")
+    chunks_needed = "2 or more" if kind == "interleaved" else "2" if kind in V_SHAPED else "1"
+    fits = virtual_size == 2 if kind in V_SHAPED else (virtual_size > 1) == (kind == "interleaved")
     if not fits:
         raise ValueError(
             f"schedule {kind} runs {chunks_needed} model chunks per rank, not {virtual_size}"

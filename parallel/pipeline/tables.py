@@ -23,7 +23,12 @@ Generators take (p ranks, v chunks per rank, m micro-batches) and return a Table
   Bubble Pipeline Parallelism", 2023, its handcrafted ZB-H1);
 - zb-v: two chunks per rank in a V (m at least 2p - 1): forwards of chunk 0 down the V, then
   of both chunks, then chunk 1's F, I, W as its gradients come back, then both chunks' F, I
-  and W in turn (the paper's ZB-V; with F = I = W its steady state has no bubble).
+  and W in turn (the paper's ZB-V; with F = I = W its steady state has no bubble);
+- dualpipe-v: DeepSeek-V3's DualPipe folded into a V (m at least 2p): the same placement as
+  zb-v, a steady state of pairs "forward of one chunk, full backward of the other" (DualPipe
+  runs each pair at once so that one's communication hides behind the other's compute; this
+  runtime runs them in turn), and split backwards (I, W) only at the edges where they fill
+  what would be idle.
 """
 
 from __future__ import annotations
@@ -222,6 +227,66 @@ def _zb_v_rank(p: int, m: int, r: int) -> list[Action]:
     return order
 
 
+def dualpipe_v(p: int, v: int, m: int) -> Table:
+    if v != 2:
+        raise ConfigError("the dualpipe-v schedule runs exactly 2 model chunks per rank (a V)")
+    if m < 2 * p:
+        raise ConfigError(
+            f"dualpipe-v needs at least 2 x pipeline stages = {2 * p} micro-batches per step "
+            f"({m} given)"
+        )
+    return _table("dualpipe-v", p, 2, m, "v", [_dualpipe_v_rank(p, m, r) for r in range(p)])
+
+
+def _dualpipe_v_rank(p: int, m: int, r: int) -> list[Action]:
+    order: list[Action] = []
+    started = {(kind, chunk): 0 for kind in "FB" for chunk in (0, 1)}  # B counts B and I
+    held: list[tuple[int, int]] = []  # (chunk, micro-batch) whose W waits, oldest first
+
+    def run(kind: str, chunk: int) -> None:
+        counter = ("F" if kind == "F" else "B", chunk)
+        order.append(Action(kind, chunk, started[counter]))
+        if kind == "I":
+            held.append((chunk, started[counter]))
+        started[counter] += 1
+
+    def oldest_weights() -> None:
+        if held:
+            order.append(Action("W", *held.pop(0)))
+
+    for _ in range(2 * (p - r - 1)):  # chunk 0 down the V
+        run("F", 0)
+    for _ in range(r + 1):  # both chunks
+        run("F", 0)
+        run("F", 1)
+    for _ in range(p - r - 1):  # chunk 1's first gradients: split, W at once
+        run("I", 1)
+        oldest_weights()
+        run("F", 1)
+    for _ in range(m - 2 * p + r + 1):  # steady: two (forward, backward) pairs
+        run("F", 0)
+        run("B", 1)
+        run("F", 1)
+        run("B", 0)
+    for _ in range(p - r - 1):  # chunk 0's forwards are done
+        run("B", 1)
+        run("F", 1)
+        run("B", 0)
+    split = False  # cool-down: from the middle on, backwards split and W's fill the waits
+    for i in range(r + 1):
+        middle = i == (r + 1) // 2
+        split = split or (middle and r % 2 == 1)
+        run("I" if split else "B", 1)
+        split = split or (middle and r % 2 == 0)
+        run("I" if split else "B", 0)
+    for _ in range(p - r - 1):
+        oldest_weights()
+        run("I" if split else "B", 0)
+    while held:
+        oldest_weights()
+    return order
+
+
 def _single_chunk(name: str, v: int) -> None:
     if v != 1:
         raise ConfigError(f"the {name} schedule runs one model chunk per rank; drop the virtual "
@@ -232,7 +297,9 @@ def _table(name, p, v, m, placement, ranks) -> Table:
     return Table(name, p, v, m, placement, tuple(tuple(order) for order in ranks))
 
 
-PLACEMENT = {"zb-v": "v"}  # the others: "loop"
+V_SHAPED = ("zb-v", "dualpipe-v")  # two chunks per rank in a V
+PLACEMENT = dict.fromkeys(V_SHAPED, "v")  # the others: "loop"
+SPLIT_BACKWARD = ("zb-h1", *V_SHAPED)  # tables with I and W: weight gradients deferred
 
 GENERATORS: dict[str, Callable[[int, int, int], Table]] = {
     "gpipe": gpipe,
@@ -240,7 +307,19 @@ GENERATORS: dict[str, Callable[[int, int, int], Table]] = {
     "interleaved": interleaved,
     "zb-h1": zb_h1,
     "zb-v": zb_v,
+    "dualpipe-v": dualpipe_v,
 }
+
+
+def default_chunks(name: str) -> int:
+    """Model chunks per rank the tools run schedule `name` with (interleaved takes 2 or more;
+    the V-shaped ones exactly 2)."""
+    return 2 if name == "interleaved" or name in V_SHAPED else 1
+
+
+def min_microbatches(name: str, p: int) -> int:
+    """The fewest micro-batches per step schedule `name` runs with at p stages."""
+    return {"zb-v": 2 * p - 1, "dualpipe-v": 2 * p}.get(name, 1)
 
 
 def build_table(name: str, p: int, v: int, m: int) -> Table:
