@@ -25,7 +25,10 @@ rank keeps depends on the strategy:
   gradient exists only while its micro-batch's backward fills it: once every parameter in it
   has its gradient, it is reduce-scattered, added to the shard and its memory released (every
   micro-batch; `end_backward()`, which the schedules call after each backward, flushes the
-  rest). Memory per parameter, bf16 with fp32 masters: 2 + (4 + 12) / DP bytes.
+  rest). Memory per parameter, bf16 with fp32 masters: 2 + (4 + 12) / DP bytes. Under a
+  schedule that splits backward (zb-h1, zb-v, dualpipe-v) a bucket holding a deferred weight
+  gradient stays allocated from a micro-batch's I until its W: at that peak a chunk's full
+  gradient can be held, as without sharding.
 - `optim_grads_params` (ZeRO-3): the parameters are sharded too; see parallel/fsdp_params.py.
   Buckets follow the model's sharding units (a transformer layer, the embedding, ...), whose
   parameters are all-gathered just before their forward and again before their backward, and
@@ -287,7 +290,8 @@ class DistributedDataParallel(nn.Module):
     def _complete_earlier_reduces(self, started: Bucket) -> None:
         """Sharded gradients: one reduction in flight at a time. Starting one completes the
         one before (it ran during this bucket's backward) and releases its full gradient, so
-        a rank holds at most two full bucket gradients at once."""
+        a plain backward holds at most two full bucket gradients at once (a split one also
+        holds those waiting for their W: module docstring)."""
         for bucket in self.buckets:
             in_flight = bucket.grad_work is not None and bucket.grad_work is not True
             if bucket is not started and in_flight and not bucket.delayed:

@@ -37,7 +37,7 @@ KINDS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2, "dualpi
 
 def _tables():
     for kind, v in KINDS.items():
-        for p in (2, 4):
+        for p in (2, 3, 4):
             for m in (1, 2, 4, 8, 16):
                 try:
                     yield build_table(kind, p, v, m)
@@ -126,7 +126,7 @@ def test_the_validator_names_the_first_violation():
     with pytest.raises(ScheduleError, match="chunk 0's last gradient step is B0.0"):
         validate(late)
     # NCCL matches a pair's messages in posting order whatever their kind: only the V-shaped
-    # tables mix them (zb-v always, dualpipe-v from p = 4)
+    # tables mix them (zb-v always, dualpipe-v from p = 3)
     for table in _tables():
         mixed = table.name == "zb-v" or (table.name == "dualpipe-v" and table.p > 2)
         assert (pair_order_violation(table) is not None) == mixed, (table.name, table.p)

@@ -19,7 +19,7 @@ it needs, and on gloo a table whose data dependencies can be met in order
 action that needs them; with `overlap` the next two are kept posted ahead, so they arrive
 during the computes before. Matching is by peer and tag (activation or gradient) in posting
 order, which the validator checks each table keeps; NCCL ignores tags, so a table that mixes
-the two kinds differently on the two sides of a pair of ranks (zb-v; dualpipe-v from p = 4)
+the two kinds differently on the two sides of a pair of ranks (zb-v; dualpipe-v from p = 3)
 is refused on NCCL (`pair_order_violation`). None of this has run on NCCL yet.
 
 Data-parallel rules: gradients accumulate locally (DDP no-sync) until a chunk's last
