@@ -187,13 +187,7 @@ def _zb_h1_rank(p: int, m: int, r: int) -> list[Action]:
 
 
 def zb_v(p: int, v: int, m: int) -> Table:
-    if v != 2:
-        raise ConfigError("the zb-v schedule runs exactly 2 model chunks per rank (a V)")
-    if m < 2 * p - 1:
-        raise ConfigError(
-            f"zb-v needs at least 2 x pipeline stages - 1 = {2 * p - 1} micro-batches per step "
-            f"({m} given)"
-        )
+    _v_shaped("zb-v", p, v, m)
     return _table("zb-v", p, 2, m, "v", [_zb_v_rank(p, m, r) for r in range(p)])
 
 
@@ -228,13 +222,7 @@ def _zb_v_rank(p: int, m: int, r: int) -> list[Action]:
 
 
 def dualpipe_v(p: int, v: int, m: int) -> Table:
-    if v != 2:
-        raise ConfigError("the dualpipe-v schedule runs exactly 2 model chunks per rank (a V)")
-    if m < 2 * p:
-        raise ConfigError(
-            f"dualpipe-v needs at least 2 x pipeline stages = {2 * p} micro-batches per step "
-            f"({m} given)"
-        )
+    _v_shaped("dualpipe-v", p, v, m)
     return _table("dualpipe-v", p, 2, m, "v", [_dualpipe_v_rank(p, m, r) for r in range(p)])
 
 
@@ -285,6 +273,15 @@ def _dualpipe_v_rank(p: int, m: int, r: int) -> list[Action]:
     while held:
         oldest_weights()
     return order
+
+
+def _v_shaped(name: str, p: int, v: int, m: int) -> None:
+    if v != 2:
+        raise ConfigError(f"the {name} schedule runs exactly 2 model chunks per rank (a V)")
+    fewest = min_microbatches(name, p)
+    if m < fewest:
+        raise ConfigError(f"{name} needs at least {fewest} micro-batches per step at {p} "
+                          f"pipeline stages ({m} given)")  # fmt: skip
 
 
 def _single_chunk(name: str, v: int) -> None:
