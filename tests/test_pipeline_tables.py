@@ -15,7 +15,15 @@ import torch
 
 from parallel.errors import ConfigError
 from parallel.pipeline.schedules import peak_in_flight
-from parallel.pipeline.tables import V_SHAPED, Action, Table, build_table, min_microbatches
+from parallel.pipeline.tables import (
+    GENERATORS,
+    V_SHAPED,
+    Action,
+    Table,
+    build_table,
+    default_chunks,
+    min_microbatches,
+)
 from parallel.pipeline.validate import ScheduleError, pair_order_violation, simulate, validate
 from parallel.state import ParallelState
 from tests.distributed import run_ranks
@@ -32,7 +40,7 @@ from tests.harness import (
     tiny_config,
 )
 
-KINDS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2, "dualpipe-v": 2}
+KINDS = {name: default_chunks(name) for name in GENERATORS}  # model chunks per rank
 
 
 def _tables():
