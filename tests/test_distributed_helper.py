@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,6 +23,18 @@ def _fail_on_two(rank, world):
     dist.barrier()
 
 
+def _rank_zero_returns_first(rank, world):
+    """Rank 0 (the TCP store's host) returns at once; the others then set up a group among
+    themselves, which goes through that store."""
+    if rank == 0:
+        return "early"
+    time.sleep(1.0)
+    group = dist.new_group([1, 2, 3], use_local_synchronization=True)
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=group)
+    return t.item()
+
+
 def test_collectives_and_threads():
     results = run_ranks(_sum_ranks, 4)
     assert results == [(6.0, 1)] * 4
@@ -29,3 +43,9 @@ def test_collectives_and_threads():
 def test_failing_rank_traceback_is_shown():
     with pytest.raises(AssertionError, match=r"rank 2 of 4 failed:[\s\S]*rank two is unhappy"):
         run_ranks(_fail_on_two, 4, timeout=60)
+
+
+def test_a_rank_that_returns_early_leaves_the_store_to_the_others():
+    # Without the check-out in parallel/launch.py rank 0 exits here and takes the store with
+    # it: ranks 1-3 fail with "Connection reset by peer".
+    assert run_ranks(_rank_zero_returns_first, 4, timeout=60) == ["early", 6.0, 6.0, 6.0]
