@@ -47,6 +47,7 @@ def _entry(fn, rank, world_size, port, conn, threads, log_paths, args, kwargs):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(target, fd)
         os.close(target)
+    faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) leaves its stacks
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stack dump when stuck
     status, payload, store = "error", None, None
     try:
@@ -191,7 +192,15 @@ def run_local(fn, world_size: int, *args, timeout: float = 240.0, threads: int =
                 )
         if failures:
             _, rank, payload = min(failures)
-            raise AssertionError(f"rank {rank} of {world_size} failed:\n{payload}")
+            failed = {r for _, r, _ in failures}
+            others = ", ".join(
+                f"{r} " + ("running" if r in pending else "failed" if r in failed else "ok")
+                for r in range(world_size)
+                if r != rank
+            )
+            raise AssertionError(
+                f"rank {rank} of {world_size} failed (the others: {others}):\n{payload}"
+            )
     finally:
         # Ranks that reported are on their way out, ending their own children: let them (a
         # kill now would orphan those). Ranks still running after a failure are killed.
