@@ -35,4 +35,4 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf build *.egg-info engine/data/_helpers*.so .pytest_cache .ruff_cache
+	rm -rf build *.egg-info engine/data/indexed/_helpers*.so .pytest_cache .ruff_cache

@@ -32,7 +32,7 @@ def cuda_extension():
 
 
 helpers = Pybind11Extension(
-    "engine.data._helpers",
+    "engine.data.indexed._helpers",
     sources=["csrc/dataset_helpers.cpp"],
     cxx_std=17,
     extra_compile_args=["-O3"],

@@ -4,8 +4,8 @@
 
 takes exactly torchrun's options (it is torch.distributed.run underneath). Before starting any
 process it parses the pretraining flags and runs every check that needs no process group
-(engine/preflight.py) for the world size nnodes x nproc-per-node, so a wrong flag, layout, path
-or checkpoint is one line on stderr and exit code 2. Errors found later inside the ranks are
+(engine/train/preflight.py) for the world size nnodes x nproc-per-node, so a wrong flag, layout,
+path or checkpoint is one line on stderr and exit code 2. Errors found later inside the ranks are
 printed once by the ranks themselves (engine/cli.py); when every failed rank exited with code 2
 (such an error) the launcher exits 2 without adding torchrun's report, otherwise it names each
 failed rank, its exit code or signal, and exits 1. examples/pretrain_gpt.sh launches this way.
@@ -33,8 +33,8 @@ def _world_sizes(args) -> list[int]:
 
 def preflight(args) -> None:
     """The pretraining flags checked for every world size of this launch (ConfigError)."""
-    from engine.preflight import check
     from engine.pretrain import parse
+    from engine.train.preflight import check
 
     for world_size in _world_sizes(args):
         check(parse(args.training_script_args), world_size)

@@ -12,15 +12,19 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.arguments import given_flags, parse_configs
 from engine.cli import run_main
-from engine.compat.megatron_flags import MegatronCompatConfig, no_effect_line
-from engine.config import DataConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
+from engine.config.arguments import given_flags, parse_configs
+from engine.config.data import DataConfig
+from engine.config.megatron_flags import MegatronCompatConfig, no_effect_line
+from engine.config.model import ModelConfig
+from engine.config.optimizer import OptimizerConfig
+from engine.config.parallel import ParallelConfig
+from engine.config.training import TrainConfig
 from engine.data.tokenizers import TokenizerConfig
-from engine.preflight import check, device_of
-from engine.run_setup import setup
-from engine.run_state import Configs
-from engine.training import NaNLimit, finish, train
+from engine.train.loop import NaNLimit, finish, train
+from engine.train.preflight import check, device_of
+from engine.train.setup import setup
+from engine.train.state import Configs
 from parallel.state import ParallelState, init_distributed
 
 GROUPS = [

@@ -4,9 +4,9 @@ finalize_model_grads: (1) with pipeline parallelism and tied embeddings, all-red
 word-embedding gradient between the first and last stage so both copies take the same step
 (or, when one rank holds both, as zb-v's first rank does, add them there);
 (2) finish the data-parallel bucket reductions; (3) sum the partial gradients of
-TP-replicated parameters over the TP group (see parallel.sharding). Every step is a sum, so
-the order is free mathematically, but (1) must come before (2): with the distributed optimizer
-a rank's main_grad is only valid inside its own shard after (2), and the two stages shard
+TP-replicated parameters over the TP group (see parallel.tensor_parallel.sharding). Every step is a
+sum, so the order is free mathematically, but (1) must come before (2): with the distributed
+optimizer a rank's main_grad is only valid inside its own shard after (2), and the two stages shard
 their copies of the embedding differently. (3) is safe after (2) because the TP ranks of one
 DP rank lay out their buffers identically: with sharded gradients it sums the parts of the
 TP-replicated parameters inside each rank's shard, which are the same parts on every TP rank.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from parallel.comm import all_reduce
-from parallel.tensor import all_reduce_flat, has_tp_partial_grad
+from parallel.tensor_parallel.layers import all_reduce_flat, has_tp_partial_grad
 
 
 def finalize_model_grads(ddps, tp_group, embedding_group=None, shared_embeddings=()) -> None:
@@ -47,7 +47,7 @@ def finalize_model_grads(ddps, tp_group, embedding_group=None, shared_embeddings
 
 
 def counts_toward_norm(param, tp_rank: int) -> bool:
-    from parallel.sharding import is_tp_duplicate
+    from parallel.tensor_parallel.sharding import is_tp_duplicate
 
     if getattr(param, "shared_embedding", False):
         return False

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from engine.data.corpus import write_corpus
-from engine.data.preprocess import preprocess
-from engine.data.tokenizer_training import train_tokenizer
+from engine.data.prepare.corpus import write_corpus
+from engine.data.prepare.preprocess import preprocess
+from engine.data.tokenizers.train_sentencepiece import train_tokenizer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

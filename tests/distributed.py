@@ -1,5 +1,5 @@
 """The tests' way to run parallel code for real: `run_ranks` forks N gloo ranks (see
-parallel/launch.py: free port, one thread per rank, timeout, the failing rank's traceback).
+parallel/local_ranks.py: free port, one thread per rank, timeout, the failing rank's traceback).
 
 Forking costs milliseconds per rank (spawning costs seconds), so group many checks into one
 `run_ranks` call and return plain data (numbers, lists, CPU tensors) for the test to assert on.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.launch import run_local as run_ranks
+from parallel.local_ranks import run_local as run_ranks
 
 __all__ = ["run_ranks", "rel_err"]
 

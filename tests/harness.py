@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig, OptimizerConfig
-from engine.grad_norm_parts import grad_norm_parts
+from engine.config.model import ModelConfig
+from engine.config.optimizer import OptimizerConfig
 from engine.model import BuildContext, GPTModel
 from engine.model.builder import build_model_chunks
-from engine.noise_scale import LocalGradSquares
-from engine.optim import LRScheduler, build_optimizer, no_weight_decay
-from engine.step import run_schedule, train_step
-from parallel.ddp import DistributedDataParallel
+from engine.monitor.grad_norm_parts import grad_norm_parts
+from engine.monitor.noise_scale import LocalGradSquares
+from engine.optim.lr_schedule import LRScheduler
+from engine.optim.optimizer import build_optimizer, no_weight_decay
+from engine.train.step import run_schedule, train_step
+from parallel.data_parallel.ddp import DistributedDataParallel
 from parallel.grads import finalize_model_grads
 from parallel.pipeline.schedules import get_schedule
 from parallel.pipeline.tables import PLACEMENT
-from parallel.sharding import full_from_local, tp_sharding_of
+from parallel.tensor_parallel.sharding import full_from_local, tp_sharding_of
 
 VOCAB = 300
 
@@ -135,7 +137,7 @@ def engine_run(
     local_squares: bool = False,
 ):
     """The same run through DDP + DistributedOptimizer + the pipeline schedule; `sharding`
-    (a strategy of parallel/ddp.py) overrides `zero`.
+    (a strategy of parallel/data_parallel/ddp.py) overrides `zero`.
     repeat_batch: train on one batch over and over (a loss that can fall).
     part_norms: each step also reports the gradient norm per layer and parameter group;
     local_squares: and the DP ranks' mean squared norm of their own gradients."""
@@ -333,10 +335,10 @@ def engine_steps(rank: int, world: int, extra: list[str], steps: int = 3):
     """`steps` training iterations of the engine set up from a tiny model's flags plus `extra`
     on `world` ranks (each data-parallel rank its own fixed random micro-batch). Returns
     the parameters by name before and after, the losses, and the main grads' dtype."""
-    from engine.preflight import check
     from engine.pretrain import parse
-    from engine.run_setup import setup
-    from engine.training import train_iteration
+    from engine.train.loop import train_iteration
+    from engine.train.preflight import check
+    from engine.train.setup import setup
     from parallel.state import ParallelState
 
     argv = [

@@ -1,11 +1,11 @@
 """Activation memory per transformer layer under TP 1, 2, 4, with and without sequence
 parallelism: the bytes autograd really saves (saved-tensor hooks) against Korthikanti et al.'s
-count adjusted for this layer (engine/activation_memory.py), within 5%. Under SP the column-
-parallel linears keep only their input shard, so everything in the layer divides by t."""
+count adjusted for this layer (engine/planning/saved_activations.py), within 5%. Under SP the
+column- parallel linears keep only their input shard, so everything in the layer divides by t."""
 
 from __future__ import annotations
 
-from engine.activation_memory import layer_activation_bytes, measure_layer
+from engine.planning.saved_activations import layer_activation_bytes, measure_layer
 from parallel.state import ParallelState
 from tests.distributed import run_ranks
 from tests.harness import tiny_config

@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from engine.arguments import parse_configs
-from engine.config import ModelConfig
+from engine.config.arguments import parse_configs
+from engine.config.model import ModelConfig
 
 GROUPS = [(ModelConfig, "model")]
 
@@ -66,7 +66,8 @@ def test_megatron_flag_names_fill_model_config():
 
 def test_unknown_flag_is_one_line_exit_2():
     code = (
-        "from engine.arguments import parse_configs; from engine.config import ModelConfig; "
+        "from engine.config.arguments import parse_configs; "
+        "from engine.config.model import ModelConfig; "
         "parse_configs(['--hiden-size', '3'], [(ModelConfig, 'model')])"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

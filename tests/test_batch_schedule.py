@@ -11,12 +11,13 @@ import warnings
 import pytest
 import torch
 
-from engine.batch_schedule import BatchSchedule, parse_step_schedule
-from engine.config import OptimizerConfig, TrainConfig
+from engine.config.batch_schedule import BatchSchedule, parse_step_schedule
+from engine.config.optimizer import OptimizerConfig
+from engine.config.training import TrainConfig
 from engine.errors import ConfigError
-from engine.optim import LRScheduler
-from engine.preflight import check
+from engine.optim.lr_schedule import LRScheduler
 from engine.pretrain import parse
+from engine.train.preflight import check
 from tests.test_training import base_args, pretrain, records
 
 # (start, increment, ramp-up samples, global batch, micro-batch x data-parallel size)

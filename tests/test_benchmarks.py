@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from engine.metrics import PEAK_TFLOPS
+from engine.monitor.metrics import PEAK_TFLOPS
 from tests.tokenizer_files import make_hf_folder
 from tools import bench_ddp, bench_pipeline, bench_plan, bench_scaling, bench_streaming
 

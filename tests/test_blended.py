@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.data.blended import BlendedDataset, parse_blend, parse_data_path
 from engine.data.builder import build_gpt_datasets
-from engine.data.helpers import build_blending_indices, build_blending_indices_numpy
-from engine.data.indexed import IndexedDatasetBuilder
+from engine.data.indexed.dataset import IndexedDatasetBuilder
+from engine.data.indexed.helpers import build_blending_indices, build_blending_indices_numpy
 from engine.data.loader import PretrainingSampler, build_data_iterator
+from engine.data.mix.blended import BlendedDataset, parse_blend, parse_data_path
 from engine.errors import ConfigError
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.sharding import checkpoint_boxes, local_from_full, split_sharding
+from parallel.checkpoint.boxes import checkpoint_boxes
+from parallel.tensor_parallel.sharding import local_from_full, split_sharding
 
 
 @pytest.mark.parametrize("seed", range(20))

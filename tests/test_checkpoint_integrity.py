@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from engine.checkpoint_files import META, iteration_dir, read_meta
-from parallel.dcp_checksums import file_digest
+from engine.checkpoint.files import META, iteration_dir, read_meta
+from parallel.checkpoint.checksums import file_digest
 from tests.cli import one_line_error, run_python, run_tool
 from tests.small_disk import run_on_small_disk, small_disk_available
 
@@ -172,7 +172,7 @@ def test_full_disk_during_a_save(ranks, dataset_prefix, tokenizer_model, tmp_pat
     failure is found in the background thread, agreed by both ranks and printed once."""
     if not small_disk_available():
         pytest.skip("no mount namespaces here (unshare) for a small tmpfs")
-    from parallel.launch import free_port
+    from parallel.local_ranks import free_port
 
     disk = tmp_path / "disk"
     disk.mkdir()

@@ -16,10 +16,10 @@ import pytest
 import torch
 import xxhash
 
-from engine.checkpoint_files import iteration_dir, read_meta, write_meta
-from engine.checkpoint_load import read_tensors
+from engine.checkpoint.files import iteration_dir, read_meta, write_meta
+from engine.checkpoint.load import read_tensors
 from engine.errors import CheckpointError
-from parallel.dcp_metadata import load_metadata
+from parallel.checkpoint.metadata import load_metadata
 from tests.cli import one_line_error, run_tool
 
 # --- a tiny pickle assembler (protocol 4 opcodes) --------------------------------------------

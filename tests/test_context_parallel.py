@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel.context_parallel import (
+from parallel.context_parallel.attention import (
     COMM_TYPES,
     chunk_ids,
     context_parallel_attention,
@@ -16,7 +16,7 @@ from parallel.context_parallel import (
     split_sequence,
     visible,
 )
-from parallel.ring_attention import quarters
+from parallel.context_parallel.ring import quarters
 from tests.distributed import rel_err, run_ranks
 
 B, HEADS, GROUPS, SEQ, D = 2, 8, 4, 32, 8
@@ -76,7 +76,7 @@ def _ring_in_tiles(rank, world):
     """The ring with one query row per tile (as a long sequence would take it)."""
     import torch.distributed as dist
 
-    import parallel.ring_attention as ring
+    import parallel.context_parallel.ring as ring
 
     ring.TILE_SCORES = 1
     q, k, v, out_grad = _inputs()

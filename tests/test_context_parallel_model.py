@@ -198,8 +198,8 @@ SHAPE = [
 )
 def test_context_parallel_flags_are_checked_in_one_line(world, extra, message):
     from engine.errors import ConfigError
-    from engine.preflight import check
     from engine.pretrain import parse
+    from engine.train.preflight import check
 
     cfg = parse(SHAPE + extra)
     with pytest.raises(ConfigError) as error:
@@ -208,8 +208,8 @@ def test_context_parallel_flags_are_checked_in_one_line(world, extra, message):
 
 
 def test_context_parallel_flags_that_fit_pass():
-    from engine.preflight import check
     from engine.pretrain import parse
+    from engine.train.preflight import check
 
     for world, extra in [
         (2, ["--context-parallel-size", "2"]),

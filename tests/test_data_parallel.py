@@ -12,8 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from parallel.buckets import is_allocated
-from parallel.ddp import STRATEGIES
+from parallel.data_parallel.buckets import is_allocated
+from parallel.data_parallel.ddp import STRATEGIES
 from parallel.state import ParallelState
 from tests.distributed import rel_err, run_ranks
 from tests.harness import (
@@ -115,7 +115,7 @@ def test_optimizer_state_is_sharded_over_dp():
 
 
 def _held_by_strategy(rank, world):
-    from engine.state_memory import held_state_bytes
+    from engine.planning.state_memory import held_state_bytes
 
     state = ParallelState.build(tp=1)
     cfg = tiny_config("llama", hidden_size=128, num_layers=4)
@@ -133,7 +133,7 @@ def _held_by_strategy(rank, world):
 def test_each_sharding_strategy_holds_its_formulas_bytes(world):
     """Storage bytes of parameters, gradients and optimizer state held after a step (bf16,
     Adam) per rank, within 5% of 18, 6 + 12/d, 2 + 16/d and 18/d bytes per parameter."""
-    from engine.state_memory import formula_bytes_per_param
+    from engine.planning.state_memory import formula_bytes_per_param
 
     for per_rank in run_ranks(_held_by_strategy, world):
         for sharding, (params, held) in per_rank.items():
@@ -252,8 +252,8 @@ def test_bf16_tracks_fp32_loss():
 
 def _overlap_launch_points(rank, world):
     from engine.model.builder import build_model_chunks
-    from engine.step import forward_step, make_loss_func
-    from parallel.ddp import DistributedDataParallel
+    from engine.train.step import forward_step, make_loss_func
+    from parallel.data_parallel.ddp import DistributedDataParallel
     from tests.harness import global_batch, micro_batches
 
     state = ParallelState.build(tp=1)

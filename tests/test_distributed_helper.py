@@ -50,6 +50,6 @@ def test_failing_rank_traceback_is_shown():
 
 
 def test_a_rank_that_returns_early_leaves_the_store_to_the_others():
-    # Without the check-out in parallel/launch.py rank 0 exits here and takes the store with
+    # Without the check-out in parallel/local_ranks.py rank 0 exits here and takes the store with
     # it: ranks 1-3 fail with "Connection reset by peer".
     assert run_ranks(_rank_zero_returns_first, 4, timeout=60) == ["early", 6.0, 6.0, 6.0]

@@ -9,11 +9,11 @@ import json
 
 import torch
 
-from engine.checkpoint_files import iteration_dir, read_meta
-from engine.checkpoint_load import load_model_weights
-from engine.config import ModelConfig
+from engine.checkpoint.files import iteration_dir, read_meta
+from engine.checkpoint.load import load_model_weights
+from engine.config.model import ModelConfig
+from engine.eval.generate import greedy_generate
 from engine.eval.samples import next_tokens
-from engine.generate import greedy_generate
 from engine.model import BuildContext, GPTModel
 from tests.test_training import base_args, pretrain, records
 

@@ -7,14 +7,18 @@ import os
 import numpy as np
 import pytest
 
-from engine.data.gpt_dataset import GPTDataset, GPTDatasetSpec, parse_split, split_ranges
-from engine.data.helpers import build_sample_index, build_sample_index_numpy, native_available
-from engine.data.indexed import IndexedDataset, IndexedDatasetBuilder
+from engine.data.indexed.dataset import IndexedDataset, IndexedDatasetBuilder
+from engine.data.indexed.gpt_dataset import GPTDataset, GPTDatasetSpec, parse_split, split_ranges
+from engine.data.indexed.helpers import (
+    build_sample_index,
+    build_sample_index_numpy,
+    native_available,
+)
 from engine.errors import ConfigError
 
 
 def test_cpp_helper_is_built():
-    assert native_available(), "pip install -e . should have built engine.data._helpers"
+    assert native_available(), "pip install -e . should have built engine.data.indexed._helpers"
 
 
 def test_cpp_sample_index_equals_numpy_on_random_inputs():

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
-from engine.grad_norm_parts import model_part_of
-from engine.optim import no_weight_decay
+from engine.monitor.grad_norm_parts import model_part_of
+from engine.optim.optimizer import no_weight_decay
 from parallel.state import ParallelState
 from tests.distributed import run_ranks
 from tests.harness import engine_run, global_batch, opt_config, reference_grads, tiny_config

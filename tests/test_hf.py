@@ -11,17 +11,17 @@ import stat
 import pytest
 import torch
 
-from engine.checkpoint_files import find_latest, iteration_dir, read_meta
-from engine.checkpoint_load import load_model_weights
-from engine.config import ModelConfig
+from engine.checkpoint.files import find_latest, iteration_dir, read_meta
+from engine.checkpoint.load import load_model_weights
+from engine.config.model import ModelConfig
 from engine.data.tokenizers import TokenizerConfig
 from engine.data.tokenizers.sentencepiece import SentencePieceTokenizer
 from engine.errors import ConfigError
-from engine.generate import greedy_generate
-from engine.hf.export import export_to_hf, read_tensor
-from engine.hf.import_hf import import_from_hf
+from engine.eval.generate import greedy_generate
+from engine.interop.hf.export import export_to_hf, read_tensor
+from engine.interop.hf.import_hf import import_from_hf
 from engine.model import BuildContext, GPTModel
-from parallel.dcp import SafeFileSystemReader
+from parallel.checkpoint.dcp import SafeFileSystemReader
 from tests.cli import run_tool
 from tests.distributed import rel_err, run_ranks
 from tests.test_training import base_args, pretrain
@@ -335,7 +335,7 @@ def test_training_continues_from_an_imported_model(dataset_prefix, tokenizer_mod
 
 def test_options_without_an_equivalent_are_errors(trained, tmp_path):
     cfg = ModelConfig(**read_meta(iteration_dir(trained["llama"], 8))["model"])
-    from engine.hf.architectures import style_of
+    from engine.interop.hf.architectures import style_of
 
     cfg.qk_layernorm = True
     assert style_of(cfg) == "qwen3"

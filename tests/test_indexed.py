@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 
-from engine.data.indexed import (
+from engine.data.indexed.dataset import (
     IndexedDataset,
     IndexedDatasetBuilder,
     IndexedDatasetError,

@@ -13,11 +13,11 @@ import sys
 import numpy as np
 import pytest
 
-from engine.checkpoint_files import iteration_dir
-from engine.data.indexed import IndexedDataset, IndexedDatasetBuilder
-from engine.data.token_ids import check_token_ids, token_id_range
+from engine.checkpoint.files import iteration_dir
+from engine.data.indexed.dataset import IndexedDataset, IndexedDatasetBuilder
+from engine.data.prepare.token_ids import check_token_ids, token_id_range
 from engine.errors import ConfigError
-from parallel.launch import free_port
+from parallel.local_ranks import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = [
@@ -124,7 +124,7 @@ def test_an_error_inside_the_ranks_is_printed_once(data_folder, small_checkpoint
 def test_token_id_range_is_cached_and_refreshed(data_folder, tmp_path, monkeypatch):
     """One scan per dataset version: the second start reads the cache, a rewritten dataset
     (new size and time) is scanned again."""
-    from engine.data import token_ids
+    from engine.data.prepare import token_ids
 
     scans = []
     real_scan = token_ids._scan

@@ -24,9 +24,9 @@ import warnings
 import pytest
 import torch
 
-from engine.checkpoint_files import find_latest, iteration_dir, read_meta
-from engine.checkpoint_load import load_model_weights
-from engine.config import ModelConfig
+from engine.checkpoint.files import find_latest, iteration_dir, read_meta
+from engine.checkpoint.load import load_model_weights
+from engine.config.model import ModelConfig
 from engine.errors import InputError
 from engine.model import BuildContext, GPTModel
 from tests.distributed import rel_err, run_ranks
@@ -281,7 +281,7 @@ def test_a_megatron_core_checkpoint_converts_to_the_same_logits(style, tp, pp, i
 def test_common_pt_is_read_without_running_code(tmp_path):
     """A common.pt naming anything but argparse.Namespace is refused in one line, before
     anything is unpickled."""
-    from engine.compat.megatron_common import read_common
+    from engine.interop.megatron.common import read_common
 
     class Payload:
         def __reduce__(self):
@@ -302,7 +302,7 @@ def test_load_resumes_a_megatron_checkpoint_where_it_stopped(tmp_path):
     the same folder), under another layout (saved TP 2, resumed PP 2): the weights are the
     converted ones, training goes on from iteration 8 at 56 samples consumed with the learning
     rate after 56 samples, and Megatron-LM's own folder is left as it was."""
-    from engine.optim import LRScheduler
+    from engine.optim.lr_schedule import LRScheduler
     from engine.pretrain import parse
     from tests.harness import engine_steps
     from tests.test_training import records
@@ -360,7 +360,7 @@ def test_load_resumes_a_megatron_checkpoint_where_it_stopped(tmp_path):
 def test_saved_models_this_engine_cannot_build_are_refused(change, says):
     """A model the saved arguments describe but this engine would build differently is named in
     one line rather than loaded as something else; --openai-gelu is kept."""
-    from engine.compat.megatron_layout import model_config_from_args
+    from engine.interop.megatron.layout import model_config_from_args
 
     args = argparse.Namespace(**{**vars(_plain_args("llama")), **change})
     with pytest.raises(InputError, match=says):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from engine.data.builder import build_gpt_datasets, build_mock_datasets
-from engine.data.indexed import IndexedDataset, IndexedDatasetBuilder
-from engine.run_setup import split_sample_counts
+from engine.data.indexed.dataset import IndexedDataset, IndexedDatasetBuilder
+from engine.train.setup import split_sample_counts
 
 EOD = 0
 SEQ = 32

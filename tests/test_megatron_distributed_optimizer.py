@@ -24,8 +24,8 @@ import zlib
 import pytest
 import torch
 
-from engine.checkpoint_files import iteration_dir, read_meta
-from engine.checkpoint_load import open_checkpoint, read_tensors
+from engine.checkpoint.files import iteration_dir, read_meta
+from engine.checkpoint.load import open_checkpoint, read_tensors
 from tests.distributed import rel_err, run_ranks
 from tests.test_megatron_checkpoint import _args, _convert, _megatron_model
 from tests.test_megatron_optimizer import _cuda_tensors_on_cpu, _ours_after_one_step

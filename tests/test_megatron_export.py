@@ -14,11 +14,11 @@ import sys
 import pytest
 import torch
 
-from engine.checkpoint_files import iteration_dir, read_meta
-from engine.checkpoint_load import load_model_weights
-from engine.compat.megatron_checkpoint import megatron_progress
-from engine.compat.megatron_common import read_common
-from engine.config import ModelConfig
+from engine.checkpoint.files import iteration_dir, read_meta
+from engine.checkpoint.load import load_model_weights
+from engine.config.model import ModelConfig
+from engine.interop.megatron.checkpoint import megatron_progress
+from engine.interop.megatron.common import read_common
 from engine.model import BuildContext, GPTModel
 from tests.distributed import rel_err, run_ranks
 from tests.test_hf import _model_tensors

@@ -11,10 +11,10 @@ import warnings
 
 import pytest
 
-from engine.compat.megatron_flags import check_compat, flag_names, no_effect_line
+from engine.config.megatron_flags import check_compat, flag_names, no_effect_line
 from engine.errors import ConfigError
-from engine.preflight import check
 from engine.pretrain import parse
+from engine.train.preflight import check
 from tests.distributed import run_ranks
 from tests.harness import engine_steps
 from tests.test_training import ROOT, base_args, pretrain, records
@@ -391,7 +391,7 @@ def test_rotary_percent_rotates_the_first_channels_as_megatron_core():
     taken from get_freqs_non_repeated and laid out as get_emb lays it out)."""
     import torch
 
-    from engine.config import ModelConfig
+    from engine.config.model import ModelConfig
     from engine.model import BuildContext
     from engine.model.attention import SelfAttention
     from engine.model.rope import RotaryEmbedding
@@ -431,7 +431,7 @@ def test_rotary_percent_rotates_the_first_channels_as_megatron_core():
     rope += ["--tensor-model-parallel-size", "2"]
     for _, _, losses, _ in run_ranks(engine_steps, 2, rope):
         assert losses[-1] < losses[0]
-    from engine.hf.architectures import style_of
+    from engine.interop.hf.architectures import style_of
 
     llama = dataclasses.replace(cfg, normalization="RMSNorm", swiglu=True, add_bias_linear=False)
     with pytest.raises(ConfigError, match="--rotary-percent 0.5 \\(Llama rotates every"):
@@ -446,7 +446,7 @@ def test_rope_scaling_gives_megatron_core_and_transformers_frequencies():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from engine.config import ModelConfig
+    from engine.config.model import ModelConfig
     from engine.model.rope import RotaryEmbedding
 
     with warnings.catch_warnings():
@@ -508,7 +508,7 @@ def test_yarn_and_dynamic_rope_give_megatron_core_and_transformers_tables(monkey
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from engine.config import ModelConfig
+    from engine.config.model import ModelConfig
     from engine.model.rope import RotaryEmbedding
 
     with warnings.catch_warnings():
@@ -571,7 +571,7 @@ def test_yarn_and_dynamic_rope_give_megatron_core_and_transformers_tables(monkey
 
 def test_window_size_is_megatron_lm_left_right():
     """--window-size (left, right): itself and `left` tokens back; only causal windows."""
-    from engine.config import ModelConfig
+    from engine.config.model import ModelConfig
 
     assert ModelConfig(window_size="(4095, 0)").attention_window == 4095
     assert ModelConfig(window_size="7,0").attention_window == 7

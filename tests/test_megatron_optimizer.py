@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from engine.checkpoint_files import iteration_dir, read_meta
+from engine.checkpoint.files import iteration_dir, read_meta
 from tests.distributed import rel_err, run_ranks
 from tests.harness import engine_steps
 from tests.test_megatron_checkpoint import SEQ, VOCAB, _args, _convert, _megatron_model

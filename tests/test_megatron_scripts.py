@@ -22,9 +22,9 @@ import sys
 
 import pytest
 
-from engine.data.preprocess import preprocess
+from engine.data.prepare.preprocess import preprocess
 from engine.data.tokenizers import TokenizerConfig
-from parallel.launch import free_port
+from parallel.local_ranks import free_port
 from tests.test_training import ROOT, records
 from tests.tokenizer_files import copy_gpt2_files, make_hf_folder
 

@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from engine.batch_schedule import BatchSchedule
+from engine.config.batch_schedule import BatchSchedule
 from engine.data.builder import build_gpt_datasets
-from engine.data.helpers import build_blending_indices
-from engine.data.indexed import IndexedDataset
-from engine.data.mix_schedule import check_resumed_schedule, read_mix_schedule
+from engine.data.indexed.dataset import IndexedDataset
+from engine.data.indexed.helpers import build_blending_indices
+from engine.data.mix.schedule import check_resumed_schedule, read_mix_schedule
 from engine.errors import ConfigError
 from tests.cli import one_line_error, run_python
 from tests.test_training import base_args, latest, losses, pretrain, records

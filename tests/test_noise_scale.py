@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.noise_scale import NoiseScale
+from engine.monitor.noise_scale import NoiseScale
 from parallel.state import ParallelState
 from tests.distributed import run_ranks
 from tests.harness import (
@@ -95,8 +95,8 @@ def test_the_log_carries_the_noise_scale(dataset_prefix, tokenizer_model, tmp_pa
 )
 def test_layouts_without_a_noise_scale_are_refused(world, extra, message):
     from engine.errors import ConfigError
-    from engine.preflight import check
     from engine.pretrain import parse
+    from engine.train.preflight import check
 
     argv = [
         *("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"),

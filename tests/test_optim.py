@@ -12,10 +12,10 @@ import warnings
 import pytest
 import torch
 
-from engine.checkpoint_files import iteration_dir, read_meta
-from engine.config import OptimizerConfig
+from engine.checkpoint.files import iteration_dir, read_meta
+from engine.config.optimizer import OptimizerConfig
 from engine.errors import ConfigError
-from engine.optim import LRScheduler
+from engine.optim.lr_schedule import LRScheduler
 from engine.pretrain import parse
 from tests.distributed import run_ranks
 from tests.harness import engine_steps

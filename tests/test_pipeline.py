@@ -108,7 +108,7 @@ def _torch_pipelining(rank, world):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from engine.model.builder import build_model_chunks
-    from parallel.tensor import vocab_parallel_cross_entropy
+    from parallel.tensor_parallel.layers import vocab_parallel_cross_entropy
 
     state = ParallelState.build(tp=1, pp=world)
     cfg = tiny_config("llama", num_layers=8)

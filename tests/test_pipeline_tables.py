@@ -272,8 +272,8 @@ def test_zero_bubble_in_3d_with_each_sharding_strategy():
     ],
 )  # fmt: skip
 def test_the_engine_checks_zero_bubble_flags(extra, match):
-    from engine.preflight import check_layout_flags
     from engine.pretrain import parse
+    from engine.train.preflight import check_layout_flags
 
     flags = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
              "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "100",
@@ -343,7 +343,7 @@ def _gathered_under_zero_bubble(rank, world, kind):
     """The most units whose parameters are gathered at once on this rank, seen from every
     module's forward and every gradient hook, over two steps of 8 micro-batches with the
     parameters sharded (optim_grads_params)."""
-    from parallel.buckets import is_allocated
+    from parallel.data_parallel.buckets import is_allocated
 
     state = ParallelState.build(tp=1, pp=2)
     cfg = tiny_config("gpt2", num_layers=8)

@@ -93,8 +93,8 @@ def test_every_planned_layout_passes_the_engines_checks_and_the_shown_ones_run_a
     from engine.planning.flags import layout_flags
     from engine.planning.measure import measure_rank
     from engine.planning.search import SearchSpace, plan
-    from engine.preflight import check_layout_flags
     from engine.pretrain import parse
+    from engine.train.preflight import check_layout_flags
 
     base = parse(LLAMA + RUN + ["--micro-batch-size", "1"]).model
     budget = 24e6  # bytes per rank: full-size micro-batches without recomputation do not fit
@@ -125,10 +125,10 @@ def test_published_megatron_results_are_predicted_within_15_percent():
 
 
 def test_plan_tool_prints_the_table_and_emits_flags_the_engine_accepts(tmp_path):
-    from engine.hf.architectures import model_config_from_hf
+    from engine.interop.hf.architectures import model_config_from_hf
     from engine.planning.flags import model_flags
-    from engine.preflight import check_layout_flags
     from engine.pretrain import parse
+    from engine.train.preflight import check_layout_flags
 
     hf = tmp_path / "config.json"
     hf.write_text(json.dumps(dict(

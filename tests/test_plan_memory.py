@@ -10,7 +10,8 @@ import functools
 import pytest
 import torch
 
-from engine.config import ModelConfig, OptimizerConfig
+from engine.config.model import ModelConfig
+from engine.config.optimizer import OptimizerConfig
 from engine.planning.memory import Layout, rank_parameters, rank_state_bytes
 from tests.distributed import run_ranks
 
@@ -55,10 +56,11 @@ def test_parameters_per_rank_are_counted_exactly(name, cfg):
 
 def _state(rank, world, cfg, layout):
     from engine.model.builder import build_model_chunks
-    from engine.optim import LRScheduler, build_optimizer
-    from engine.state_memory import held_state_bytes
-    from engine.step import train_step
-    from parallel.ddp import DistributedDataParallel
+    from engine.optim.lr_schedule import LRScheduler
+    from engine.optim.optimizer import build_optimizer
+    from engine.planning.state_memory import held_state_bytes
+    from engine.train.step import train_step
+    from parallel.data_parallel.ddp import DistributedDataParallel
     from parallel.state import ParallelState
 
     torch.manual_seed(0)
@@ -120,7 +122,7 @@ def _style(name: str) -> ModelConfig:
 
 
 def _layer_bytes(rank, world, sequence_parallel):
-    from engine.activation_memory import measure_layer
+    from engine.planning.saved_activations import measure_layer
     from parallel.state import ParallelState
 
     state = ParallelState.build(tp=world)
@@ -164,9 +166,9 @@ def _chunk_style(name: str, recompute: str) -> ModelConfig:
 
 def _chunk_bytes(rank, world, sequence_parallel):
     """What a middle pipeline chunk of 4 layers keeps for one micro-batch of 2 samples."""
-    from engine.activation_memory import saved_activation_bytes
     from engine.model.context import BuildContext
     from engine.model.gpt import GPTModel
+    from engine.planning.saved_activations import saved_activation_bytes
     from parallel.random import model_parallel_seed
     from parallel.state import ParallelState
 

@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from engine.data.indexed import IndexedDataset
-from engine.data.preprocess import preprocess
+from engine.data.indexed.dataset import IndexedDataset
+from engine.data.prepare.preprocess import preprocess
 from engine.data.tokenizers.sentencepiece import SentencePieceTokenizer
 from engine.errors import InputError
 from tests.cli import ROOT, one_line_error, run_tool
@@ -366,7 +366,7 @@ def test_dtype_follows_vocabulary(dataset_prefix):
 def test_preprocessing_never_imports_torch():
     """Start-up stays small: the tool, its CLI wrapper and the pipeline do not need torch."""
     code = (
-        "import sys, tools.preprocess_data, tools.train_tokenizer, engine.data.preprocess; "
+        "import sys, tools.preprocess_data, tools.train_tokenizer, engine.data.prepare.preprocess; "
         "print('torch' in sys.modules)"
     )
     result = subprocess.run(

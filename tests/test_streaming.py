@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.data.builder import build_streaming_datasets, data_format
-from engine.data.indexed import IndexedDataset
-from engine.data.parquet_shards import open_shards
+from engine.data.indexed.dataset import IndexedDataset
+from engine.data.streaming.shards import open_shards
 from engine.data.tokenizers import TokenizerConfig, build_tokenizer
 from engine.errors import ConfigError, InputError
 from tests.cli import one_line_error, run_python

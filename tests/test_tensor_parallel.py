@@ -9,13 +9,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.config import ModelConfig
+from engine.config.model import ModelConfig
 from engine.errors import ConfigError
 from engine.model import BuildContext, GPTModel, parameter_counts
 from parallel.random import model_parallel_seed
-from parallel.sharding import full_from_local, tp_sharding_of
 from parallel.state import ParallelState
-from parallel.tensor import ColumnParallelLinear, RowParallelLinear, all_reduce_partial_grads
+from parallel.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    all_reduce_partial_grads,
+)
+from parallel.tensor_parallel.sharding import full_from_local, tp_sharding_of
 from tests.distributed import rel_err, run_ranks
 from tests.harness import VOCAB, tiny_config
 

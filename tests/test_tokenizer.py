@@ -8,7 +8,6 @@ import re
 
 import pytest
 
-from engine.data.tokenizer_training import _chunks, _Corpus, train_tokenizer
 from engine.data.tokenizers.sentencepiece import (
     BOS_ID,
     EOS_ID,
@@ -16,6 +15,7 @@ from engine.data.tokenizers.sentencepiece import (
     UNK_ID,
     SentencePieceTokenizer,
 )
+from engine.data.tokenizers.train_sentencepiece import _chunks, _Corpus, train_tokenizer
 from engine.errors import InputError
 from tests.cli import one_line_error, run_tool
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.data.indexed import IndexedDataset
-from engine.data.preprocess import preprocess
-from engine.data.tokenizer_training import train_tokenizer
+from engine.data.indexed.dataset import IndexedDataset
+from engine.data.prepare.preprocess import preprocess
 from engine.data.tokenizers import TokenizerConfig, build_tokenizer
 from engine.data.tokenizers.gigatoken_encoder import gigatoken_encoder
+from engine.data.tokenizers.train_sentencepiece import train_tokenizer
 from engine.errors import ConfigError, InputError
 from tests.cli import one_line_error, run_tool
 from tests.test_training import base_args, pretrain
@@ -190,7 +190,7 @@ def _tokenizer_flags(cfg: TokenizerConfig) -> dict:
 def test_preprocess_train_tp2_export_and_transformers_agree(files, kind, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.hf.export import export_to_hf
+    from engine.interop.hf.export import export_to_hf
     from tests.test_hf import engine_model
 
     prefix = _preprocess(files, kind, tmp_path)
@@ -374,8 +374,8 @@ def test_an_imported_tokenizer_continues_training(files, tmp_path):
     """Export a trained model with its Hugging Face tokenizer, import it, and continue with
     --use-checkpoint-args alone: the imported tokenizer is used. Without its files the run
     stops in one line naming the flags to give."""
-    from engine.hf.export import export_to_hf
-    from engine.hf.import_hf import import_from_hf
+    from engine.interop.hf.export import export_to_hf
+    from engine.interop.hf.import_hf import import_from_hf
     from tests.test_training import _cli
 
     prefix = _preprocess(files, "hf-bos", tmp_path)
@@ -435,7 +435,7 @@ def test_mock_documents_are_megatron_cores(tmp_path):
     from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
     from megatron.core.tokenizers import MegatronTokenizer
 
-    from engine.data.mock import MockIndexedDataset
+    from engine.data.indexed.mock import MockIndexedDataset
 
     tokenizer = MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=500)
     theirs = MockGPTLowLevelDataset(tokenizer)

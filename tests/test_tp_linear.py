@@ -1,4 +1,5 @@
-"""The tensor-parallel linear's backward (parallel/tp_linear.py), on real gloo ranks:
+"""The tensor-parallel linear's backward (parallel/tensor_parallel/linear_function.py), on real gloo
+ranks:
 
 - the input-gradient all-reduce / reduce-scatter is issued before the weight-gradient GEMM (so
   the two overlap), recorded from the dispatcher;
@@ -15,10 +16,14 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.model import BuildContext, GPTModel
-from parallel.ddp import DistributedDataParallel
-from parallel.sharding import full_from_local, tp_sharding_of
+from parallel.data_parallel.ddp import DistributedDataParallel
 from parallel.state import ParallelState
-from parallel.tensor import ColumnParallelLinear, all_reduce_partial_grads, normal_init
+from parallel.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    all_reduce_partial_grads,
+    normal_init,
+)
+from parallel.tensor_parallel.sharding import full_from_local, tp_sharding_of
 from tests.distributed import rel_err, run_ranks
 from tests.harness import VOCAB, tiny_config
 

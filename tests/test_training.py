@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from engine.errors import CheckpointError
-from engine.metrics import SpikeDetector
+from engine.monitor.metrics import SpikeDetector
 from tests.distributed import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -302,12 +302,12 @@ def test_checkpoint_of_sharded_parameters_loads_under_other_strategies(
 
 def _pretrain_counting_reads(rank, world, argv):
     """main(argv) on this rank, counting the data iterators it builds."""
-    from engine import training
     from engine.pretrain import main
+    from engine.train import loop
 
     built = []
-    real = training.build_data_iterator
-    training.build_data_iterator = lambda *a, **k: built.append(1) or real(*a, **k)
+    real = loop.build_data_iterator
+    loop.build_data_iterator = lambda *a, **k: built.append(1) or real(*a, **k)
     main(argv)
     return len(built)
 
@@ -334,7 +334,7 @@ def _torchrun(args, env_extra, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
-    from parallel.launch import free_port
+    from parallel.local_ranks import free_port
 
     command = [
         sys.executable,
@@ -652,7 +652,7 @@ def test_end_to_end_through_the_launcher(dataset_prefix, tokenizer_model, tmp_pa
     for suffix in (".bin", ".idx"):
         os.symlink(dataset_prefix + suffix, data / f"stdlib_text_document{suffix}")
     os.symlink(tokenizer_model, data / "tokenizer.model")
-    from parallel.launch import free_port
+    from parallel.local_ranks import free_port
 
     env = dict(
         os.environ,

@@ -12,8 +12,8 @@ import os
 import pytest
 
 from engine.errors import ConfigError
-from engine.preflight import check
 from engine.pretrain import parse
+from engine.train.preflight import check
 from tests.test_training import base_args, pretrain, records
 
 BLOCK = 32768  # the record log's block size (LevelDB's log format, as wandb writes it)
@@ -97,7 +97,7 @@ def test_an_offline_wandb_run_logs_megatron_tags(dataset_prefix, tokenizer_model
 
 
 def test_wandb_flags_are_checked_in_one_line(monkeypatch, tmp_path):
-    import engine.wandb_writer
+    import engine.monitor.wandb
 
     argv = [
         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -105,11 +105,11 @@ def test_wandb_flags_are_checked_in_one_line(monkeypatch, tmp_path):
         "--train-iters", "4", "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "64", "--wandb-project", "p",
     ]  # fmt: skip
-    if engine.wandb_writer.wandb_importable():
+    if engine.monitor.wandb.wandb_importable():
         with pytest.raises(ConfigError, match="give --wandb-save-dir DIR or --save DIR"):
             check(parse(argv), 1)
         check(parse(argv + ["--wandb-save-dir", str(tmp_path)]), 1)
     # as on a machine without wandb
-    monkeypatch.setattr(engine.wandb_writer, "wandb_importable", lambda: False)
+    monkeypatch.setattr(engine.monitor.wandb, "wandb_importable", lambda: False)
     with pytest.raises(ConfigError, match="--wandb-project: wandb is not importable"):
         check(parse(argv + ["--save", str(tmp_path)]), 1)

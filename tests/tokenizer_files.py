@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 
-from engine.data.tokenizer_training_hf import train_hf_tokenizer
+from engine.data.tokenizers.train_hf import train_hf_tokenizer
 
 
 def byte_decoder() -> dict[str, int]:

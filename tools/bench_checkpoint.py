@@ -21,14 +21,14 @@ import time
 
 import torch
 
-from engine.benchmarks import corpus_dataset, engine_flags
 from engine.cli import run_main as run
-from engine.preflight import check
+from engine.planning.bench_setup import corpus_dataset, engine_flags
 from engine.pretrain import parse
-from engine.run_checkpoint import save
-from engine.run_setup import setup
-from engine.training import train_iteration
-from parallel.launch import run_local
+from engine.train.checkpoint import save
+from engine.train.loop import train_iteration
+from engine.train.preflight import check
+from engine.train.setup import setup
+from parallel.local_ranks import run_local
 from parallel.state import ParallelState
 
 
@@ -99,10 +99,10 @@ def _checksum_cost(run_, save_dir: str, trials: int) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from engine.checkpoint_files import check_files
-    from engine.checkpoint_state import model_state, optimizer_state, rng_state
-    from parallel.dcp import BoxSavePlanner
-    from parallel.dcp_checksums import ChecksummingWriter
+    from engine.checkpoint.files import check_files
+    from engine.checkpoint.state import model_state, optimizer_state, rng_state
+    from parallel.checkpoint.checksums import ChecksummingWriter
+    from parallel.checkpoint.dcp import BoxSavePlanner
 
     state = model_state(run_.chunks, for_save=True)
     state.update(optimizer_state(run_.optimizer, run_.chunks, for_save=True))
@@ -133,7 +133,7 @@ def _hash_seconds(state: dict) -> float:
     (the part of the checksum cost that the noise of disk writes cannot hide)."""
     import xxhash
 
-    from parallel.dcp import BoxTensor
+    from parallel.checkpoint.dcp import BoxTensor
 
     tensors = [
         t

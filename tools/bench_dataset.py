@@ -14,11 +14,11 @@ import time
 
 import numpy as np
 
-from engine.benchmarks import corpus_dataset
 from engine.cli import run_main as run
-from engine.data.gpt_dataset import GPTDataset, GPTDatasetSpec
-from engine.data.helpers import build_sample_index, build_sample_index_numpy
-from engine.data.indexed import IndexedDataset
+from engine.data.indexed.dataset import IndexedDataset
+from engine.data.indexed.gpt_dataset import GPTDataset, GPTDatasetSpec
+from engine.data.indexed.helpers import build_sample_index, build_sample_index_numpy
+from engine.planning.bench_setup import corpus_dataset
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,8 @@
 The per-rank batch stays fixed; efficiency = time per step at DP=1 / time per step at DP=N
 (1.0 means the gradient reduction costs nothing). Measured for each data-parallel sharding
 strategy (no_shard, optim = --use-distributed-optimizer, optim_grads, optim_grads_params; see
-parallel/ddp.py), with the reduction overlapped with backward (--overlap-grad-reduce) and
-without, one thread per rank, all in one run. A row of N
+parallel/data_parallel/ddp.py), with the reduction overlapped with backward (--overlap-grad-reduce)
+and without, one thread per rank, all in one run. A row of N
 independent DP=1 runs side by side (no reduction at all) separates what sharing the machine's
 cores, caches and memory bandwidth costs from what the reduction costs. Prints a table (median
 over launches, and each launch) and writes JSON.
@@ -21,15 +21,16 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from engine.benchmarks import bench_model_config
 from engine.cli import run_main as run
-from engine.config import OptimizerConfig
+from engine.config.optimizer import OptimizerConfig
 from engine.errors import InputError
 from engine.model.builder import build_model_chunks
-from engine.optim import LRScheduler, build_optimizer
-from engine.step import train_step
-from parallel.ddp import STRATEGIES, DistributedDataParallel
-from parallel.launch import run_local
+from engine.optim.lr_schedule import LRScheduler
+from engine.optim.optimizer import build_optimizer
+from engine.planning.bench_setup import bench_model_config
+from engine.train.step import train_step
+from parallel.data_parallel.ddp import STRATEGIES, DistributedDataParallel
+from parallel.local_ranks import run_local
 from parallel.state import ParallelState
 
 

@@ -2,13 +2,13 @@
 
 Model state: the bytes of parameters, gradients and optimizer state a rank holds after a
 training step (bf16 parameters, Adam), for each --data-parallel-sharding-strategy at DP 1, 2
-and 4, counted from the tensors' storages (engine/state_memory.py) against 18, 6 + 12/d,
+and 4, counted from the tensors' storages (engine/planning/state_memory.py) against 18, 6 + 12/d,
 2 + 16/d and 18/d bytes per parameter.
 
 Activations: activation memory of one transformer layer (the bytes autograd saves for backward, read
 with saved-tensor hooks) for TP 1, 2 and 4, with and without sequence parallelism, against
 Korthikanti et al.'s count and the same count adjusted for this engine's layer (see
-engine/activation_memory.py for the terms). bf16 activations, GPT-2 style layer, flash SDPA
+engine/planning/saved_activations.py for the terms). bf16 activations, GPT-2 style layer, flash SDPA
 without attention dropout, hidden dropout 0.1.
 
 Context parallelism: activation bytes of one Llama-style layer (RoPE, RMSNorm, SwiGLU, GQA)
@@ -24,15 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from engine.activation_memory import (
+from engine.cli import run_main as run
+from engine.config.model import ModelConfig
+from engine.config.optimizer import OptimizerConfig
+from engine.planning.saved_activations import (
     korthikanti_bytes,
     layer_activation_bytes,
     measure_layer,
     measure_layer_context_parallel,
 )
-from engine.cli import run_main as run
-from engine.config import ModelConfig, OptimizerConfig
-from parallel.launch import run_local
+from parallel.local_ranks import run_local
 from parallel.state import ParallelState
 
 TP_SIZES = (1, 2, 4)
@@ -127,10 +128,11 @@ def _measure_states(rank, world, args):
     import torch
 
     from engine.model.builder import build_model_chunks
-    from engine.optim import LRScheduler, build_optimizer
-    from engine.state_memory import held_state_bytes
-    from engine.step import train_step
-    from parallel.ddp import DistributedDataParallel
+    from engine.optim.lr_schedule import LRScheduler
+    from engine.optim.optimizer import build_optimizer
+    from engine.planning.state_memory import held_state_bytes
+    from engine.train.step import train_step
+    from parallel.data_parallel.ddp import DistributedDataParallel
 
     state = ParallelState.build(tp=1)
     cfg = ModelConfig(
@@ -168,7 +170,7 @@ def _measure_states(rank, world, args):
 
 
 def _state_table(args) -> list[dict]:
-    from engine.state_memory import KINDS, formula_bytes_per_param
+    from engine.planning.state_memory import KINDS, formula_bytes_per_param
 
     mib = 2**20
     print(

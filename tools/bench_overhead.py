@@ -17,15 +17,15 @@ import time
 
 import torch
 
-from engine.benchmarks import corpus_dataset, engine_flags
 from engine.cli import run_main as run
 from engine.model import BuildContext, GPTModel
-from engine.optim import no_weight_decay
-from engine.preflight import check
+from engine.optim.optimizer import no_weight_decay
+from engine.planning.bench_setup import corpus_dataset, engine_flags
 from engine.pretrain import parse
-from engine.run_setup import setup
-from engine.training import train_iteration
-from parallel.launch import run_local
+from engine.train.loop import train_iteration
+from engine.train.preflight import check
+from engine.train.setup import setup
+from parallel.local_ranks import run_local
 from parallel.state import ParallelState
 
 

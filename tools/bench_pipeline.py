@@ -26,14 +26,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.benchmarks import bench_model_config
 from engine.cli import run_main as run
 from engine.model import BuildContext, GPTModel
 from engine.model.builder import build_model_chunks
-from engine.step import run_schedule
-from parallel.ddp import DistributedDataParallel
+from engine.planning.bench_setup import bench_model_config
+from engine.train.step import run_schedule
+from parallel.data_parallel.ddp import DistributedDataParallel
 from parallel.errors import ConfigError
-from parallel.launch import run_local
+from parallel.local_ranks import run_local
 from parallel.pipeline.schedules import get_schedule
 from parallel.pipeline.tables import PLACEMENT, build_table, default_chunks
 from parallel.pipeline.validate import simulate

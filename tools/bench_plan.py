@@ -52,7 +52,7 @@ def cpu_rows(args, machine) -> list[dict]:
     from engine.planning.search import with_recompute
     from engine.planning.step_time import predict_step
     from engine.pretrain import parse
-    from parallel.launch import run_local
+    from parallel.local_ranks import run_local
 
     model = _model_flags(args)
     base = parse(model + ["--micro-batch-size", "1"]).model

@@ -34,8 +34,8 @@ import threading
 import time
 from functools import partial
 
-from engine.benchmarks import bench_tokenizers, shifted_documents
 from engine.cli import run_main as run
+from engine.planning.bench_setup import bench_tokenizers, shifted_documents
 
 TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preprocess_data.py")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}

@@ -68,7 +68,7 @@ def _measure(flags: list[str], world: int, args) -> float:
 
         rank, _, _ = init_distributed()  # nccl and this rank's GPU where there are GPUs
         return measure_rank(rank, world, flags, args.warmup, args.steps)["step_s"]
-    from parallel.launch import run_local
+    from parallel.local_ranks import run_local
 
     return run_local(measure_rank, world, flags, args.warmup, args.steps, threads=1, timeout=3600)[
         0
@@ -76,7 +76,7 @@ def _measure(flags: list[str], world: int, args) -> float:
 
 
 def rows_for(mode: str, args, machine) -> list[dict]:
-    from engine.metrics import model_flops_per_token
+    from engine.monitor.metrics import model_flops_per_token
     from engine.planning.flags import layout_flags
     from engine.planning.step_time import predict_step
     from engine.pretrain import parse

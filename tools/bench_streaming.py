@@ -5,9 +5,9 @@ Input: the built-in corpus scaled to --target-mb (Caesar-shifted copies, as in
 bench_preprocess.py), written as --shards Parquet shards with row groups of 1,000 rows.
 
 Loader rows: for a SentencePiece and a Hugging Face byte-level BPE tokenizer, the engine's
-streaming dataset (engine/data/streaming.py, as training builds it) read with 1 and 2 DataLoader
-workers in micro-batches of 8 samples of --seq-length + 1 tokens, until every row was read once.
-The rate leaves out the first micro-batch (the workers' start-up); tokens are new tokens
+streaming dataset (engine/data/streaming/dataset.py, as training builds it) read with 1 and 2
+DataLoader workers in micro-batches of 8 samples of --seq-length + 1 tokens, until every row was
+read once. The rate leaves out the first micro-batch (the workers' start-up); tokens are new tokens
 (seq-length per sample). Per core = the rate / the workers (the main process only collates).
 
 Consumers, a 125M (12 layers, hidden 768, 12 heads) and a 1.3B (24 layers, hidden 2048, 16
@@ -16,8 +16,8 @@ heads) GPT at --seq-length with the GPT-2 vocabulary:
     engine's own step on random tokens). The 1.3B runs with full activation recompute and SGD
     without momentum: Adam's state beside its weights and gradients would not fit in 24 GB,
     and the update is a small part of a step that spends its time in forward and backward;
-  - one H100 at 45% MFU, by the FLOP count (engine/metrics.py): 0.45 x 989 TFLOP/s divided by
-    the training FLOPs per token. Nothing runs on a GPU here.
+  - one H100 at 45% MFU, by the FLOP count (engine/monitor/metrics.py): 0.45 x 989 TFLOP/s divided
+    by the training FLOPs per token. Nothing runs on a GPU here.
 The table gives each consumer's tokens/s and the loader cores it needs: its tokens/s over the
 slower tokenizer's tokens/s per core. Prints the tables and writes JSON.
 """
@@ -30,12 +30,12 @@ import os
 import tempfile
 import time
 
-from engine.benchmarks import bench_tokenizers, shifted_documents, time_train_steps
 from engine.cli import run_main as run
 from engine.data.builder import build_streaming_datasets
 from engine.data.tokenizers import TokenizerConfig
-from engine.metrics import PEAK_TFLOPS, model_flops_per_token
-from parallel.launch import run_local
+from engine.monitor.metrics import PEAK_TFLOPS, model_flops_per_token
+from engine.planning.bench_setup import bench_tokenizers, shifted_documents, time_train_steps
+from parallel.local_ranks import run_local
 
 MODELS = {"125M": (12, 768, 12), "1.3B": (24, 2048, 16)}
 H100_MFU = 0.45
@@ -111,8 +111,8 @@ def _cpu_step(rank, world, name: str, seq_length: int, warmup: int, steps: int) 
 
 def h100_tokens_per_s(name: str, seq_length: int) -> tuple[float, float]:
     """(tokens/s at 45% of the H100's dense bf16 peak, training FLOPs per token)."""
-    from engine.preflight import check
     from engine.pretrain import parse
+    from engine.train.preflight import check
 
     cfg = parse(_model_flags(name, seq_length))
     check(cfg, 1)

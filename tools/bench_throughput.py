@@ -4,7 +4,7 @@ Default model: 24 layers, hidden 2048, 16 heads, sequence 2048, vocabulary 32000
 recompute off, the micro-batch the largest of --micro-batch-sizes that fits in memory. Runs
 the engine's real training step with the fused kernels and with the PyTorch ops, each in a
 fresh process, and measures a large bf16 matmul in the same run as the practical ceiling.
-MFU = model TFLOP/s (engine/metrics.py counts them) / the datasheet dense bf16 peak
+MFU = model TFLOP/s (engine/monitor/metrics.py counts them) / the datasheet dense bf16 peak
 (--peak-tflops, default the device's known peak, e.g. 989 for H100 SXM). Prints a table and
 writes JSON. `--tiny` runs a small model on the CPU, to check the script itself.
 """
@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from engine.benchmarks import corpus_dataset, engine_flags, sync_device, time_train_steps
 from engine.cli import run_main as run
-from engine.metrics import device_peak_tflops
-from parallel.launch import run_local
+from engine.monitor.metrics import device_peak_tflops
+from engine.planning.bench_setup import corpus_dataset, engine_flags, sync_device, time_train_steps
+from parallel.local_ranks import run_local
 
 
 def _matmul_tflops(device: torch.device, size: int) -> float:

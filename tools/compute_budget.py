@@ -7,7 +7,7 @@
 Prints the budget (C = 6 N D), its tokens per parameter beside published runs', the
 compute-optimal split of the same FLOPs (20 tokens per parameter, and Hoffmann et al.'s
 fitted law, engine/planning/budget.py), and, with a cluster, the days and GPU hours at
---mfu of the datasheet peak (--gpu names a row of engine/metrics.py's table), or at the MFU
+--mfu of the datasheet peak (--gpu names a row of engine/monitor/metrics.py's table), or at the MFU
 tools/plan.py predicts for the best layout of a model (--plan, its --json file):
 
     python tools/plan.py --gpu h100 --gpus 256 <model flags> --json plan.json
@@ -49,7 +49,7 @@ def _planned_cluster(path: str) -> tuple[Cluster, str]:
 
 
 def _cluster(args):
-    from engine.metrics import PEAK_TFLOPS
+    from engine.monitor.metrics import PEAK_TFLOPS
 
     if args.plan is not None:
         if args.gpu or args.gpus or args.mfu_given:

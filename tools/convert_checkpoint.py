@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             "--from-hf or --from-megatron (import)"
         )
     if args.to_megatron:
-        from engine.compat.megatron_export import export_to_megatron
+        from engine.interop.megatron.export import export_to_megatron
 
         summary = export_to_megatron(
             args.load,
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             f"Megatron-LM: --load {args.output} --no-load-optim --no-load-rng"
         )
     elif args.from_megatron:
-        from engine.compat.megatron_checkpoint import import_from_megatron
+        from engine.interop.megatron.checkpoint import import_from_megatron
 
         summary = import_from_megatron(
             args.from_megatron,
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.output} --use-checkpoint-args"
         )
     elif args.load:
-        from engine.hf.export import export_to_hf
+        from engine.interop.hf.export import export_to_hf
 
         summary = export_to_hf(
             args.load,
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         if summary.get("note"):
             print(f"note: {summary['note']}")
     else:
-        from engine.hf.import_hf import import_from_hf
+        from engine.interop.hf.import_hf import import_from_hf
 
         summary = import_from_hf(
             args.from_hf,

@@ -17,7 +17,7 @@ import argparse
 from engine.cli import run_main
 from engine.curation.config import read_config
 from engine.curation.pipeline import curate
-from engine.data.readers import expand_inputs
+from engine.data.prepare.readers import expand_inputs
 from engine.errors import ConfigError
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from engine.cli import run_main as run
-from engine.data.corpus import write_corpus
+from engine.data.prepare.corpus import write_corpus
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from engine.cli import run_main as run
-from engine.data.indexed import IndexedDataset, IndexedDatasetBuilder, dataset_exists
+from engine.data.indexed.dataset import IndexedDataset, IndexedDatasetBuilder, dataset_exists
 from engine.errors import InputError
 
 

@@ -14,10 +14,11 @@ import argparse
 import json
 import sys
 
-from engine.arguments import parse_configs
 from engine.cli import run_main
-from engine.config import DataConfig, TrainConfig
-from engine.data.mix_report import plan_mix
+from engine.config.arguments import parse_configs
+from engine.config.data import DataConfig
+from engine.config.training import TrainConfig
+from engine.data.mix.report import plan_mix
 from engine.errors import ConfigError
 
 

@@ -83,7 +83,7 @@ def _model(args, rest: list[str]):
 
     extra = ["--micro-batch-size", "1", "--train-iters", "1"]
     if args.hf_config:
-        from engine.hf.architectures import model_config_from_hf
+        from engine.interop.hf.architectures import model_config_from_hf
         from engine.planning.flags import model_flags
 
         try:
@@ -102,14 +102,14 @@ def _model(args, rest: list[str]):
         flags = rest
     if "--max-position-embeddings" not in flags and "--seq-length" in flags:
         flags = flags + ["--max-position-embeddings", flags[flags.index("--seq-length") + 1]]
-    from engine.arguments import given_flags
+    from engine.config.arguments import given_flags
 
     given = given_flags(flags)
     if "--load" in given and "--num-layers" not in given and not args.hf_config:
         flags = flags + ["--use-checkpoint-args"]  # the model from the checkpoint
     cfg = parse(flags + extra)
     if cfg.train.use_checkpoint_args:
-        from engine.preflight import use_checkpoint_args
+        from engine.train.preflight import use_checkpoint_args
 
         if not cfg.train.load:
             raise ConfigError("--use-checkpoint-args needs --load DIR")
@@ -124,10 +124,10 @@ def _model(args, rest: list[str]):
 
 
 def _checked(model, layout, world: int) -> None:
-    """The engine's own layout checks on the planned flags (engine/preflight.py)."""
+    """The engine's own layout checks on the planned flags (engine/train/preflight.py)."""
     from engine.planning.flags import layout_flags, model_flags
-    from engine.preflight import check_layout_flags
     from engine.pretrain import parse
+    from engine.train.preflight import check_layout_flags
 
     flags = model_flags(model) + layout_flags(model, layout) + ["--train-iters", "1"]
     check_layout_flags(parse(flags), world)

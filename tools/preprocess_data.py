@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from engine.cli import run_main as run
-from engine.data.preprocess import preprocess
+from engine.data.prepare.preprocess import preprocess
 from engine.data.tokenizers.cli import add_tokenizer_arguments, tokenizer_config
 from engine.data.tokenizers.gigatoken_encoder import CHOICES
 from engine.errors import ConfigError

@@ -42,10 +42,10 @@ def _measure(rank, world, args):
     import torch
     import torch.distributed as dist
 
-    from engine.benchmarks import bench_model_config
     from engine.model.builder import build_model_chunks
-    from engine.step import run_schedule
-    from parallel.ddp import DistributedDataParallel
+    from engine.planning.bench_setup import bench_model_config
+    from engine.train.step import run_schedule
+    from parallel.data_parallel.ddp import DistributedDataParallel
     from parallel.pipeline.schedules import get_schedule
     from parallel.state import ParallelState
 
@@ -101,7 +101,7 @@ def draw(events_per_rank, title: str, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from parallel.launch import run_local
+    from parallel.local_ranks import run_local
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--schedule", default="1f1b", choices=list(GENERATORS))

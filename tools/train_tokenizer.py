@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from engine.cli import run_main as run
-from engine.data.tokenizer_training import train_tokenizer
+from engine.data.tokenizers.train_sentencepiece import train_tokenizer
 from engine.errors import ConfigError
 
 
@@ -82,7 +82,7 @@ SENTENCEPIECE_ONLY = {
 
 
 def _train_hf(args):
-    from engine.data.tokenizer_training_hf import train_hf_tokenizer
+    from engine.data.tokenizers.train_hf import train_hf_tokenizer
 
     if not args.output_dir:
         raise ConfigError("--library hf writes a folder: give --output-dir DIR")

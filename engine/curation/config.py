@@ -26,7 +26,7 @@ from engine.curation.minhash import MinHashConfig
 from engine.curation.pii import PII
 from engine.curation.quality import C4, FineWeb, GopherQuality, GopherRepetition
 from engine.errors import ConfigError
-from engine.structured_file import read_yaml_or_json
+from engine.files.structured import read_yaml_or_json
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import io
 import json
 import os
 
-from engine.data.readers import PARQUET_SUFFIXES, TEXT_SUFFIXES, iter_records
+from engine.data.prepare.readers import PARQUET_SUFFIXES, TEXT_SUFFIXES, iter_records
 from engine.errors import InputError
 
 FIX = "name the text field with text_key in --config"

@@ -5,14 +5,8 @@ from __future__ import annotations
 import functools
 import math
 
-from engine.data.blended import (
-    Blend,
-    BlendedDataset,
-    normalize_weights,
-    parse_blend,
-    parse_data_path,
-)
-from engine.data.gpt_dataset import (
+from engine.data.indexed.dataset import IndexedDataset
+from engine.data.indexed.gpt_dataset import (
     SPLIT_NAMES,
     GPTDataset,
     GPTDatasetSpec,
@@ -21,10 +15,16 @@ from engine.data.gpt_dataset import (
     split_bookends,
     split_ranges,
 )
-from engine.data.indexed import IndexedDataset
-from engine.data.mock import MOCK_SPLIT, MockIndexedDataset
-from engine.data.parquet_shards import is_parquet_path, open_shards
-from engine.data.streaming import StreamingDataset, StreamPlan
+from engine.data.indexed.mock import MOCK_SPLIT, MockIndexedDataset
+from engine.data.mix.blended import (
+    Blend,
+    BlendedDataset,
+    normalize_weights,
+    parse_blend,
+    parse_data_path,
+)
+from engine.data.streaming.dataset import StreamingDataset, StreamPlan
+from engine.data.streaming.shards import is_parquet_path, open_shards
 from engine.data.tokenizers import TokenizerConfig, build_tokenizer
 from engine.errors import ConfigError
 
@@ -51,7 +51,7 @@ def build_gpt_datasets(
     split its own paths (--train-data-path, ...; --split is then not used). A split is None where
     it is asked for no samples, has no paths, or its share of the documents rounds to none in
     every dataset (e.g. a 0.1% test split of a small corpus). `mix`
-    (engine/data/mix_schedule.py MixSchedule) sets the train split's order instead of its
+    (engine/data/mix/schedule.py MixSchedule) sets the train split's order instead of its
     blend weights."""
     opened: dict[str, IndexedDataset] = {}
 

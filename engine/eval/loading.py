@@ -10,7 +10,7 @@ import tempfile
 
 import torch
 
-from engine.checkpoint_files import find_latest, iteration_dir
+from engine.checkpoint.files import find_latest, iteration_dir
 from engine.data.tokenizers import Tokenizer, TokenizerConfig, build_tokenizer, config_from_record
 from engine.errors import ConfigError, InputError
 
@@ -34,7 +34,7 @@ def load_model(load: str, iteration: int | None = None, tokenizer: TokenizerConf
     """(model in eval mode, tokenizer, its description) from `load`: our checkpoint root or a
     Hugging Face folder (config.json + safetensors). `tokenizer` overrides the recorded one."""
     if os.path.isfile(os.path.join(load, "config.json")):
-        from engine.hf.import_hf import import_from_hf
+        from engine.interop.hf.import_hf import import_from_hf
 
         with tempfile.TemporaryDirectory() as tmp:
             imported = os.path.join(tmp, "imported")
@@ -44,9 +44,9 @@ def load_model(load: str, iteration: int | None = None, tokenizer: TokenizerConf
 
 
 def _from_checkpoint(path: str, override: TokenizerConfig | None, shown: str):
-    from engine.checkpoint_files import read_meta
-    from engine.checkpoint_load import load_model_weights
-    from engine.config import ModelConfig
+    from engine.checkpoint.files import read_meta
+    from engine.checkpoint.load import load_model_weights
+    from engine.config.model import ModelConfig
     from engine.model import BuildContext, GPTModel
 
     meta = read_meta(path)

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from engine.data.indexed import IndexedDataset
+from engine.data.indexed.dataset import IndexedDataset
 from engine.errors import InputError
 
 

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import InputError
-from engine.step import context_parallel_batches
-from parallel.context_chunks import rank_positions
-from parallel.tensor import gather_logits
+from engine.train.step import context_parallel_batches
+from parallel.context_parallel.chunks import rank_positions
+from parallel.tensor_parallel.layers import gather_logits
 
 
 @dataclass

@@ -4,7 +4,7 @@ The fused QKV projection is column-parallel with three logical parts (q: heads x
 groups x d each), so every TP rank holds whole heads and whole key/value groups. The output
 projection is row-parallel. Attention itself is torch's scaled_dot_product_attention (flash or
 memory-efficient kernels on GPU); under context parallelism, this rank's queries attend over the
-whole sequence through parallel/context_parallel.py (ring, all-to-all or all-gather).
+whole sequence through parallel/context_parallel/attention.py (ring, all-to-all or all-gather).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from torch import nn
 
 from engine.model.context import BuildContext
 from engine.model.norm import Norm
-from parallel.context_parallel import context_parallel_attention
+from parallel.context_parallel.attention import context_parallel_attention
 from parallel.random import checkpoint
-from parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class SelfAttention(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config.model import ModelConfig
 from engine.model.context import BuildContext
 from engine.model.gpt import GPTModel
 from parallel.pipeline.layout import stage_layers, virtual_stage

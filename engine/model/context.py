@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config.model import ModelConfig
 from engine.ops.torch_ops import TorchOps
-from parallel.context_parallel import rank_positions
+from parallel.context_parallel.attention import rank_positions
 from parallel.random import RNGStatesTracker
-from parallel.tensor import normal_init, scaled_normal_init
+from parallel.tensor_parallel.layers import normal_init, scaled_normal_init
 
 
 @dataclass

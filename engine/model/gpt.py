@@ -6,7 +6,7 @@ the transformer layers whose global numbers it is given. Layers are kept under t
 numbers ("layers.7...."), so parameter names, initialisation seeds and checkpoints do not
 depend on how the model is cut. Activations between layers are [s, b, h] ([s/tp, b, h] under
 sequence parallelism); under context parallelism s is this rank's two chunks of the sequence
-(tokens and labels come in split, see engine/step.py) and positions are global ones.
+(tokens and labels come in split, see engine/train/step.py) and positions are global ones.
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.config.model import ModelConfig
 from engine.model.context import BuildContext
 from engine.model.layer import TransformerLayer
 from engine.model.norm import Norm
 from engine.model.rope import RotaryEmbedding
 from parallel.random import checkpoint
-from parallel.sharding import mark_tp_partial_grad
-from parallel.tensor import (
+from parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
     draw_full,
     gather_logits,
 )
+from parallel.tensor_parallel.sharding import mark_tp_partial_grad
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
@@ -180,8 +180,8 @@ class GPTModel(nn.Module):
 
     def sharding_units(self) -> list[nn.Module]:
         """The modules whose parameters are gathered together with sharded parameters
-        (parallel/fsdp_params.py), in forward order. The word embeddings are a unit of their
-        own inside the embedding's: a tied output layer calls them directly."""
+        (parallel/data_parallel/fsdp_params.py), in forward order. The word embeddings are a unit of
+        their own inside the embedding's: a tied output layer calls them directly."""
         units = []
         if self.embedding is not None:
             units += [self.embedding, self.embedding.word_embeddings]
@@ -193,7 +193,8 @@ class GPTModel(nn.Module):
         if self.output_layer is not None:
             return self.output_layer(x)
         # Tied: the embedding table projects (its gradient stays with autograd, no fusion into
-        # main_grad: the table has two uses on one stage; see parallel/tp_linear.py).
+        # main_grad: the table has two uses on one stage; see
+        # parallel/tensor_parallel/linear_function.py).
         head = self.word_embeddings_for_head
         if head is None:
             head = self.embedding.word_embeddings
@@ -268,7 +269,7 @@ def _run_group(layers: list[TransformerLayer]):
 def parameter_counts(model: nn.Module) -> dict[str, int]:
     """Parameters this rank holds: 'local' = 'tp_split' (its share of TP-split tensors) +
     'replicated' (norms, biases after row-parallel, positions: whole on every TP rank)."""
-    from parallel.sharding import tp_sharding_of
+    from parallel.tensor_parallel.sharding import tp_sharding_of
 
     split = replicated = 0
     for param in model.parameters():

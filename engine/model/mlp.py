@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.context import BuildContext
-from parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class MLP(nn.Module):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine.ops.torch_ops import TorchOps
-from parallel.sharding import mark_tp_partial_grad
+from parallel.tensor_parallel.sharding import mark_tp_partial_grad
 
 
 class Norm(nn.Module):

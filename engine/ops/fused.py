@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel.comm import all_reduce, group_rank, measure_tp_comm
+from parallel.comm import all_reduce, group_rank
+from parallel.tensor_parallel.regions import measure_tp_comm
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc" / "fused"
 SOURCES = ["bindings.cpp", "norms.cu", "rope.cu", "swiglu.cu", "cross_entropy.cu"]
@@ -92,8 +93,8 @@ class _SwiGLU(torch.autograd.Function):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """As parallel.tensor's, with the per-row work in kernels: only [rows] statistics are
-    made (max, sum of exp, target logit), never a softmax of the logits' size."""
+    """As parallel.tensor_parallel.layers's, with the per-row work in kernels: only [rows]
+    statistics are made (max, sum of exp, target logit), never a softmax of the logits' size."""
 
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, vocab_size, kernels, times):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from parallel.tensor import vocab_parallel_cross_entropy
+from parallel.tensor_parallel.layers import vocab_parallel_cross_entropy
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

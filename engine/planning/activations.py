@@ -35,7 +35,7 @@ less), and, refused in one line, attention dropout, partial RoPE (--rotary-perce
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
+from engine.config.model import ModelConfig
 from engine.errors import ConfigError
 
 ACTIVATION_BYTES = 2  # bf16 / fp16

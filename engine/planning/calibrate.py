@@ -4,7 +4,7 @@ On the CPU a rank is one core (one thread), and these are measured the same way,
 CPU's training dtype):
 - GEMM: [2048, s] x [s, s] products for s in 64 .. 1024, FLOP/s by size;
 - attention: torch's causal scaled_dot_product_attention forward + backward, in model FLOPs
-  (engine/metrics.py's count: the causal scores in full);
+  (engine/monitor/metrics.py's count: the causal scores in full);
 - memory: the engine's own layer forward + backward, less its GEMMs and attention at those
   rates, against the bytes its memory-bound ops move (engine/planning/step_time.py);
 - links: all-reduce over 2 gloo ranks at 4 KB .. 16 MB, fitted to latency + bytes / bandwidth;
@@ -64,7 +64,7 @@ def memory_rate(gemm, attention: float, hidden: int = 256, seq: int = 256, batch
     """The rate at which the engine's layer does its memory-bound work: the layer's forward +
     backward (GPT-2 style, fp32) measured, less its GEMMs and core attention at the rates
     measured, against the bytes engine/planning/step_time.py counts for it."""
-    from engine.config import ModelConfig
+    from engine.config.model import ModelConfig
     from engine.model.context import BuildContext
     from engine.model.layer import TransformerLayer
     from engine.planning.step_time import layer_memory_bytes
@@ -133,7 +133,7 @@ def fit_overheads(machine: Machine) -> dict:
     from engine.planning.memory import Layout
     from engine.planning.step_time import predict_step
     from engine.pretrain import parse
-    from parallel.launch import run_local
+    from parallel.local_ranks import run_local
 
     rows, rest = [], []
     for layers, m in OVERHEAD_RUNS:
@@ -153,7 +153,7 @@ def fit_overheads(machine: Machine) -> dict:
 
 def calibrate_cpu() -> Machine:
     """This machine's rates, one thread per rank (module docstring)."""
-    from parallel.launch import run_local
+    from parallel.local_ranks import run_local
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

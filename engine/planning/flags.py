@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.arguments import flag_of
-from engine.config import ModelConfig
+from engine.config.arguments import flag_of
+from engine.config.model import ModelConfig
 from engine.planning.memory import Layout
 
 

@@ -5,7 +5,7 @@ calibrated) or from a calibration file that `tools/plan.py --calibrate` measured
 Rates are what the engine's work achieves, not peaks: `gemm_flops` for its matrix products
 (by the smallest of a product's three sizes, interpolated in log size between measured
 points), `attention_flops` for core attention forward + backward in model FLOPs (the scores
-and weighted sum counted in full, as engine/metrics.py counts them), `memory_bytes_per_s`
+and weighted sum counted in full, as engine/monitor/metrics.py counts them), `memory_bytes_per_s`
 for its memory-bound ops. A link is latency + bytes / bandwidth per message step.
 """
 

@@ -1,7 +1,7 @@
 """What a layout really costs: the engine set up from its flags on gloo ranks, running real
 training steps on random tokens, each rank reporting its median step time, the most
 activation bytes it held (engine/activation_memory.PeakSavedBytes over the whole step) and
-its parameter, gradient and optimizer bytes (engine/state_memory.py). The planner's
+its parameter, gradient and optimizer bytes (engine/planning/state_memory.py). The planner's
 predictions are checked against these (tests/test_plan.py, tools/bench_plan.py)."""
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ def mock_gpt_flags(
 
 
 def measure_rank(rank: int, world: int, flags: list[str], warmup: int, steps: int) -> dict:
-    """Run in each rank (parallel.launch.run_local): {pp_rank, step_s (the slowest rank's
+    """Run in each rank (parallel.local_ranks.run_local): {pp_rank, step_s (the slowest rank's
     median), activations, params, grads, optimizer}."""
     import torch
     import torch.distributed as dist
 
-    from engine.activation_memory import PeakSavedBytes
-    from engine.benchmarks import sync_device
-    from engine.preflight import check, device_of
+    from engine.planning.bench_setup import sync_device
+    from engine.planning.saved_activations import PeakSavedBytes
+    from engine.planning.state_memory import held_state_bytes
     from engine.pretrain import parse
-    from engine.run_setup import setup
-    from engine.state_memory import held_state_bytes
-    from engine.training import train_iteration
+    from engine.train.loop import train_iteration
+    from engine.train.preflight import check, device_of
+    from engine.train.setup import setup
     from parallel.state import ParallelState
 
     cfg = parse(flags)

@@ -2,7 +2,7 @@
 parameters of its share of the layers (engine/model/: the embedding on the first pipeline
 stage, the final norm and output layer on the last, TP-split weights divided by the TP
 size), times the bytes per parameter of its data-parallel sharding strategy
-(engine/state_memory.py's formula, the one its measurement is checked against).
+(engine/planning/state_memory.py's formula, the one its measurement is checked against).
 
 Counted as the engine lays a decoder out: per layer an input norm, the fused QKV (and its
 bias with --add-bias-linear or --add-qkv-bias), optional per-head query/key norms, the output
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine.config import ModelConfig
+from engine.config.model import ModelConfig
 from engine.errors import ConfigError
 from engine.planning.activations import layers_activation_bytes, stage_ends_activation_bytes
-from engine.state_memory import formula_bytes_per_param
+from engine.planning.state_memory import formula_bytes_per_param
 from parallel.pipeline.layout import stage_layers
 from parallel.pipeline.schedules import peak_in_flight
 from parallel.pipeline.tables import SPLIT_BACKWARD

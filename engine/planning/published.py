@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 
-from engine.config import ModelConfig
+from engine.config.model import ModelConfig
 from engine.planning.hardware import datasheet_machine
 from engine.planning.search import SearchSpace, plan
 

@@ -8,7 +8,7 @@ fit the model as the engine requires (TP divides the heads and key/value groups,
 layers evenly, virtual stages each PP stage's layers and the micro-batches a multiple of PP,
 the sequence 2 x CP, the micro-batches the global batch, and ModelConfig.validate's checks
 against TP and SP); tools/plan.py also runs the engine's own layout checks
-(engine/preflight.py) on the rows it shows. A layout fits when the fullest pipeline stage's
+(engine/train/preflight.py) on the rows it shows. A layout fits when the fullest pipeline stage's
 predicted bytes (a bf16 run's: 16-bit parameters and activations) are at most
 `memory_fraction` of the device's memory.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from engine.config import ModelConfig
+from engine.config.model import ModelConfig
 from engine.errors import ConfigError
 from engine.planning.hardware import Machine
 from engine.planning.memory import STRATEGIES, Layout, rank_memory_bytes

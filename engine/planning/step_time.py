@@ -8,7 +8,7 @@ Per micro-batch, per layer, on one rank (T tokens of a CP rank, T_r between TP b
 - TP: forward waits for its collectives (per block an all-reduce, or with SP an all-gather and
   a reduce-scatter); backward waits for the row-parallel output's gather (SP) and for what
   the column-parallel GEMMs do not hide of the input-gradient reduce and the input re-gather
-  (parallel/tp_linear.py overlaps them);
+  (parallel/tensor_parallel/linear_function.py overlaps them);
 - CP: the ring passes key/value chunks C-1 times forward and key/value plus their gradients
   backward, hidden behind core attention as far as it lasts.
 Per micro-batch on a stage: the embedding and the head (output GEMM, cross-entropy bytes) on
@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.config import ModelConfig
-from engine.metrics import model_flops_per_token
+from engine.config.model import ModelConfig
+from engine.monitor.metrics import model_flops_per_token
 from engine.planning.hardware import Machine
 from engine.planning.memory import Layout, chunk_layer_counts, rank_parameters
 

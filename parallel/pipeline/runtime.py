@@ -8,7 +8,7 @@ For each action of its list, in order:
 - B: backward from the output (the last stage: from its loss) with the gradient the next
   stage sent; the input's gradient goes back to the previous stage.
 - I: the same backward with the linear layers' weight-gradient GEMMs deferred into this
-  micro-batch's queue (parallel/weight_grad.py); W runs the queue.
+  micro-batch's queue (parallel/pipeline/weight_grad.py); W runs the queue.
 
 Transfers. A result is sent as soon as it is computed, in one batch with the receive the next
 action needs (as Megatron-LM pairs a stage's "send output" with its "receive gradient"); the
@@ -44,8 +44,8 @@ import torch
 from parallel.pipeline.p2p import backward_from, free_sent_output
 from parallel.pipeline.tables import Action, Table
 from parallel.pipeline.validate import pair_order_violation
+from parallel.pipeline.weight_grad import WeightGradQueue
 from parallel.timing import StepTimes, measure
-from parallel.weight_grad import WeightGradQueue
 
 ACTIVATION = "activation"  # the kind Table.link gives activations (gradients: "gradient")
 LOOKAHEAD = 2  # receives posted ahead with overlap

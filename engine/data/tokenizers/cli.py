@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.arguments import add_dataclass_arguments, build_configs
+from engine.config.arguments import add_dataclass_arguments, build_configs
 from engine.data.tokenizers.config import TokenizerConfig
 
 

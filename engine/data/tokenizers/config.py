@@ -11,7 +11,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from engine.config import option
+from engine.config.fields import option
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer",

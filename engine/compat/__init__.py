@@ -1,1 +1,0 @@
-"""Megatron-LM compatibility: its flags that have no effect here or name a missing feature."""

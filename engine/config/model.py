@@ -1,0 +1,285 @@
+"""The model's shape and style (`ModelConfig`), validated against the tensor-parallel size."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.config.fields import FROM_CHECKPOINT, option
+from engine.config.rope_scaling import rope_scaling_of
+from engine.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """The decoder's shape and style (GPT-2 or Llama-like are combinations of these)."""
+
+    num_layers: int = option(2, "number of transformer layers", required=FROM_CHECKPOINT)
+    hidden_size: int = option(128, "transformer hidden size", required=FROM_CHECKPOINT)
+    num_attention_heads: int = option(4, "number of attention heads", required=FROM_CHECKPOINT)
+    group_query_attention: bool = option(
+        False, "grouped-query attention, with --num-query-groups key/value head groups"
+    )
+    num_query_groups: int | None = option(
+        None,
+        "key/value head groups, read only with --group-query-attention (as in Megatron-LM; "
+        "default 1 then); without it every head has its own",
+    )
+    ffn_hidden_size: int | None = option(
+        None, "MLP hidden size (default 4 x hidden; with --swiglu 2/3 of that, rounded to 64)"
+    )
+    kv_channels: int | None = option(None, "per-head size (default hidden / heads)")
+    seq_length: int = option(128, "tokens per training sample", required=FROM_CHECKPOINT)
+    max_position_embeddings: int | None = option(
+        None,
+        "positions the model is built for (the learned position table's size); at least "
+        "--seq-length",
+        required=FROM_CHECKPOINT,
+    )
+    vocab_size: int | None = option(
+        None,
+        "vocabulary size (default: the tokenizer's); NullTokenizer's size, and TikTokenizer's "
+        "(default 131072)",
+    )
+    make_vocab_size_divisible_by: int = option(
+        128, "pad the vocabulary to a multiple of this times the tensor-parallel size"
+    )
+    position_embedding_type: str = option(
+        "learned_absolute",
+        "position encoding (yarn: RoPE with YaRN scaling, Megatron-LM's spelling)",
+        choices=["learned_absolute", "rope", "yarn"],
+    )
+    rotary_base: int = option(10000, "RoPE base (theta)")
+    use_rope_scaling: bool = option(
+        False, "Llama 3.x RoPE scaling: low frequencies slowed by --rope-scaling-factor"
+    )
+    rope_scaling_factor: float = option(8.0, "with --use-rope-scaling: the scaling factor")
+    rope_scaling_low_freq_factor: float = option(
+        1.0, "with --use-rope-scaling: wavelengths above original length / this are scaled"
+    )
+    rope_scaling_high_freq_factor: float = option(
+        4.0, "with --use-rope-scaling: wavelengths below original length / this are kept"
+    )
+    rope_scaling_original_max_position_embeddings: int = option(
+        8192, "with --use-rope-scaling: the context length the model was first trained at"
+    )
+    rotary_seq_len_interpolation_factor: float | None = option(
+        None, "linear RoPE scaling (position interpolation): positions divided by this"
+    )
+    rope_scaling_type: str | None = option(
+        None,
+        "RoPE scaling by Hugging Face's rope_type name, with --rope-scaling-factor (and, for "
+        "llama3 and yarn, --rope-scaling-original-max-position-embeddings): llama3 (as "
+        "--use-rope-scaling), linear, dynamic (NTK: the base grows with a sequence longer "
+        "than --max-position-embeddings), yarn",
+        choices=["llama3", "linear", "dynamic", "yarn"],
+    )
+    rotary_scaling_factor: float = option(
+        1.0, "with --position-embedding-type yarn: the YaRN scaling factor"
+    )
+    yarn_original_max_position_embeddings: int | None = option(
+        None, "with --position-embedding-type yarn: the length first trained at (default 4096)"
+    )
+    yarn_beta_fast: float | None = option(None, "YaRN: rotations where extrapolation ends (32)")
+    yarn_beta_slow: float | None = option(None, "YaRN: rotations where interpolation starts (1)")
+    mscale: float = option(1.0, "YaRN: the attention scale's log(factor) coefficient / 0.1")
+    mscale_all_dim: float = option(0.0, "YaRN: the same for its denominator (0: none)")
+    yarn_correction_range_round_to_int: bool = option(
+        True,
+        "YaRN: keep the correction range's ends unrounded",
+        flag="--no-yarn-correction-range-round-to-int",
+        action="store_false",
+    )
+    rotary_percent: float = option(
+        1.0, "the share of each head's channels RoPE rotates (the first ones); the rest pass"
+    )
+    normalization: str = option("LayerNorm", "norm type", choices=["LayerNorm", "RMSNorm"])
+    norm_epsilon: float = option(1e-5, "epsilon of the norms")
+    apply_layernorm_1p: bool = option(
+        False,
+        "norm weights stored centred on zero (initialised to 0) and applied as 1 + weight; "
+        "exported to Hugging Face as 1 + weight",
+    )
+    swiglu: bool = option(False, "SwiGLU MLP instead of GELU")
+    openai_gelu: bool = option(False, "GELU's tanh approximation, as OpenAI's GPT-2 uses")
+    add_bias_linear: bool = option(
+        True, "no biases in linear layers", flag="--disable-bias-linear", action="store_false"
+    )
+    untie_embeddings_and_output_weights: bool = option(
+        False, "separate output layer instead of reusing the input embedding"
+    )
+    qk_layernorm: bool = option(False, "normalise queries and keys per head")
+    window_size: str | None = option(
+        None,
+        "sliding-window attention, as Megatron-LM's (left, right): each token attends to "
+        "itself and the `left` tokens before it (right must be 0: causal); default: all",
+    )
+    add_qkv_bias: bool = option(
+        False,
+        "biases on the query, key and value projections only (Qwen2), with or without "
+        "--disable-bias-linear",
+    )
+    hidden_dropout: float = option(0.1, "dropout on the residual branches and embeddings")
+    attention_dropout: float = option(0.1, "dropout on the attention probabilities")
+    init_method_std: float = option(0.02, "std of the normal weight initialisation")
+    recompute_granularity: str | None = option(
+        None, "activation recomputation", choices=["full", "selective"]
+    )
+    recompute_method: str | None = option(
+        None,
+        "with full recomputation: uniform chunks or the first N layers",
+        choices=["uniform", "block"],
+    )
+    recompute_num_layers: int | None = option(
+        None, "layers per recomputed chunk (uniform) or layers recomputed per stage (block)"
+    )
+    z_loss_coeff: float = option(
+        0.0, "add this times logsumexp(logits)^2 to the loss (keeps logits from drifting)"
+    )
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.query_groups
+
+    @property
+    def query_groups(self) -> int:
+        if not self.group_query_attention:
+            return self.num_attention_heads
+        return self.num_query_groups or 1
+
+    @classmethod
+    def from_record(cls, record: dict) -> ModelConfig:
+        """The config saved in a checkpoint's meta.json (checkpoints written before
+        --group-query-attention existed applied --num-query-groups alone)."""
+        record = dict(record)
+        record.setdefault("group_query_attention", record.get("num_query_groups") is not None)
+        return cls(**record)
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return int(4 * self.hidden_size * 2 / 3 / 64) * 64 or 4 * self.hidden_size
+        return 4 * self.hidden_size
+
+    @property
+    def attention_window(self) -> int | None:
+        """With --window-size: how many tokens before each one it attends to (None: all)."""
+        if not self.window_size:
+            return None
+        try:
+            left, right = (int(v) for v in str(self.window_size).strip("() ").split(","))
+        except ValueError:
+            raise ConfigError(
+                f"--window-size {self.window_size}: give two integers, (left, right), e.g. "
+                "'(4095, 0)'"
+            ) from None
+        if right != 0 or left < -1:
+            raise ConfigError(
+                f"--window-size {self.window_size}: only causal windows (right 0) with left >= 0 "
+                "(or -1: no window) are available"
+            )
+        return None if left == -1 else left
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of a head that RoPE rotates (as Megatron-LM: int(head size x percent))."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def uses_rope(self) -> bool:
+        """Rotary positions (rope, or yarn: RoPE with YaRN scaling)."""
+        return self.position_embedding_type in ("rope", "yarn")
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    def padded_vocab_size(self, tp: int) -> int:
+        if self.vocab_size is None:
+            raise ConfigError("the vocabulary size is unknown; give a tokenizer or --vocab-size")
+        multiple = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def validate(self, tp: int = 1, sequence_parallel: bool = False) -> None:
+        """Raise ConfigError naming the flag to change for any impossible shape."""
+        h, n, g = self.hidden_size, self.num_attention_heads, self.query_groups
+        positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.kv_channels is None and h % n:
+            raise ConfigError(
+                f"hidden-size {h} is not divisible by num-attention-heads {n}; change one of "
+                "them or set --kv-channels"
+            )
+        if n % tp:
+            raise ConfigError(
+                f"num-attention-heads {n} is not divisible by tensor-model-parallel-size {tp}"
+            )
+        if self.num_query_groups is not None and self.num_query_groups < 1:
+            raise ConfigError("--num-query-groups must be at least 1")
+        if n % g:
+            raise ConfigError(f"num-attention-heads {n} is not divisible by num-query-groups {g}")
+        if g % tp:
+            raise ConfigError(
+                f"num-query-groups {g} is not divisible by tensor-model-parallel-size {tp}"
+            )
+        if self.ffn_size % tp:
+            raise ConfigError(
+                f"ffn-hidden-size {self.ffn_size} is not divisible by "
+                f"tensor-model-parallel-size {tp}"
+            )
+        if sequence_parallel and self.seq_length % tp:
+            raise ConfigError(
+                f"seq-length {self.seq_length} is not divisible by tensor-model-parallel-size "
+                f"{tp}, which --sequence-parallel needs"
+            )
+        scaling = rope_scaling_of(self)
+        dynamic = scaling is not None and scaling["rope_type"] == "dynamic"
+        if self.max_positions < self.seq_length and not dynamic:
+            raise ConfigError(
+                f"max-position-embeddings {self.max_positions} < seq-length {self.seq_length}"
+            )
+        _ = self.attention_window  # --window-size parses
+        scaled = self.use_rope_scaling or self.rotary_seq_len_interpolation_factor
+        if (scaled or self.rope_scaling_type) and not self.uses_rope:
+            raise ConfigError(
+                "--use-rope-scaling, --rotary-seq-len-interpolation-factor and "
+                "--rope-scaling-type scale RoPE; add --position-embedding-type rope"
+            )
+        if self.use_rope_scaling and (
+            self.rope_scaling_factor < 1
+            or not 0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor
+        ):
+            raise ConfigError(
+                "--use-rope-scaling needs --rope-scaling-factor >= 1 and 0 < "
+                "--rope-scaling-low-freq-factor < --rope-scaling-high-freq-factor"
+            )
+        if (self.rotary_seq_len_interpolation_factor or 1) < 1:
+            raise ConfigError("--rotary-seq-len-interpolation-factor must be at least 1")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"--rotary-percent {self.rotary_percent} must be in (0, 1]")
+        if self.uses_rope and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ConfigError(
+                f"RoPE needs an even number of rotated channels per head, got {self.rotary_dim} "
+                f"(head size {self.head_dim} x --rotary-percent {self.rotary_percent})"
+            )
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1)")
+        if self.recompute_granularity == "full":
+            if self.recompute_method is None or not self.recompute_num_layers:
+                raise ConfigError(
+                    "--recompute-granularity full needs --recompute-method uniform|block and "
+                    "--recompute-num-layers N"
+                )
+        elif self.recompute_method is not None:
+            raise ConfigError("--recompute-method needs --recompute-granularity full")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ConfigError("--make-vocab-size-divisible-by must be at least 1")

@@ -1,0 +1,144 @@
+"""How the model and the data are split over processes (`ParallelConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config.fields import option
+from engine.errors import ConfigError
+from parallel.pipeline.tables import V_SHAPED
+
+
+@dataclass
+class ParallelConfig:
+    """How the model and the data are split over processes."""
+
+    tensor_model_parallel_size: int = option(1, "tensor-parallel size (TP)")
+    pipeline_model_parallel_size: int = option(1, "pipeline-parallel size (PP)")
+    num_layers_per_virtual_pipeline_stage: int | None = option(
+        None, "layers per virtual stage: interleaved 1F1B with num_layers / (PP x this) chunks"
+    )
+    decoder_first_pipeline_num_layers: int | None = option(
+        None, "layers on the first pipeline stage (the rest split evenly)"
+    )
+    decoder_last_pipeline_num_layers: int | None = option(
+        None, "layers on the last pipeline stage (the rest split evenly)"
+    )
+    pipeline_schedule: str | None = option(
+        None,
+        "force a schedule (default: 1F1B, interleaved with virtual stages): gpipe, 1f1b, "
+        "interleaved, zb-h1 (zero bubble, 1F1B's memory), zb-v (zero bubble, 2 chunks per "
+        "rank in a V), dualpipe-v (DeepSeek's DualPipe in a V)",
+        choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"],
+    )
+    overlap_p2p_communication: bool = option(
+        False, "interleaved schedule: pipeline transfers run during compute"
+    )
+    sequence_parallel: bool = option(False, "split norms/dropout/residuals along the sequence")
+    context_parallel_size: int = option(
+        1, "context-parallel size (CP): each sample's sequence is split over this many ranks"
+    )
+    cp_comm_type: list[str] = option(
+        ["p2p"],
+        "how CP attention exchanges keys and values: p2p (ring), a2a (all-to-all over heads), "
+        "allgather (a2a+p2p is refused); one value, or one per layer",
+        nargs="+",
+        choices=["p2p", "a2a", "allgather", "a2a+p2p"],
+    )
+    gradient_accumulation_fusion: bool = option(
+        True,
+        "linear layers add their weight gradients straight into the fp32 main_grad buffer, "
+        "with no .grad per micro-batch",
+        flag="--no-gradient-accumulation-fusion",
+        action="store_false",
+    )
+    use_distributed_optimizer: bool = option(False, "shard optimizer state over DP (ZeRO)")
+    use_megatron_fsdp: bool = option(
+        False,
+        "fully sharded data parallelism with --data-parallel-sharding-strategy (implies "
+        "--use-distributed-optimizer)",
+    )
+    data_parallel_sharding_strategy: str | None = option(
+        None,
+        "with --use-megatron-fsdp, what DP ranks shard (default optim_grads_params): "
+        "optimizer state (optim), also gradients (optim_grads), also parameters; without "
+        "it no effect (as in Megatron-LM)",
+        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+    )
+    overlap_grad_reduce: bool = option(False, "reduce gradient buckets during backward")
+    overlap_param_gather: bool = option(
+        False, "with the distributed optimizer: gather parameters during the next forward"
+    )
+    ddp_bucket_size: int | None = option(None, "elements per gradient bucket")
+    distributed_timeout_minutes: float = option(
+        10.0, "a collective waiting longer than this fails the run (e.g. a dead rank)"
+    )
+
+    def sharding_strategy(self) -> str:
+        """What DP ranks shard (parallel/data_parallel/ddp.py): Megatron-LM's strategy names."""
+        if self.use_megatron_fsdp:
+            return self.data_parallel_sharding_strategy or "optim_grads_params"
+        return "optim" if self.use_distributed_optimizer else "no_shard"
+
+    def shards_optimizer(self) -> bool:
+        return self.sharding_strategy() != "no_shard"
+
+    def virtual_size(self, num_layers: int) -> int:
+        if not self.num_layers_per_virtual_pipeline_stage:
+            return 1
+        per_stage = num_layers // self.pipeline_model_parallel_size
+        return per_stage // self.num_layers_per_virtual_pipeline_stage
+
+    def validate(self, num_layers: int) -> None:
+        pp = self.pipeline_model_parallel_size
+        layers_per_virtual = self.num_layers_per_virtual_pipeline_stage
+        if layers_per_virtual:
+            if pp < 2:
+                raise ConfigError(
+                    "--num-layers-per-virtual-pipeline-stage needs "
+                    "--pipeline-model-parallel-size of 2 or more"
+                )
+            if num_layers % (pp * layers_per_virtual):
+                raise ConfigError(
+                    f"num-layers {num_layers} is not divisible by pipeline-model-parallel-size "
+                    f"{pp} x num-layers-per-virtual-pipeline-stage {layers_per_virtual}"
+                )
+            if self.virtual_size(num_layers) < 2:
+                raise ConfigError(
+                    f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual} leaves one "
+                    f"chunk per stage; use fewer layers per virtual stage or drop the flag"
+                )
+        if self.pipeline_schedule == "interleaved" and not layers_per_virtual:
+            raise ConfigError(
+                "--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage"
+            )
+        if self.pipeline_schedule in ("gpipe", "1f1b", "zb-h1") and layers_per_virtual:
+            raise ConfigError(
+                f"--pipeline-schedule {self.pipeline_schedule} cannot run virtual stages; "
+                "drop --num-layers-per-virtual-pipeline-stage"
+            )
+        if self.pipeline_schedule in V_SHAPED and self.virtual_size(num_layers) != 2:
+            raise ConfigError(
+                f"--pipeline-schedule {self.pipeline_schedule} runs 2 model chunks per rank: set "
+                "--num-layers-per-virtual-pipeline-stage to num-layers / (2 x "
+                "pipeline-model-parallel-size)"
+            )
+        if self.overlap_p2p_communication and not layers_per_virtual:
+            raise ConfigError(
+                "--overlap-p2p-communication runs with the interleaved schedule only; add "
+                "--num-layers-per-virtual-pipeline-stage or drop the flag"
+            )
+        if self.overlap_param_gather and not self.shards_optimizer():
+            # with optim_grads_params the gathers always run ahead of the forward (prefetch)
+            raise ConfigError(
+                "--overlap-param-gather needs --use-distributed-optimizer (with "
+                "--use-megatron-fsdp: a --data-parallel-sharding-strategy other than no_shard)"
+            )
+        if (
+            self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers
+        ) and pp < 2:
+            raise ConfigError(
+                "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size >= 2"
+            )
+        if self.distributed_timeout_minutes <= 0:
+            raise ConfigError("--distributed-timeout-minutes must be positive")

@@ -1,1 +1,0 @@
-"""Conversion between our checkpoints and Hugging Face transformers folders."""

@@ -1,0 +1,388 @@
+"""How our model maps onto Hugging Face's LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM, Qwen3ForCausalLM and GPT2LMHeadModel.
+
+The Llama family (RoPE, RMSNorm, SwiGLU, no biases on the MLP and the output projection)
+shares its tensor names; a model is exported as Qwen2 when it has biases on q, k and v only
+(--add-qkv-bias --disable-bias-linear), as Qwen3 when it normalises queries and keys per head
+(--qk-layernorm), as Mistral when its attention has a sliding window (--window-size), else
+as Llama; RoPE scaling (--use-rope-scaling: "llama3";
+--rotary-seq-len-interpolation-factor: "linear") goes to `rope_parameters`. GPT-2-style models
+(learned positions, LayerNorm, GELU, biases, tied embeddings, multi-head attention) go to
+GPT-2. Any option the target has no equivalent for is a ConfigError naming it: the exported
+model is never silently different from the trained one.
+
+Each HF tensor is our logical tensors (checkpoint keys without "model/") stacked along dim 0,
+transposed for GPT-2's Conv1D layers, which store weights as [in, out].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from engine.config.model import ModelConfig
+from engine.config.rope_scaling import YarnScaling, rope_scaling_of
+from engine.errors import ConfigError
+
+LLAMA, MISTRAL, QWEN2, QWEN3, GPT2 = "llama", "mistral", "qwen2", "qwen3", "gpt2"
+ARCHITECTURES = {
+    LLAMA: "LlamaForCausalLM",
+    MISTRAL: "MistralForCausalLM",
+    QWEN2: "Qwen2ForCausalLM",
+    QWEN3: "Qwen3ForCausalLM",
+    GPT2: "GPT2LMHeadModel",
+}
+LLAMA_FAMILY = (LLAMA, MISTRAL, QWEN2, QWEN3)
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    name: str
+    parts: tuple[str, ...]
+    transpose: bool = False
+    shift: float = 0.0  # HF value = ours + shift (norm weights stored centred on zero)
+
+
+def _llama_family_member(cfg: ModelConfig) -> str:
+    if cfg.qk_layernorm and cfg.add_qkv_bias:
+        raise ConfigError(
+            "--qk-layernorm with --add-qkv-bias has no equivalent in Qwen3ForCausalLM (its "
+            "attention_bias also puts a bias on the output projection); cannot export"
+        )
+    if cfg.attention_window is not None:
+        if cfg.qk_layernorm or cfg.add_qkv_bias:
+            raise ConfigError(
+                "--window-size with --qk-layernorm or --add-qkv-bias has no equivalent here "
+                "(sliding windows are exported as MistralForCausalLM only); cannot export"
+            )
+        return MISTRAL
+    if cfg.qk_layernorm:
+        return QWEN3
+    return QWEN2 if cfg.add_qkv_bias else LLAMA
+
+
+def style_of(cfg: ModelConfig) -> str:
+    """'llama', 'qwen2', 'qwen3' or 'gpt2', or ConfigError naming the first option the
+    target cannot express."""
+    llama_like = cfg.uses_rope
+    style = _llama_family_member(cfg) if llama_like else GPT2
+    target = ARCHITECTURES[style]
+    if llama_like:
+        checks = [
+            (cfg.normalization == "RMSNorm", "--normalization LayerNorm (Llama uses RMSNorm)"),
+            (cfg.swiglu, "a GELU MLP without --swiglu (Llama uses SwiGLU)"),
+            (not cfg.add_bias_linear, "linear biases (Llama has none: use --disable-bias-linear)"),
+            (not cfg.openai_gelu, "--openai-gelu"),
+            (
+                cfg.rotary_percent == 1.0,
+                f"--rotary-percent {cfg.rotary_percent} (Llama rotates every channel of a head)",
+            ),
+            (
+                not (cfg.use_rope_scaling and cfg.rotary_seq_len_interpolation_factor),
+                "--use-rope-scaling with --rotary-seq-len-interpolation-factor (one rope_type)",
+            ),
+        ]
+    else:
+        checks = [
+            (not cfg.qk_layernorm, "--qk-layernorm"),
+            (cfg.attention_window is None, "--window-size"),
+            (not cfg.add_qkv_bias or cfg.add_bias_linear, "--add-qkv-bias alone"),
+            (cfg.normalization == "LayerNorm", "--normalization RMSNorm (GPT-2 uses LayerNorm)"),
+            (not cfg.swiglu, "--swiglu (GPT-2 has a GELU MLP)"),
+            (cfg.add_bias_linear, "--disable-bias-linear (GPT-2 has biases)"),
+            (
+                not cfg.untie_embeddings_and_output_weights,
+                "--untie-embeddings-and-output-weights (GPT2LMHeadModel ties them)",
+            ),
+            (
+                cfg.query_groups == cfg.num_attention_heads,
+                "--num-query-groups (GPT-2 has no grouped-query attention)",
+            ),
+            (
+                cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size,
+                "--kv-channels other than hidden / heads",
+            ),
+        ]
+    for ok, what in checks:
+        if not ok:
+            raise ConfigError(f"{what} has no equivalent in {target}; cannot export this model")
+    return style
+
+
+def hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
+    """Every tensor of the HF model and where it comes from, in a stable order. With
+    --apply-layernorm-1p the norm weights are 1 + ours (HF norms multiply by the weight)."""
+    tensors = _hf_tensors(cfg, style)
+    if not cfg.apply_layernorm_1p:
+        return tensors
+    return [
+        replace(t, shift=1.0) if t.parts[0].endswith("layernorm.weight") else t for t in tensors
+    ]
+
+
+def _hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
+    out = []
+    if style in LLAMA_FAMILY:
+        out.append(HFTensor("model.embed_tokens.weight", ("embedding.word_embeddings.weight",)))
+        for i in range(cfg.num_layers):
+            ours, hf = f"layers.{i}", f"model.layers.{i}"
+            attn, mlp = f"{ours}.self_attention", f"{ours}.mlp"
+            out.append(
+                HFTensor(f"{hf}.input_layernorm.weight", (f"{ours}.input_layernorm.weight",))
+            )
+            for name in "qkv":
+                out.append(
+                    HFTensor(
+                        f"{hf}.self_attn.{name}_proj.weight", (f"{attn}.linear_qkv.weight.{name}",)
+                    )
+                )
+                if style == QWEN2:
+                    out.append(
+                        HFTensor(
+                            f"{hf}.self_attn.{name}_proj.bias", (f"{attn}.linear_qkv.bias.{name}",)
+                        )
+                    )
+            if style == QWEN3:
+                out += [
+                    HFTensor(f"{hf}.self_attn.q_norm.weight", (f"{attn}.q_layernorm.weight",)),
+                    HFTensor(f"{hf}.self_attn.k_norm.weight", (f"{attn}.k_layernorm.weight",)),
+                ]
+            out += [
+                HFTensor(f"{hf}.self_attn.o_proj.weight", (f"{attn}.linear_proj.weight",)),
+                HFTensor(
+                    f"{hf}.post_attention_layernorm.weight", (f"{ours}.pre_mlp_layernorm.weight",)
+                ),
+                HFTensor(f"{hf}.mlp.gate_proj.weight", (f"{mlp}.linear_fc1.weight.gate",)),
+                HFTensor(f"{hf}.mlp.up_proj.weight", (f"{mlp}.linear_fc1.weight.up",)),
+                HFTensor(f"{hf}.mlp.down_proj.weight", (f"{mlp}.linear_fc2.weight",)),
+            ]
+        out.append(HFTensor("model.norm.weight", ("final_layernorm.weight",)))
+        if cfg.untie_embeddings_and_output_weights:
+            out.append(HFTensor("lm_head.weight", ("output_layer.weight",)))
+        return out
+    out += [
+        HFTensor("transformer.wte.weight", ("embedding.word_embeddings.weight",)),
+        HFTensor("transformer.wpe.weight", ("embedding.position_embeddings.weight",)),
+    ]
+    for i in range(cfg.num_layers):
+        ours, hf = f"layers.{i}", f"transformer.h.{i}"
+        attn, mlp = f"{ours}.self_attention", f"{ours}.mlp"
+        qkv = f"{attn}.linear_qkv"
+        out += [
+            HFTensor(f"{hf}.ln_1.weight", (f"{ours}.input_layernorm.weight",)),
+            HFTensor(f"{hf}.ln_1.bias", (f"{ours}.input_layernorm.bias",)),
+            HFTensor(
+                f"{hf}.attn.c_attn.weight",
+                (f"{qkv}.weight.q", f"{qkv}.weight.k", f"{qkv}.weight.v"),
+                transpose=True,
+            ),
+            HFTensor(f"{hf}.attn.c_attn.bias", (f"{qkv}.bias.q", f"{qkv}.bias.k", f"{qkv}.bias.v")),
+            HFTensor(f"{hf}.attn.c_proj.weight", (f"{attn}.linear_proj.weight",), transpose=True),
+            HFTensor(f"{hf}.attn.c_proj.bias", (f"{attn}.linear_proj.bias",)),
+            HFTensor(f"{hf}.ln_2.weight", (f"{ours}.pre_mlp_layernorm.weight",)),
+            HFTensor(f"{hf}.ln_2.bias", (f"{ours}.pre_mlp_layernorm.bias",)),
+            HFTensor(f"{hf}.mlp.c_fc.weight", (f"{mlp}.linear_fc1.weight",), transpose=True),
+            HFTensor(f"{hf}.mlp.c_fc.bias", (f"{mlp}.linear_fc1.bias",)),
+            HFTensor(f"{hf}.mlp.c_proj.weight", (f"{mlp}.linear_fc2.weight",), transpose=True),
+            HFTensor(f"{hf}.mlp.c_proj.bias", (f"{mlp}.linear_fc2.bias",)),
+        ]
+    out += [
+        HFTensor("transformer.ln_f.weight", ("final_layernorm.weight",)),
+        HFTensor("transformer.ln_f.bias", ("final_layernorm.bias",)),
+    ]
+    return out
+
+
+def hf_config_dict(cfg: ModelConfig, style: str, special_ids: dict, dtype: str) -> dict:
+    """The config.json of the exported model."""
+    common = {
+        "architectures": [ARCHITECTURES[style]],
+        "vocab_size": cfg.vocab_size,
+        "bos_token_id": special_ids.get("bos"),
+        "eos_token_id": special_ids.get("eos"),
+        "pad_token_id": special_ids.get("pad"),
+        "dtype": dtype,
+    }
+    if style in LLAMA_FAMILY:
+        out = common | {
+            "model_type": style,
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.ffn_size,
+            "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.query_groups,
+            "head_dim": cfg.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": cfg.max_positions,
+            "rms_norm_eps": cfg.norm_epsilon,
+            "rope_parameters": rope_parameters(cfg),
+            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+            "attention_dropout": cfg.attention_dropout,
+            "initializer_range": cfg.init_method_std,
+        }
+        if style == LLAMA:
+            out |= {"attention_bias": False, "mlp_bias": False}
+        elif style == MISTRAL:
+            out |= {"sliding_window": cfg.attention_window + 1}  # itself and `window` before
+        elif style == QWEN3:
+            out |= {"attention_bias": False, "use_sliding_window": False}
+        else:
+            out |= {"use_sliding_window": False}
+        return out
+    return common | {
+        "model_type": "gpt2",
+        "n_embd": cfg.hidden_size,
+        "n_layer": cfg.num_layers,
+        "n_head": cfg.num_attention_heads,
+        "n_inner": cfg.ffn_size,
+        "n_positions": cfg.max_positions,
+        "activation_function": "gelu_new" if cfg.openai_gelu else "gelu",
+        "layer_norm_epsilon": cfg.norm_epsilon,
+        "resid_pdrop": cfg.hidden_dropout,
+        "embd_pdrop": cfg.hidden_dropout,
+        "attn_pdrop": cfg.attention_dropout,
+        "initializer_range": cfg.init_method_std,
+        "tie_word_embeddings": True,
+    }
+
+
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """config.json's rope_parameters for our RoPE settings."""
+    return {"rope_theta": float(cfg.rotary_base), "rope_type": "default"} | (
+        rope_scaling_of(cfg) or {}
+    )
+
+
+def _rope_options(hf: dict) -> dict:
+    """Our RoPE options for config.json's rope_parameters (or the older rope_scaling and
+    rope_theta keys)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    out = {"rotary_base": int(theta)}
+    if kind == "default":
+        return out
+    if kind == "llama3":
+        return out | {
+            "use_rope_scaling": True,
+            "rope_scaling_factor": float(rope["factor"]),
+            "rope_scaling_low_freq_factor": float(rope.get("low_freq_factor", 1.0)),
+            "rope_scaling_high_freq_factor": float(rope.get("high_freq_factor", 4.0)),
+            "rope_scaling_original_max_position_embeddings": int(
+                rope.get("original_max_position_embeddings", 8192)
+            ),
+        }
+    if kind == "linear":
+        return out | {"rotary_seq_len_interpolation_factor": float(rope["factor"])}
+    if kind == "dynamic":
+        return out | {"rope_scaling_type": "dynamic", "rope_scaling_factor": float(rope["factor"])}
+    if kind == "yarn":
+        return out | _yarn_options(rope, hf)
+    raise ConfigError(
+        f"rope_type {kind!r} is not supported; default, llama3, linear, dynamic and yarn are"
+    )
+
+
+def _yarn_options(rope: dict, hf: dict) -> dict:
+    """Our YaRN flags (Megatron-LM's) for a yarn rope_parameters; ConfigError for an
+    attention_factor other than the one its mscales give (we have no flag for it)."""
+    factor = rope.get("factor")
+    original = rope["original_max_position_embeddings"]
+    if factor is None:  # transformers then takes the ratio of the two lengths
+        factor = hf["max_position_embeddings"] / original
+    options = {
+        "position_embedding_type": "yarn",
+        "rotary_scaling_factor": float(factor),
+        "yarn_original_max_position_embeddings": int(original),
+        "yarn_beta_fast": float(rope.get("beta_fast") or 32.0),
+        "yarn_beta_slow": float(rope.get("beta_slow") or 1.0),
+        "yarn_correction_range_round_to_int": bool(rope.get("truncate", True)),
+    }
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if mscale and mscale_all_dim:  # transformers reads the two only together
+        options |= {"mscale": float(mscale), "mscale_all_dim": float(mscale_all_dim)}
+    implied = YarnScaling(
+        options["rotary_scaling_factor"],
+        mscale=options.get("mscale", 1.0),
+        mscale_all_dim=options.get("mscale_all_dim", 0.0),
+    ).attention_factor()
+    given = rope.get("attention_factor")
+    if given is not None and abs(float(given) - implied) > 1e-6 * implied:
+        raise ConfigError(
+            f"rope_parameters' attention_factor {given} differs from the {implied:.6g} its "
+            "factor and mscales give; only the derived attention factor is available here"
+        )
+    return options
+
+
+def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
+    """Our ModelConfig for a Hugging Face config.json (Llama or GPT-2), and the style."""
+    kind = hf.get("model_type")
+    if kind in LLAMA_FAMILY:
+        if kind == LLAMA and (hf.get("attention_bias") or hf.get("mlp_bias")):
+            raise ConfigError("Llama checkpoints with attention_bias/mlp_bias are not supported")
+        if kind == QWEN3 and hf.get("attention_bias"):
+            raise ConfigError("Qwen3 checkpoints with attention_bias are not supported")
+        if kind != LLAMA and hf.get("use_sliding_window"):
+            raise ConfigError(
+                f"{kind} with use_sliding_window (sliding-window attention) is not supported"
+            )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"{kind} hidden_act {hf['hidden_act']!r} is not supported (silu)")
+        window = hf.get("sliding_window") if kind == MISTRAL else None
+        heads = hf["num_attention_heads"]
+        cfg = ModelConfig(
+            num_layers=hf["num_hidden_layers"],
+            hidden_size=hf["hidden_size"],
+            num_attention_heads=heads,
+            group_query_attention=True,
+            num_query_groups=hf.get("num_key_value_heads", heads),
+            ffn_hidden_size=hf["intermediate_size"],
+            kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+            seq_length=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=hf.get("max_position_embeddings"),
+            vocab_size=hf["vocab_size"],
+            **{"position_embedding_type": "rope"} | _rope_options(hf),
+            normalization="RMSNorm",
+            norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+            swiglu=True,
+            add_bias_linear=False,
+            add_qkv_bias=kind == QWEN2,
+            qk_layernorm=kind == QWEN3,
+            window_size=f"({window - 1}, 0)" if window else None,
+            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+            hidden_dropout=0.0,
+            attention_dropout=hf.get("attention_dropout", 0.0),
+            init_method_std=hf.get("initializer_range", 0.02),
+        )
+        return cfg, kind
+    if kind == "gpt2":
+        activation = hf.get("activation_function", "gelu_new")
+        if activation not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+            raise ConfigError(f"GPT-2 activation_function {activation!r} is not supported")
+        if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
+            raise ConfigError(
+                "GPT-2 checkpoints with scale_attn_by_inverse_layer_idx or "
+                "reorder_and_upcast_attn are not supported"
+            )
+        hidden = hf["n_embd"]
+        cfg = ModelConfig(
+            num_layers=hf["n_layer"],
+            hidden_size=hidden,
+            num_attention_heads=hf["n_head"],
+            ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
+            seq_length=hf["n_positions"],
+            max_position_embeddings=hf["n_positions"],
+            vocab_size=hf["vocab_size"],
+            position_embedding_type="learned_absolute",
+            normalization="LayerNorm",
+            norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+            openai_gelu=activation != "gelu",
+            hidden_dropout=hf.get("resid_pdrop", 0.1),
+            attention_dropout=hf.get("attn_pdrop", 0.1),
+            init_method_std=hf.get("initializer_range", 0.02),
+        )
+        return cfg, GPT2
+    raise ConfigError(
+        f"model_type {kind!r} is not supported; import LlamaForCausalLM, MistralForCausalLM, "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM or GPT2LMHeadModel"
+    )

@@ -1,0 +1,269 @@
+"""megatron-core's GPT layout: the model its saved arguments describe, the names and fused
+layout of its tensors, and reading them from a `torch_dist` checkpoint (nothing unpickled but
+DCP's own metadata classes).
+
+The layer tensors carry the layer as their first dimension. megatron-core fuses, per query
+group, the group's query heads, then its key head, then its value head into `linear_qkv`, and
+SwiGLU's gate and up projections (all of the gate, then all of up) into `linear_fc1`;
+`split_part` takes them apart into our q, k, v and gate, up and `join_parts` puts them back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config.model import ModelConfig
+from engine.errors import InputError
+from parallel.checkpoint.dcp import SafeFileSystemReader
+from parallel.errors import CheckpointError
+
+
+def model_config_from_args(args) -> ModelConfig:
+    """Our ModelConfig from Megatron-LM's saved arguments (the padded vocabulary is the
+    vocabulary: Megatron-LM's softmax runs over every padded row too)."""
+    get = vars(args).get
+    swiglu = bool(get("swiglu"))
+    position = get("position_embedding_type") or "learned_absolute"
+    normalization = get("normalization") or "LayerNorm"
+    if position not in ("learned_absolute", "rope", "yarn") or normalization not in (
+        "LayerNorm",
+        "RMSNorm",
+    ):
+        raise InputError(
+            f"the checkpoint's model uses --position-embedding-type {position} and "
+            f"--normalization {normalization}; only learned_absolute/rope/yarn and "
+            "LayerNorm/RMSNorm are available here"
+        )
+    unsupported = {
+        "window_attn_skip_freq": get("window_attn_skip_freq"),
+        "rotary_interleaved": get("rotary_interleaved"),
+        "squared_relu": get("squared_relu"),
+        "apply_residual_connection_post_layernorm": get("apply_residual_connection_post_layernorm"),
+    }
+    for name, used in unsupported.items():
+        if used:
+            raise InputError(
+                f"the checkpoint's model uses --{name.replace('_', '-')}, which this engine's "
+                "model does not have yet; it cannot be loaded as the same model"
+            )
+    if get("num_experts"):
+        raise InputError(
+            "the checkpoint's model has mixture-of-experts layers (--num-experts), which are "
+            "not available in this engine yet"
+        )
+    return ModelConfig(
+        num_layers=get("num_layers"),
+        hidden_size=get("hidden_size"),
+        num_attention_heads=get("num_attention_heads"),
+        group_query_attention=bool(get("group_query_attention")),
+        num_query_groups=get("num_query_groups") if get("group_query_attention") else None,
+        ffn_hidden_size=get("ffn_hidden_size"),
+        kv_channels=get("kv_channels"),
+        seq_length=get("seq_length"),
+        max_position_embeddings=get("max_position_embeddings"),
+        vocab_size=get("padded_vocab_size"),
+        make_vocab_size_divisible_by=1,
+        position_embedding_type=position,
+        rotary_base=int(get("rotary_base") or 10000),
+        rotary_percent=float(get("rotary_percent") or 1.0),
+        # Megatron-LM's Llama 3.x scaling keeps low/high frequency factors 1 and 4 and an
+        # original length of 8192: this engine's defaults
+        use_rope_scaling=bool(get("use_rope_scaling")),
+        rope_scaling_factor=float(get("rope_scaling_factor") or 8.0),
+        rotary_seq_len_interpolation_factor=get("rotary_seq_len_interpolation_factor"),
+        **_yarn_options(get) if position == "yarn" else {},
+        normalization=normalization,
+        norm_epsilon=float(get("norm_epsilon") or 1e-5),
+        apply_layernorm_1p=bool(get("apply_layernorm_1p")),
+        swiglu=swiglu,
+        openai_gelu=bool(get("openai_gelu")),
+        add_bias_linear=bool(get("add_bias_linear", True)),
+        add_qkv_bias=bool(get("add_qkv_bias")),
+        window_size=str(tuple(get("window_size"))) if get("window_size") else None,
+        untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
+        qk_layernorm=bool(get("qk_layernorm")),
+        hidden_dropout=float(get("hidden_dropout") or 0.0),
+        attention_dropout=float(get("attention_dropout") or 0.0),
+        init_method_std=float(get("init_method_std") or 0.02),
+    )
+
+
+def _yarn_options(get) -> dict:
+    """Our YaRN fields from Megatron-LM's arguments (its defaults where they are unset)."""
+    round_to_int = get("yarn_correction_range_round_to_int")
+    return {
+        "rotary_scaling_factor": float(get("rotary_scaling_factor") or 1.0),
+        "yarn_original_max_position_embeddings": get("yarn_original_max_position_embeddings"),
+        "yarn_beta_fast": get("yarn_beta_fast"),
+        "yarn_beta_slow": get("yarn_beta_slow"),
+        "mscale": float(get("mscale") if get("mscale") is not None else 1.0),
+        "mscale_all_dim": float(get("mscale_all_dim") or 0.0),
+        "yarn_correction_range_round_to_int": True if round_to_int is None else round_to_int,
+    }
+
+
+def _layer_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, str]]]:
+    """Our tensor (within layer i) -> [(megatron-core key, part)], first match wins: the norm
+    weights have two names (fused into the next linear, as TransformerEngine and the saved
+    layout of the local layers name them, or their own)."""
+    attn, mlp = "decoder.layers.self_attention", "decoder.layers.mlp"
+    out = {
+        "input_layernorm.weight": [
+            (f"{attn}.linear_qkv.layer_norm_weight", ""),
+            ("decoder.layers.input_layernorm.weight", ""),
+        ],
+        "pre_mlp_layernorm.weight": [
+            (f"{mlp}.linear_fc1.layer_norm_weight", ""),
+            ("decoder.layers.pre_mlp_layernorm.weight", ""),
+        ],
+        "self_attention.linear_qkv.weight.q": [(f"{attn}.linear_qkv.weight", "q")],
+        "self_attention.linear_qkv.weight.k": [(f"{attn}.linear_qkv.weight", "k")],
+        "self_attention.linear_qkv.weight.v": [(f"{attn}.linear_qkv.weight", "v")],
+        "self_attention.linear_proj.weight": [(f"{attn}.linear_proj.weight", "")],
+        "mlp.linear_fc2.weight": [(f"{mlp}.linear_fc2.weight", "")],
+    }
+    if cfg.swiglu:
+        out["mlp.linear_fc1.weight.gate"] = [(f"{mlp}.linear_fc1.weight", "gate")]
+        out["mlp.linear_fc1.weight.up"] = [(f"{mlp}.linear_fc1.weight", "up")]
+    else:
+        out["mlp.linear_fc1.weight"] = [(f"{mlp}.linear_fc1.weight", "")]
+    if cfg.normalization == "LayerNorm":
+        out["input_layernorm.bias"] = [
+            (f"{attn}.linear_qkv.layer_norm_bias", ""),
+            ("decoder.layers.input_layernorm.bias", ""),
+        ]
+        out["pre_mlp_layernorm.bias"] = [
+            (f"{mlp}.linear_fc1.layer_norm_bias", ""),
+            ("decoder.layers.pre_mlp_layernorm.bias", ""),
+        ]
+    if cfg.add_bias_linear or cfg.add_qkv_bias:
+        for part in ("q", "k", "v"):
+            out[f"self_attention.linear_qkv.bias.{part}"] = [(f"{attn}.linear_qkv.bias", part)]
+    if cfg.add_bias_linear:
+        out["self_attention.linear_proj.bias"] = [(f"{attn}.linear_proj.bias", "")]
+        out["mlp.linear_fc2.bias"] = [(f"{mlp}.linear_fc2.bias", "")]
+        if cfg.swiglu:
+            out["mlp.linear_fc1.bias.gate"] = [(f"{mlp}.linear_fc1.bias", "gate")]
+            out["mlp.linear_fc1.bias.up"] = [(f"{mlp}.linear_fc1.bias", "up")]
+        else:
+            out["mlp.linear_fc1.bias"] = [(f"{mlp}.linear_fc1.bias", "")]
+    if cfg.qk_layernorm:
+        for norm in ("q_layernorm", "k_layernorm"):
+            out[f"self_attention.{norm}.weight"] = [(f"{attn}.{norm}.weight", "")]
+            if cfg.normalization == "LayerNorm":
+                out[f"self_attention.{norm}.bias"] = [(f"{attn}.{norm}.bias", "")]
+    return out
+
+
+_GLOBAL_SOURCES = {
+    "embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+    "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+    "final_layernorm.weight": "decoder.final_layernorm.weight",
+    "final_layernorm.bias": "decoder.final_layernorm.bias",
+    "output_layer.weight": "output_layer.weight",
+}
+
+
+def split_part(tensor: torch.Tensor, part: str, cfg: ModelConfig) -> torch.Tensor:
+    """One of q, k, v of a fused per-group QKV weight or bias (rows first), or gate / up of a
+    fused SwiGLU fc1; the tensor itself for ''."""
+    if part in ("q", "k", "v"):
+        groups, per_group, d = cfg.query_groups, cfg.heads_per_group, cfg.head_dim
+        blocks = tensor.reshape(groups, per_group + 2, d, *tensor.shape[1:])
+        picked = {"q": blocks[:, :per_group], "k": blocks[:, per_group], "v": blocks[:, -1]}[part]
+        return picked.reshape(-1, *tensor.shape[1:])
+    if part in ("gate", "up"):
+        half = tensor.shape[0] // 2
+        return tensor[:half] if part == "gate" else tensor[half:]
+    return tensor
+
+
+def join_parts(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The inverse of split_part: megatron-core's fused tensor from its parts ({'': t}, q/k/v
+    or gate/up)."""
+    if "q" in parts:
+        groups, d = cfg.query_groups, cfg.head_dim
+        rest = parts["q"].shape[1:]
+        q = parts["q"].reshape(groups, cfg.heads_per_group, d, *rest)
+        k = parts["k"].reshape(groups, 1, d, *rest)
+        v = parts["v"].reshape(groups, 1, d, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+    if "gate" in parts:
+        return torch.cat([parts["gate"], parts["up"]], dim=0)
+    return parts[""]
+
+
+def megatron_layer_keys(cfg: ModelConfig) -> dict[str, dict[str, str]]:
+    """megatron-core's layer-stacked key (the name its checkpoints use, TransformerEngine's
+    and the local layers' alike) -> {part: our tensor within the layer}."""
+    out: dict[str, dict[str, str]] = {}
+    for ours, sources in _layer_sources(cfg).items():
+        key, part = sources[0]
+        out.setdefault(key, {})[part] = ours
+    return out
+
+
+class MegatronCheckpoint:
+    """Lazy access to the tensors of a Megatron-LM torch_dist iteration folder."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.reader = SafeFileSystemReader(path)
+        self.reader.foreign = True
+        try:
+            self.metadata = self.reader.read_metadata()
+        except CheckpointError as err:
+            raise InputError(str(err)) from None
+        self.stored = self.metadata.state_dict_metadata
+
+    def read(self, key: str, layer: int | None = None) -> torch.Tensor:
+        """The whole tensor `key`, or one layer of a layer-stacked one (only that layer's
+        bytes are read)."""
+        from engine.checkpoint.load import read_tensors
+        from parallel.checkpoint.dcp import BoxTensor
+
+        entry = self.stored[key]
+        shape, dtype = tuple(entry.size), entry.properties.dtype
+        if layer is None:
+            value = torch.empty(shape, dtype=dtype)
+            read_tensors(self.path, {key: value}, reader=self.reader, local=True)
+            return value
+        value = torch.empty((1, *shape[1:]), dtype=dtype)
+        offset = (layer,) + (0,) * (len(shape) - 1)
+        box = BoxTensor(torch.Size(shape), dtype, [(offset, value)])
+        read_tensors(self.path, {key: box}, reader=self.reader, local=True)
+        return value[0]
+
+    def logical(self, plan_entry: tuple[str, int | None, str], cfg: ModelConfig) -> torch.Tensor:
+        """One of our tensors, whole, from its plan entry (see tensor_plan)."""
+        key, layer, part = plan_entry
+        return split_part(self.read(key, layer), part, cfg).contiguous()
+
+    def tensor_plan(self, cfg: ModelConfig) -> dict[str, tuple[str, int | None, str]]:
+        """Our checkpoint key -> (megatron-core key, layer or None, part), checked present."""
+        plan = {}
+        names = ["embedding.word_embeddings.weight", "final_layernorm.weight"]
+        if cfg.position_embedding_type == "learned_absolute":
+            names.append("embedding.position_embeddings.weight")
+        if cfg.normalization == "LayerNorm":
+            names.append("final_layernorm.bias")
+        if cfg.untie_embeddings_and_output_weights:
+            names.append("output_layer.weight")
+        for name in names:
+            plan[f"model/{name}"] = (self._present(_GLOBAL_SOURCES[name]), None, "")
+        for ours, sources in _layer_sources(cfg).items():
+            key = next((k for k, _ in sources if k in self.stored), None)
+            if key is None:
+                self._present(sources[0][0])
+            part = dict(sources)[key]
+            for layer in range(cfg.num_layers):
+                plan[f"model/layers.{layer}.{ours}"] = (key, layer, part)
+        return plan
+
+    def _present(self, key: str) -> str:
+        if key not in self.stored:
+            raise InputError(
+                f"{self.path}: no tensor {key}; not a megatron-core GPT checkpoint of this "
+                "model (check the model flags or the saved arguments)"
+            )
+        return key

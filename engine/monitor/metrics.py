@@ -1,0 +1,240 @@
+"""Training metrics: throughput, model FLOPs and MFU, memory, and where they are written.
+
+Model FLOPs per token of a dense decoder (L layers, hidden h, n heads of which k key/value
+groups, FFN size f, sequence s, padded vocabulary V; a multiply-add is 2 FLOPs):
+
+    weights per layer  = 2*h*h (Q and O) + 2*h*h*k/n (K and V) + g*h*f (MLP; g = 3 for SwiGLU,
+                         else 2)
+    forward per token  = 2 * (L * weights per layer + h*V) + 4*L*s*h
+                         (the last term: attention scores and the weighted sum, counted in full
+                         for the causal mask, as Megatron-LM does)
+    training per token = 3 * forward (recomputation is not model FLOPs)
+
+MFU = achieved model FLOP/s per device / the device's dense peak for the training dtype
+(datasheet numbers below; None where the device is unknown, e.g. a CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+
+import torch
+
+from engine.config.model import ModelConfig
+
+# Dense (no sparsity) peak TFLOP/s from the vendors' datasheets, by (name fragment, dtype).
+PEAK_TFLOPS = {
+    ("H200", "bf16"): 989.0,
+    ("H200", "fp16"): 989.0,
+    ("H100 SXM", "bf16"): 989.0,
+    ("H100 SXM", "fp16"): 989.0,
+    ("H100 80GB HBM3", "bf16"): 989.0,
+    ("H100 80GB HBM3", "fp16"): 989.0,
+    ("H100 PCIe", "bf16"): 756.0,
+    ("H100 PCIe", "fp16"): 756.0,
+    ("H100", "bf16"): 989.0,
+    ("H100", "fp16"): 989.0,
+    ("A100", "bf16"): 312.0,
+    ("A100", "fp16"): 312.0,
+    ("A100", "fp32"): 19.5,
+    ("L40S", "bf16"): 362.0,
+}
+
+
+def model_flops_per_token(cfg: ModelConfig, padded_vocab: int) -> float:
+    """Training FLOPs per token (see the module docstring for what is counted)."""
+    h, n, k = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups
+    d = cfg.head_dim
+    attention = 2 * h * n * d + 2 * h * k * d  # Q, O and K, V (= 2h^2 + 2h^2 k/n when d = h/n)
+    mlp = (3 if cfg.swiglu else 2) * h * cfg.ffn_size
+    forward = 2 * (cfg.num_layers * (attention + mlp) + h * padded_vocab)
+    forward += 4 * cfg.num_layers * cfg.seq_length * n * d
+    return 3.0 * forward
+
+
+def device_peak_tflops(device: torch.device, dtype: str) -> tuple[float | None, str]:
+    """(dense peak TFLOP/s, device name) for a CUDA device we know, else (None, name)."""
+    if device.type != "cuda":
+        return None, "cpu"
+    name = torch.cuda.get_device_name(device)
+    for (fragment, kind), peak in PEAK_TFLOPS.items():
+        if fragment in name and kind == dtype:
+            return peak, name
+    return None, name
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this process so far: allocated CUDA memory, or resident CPU memory."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # KiB on Linux
+
+
+class Throughput:
+    """Time between log points and the derived rates."""
+
+    def __init__(self, flops_per_token: float, world_size: int, peak_tflops: float | None):
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size
+        self.peak = peak_tflops
+        self.start = time.perf_counter()
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+
+    def rates(self, tokens: int, iterations: int = 1) -> dict:
+        """Rates since the last reset, over `iterations` iterations."""
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        tokens_per_sec = tokens / elapsed
+        tflops = tokens_per_sec * self.flops_per_token / self.world_size / 1e12
+        out = {
+            "tokens_per_sec": tokens_per_sec,
+            "tflops_per_device": tflops,
+            "iteration_time_s": elapsed / max(iterations, 1),
+        }
+        if self.peak:
+            out["mfu"] = tflops / self.peak
+        return out
+
+
+# TensorBoard tags Megatron-LM writes for the same quantities, so that dashboards made for
+# its runs read ours; each is also written against consumed samples (" vs samples"), as there.
+# Keys without a Megatron-LM counterpart keep their JSONL names.
+MEGATRON_TAGS = {
+    "lm_loss": "lm loss",
+    "lr": "learning-rate",
+    "grad_norm": "grad-norm",
+    "loss_scale": "loss-scale",
+    "batch_size": "batch-size",
+    "tflops_per_device": "throughput",
+    "iteration_time_s": "iteration-time",
+}
+EVAL_TAG_NAMES = {"valid": "validation", "test": "test"}
+
+
+def tensorboard_scalars(record: dict, split: str | None = None) -> list[tuple[str, float, str]]:
+    """(tag, value, x axis: 'iteration' or 'samples') for a training record, or for an
+    evaluation record of `split`, under Megatron-LM's tags where it has them."""
+    samples = "consumed_samples" in record
+    out = []
+    for key, value in record.items():
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        if not numeric or key in ("iteration", "consumed_samples") or not math.isfinite(value):
+            continue
+        # a blended dataset's loss, lm_loss/<name>, sits beside Megatron-LM's "lm loss" tag
+        base, _, domain = key.partition("/")
+        suffix = f"/{domain}" if base == "lm_loss" and domain else ""
+        if split is not None:
+            name = EVAL_TAG_NAMES[split]
+            tag = {"lm_loss": f"lm loss {name}", "ppl": f"lm loss {name} ppl"}.get(key)
+            tag = f"lm loss {name}{suffix}" if suffix else tag
+            if tag is None:
+                continue
+        else:
+            tag = f"lm loss{suffix}" if suffix else MEGATRON_TAGS.get(key, key)
+            if base == "time" and domain:  # Megatron-LM's timer tags: <name>-time
+                tag = f"{domain}-time"
+        out.append((tag, value, "iteration"))
+        if samples and (split is not None or key in MEGATRON_TAGS):
+            out.append((f"{tag} vs samples", value, "samples"))
+    return out
+
+
+class MetricsWriter:
+    """Console lines, a JSONL file (--log-jsonl), TensorBoard scalars (--tensorboard-dir) and
+    a wandb run (`wandb`: a started engine.monitor.wandb.WandbWriter), written by the one rank
+    that sees the loss (last pipeline stage, first TP and DP rank)."""
+
+    def __init__(self, enabled: bool, jsonl: str | None, tensorboard_dir: str | None, wandb=None):
+        self.enabled = enabled
+        self.jsonl = None
+        self.tensorboard = None
+        self.wandb = wandb
+        if not enabled:
+            return
+        if jsonl:
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
+            self.jsonl = open(jsonl, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(tensorboard_dir)
+
+    def log(self, record: dict, step: int, split: str | None = None) -> None:
+        """One training record, or an evaluation record of `split` (valid, test)."""
+        if not self.enabled:
+            return
+        if self.jsonl is not None:  # non-finite numbers are written as null (valid JSON)
+            clean = {
+                k: v if not isinstance(v, float) or math.isfinite(v) else None
+                for k, v in record.items()
+            }
+            self.jsonl.write(json.dumps(clean) + "\n")
+        if self.tensorboard is not None:
+            for tag, value, axis in tensorboard_scalars(record, split):
+                x = record["consumed_samples"] if axis == "samples" else step
+                self.tensorboard.add_scalar(tag, value, x)
+        if self.wandb is not None:
+            self.wandb.log(record, step, split)
+
+    def log_samples(self, record: dict, step: int) -> None:
+        """Generation samples (engine/eval/samples.py): a JSONL record, TensorBoard text."""
+        if not self.enabled:
+            return
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            for k, sample in enumerate(record["samples"], start=1):
+                text = (
+                    f"**prompt**: `{sample['prompt']}`\n\n**greedy**: `{sample['greedy']}`"
+                    f"\n\n**sampled**: `{sample['sampled']}`"
+                )
+                self.tensorboard.add_text(f"samples/{k}", text, step)
+        if self.wandb is not None:
+            self.wandb.log_samples(record, step)
+
+    def print(self, line: str) -> None:
+        if self.enabled:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.close()
+
+
+class SpikeDetector:
+    """Flags a loss more than `zscore` standard deviations above the mean of the last
+    `window` finite losses (needs at least 10 of them)."""
+
+    def __init__(self, window: int, zscore: float):
+        self.window, self.threshold = window, zscore
+        self.history: list[float] = []
+
+    def check(self, loss: float) -> float | None:
+        """The z-score when `loss` is a spike, else None; non-spikes join the history."""
+        if not math.isfinite(loss):
+            return None
+        recent = self.history[-self.window :]
+        if len(recent) >= 10:
+            mean = sum(recent) / len(recent)
+            std = math.sqrt(sum((x - mean) ** 2 for x in recent) / len(recent))
+            z = (loss - mean) / max(std, 1e-8)
+            if z > self.threshold:
+                return z
+        self.history.append(loss)
+        del self.history[: -self.window]
+        return None
+
+    def state_dict(self) -> dict:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = [float(x) for x in state.get("history", [])]

@@ -1,0 +1,89 @@
+"""Parameter groups and the optimizer.
+
+No weight decay on biases and norm weights (every 1-D parameter). The optimizer is torch's
+AdamW (fused on CUDA, foreach elsewhere) or apex's FusedAdam when asked for and importable,
+wrapped by parallel.data_parallel.optimizer.DistributedOptimizer, which feeds it fp32 masters
+(sharded over DP with --use-distributed-optimizer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config.optimizer import OptimizerConfig
+from engine.errors import ConfigError
+from parallel.data_parallel.grad_scaler import DynamicGradScaler
+from parallel.data_parallel.optimizer import DistributedOptimizer
+
+
+def no_weight_decay(param: torch.nn.Parameter) -> bool:
+    return param.ndim == 1
+
+
+def decoupled(param: torch.nn.Parameter) -> bool:
+    """Trained at --decoupled-lr when given: the word embeddings and the output layer."""
+    return getattr(param, "is_embedding_or_output_parameter", False)
+
+
+def _make_inner(cfg: OptimizerConfig, device: torch.device):
+    if cfg.optimizer == "sgd":
+        return lambda groups: torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum)
+    if cfg.apex_fused_adam:
+        try:
+            from apex.optimizers import FusedAdam
+        except ImportError:
+            raise ConfigError(
+                "--apex-fused-adam: apex is not importable; install NVIDIA apex from source "
+                "(not `pip install apex`, an unrelated package) or drop the flag"
+            ) from None
+        return lambda groups: FusedAdam(
+            groups,
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            adam_w_mode=True,
+        )
+    impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return lambda groups: torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, **impl
+    )
+
+
+def build_optimizer(
+    ddps,
+    cfg: OptimizerConfig,
+    *,
+    use_distributed_optimizer: bool,
+    fp16: bool,
+    tp_rank: int,
+    model_parallel_group,
+    world_group,
+    device: torch.device,
+    dp_group=None,
+) -> DistributedOptimizer:
+    """The training optimizer over the DDP-wrapped model chunks."""
+    scaler = None
+    if fp16:
+        scaler = DynamicGradScaler(
+            initial_scale=cfg.initial_loss_scale,
+            min_scale=cfg.min_loss_scale,
+            growth_interval=cfg.loss_scale_window,
+            hysteresis=cfg.hysteresis,
+        )
+    # with and without weight decay, then the same two at --decoupled-lr (empty groups dropped)
+    groups = [{"weight_decay": cfg.weight_decay}, {"weight_decay": 0.0}]
+    groups += [dict(g, decoupled=True) for g in groups]
+    split = cfg.decoupled_lr is not None
+    return DistributedOptimizer(
+        ddps,
+        _make_inner(cfg, device),
+        groups,
+        lambda p: int(no_weight_decay(p)) + 2 * int(split and decoupled(p)),
+        shard=use_distributed_optimizer,
+        clip_grad=cfg.clip_grad,
+        grad_scaler=scaler,
+        tp_rank=tp_rank,
+        model_parallel_group=model_parallel_group,
+        world_group=world_group,
+        dp_group=dp_group,
+    )

@@ -1,0 +1,56 @@
+"""Bytes of model state a rank holds: parameters, gradients and optimizer state, counted from
+the storages of the tensors themselves (each storage once; a released one holds 0 bytes), and
+the formula for each data-parallel sharding strategy (parallel/data_parallel/ddp.py).
+
+Formula, bytes per parameter with bf16 parameters, fp32 main grads and fp32 masters + Adam's
+two moments (12 bytes), over d data-parallel ranks:
+
+    no_shard 2 + 4 + 12 = 18     optim 2 + 4 + 12/d     optim_grads 2 + 16/d
+    optim_grads_params 18/d
+"""
+
+from __future__ import annotations
+
+import torch
+
+KINDS = ("params", "grads", "optimizer")
+
+
+def formula_bytes_per_param(strategy: str, dp: int) -> dict[str, float]:
+    """Bytes per parameter by kind for bf16 training with Adam (module docstring)."""
+    params = 2 / dp if strategy == "optim_grads_params" else 2
+    grads = 4 / dp if strategy in ("optim_grads", "optim_grads_params") else 4
+    optimizer = 12 if strategy == "no_shard" else 12 / dp
+    return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+def _tensors_by_kind(ddps, optimizer) -> dict[str, list[torch.Tensor]]:
+    params, grads = [], []
+    for ddp in ddps:
+        params += list(ddp.params)
+        grads += [p.main_grad for p in ddp.params] + [p.grad for p in ddp.params]
+        params += [b.data for b in ddp.buckets] + [getattr(ddp, "param_shard_buffer", None)]
+        grads += [b.grad for b in ddp.buckets] + [getattr(ddp, "grad_shard_buffer", None)]
+    state = [p.master for p in optimizer.pieces]
+    for entry in optimizer.optimizer.state.values():
+        state += [v for v in entry.values() if torch.is_tensor(v)]
+    return {"params": params, "grads": grads, "optimizer": state}
+
+
+def held_state_bytes(ddps, optimizer) -> dict[str, int]:
+    """{kind: bytes} this rank holds now; a storage shared by two kinds (fp32 masters that are
+    the parameters themselves) counts once, under the first."""
+    seen: set[int] = set()
+    out = {}
+    for kind, tensors in _tensors_by_kind(ddps, optimizer).items():
+        total = 0
+        for tensor in tensors:
+            if tensor is None:
+                continue
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        out[kind] = total
+    return out

@@ -1,0 +1,166 @@
+"""Checkpoints of a training run: resuming from --load and saving to --save."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.checkpoint.files import find_latest, iteration_dir
+from engine.checkpoint.load import load_checkpoint
+from engine.data.mix.schedule import check_resumed_schedule
+from engine.data.streaming.dataset import StreamingDataset
+from engine.data.tokenizers import tokenizer_record
+from engine.interop.megatron.checkpoint import load_weights, megatron_latest, megatron_progress
+from engine.train.state import Counters, Run, layout_of
+from parallel.random import model_parallel_seed
+
+
+def resume(run: Run) -> None:
+    """Load the latest checkpoint of --load into the run (as --finetune, --no-load-optim and
+    --no-load-rng say)."""
+    train = run.cfg.train
+    megatron = megatron_latest(train.load)
+    if megatron is not None:
+        _resume_from_megatron(run, megatron)
+        return
+    iteration = find_latest(train.load)
+    if iteration is None:
+        run.writer.print(f"no checkpoint in {train.load}; starting from scratch")
+        return
+    path = iteration_dir(train.load, iteration)
+    # As Megatron-LM: --finetune takes the weights alone; --no-load-optim leaves out the
+    # optimizer, its loss scaler and the learning-rate schedule; --no-load-rng the RNG.
+    load_optimizer = not (train.finetune or train.no_load_optim)
+    meta = load_checkpoint(
+        path,
+        run.chunks,
+        run.optimizer,
+        run.state.rank,
+        layout_of(run.state, run.cfg),
+        run.tracker,
+        group=run.checkpoint_group,
+        load_optimizer=load_optimizer,
+        verify=train.verify_checkpoint,
+        load_rng=not (train.finetune or train.no_load_rng),
+    )
+    if train.finetune:
+        run.writer.print(f"fine-tuning from the weights of {path}; starting at iteration 0")
+        reseed(run, 0)
+        return
+    mix_now = run.mix.record() if run.mix is not None else None
+    check_resumed_schedule(meta.get("mix"), mix_now, meta["iteration"])
+    counters = meta.get("counters", {})
+    run.counters = Counters(
+        iteration=meta["iteration"],
+        consumed_samples=meta["consumed_samples"],
+        skipped_iters=counters.get("skipped_iters", 0),
+        nan_iters=counters.get("nan_iters", 0),
+        consumed_valid_samples=counters.get("consumed_valid_samples", 0),
+        optimizer_step=meta.get("optimizer_step", 0) if load_optimizer else 0,
+    )
+    if load_optimizer:
+        run.scheduler.load_state_dict(meta["scheduler"])
+        if run.optimizer.grad_scaler is not None and meta.get("grad_scaler"):
+            run.optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
+    run.spikes.load_state_dict(meta.get("spikes", {}))
+    run.data_state = meta.get("data")
+    if not meta["rng_restored"]:
+        how = "with re-seeded random streams (" + (
+            "--no-load-rng)" if train.no_load_rng else "new layout)"
+        )
+    else:
+        how = "exactly"
+    if not load_optimizer:
+        how += "; optimizer and learning-rate schedule start afresh (--no-load-optim)"
+    checked = (
+        "files verified"
+        if meta["verified"]
+        else "checksums not compared (--no-verify)"
+        if "files" in meta
+        else "no checksums recorded in this older checkpoint"
+    )
+    run.writer.print(f"resumed from {path} at iteration {meta['iteration']} ({how}; {checked})")
+    if not meta["rng_restored"]:
+        reseed(run, meta["iteration"])
+
+
+def _resume_from_megatron(run: Run, path: str) -> None:
+    """--load of a Megatron-LM torch_dist checkpoint: its weights (any layout), and unless
+    --finetune its iteration, consumed samples and (unless --no-load-optim) learning-rate
+    schedule and Adam state (when it holds one; otherwise the optimizer starts from the
+    weights, and the resume line says so)."""
+    train = run.cfg.train
+    load_optimizer = not (train.finetune or train.no_load_optim)
+    step = load_weights(path, run.chunks, run.cfg.model, run.optimizer if load_optimizer else None)
+    if train.finetune:
+        run.writer.print(f"fine-tuning from the weights of Megatron-LM's {path}; iteration 0")
+        reseed(run, 0)
+        return
+    progress = megatron_progress(path)
+    run.counters = Counters(
+        iteration=progress["iteration"],
+        consumed_samples=progress["consumed_samples"],
+        optimizer_step=step or 0,
+    )
+    if load_optimizer:
+        run.scheduler.load_state_dict(
+            {"num_steps": progress["iteration"], "num_samples": progress["schedule_samples"]}
+        )
+    if step is not None:
+        optim = f"Adam state at step {step}"
+    elif load_optimizer:
+        optim = "it holds no optimizer state, so the optimizer starts afresh from the weights"
+    else:
+        optim = "the optimizer starts afresh (--no-load-optim)"
+    run.writer.print(
+        f"resumed from Megatron-LM's {path} at iteration {progress['iteration']} (weights, "
+        f"samples consumed and learning-rate schedule; {optim}; random streams re-seeded)"
+    )
+    run.last_saved = progress["iteration"]  # its folder is Megatron-LM's: never re-saved
+    reseed(run, progress["iteration"])
+
+
+def reseed(run: Run, iteration: int) -> None:
+    """Fresh random streams for a run that could not restore the saved ones."""
+    seed = run.cfg.train.seed + iteration
+    state = run.state
+    run.tracker = model_parallel_seed(
+        seed, state.tp_rank, state.pp_rank, state.device, state.cp_rank
+    )
+    for chunk in run.chunks:
+        for module in chunk.module.modules():
+            if hasattr(module, "ctx"):
+                module.ctx.tracker = run.tracker
+
+
+def save(run: Run) -> None:
+    """Checkpoint the run at its current iteration into --save."""
+    c = run.counters
+    meta = {
+        "consumed_samples": c.consumed_samples,
+        "layout": layout_of(run.state, run.cfg),
+        "model": dataclasses.asdict(run.cfg.model),
+        "dtype": str(run.dtype).replace("torch.", ""),
+        "tokenizer": tokenizer_record(run.cfg.tokenizer),
+        "scheduler": run.scheduler.state_dict(),
+        "grad_scaler": run.optimizer.grad_scaler.state_dict()
+        if run.optimizer.grad_scaler
+        else None,
+        "optimizer_step": c.optimizer_step,
+        "counters": {
+            "skipped_iters": c.skipped_iters,
+            "nan_iters": c.nan_iters,
+            "consumed_valid_samples": c.consumed_valid_samples,
+        },
+        "spikes": run.spikes.state_dict(),
+    }
+    if run.mix is not None:  # the blend's weights over the run, compared on resume
+        meta["mix"] = run.mix.record()
+    if isinstance(run.datasets[0], StreamingDataset) and run.train_iterator is not None:
+        meta["data"] = run.train_iterator.state_dict()  # rank 0 (a first stage) writes meta
+    stall = run.checkpointer.save(c.iteration, run.chunks, run.optimizer, meta, run.tracker)
+    run.last_saved = c.iteration
+    kind = "started (async)" if run.cfg.train.async_save else "saved"
+    run.writer.print(
+        f"checkpoint {kind}: {iteration_dir(run.checkpointer.root, c.iteration)} "
+        f"(stalled {stall:.2f}s)"
+    )

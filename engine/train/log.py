@@ -1,0 +1,127 @@
+"""The log lines of a training run: the training window and the evaluations."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from engine.monitor.metrics import memory_gb
+from engine.train.state import Run
+from engine.train.step import domain_losses
+from parallel.timing import measure
+
+
+def log_window(run: Run, window: list[dict], tokens: int) -> None:
+    """The log line (and metrics record) of the iterations since the last one."""
+    c = run.counters
+    updated = [r for r in window if r["updated"]]
+    losses = [r["lm_loss"] for r in updated] or [r["lm_loss"] for r in window]
+    loss = sum(losses) / len(losses)
+    last = window[-1]
+    record = {
+        "iteration": c.iteration,
+        "consumed_samples": c.consumed_samples,
+        "lm_loss": loss if math.isfinite(loss) else None,
+        "lr": last["lr"],
+        "grad_norm": last["grad_norm"],
+        "loss_scale": last.get("loss_scale"),
+        "batch_size": last["batch_size"],
+        "skipped_iters": c.skipped_iters,
+        "mem_gb": memory_gb(run.state.device),
+    }
+    finite = [x for x in losses if math.isfinite(x)]
+    if len(finite) > 1:  # how much the loss moved between the iterations of the window
+        record["lm_loss_var"] = statistics.pvariance(finite)
+    scales = [r.get("gradient_noise_scale") for r in window]
+    scales = [x for x in scales if x is not None]
+    if scales:  # the smoothed estimate after the window's last measured step
+        record["gradient_noise_scale"] = scales[-1]
+    record |= _window_domain_losses(updated or window)
+    record |= _mix_keys(run)
+    parts = [r["part_norms"] for r in window if r.get("part_norms")]
+    if parts:  # the latest breakdown in the window (--log-grad-norms-interval)
+        record |= {f"grad_norm/{label}": value for label, value in parts[-1].items()}
+    # the window ends here: its rates, and the seconds per iteration of each part of its steps
+    # (parallel/timing.py); logging it counts towards the next window
+    record |= run.throughput.rates(tokens, len(window))
+    parts = run.times.take()
+    run.throughput.reset()
+    record |= {f"time/{part}": s / len(window) for part, s in sorted(parts.items())}
+    with measure(run.times, "log"):
+        _write(run, record, loss)
+
+
+def _write(run: Run, record: dict, loss: float) -> None:
+    """The record to the metrics writers, and its console line."""
+    c, train = run.counters, run.cfg.train
+    run.writer.log(record, c.iteration)
+    mfu = f" | mfu {record['mfu']:.1%}" if "mfu" in record else ""
+    grad = f"{record['grad_norm']:.3f}" if record["grad_norm"] is not None else "skipped"
+    run.writer.print(
+        f"iteration {c.iteration:6d}/{train.train_iters} | consumed {c.consumed_samples} | "
+        f"lm loss {loss:.4f} | lr {record['lr']:.3e} | grad norm {grad} | "
+        f"{record['tokens_per_sec']:,.0f} tokens/s | {record['tflops_per_device']:.3f} "
+        f"TFLOP/s/device{mfu} | skipped {c.skipped_iters} | mem {record['mem_gb']:.2f} GB"
+        + _domains_text(record)
+    )
+
+
+def _mix_keys(run: Run) -> dict:
+    """A weighted blend's weights in the window's last step (`mix_weight/<name>`), and the
+    tokens each dataset of a blend of .bin/.idx datasets has given so far
+    (`consumed_tokens/<name>`, samples x --seq-length)."""
+    keys = {}
+    if run.mix is not None:
+        phase = run.mix.phase_at(max(0, run.counters.iteration - 1))
+        keys |= {f"mix_weight/{n}": w for n, w in zip(run.mix.names, phase.weights)}
+    dataset = run.datasets[0]
+    if hasattr(dataset, "consumed_per_dataset") and len(dataset.names) > 1:
+        seq = run.cfg.model.seq_length
+        given = dataset.consumed_per_dataset(run.counters.consumed_samples)
+        keys |= {f"consumed_tokens/{n}": int(k) * seq for n, k in zip(dataset.names, given)}
+    return keys
+
+
+def _window_domain_losses(window: list[dict]) -> dict:
+    """Each blended dataset's loss over the window's iterations (`lm_loss/<name>`) and its
+    share of the loss's token weight (`lm_loss_share/<name>`): the shares add up to 1 and
+    sum(share * loss) is the window's mean loss."""
+    found = [r for r in window if r.get("domain_parts")]
+    if not found:
+        return {}
+    names = found[-1]["domain_names"]
+    summed = [sum(values) / len(found) for values in zip(*(r["domain_parts"] for r in found))]
+    return _domain_keys(domain_losses(summed, names))
+
+
+def _domain_keys(domains: dict) -> dict:
+    """{dataset: (loss, share)} as record keys lm_loss/<name> and lm_loss_share/<name>."""
+    out = {}
+    for name, (loss, share) in domains.items():
+        out[f"lm_loss/{name}"], out[f"lm_loss_share/{name}"] = loss, share
+    return out
+
+
+def _domains_text(record: dict) -> str:
+    """The record's per-dataset losses for a console line."""
+    return "".join(
+        f" | {key.removeprefix('lm_loss/')} {value:.4f}"
+        for key, value in record.items()
+        if key.startswith("lm_loss/")
+    )
+
+
+def log_eval(run: Run, name: str, result: tuple[float, dict] | None) -> None:
+    """The log line (and metrics record) of an evaluation (loss, {dataset: (loss, share)})."""
+    if result is None:
+        return
+    loss, domains = result
+    ppl = math.exp(min(loss, 50.0))
+    c = run.counters
+    record = {"iteration": c.iteration, "consumed_samples": c.consumed_samples}
+    record |= {"split": name, "lm_loss": loss, "ppl": ppl} | _domain_keys(domains)
+    run.writer.log(record, c.iteration, name)
+    run.writer.print(
+        f"{name} at iteration {run.counters.iteration}: lm loss {loss:.4f} | perplexity "
+        f"{ppl:.2f}{_domains_text(record)}"
+    )

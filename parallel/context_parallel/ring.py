@@ -1,0 +1,240 @@
+"""Ring attention: context parallelism's `--cp-comm-type p2p`.
+
+Each CP rank holds two chunks of the sequence (parallel/context_parallel/chunks.py). Keys and values
+travel around the ring of CP ranks, one chunk pair per step, the next transfer in flight while
+the current pair is attended to; each pair's partial result is merged into the running one by
+log-sum-exp (online softmax). Backward runs the ring again: the probabilities are recomputed
+from the saved log-sum-exp (only this rank's q, k, v, output and log-sum-exp are kept), and
+the key/value gradients travel with the chunks they belong to, each rank adding its part; one
+more hop brings every chunk's gradient home. That transfer, too, is in flight while the next
+pair is computed.
+
+A pair is computed by quarters (this rank's two chunks against the sender's two): a quarter
+no query sees is skipped (with load-balanced chunks half of every pair between two ranks), one
+every query sees whole needs no mask, and the rest build their mask per tile of query rows,
+so no temporary grows with the square of the sequence. Blocks are plain matmuls computed in
+fp32 at least.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallel.comm import group_rank, group_size
+from parallel.context_parallel.chunks import chunk_ids, visible
+
+# Scores computed at once: a quarter's queries are taken in tiles of rows so that its
+# temporaries stay bounded (2**25 fp32 scores: 128 MiB) at any sequence length.
+TILE_SCORES = 2**25
+
+
+@dataclass(frozen=True)
+class Quarter:
+    """This rank's chunk `rows` (query positions from query_start) against the sender's
+    chunk `cols` (key positions from key_start)."""
+
+    rows: slice
+    cols: slice
+    query_start: int
+    key_start: int
+    full: bool  # every query sees every key
+
+
+def quarters(
+    cp_size: int, query_rank: int, key_rank: int, chunk: int, window: int | None
+) -> list[Quarter]:
+    """The quarters of a pair in which some query sees some key."""
+    out = []
+    for i, query_chunk in enumerate(chunk_ids(cp_size, query_rank)):
+        for j, key_chunk in enumerate(chunk_ids(cp_size, key_rank)):
+            query_start, key_start = query_chunk * chunk, key_chunk * chunk
+            farthest = query_start + chunk - 1 - key_start  # the largest query - key
+            nearest = query_start - (key_start + chunk - 1)  # the smallest
+            if farthest < 0 or (window is not None and nearest > window):
+                continue
+            full = nearest >= 0 and (window is None or farthest <= window)
+            rows, cols = slice(i * chunk, (i + 1) * chunk), slice(j * chunk, (j + 1) * chunk)
+            out.append(Quarter(rows, cols, query_start, key_start, full))
+    return out
+
+
+def _query_tiles(q: torch.Tensor, keys: int) -> list[slice]:
+    b, h, sq, _ = q.shape
+    rows = max(1, TILE_SCORES // (b * h * keys))
+    return [slice(start, min(start + rows, sq)) for start in range(0, sq, rows)]
+
+
+def _tile_mask(quarter: Quarter, rows: slice, keys: int, window, device) -> torch.Tensor | None:
+    if quarter.full:
+        return None
+    first = quarter.query_start + rows.start
+    query_pos = torch.arange(first, first + rows.stop - rows.start, device=device)
+    key_pos = torch.arange(quarter.key_start, quarter.key_start + keys, device=device)
+    return visible(query_pos, key_pos, window)
+
+
+def _scores(q, keys, mask, scale):
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+
+
+def _quarter_forward(q, keys, values, quarter, window, scale):
+    """(output, log-sum-exp) of queries q over one quarter's keys (expanded to q's heads)."""
+    outs, lses = [], []
+    for rows in _query_tiles(q, keys.shape[-2]):
+        mask = _tile_mask(quarter, rows, keys.shape[-2], window, q.device)
+        scores = _scores(q[:, :, rows], keys, mask, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])
+        outs.append(torch.matmul(probs, values))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _quarter_backward(q, keys, values, dout, lse, delta, quarter, window, scale):
+    """dq, dk, dv of one quarter (dk, dv per query head: the caller sums GQA groups)."""
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(keys), torch.zeros_like(values)
+    for rows in _query_tiles(q, keys.shape[-2]):
+        mask = _tile_mask(quarter, rows, keys.shape[-2], window, q.device)
+        qt, dot = q[:, :, rows], dout[:, :, rows]
+        probs = torch.exp(_scores(qt, keys, mask, scale) - lse[:, :, rows, None])
+        dv += torch.matmul(probs.transpose(-1, -2), dot)
+        dprobs = torch.matmul(dot, values.transpose(-1, -2))
+        dscores = probs * (dprobs - delta[:, :, rows, None]) * scale
+        dq[:, :, rows] = torch.matmul(dscores, keys)
+        dk += torch.matmul(dscores.transpose(-1, -2), qt)
+    return dq, dk, dv
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Combine two softmax-normalised partial results by their log-sum-exps."""
+    total = torch.logaddexp(lse, block_lse)
+    safe = total.masked_fill(total == float("-inf"), 0.0)
+    kept, added = torch.exp(lse - safe)[..., None], torch.exp(block_lse - safe)[..., None]
+    return out * kept + block_out * added, total
+
+
+def _repeat_groups(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, g, s, d] -> [b, heads, s, d]: each key/value group serves heads / g query heads."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """The inverse of _repeat_groups for gradients: sum over the heads of a group."""
+    b, h, s, d = x.shape
+    return x if h == groups else x.view(b, groups, h // groups, s, d).sum(2)
+
+
+class _Ring:
+    """Send to the next CP rank and receive from the previous one, asynchronously."""
+
+    def __init__(self, group):
+        ranks = dist.get_process_group_ranks(group)
+        me = group_rank(group)
+        self.group = group
+        self.next, self.prev = ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
+
+    def shift(self, tensor: torch.Tensor):
+        """Start passing `tensor` (contiguous, kept alive by the caller until the wait) on;
+        returns (the buffer being received into, handles to wait on)."""
+        received = torch.empty_like(tensor)
+        ops = [
+            dist.P2POp(dist.isend, tensor, self.next, self.group),
+            dist.P2POp(dist.irecv, received, self.prev, self.group),
+        ]
+        return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(handles):
+    for handle in handles:
+        handle.wait()
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Blocks are computed and merged in fp32 at least (bf16/fp16 inputs)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, window):
+        cp_size, cp_rank = group_size(group), group_rank(group)
+        ring, chunk, heads = _Ring(group), q.shape[-2] // 2, q.shape[1]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        acc = _accumulation_dtype(q.dtype)
+        qf = q.to(acc)
+        out = torch.zeros(qf.shape, dtype=acc, device=q.device)
+        lse = torch.full(qf.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(cp_size):
+            pending = ring.shift(kv) if step < cp_size - 1 else None
+            source = (cp_rank - step) % cp_size
+            keys, values = (_repeat_groups(t.to(acc), heads) for t in kv)
+            for quarter in quarters(cp_size, cp_rank, source, chunk, window):
+                r, c = quarter.rows, quarter.cols
+                block = _quarter_forward(
+                    qf[:, :, r], keys[:, :, c], values[:, :, c], quarter, window, scale
+                )
+                out[:, :, r], lse[:, :, r] = _merge(out[:, :, r], lse[:, :, r], *block)
+            if pending is not None:
+                _wait(pending[1])
+                kv = pending[0]
+        result = out.to(q.dtype)  # kept for backward in the activations' dtype, as flash does
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.group, ctx.window, ctx.scale = group, window, scale
+        return result
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, window, scale = ctx.group, ctx.window, ctx.scale
+        cp_size, cp_rank = group_size(group), group_rank(group)
+        ring, chunk = _Ring(group), q.shape[-2] // 2
+        heads, groups = q.shape[1], k.shape[1]
+        acc = _accumulation_dtype(q.dtype)
+        qf, doutf = q.to(acc), dout.to(acc)
+        delta = (doutf * out.to(acc)).sum(-1)
+        dq = torch.zeros_like(qf)
+        kv = torch.stack([k, v])
+        travelling = None  # (buffer, handles, tensor being sent) of the key/value gradients
+        for step in range(cp_size):
+            pending = ring.shift(kv) if step < cp_size - 1 else None
+            source = (cp_rank - step) % cp_size
+            keys, values = (_repeat_groups(t.to(acc), heads) for t in kv)
+            mine = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this rank's part
+            for quarter in quarters(cp_size, cp_rank, source, chunk, window):
+                r, c = quarter.rows, quarter.cols
+                dq_part, dk_part, dv_part = _quarter_backward(
+                    qf[:, :, r],
+                    keys[:, :, c],
+                    values[:, :, c],
+                    doutf[:, :, r],
+                    lse[:, :, r],
+                    delta[:, :, r],
+                    quarter,
+                    window,
+                    scale,
+                )
+                dq[:, :, r] += dq_part
+                mine[0][:, :, c] += _sum_groups(dk_part, groups)
+                mine[1][:, :, c] += _sum_groups(dv_part, groups)
+            if travelling is not None:  # the other ranks' parts for this chunk pair
+                _wait(travelling[1])
+                mine += travelling[0]
+            travelling = (*ring.shift(mine), mine)
+            if pending is not None:
+                _wait(pending[1])
+                kv = pending[0]
+        _wait(travelling[1])  # after cp_size hops each chunk's gradient is back with its rank
+        dkv = travelling[0]
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def ring_attention(q, k, v, group, window: int | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence by ring exchange;
+    q [b, heads, s_local, d], k and v [b, groups, s_local, d] (this rank's two chunks)."""
+    return _RingAttention.apply(q, k, v, group, window)

@@ -1,0 +1,207 @@
+"""The mixed-precision optimizer, optionally sharded over data parallelism (ZeRO-1, 2 or 3,
+following the DDP wrapper's sharding strategy).
+
+The optimizer works on fp32 "pieces" of the parameters:
+
+- without sharding, a piece is a whole parameter, on every DP rank;
+- with `shard=True` (--use-distributed-optimizer or a sharding strategy), each DP rank owns a
+  1/DP slice of every gradient bucket (parallel/data_parallel/ddp.py) and its pieces are the parts
+  of parameters inside that slice. fp32 master weights and the Adam moments exist only for those
+  pieces, the bucket gradients arrive reduce-scattered (each rank keeps the reduced gradient
+  of its slice), and after the step the updated slices are all-gathered back into every
+  rank's parameters (with sharded parameters, by the next forward).
+
+A piece's master weight is a view of the parameter itself when parameters are fp32, else an
+fp32 copy (bf16/fp16 training) that is cast back after the step. Its gradient is a view of
+the fp32 main-grad buffer (or of the reduced shard). Memory per parameter with bf16
+parameters and Adam, by strategy: no_shard 18, optim 2 + 4 + 12/DP, optim_grads 2 + 16/DP,
+optim_grads_params 18/DP bytes.
+
+step(): unscale (fp16), global gradient norm across TP, PP and DP (each element counted once),
+skip the step if the norm is not finite (the loss scaler backs off), clip, update, copy back,
+all-gather.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from parallel.comm import all_reduce
+from parallel.data_parallel.ddp import DistributedDataParallel
+from parallel.data_parallel.grad_scaler import DynamicGradScaler
+from parallel.grads import clip_coefficient, counts_toward_norm, global_grad_norm
+
+
+@dataclass(eq=False)
+class Piece:
+    """The part [offset, offset + numel) of a flattened parameter that this rank updates."""
+
+    param: nn.Parameter
+    ddp: DistributedDataParallel
+    offset: int
+    numel: int
+    master: torch.Tensor  # fp32, what the inner optimizer updates
+    grad: torch.Tensor  # view of the reduced main grad (its shard with sharded gradients)
+    data: torch.Tensor  # view of the parameter (its dtype)
+    group: int
+
+
+@dataclass
+class StepResult:
+    updated: bool
+    grad_norm: float
+    loss_scale: float | None
+    part_norms: dict[str, float] | None = None  # with a NormParts: the norm of each part
+
+
+@dataclass(frozen=True)
+class NormParts:
+    """A breakdown of the gradient norm: `labels`, the same list on every rank, and
+    `labels_of(piece)`, the indices of the labels a piece counts toward (its layer, its
+    parameter group, ...). Each label's norm counts every element once, as the global one."""
+
+    labels: tuple[str, ...]
+    labels_of: Callable[[Piece], tuple[int, ...]]
+
+
+class DistributedOptimizer:
+    """Wraps an inner torch optimizer built over the pieces' fp32 masters.
+
+    make_optimizer(param_groups) builds it; group_of(param) picks the index into
+    group_options (e.g. with or without weight decay) for each parameter.
+    """
+
+    def __init__(
+        self,
+        ddps: list[DistributedDataParallel],
+        make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+        group_options: list[dict],
+        group_of: Callable[[nn.Parameter], int],
+        *,
+        shard: bool,
+        clip_grad: float = 0.0,
+        grad_scaler: DynamicGradScaler | None = None,
+        tp_rank: int = 0,
+        model_parallel_group=None,
+        world_group=None,
+        dp_group=None,
+    ):
+        self.ddps = ddps
+        self.shard = shard
+        self.clip_grad = clip_grad
+        self.grad_scaler = grad_scaler
+        self.tp_rank = tp_rank
+        for ddp in ddps:
+            if shard != ddp.use_distributed_optimizer:
+                raise ValueError("DDP and optimizer disagree about the distributed optimizer")
+        # Norm group: every element counted once. Sharded: pieces partition DP, so sum over
+        # DP x TP x PP (the world). Replicated: every DP rank holds the same, sum over TP x PP.
+        self.norm_group = world_group if shard else model_parallel_group
+        self.consensus_group = None if shard else dp_group
+        self.pieces = [piece for ddp in ddps for piece in self._pieces_of(ddp, group_of)]
+        groups = [dict(options, params=[]) for options in group_options]
+        for piece in self.pieces:
+            groups[piece.group]["params"].append(piece.master)
+        self.optimizer = make_optimizer([g for g in groups if g["params"]])
+        self._counts = [counts_toward_norm(p.param, tp_rank) for p in self.pieces]
+
+    def _pieces_of(self, ddp: DistributedDataParallel, group_of) -> list[Piece]:
+        pieces = []
+        for bucket in ddp.buckets:
+            if self.shard:
+                lo, hi = ddp.shard_range(bucket)
+            else:
+                lo, hi = bucket.start, bucket.end
+            for param in bucket.params:
+                start, end = ddp.param_range[param]
+                a, b = max(start, lo), min(end, hi)
+                if a >= b:
+                    continue
+                data = ddp.data_of(bucket, a, b)
+                master = data if data.dtype == torch.float32 else data.float().clone()
+                grad = ddp.grad_of(bucket, a, b)
+                pieces.append(
+                    Piece(param, ddp, a - start, b - a, master, grad, data, group_of(param))
+                )
+        return pieces
+
+    # --- the step -------------------------------------------------------------------------
+
+    def set_lr(self, lr: float, decoupled_lr: float | None = None) -> None:
+        """Set the learning rate of every group (`decoupled_lr` for the groups whose options
+        say "decoupled", when given)."""
+        for group in self.optimizer.param_groups:
+            use_decoupled = group.get("decoupled") and decoupled_lr is not None
+            group["lr"] = decoupled_lr if use_decoupled else lr
+
+    def zero_grad(self) -> None:
+        for ddp in self.ddps:
+            ddp.zero_grad_buffer()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.grad_scaler.scale if self.grad_scaler is not None else loss
+
+    @torch.no_grad()
+    def step(self, parts: NormParts | None = None) -> StepResult:
+        """One update from the (already reduced, see parallel.grads) main grads. Main grads
+        kept in bf16 (--grad-reduce-in-bf16) are copied to fp32 first, as Megatron-LM does:
+        unscaling, the norm, clipping and the update are in fp32. With `parts`, the norm of
+        each part too (before clipping, as the global norm)."""
+        grads = [p.grad if p.grad.dtype == p.master.dtype else p.grad.float() for p in self.pieces]
+        if self.grad_scaler is not None:
+            torch._foreach_mul_(grads, self.grad_scaler.inv_scale)
+        counted = [g for g, counts in zip(grads, self._counts) if counts]
+        norm = global_grad_norm(counted, self.norm_group, self.consensus_group)
+        part_norms = self._part_norms(grads, parts) if parts is not None else None
+        finite = norm == norm and norm != float("inf")
+        scale = self.grad_scaler.scale if self.grad_scaler is not None else None
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(not finite)
+        if not finite:
+            return StepResult(False, norm, scale)  # no breakdown of a non-finite gradient
+        coefficient = clip_coefficient(norm, self.clip_grad)
+        if coefficient < 1.0:
+            torch._foreach_mul_(grads, coefficient)
+        for piece, grad in zip(self.pieces, grads):
+            piece.master.grad = grad
+        self.optimizer.step()
+        for piece in self.pieces:
+            if piece.master is not piece.data:
+                piece.data.copy_(piece.master)
+        for ddp in self.ddps:
+            ddp.start_param_sync()
+        return StepResult(True, norm, scale, part_norms)
+
+    def _part_norms(self, grads: list[torch.Tensor], parts: NormParts) -> dict[str, float]:
+        """Sum of squares per label over this rank's counted pieces, summed over the same
+        group as the global norm."""
+        device = grads[0].device if grads else torch.device("cpu")
+        sums = torch.zeros(len(parts.labels), dtype=torch.float64, device=device)
+        for piece, grad, counts in zip(self.pieces, grads, self._counts):
+            if counts:
+                square = torch.linalg.vector_norm(grad, dtype=torch.float64).square()
+                for index in parts.labels_of(piece):
+                    sums[index] += square
+        all_reduce(sums, self.norm_group)
+        return {label: math.sqrt(v) for label, v in zip(parts.labels, sums.tolist())}
+
+    def finish_param_sync(self) -> None:
+        for ddp in self.ddps:
+            ddp.finish_param_sync()
+
+    # --- introspection ------------------------------------------------------------------
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: fp32 masters that are copies, plus every
+        tensor in the inner optimizer's per-parameter state."""
+        total = sum(p.master.numel() * 4 for p in self.pieces if p.master is not p.data)
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.numel() > 1:
+                    total += value.numel() * value.element_size()
+        return total

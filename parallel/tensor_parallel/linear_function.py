@@ -1,0 +1,146 @@
+"""The matmul of tensor-parallel linears, with its communication written into backward.
+
+One autograd function computes y = x W^T + b for column- and row-parallel layers and does, in
+backward, what Megatron-LM's linear with asynchronous communication does:
+
+- input_mode "copy" (column-parallel, no SP): the input gradient is all-reduced over the TP
+  group in place, started asynchronously before the weight gradient is computed, so the two
+  overlap;
+- input_mode "gather" (column-parallel with sequence parallelism): forward all-gathers the
+  [s/tp, b, h] input along the sequence but saves only this rank's shard for backward, which
+  gathers it again (overlapped with the input-gradient GEMM) and reduce-scatters the input
+  gradient (overlapped with the weight-gradient GEMM). Activation memory of the layer input is
+  1/tp of the gathered tensor (a zero-bubble schedule's deferred weight gradient holds the
+  gathered input and the output gradient until its W runs);
+- input_mode "none" (row-parallel): no communication on the input side.
+
+Given a `times` (parallel.timing.StepTimes), the communication this rank waits for counts as
+"tp-comm": the forward gather, and in backward the launches and the waits of what the GEMMs
+did not hide.
+
+Gradient-accumulation fusion: when `fuse_wgrad` is set and the weight carries a `main_grad`
+buffer (parallel/data_parallel/ddp.py gives every parameter one) and an `on_main_grad_added`
+callback, the weight gradient is accumulated straight into `main_grad` (one in-place GEMM when
+dtypes match, else the GEMM in the activation dtype added in), no `.grad` is made, and the callback
+tells the data-parallel wrapper the gradient is in. A weight used twice in one graph (a tied
+embedding) must not take this path: autograd would no longer wait for both uses before the
+callback. Without the buffer the gradient is returned to autograd as usual.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from parallel.comm import all_gather_into, group_size, reduce_scatter_into
+from parallel.pipeline.weight_grad import QUEUE_ATTRIBUTE
+from parallel.tensor_parallel.regions import TP_COMM
+from parallel.timing import measure
+
+INPUT_MODES = ("none", "copy", "gather")
+
+
+def _gather_sequence(x: torch.Tensor, group, async_op: bool = False):
+    """(full tensor, work handle or None): every rank's x concatenated along dim 0."""
+    x = x.contiguous()
+    shape = (group_size(group) * x.shape[0],) + x.shape[1:]
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    work = all_gather_into(out, x, group, async_op=async_op)
+    return out, (work if async_op else None)
+
+
+def _as_matrix(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class _TensorParallelLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, input_mode, fuse_wgrad, times):
+        ctx.group, ctx.input_mode, ctx.fuse_wgrad = group, input_mode, fuse_wgrad
+        ctx.has_bias, ctx.times = bias is not None, times
+        total = x
+        if input_mode == "gather":
+            with measure(times, TP_COMM):
+                total = _gather_sequence(x, group)[0]
+        ctx.save_for_backward(x, weight)  # under "gather": the shard, not the gathered input
+        return torch.nn.functional.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        group, mode, times = ctx.group, ctx.input_mode, ctx.times
+        gather_work = None
+        total = x
+        if mode == "gather":
+            with measure(times, TP_COMM):
+                total, gather_work = _gather_sequence(x, group, async_op=True)
+        grad_input = grad_output.matmul(weight)  # overlaps the gather above
+        reduce_work = None
+        if mode == "copy":
+            with measure(times, TP_COMM):
+                reduce_work = dist.all_reduce(grad_input, group=group, async_op=True)
+        elif mode == "gather":
+            shard = torch.empty(
+                (grad_input.shape[0] // group_size(group),) + grad_input.shape[1:],
+                dtype=grad_input.dtype,
+                device=grad_input.device,
+            )
+            with measure(times, TP_COMM):
+                gather_work.wait()
+                reduce_work = reduce_scatter_into(
+                    shard, grad_input.contiguous(), group, async_op=True
+                )
+            grad_input = shard
+        grad_weight = _weight_grad(weight, _as_matrix(grad_output), _as_matrix(total), ctx)
+        grad_bias = _as_matrix(grad_output).sum(0) if ctx.has_bias else None
+        if reduce_work is not None:
+            with measure(times, TP_COMM):
+                reduce_work.wait()  # the weight-gradient GEMM above ran while it was in flight
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def _weight_grad(weight, grad_output_2d, input_2d, ctx):
+    """dL/dW = grad_output^T input, or None when it went straight into weight.main_grad (or
+    was queued to: parallel/pipeline/weight_grad.py, for zero-bubble schedules)."""
+    main_grad = getattr(weight, "main_grad", None)
+    added = getattr(weight, "on_main_grad_added", None)
+    if not (ctx.fuse_wgrad and main_grad is not None and added is not None):
+        return grad_output_2d.t().matmul(input_2d)
+    queue = getattr(weight, QUEUE_ATTRIBUTE, None)
+    if queue is not None:
+        queue.add(weight, functools.partial(_add_to_main_grad, weight, grad_output_2d, input_2d))
+        return None
+    _add_to_main_grad(weight, grad_output_2d, input_2d)
+    return None
+
+
+def _add_to_main_grad(weight, grad_output_2d, input_2d) -> None:
+    prepare = getattr(weight, "prepare_main_grad", None)
+    if prepare is not None:
+        prepare(weight)  # sharded gradients: the bucket's buffer may be released
+    main_grad = weight.main_grad
+    if main_grad.dtype == grad_output_2d.dtype:
+        main_grad.addmm_(grad_output_2d.t(), input_2d)
+    else:
+        main_grad.add_(grad_output_2d.t().matmul(input_2d))
+    weight.on_main_grad_added(weight)
+
+
+def tensor_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group,
+    input_mode: str,
+    fuse_wgrad: bool = False,
+    times=None,
+) -> torch.Tensor:
+    """y = x W^T + b with the input-side TP communication of `input_mode` (module docstring).
+    Without a group (TP 1) there is nothing to communicate."""
+    if input_mode not in INPUT_MODES:
+        raise ValueError(f"input_mode {input_mode!r} is not one of {INPUT_MODES}")
+    if group is None or group_size(group) == 1:
+        input_mode = "none"
+    return _TensorParallelLinear.apply(x, weight, bias, group, input_mode, fuse_wgrad, times)
