@@ -34,10 +34,10 @@ def _world_sizes(args) -> list[int]:
 def preflight(args) -> None:
     """The pretraining flags checked for every world size of this launch (ConfigError)."""
     from engine.pretrain import parse
-    from engine.train.preflight import check
+    from engine.train.preflight import prepare
 
     for world_size in _world_sizes(args):
-        check(parse(args.training_script_args), world_size)
+        prepare(parse(args.training_script_args), world_size)
 
 
 def _describe(rank, failure) -> str:

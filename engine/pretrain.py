@@ -14,42 +14,27 @@ import torch.distributed as dist
 
 from engine.cli import run_main
 from engine.config.arguments import given_flags, parse_configs
-from engine.config.data import DataConfig
-from engine.config.megatron_flags import MegatronCompatConfig, no_effect_line
-from engine.config.model import ModelConfig
-from engine.config.optimizer import OptimizerConfig
-from engine.config.parallel import ParallelConfig
-from engine.config.training import TrainConfig
-from engine.data.tokenizers import TokenizerConfig
+from engine.config.configs import SECTIONS, Configs, configs_from
+from engine.config.megatron_flags import no_effect_line
 from engine.train.loop import NaNLimit, finish, train
-from engine.train.preflight import check, device_of
+from engine.train.preflight import device_of, prepare
 from engine.train.setup import setup
-from engine.train.state import Configs
 from parallel.state import ParallelState, init_distributed
-
-GROUPS = [
-    (ModelConfig, "model"),
-    (ParallelConfig, "parallelism"),
-    (OptimizerConfig, "optimizer, learning rate, loss scaling"),
-    (DataConfig, "data"),
-    (TrainConfig, "training, evaluation, logging, checkpoints"),
-    (TokenizerConfig, "tokenizer"),
-    (MegatronCompatConfig, "Megatron-LM flags accepted without effect, or refused"),
-]
 
 
 def parse(argv: list[str] | None) -> Configs:
+    """The command line as configs (not yet resolved: engine/train/preflight.py's prepare)."""
     argv = sys.argv[1:] if argv is None else argv
-    configs = parse_configs(argv, GROUPS, description=__doc__, enforce_required=True)
-    return Configs(*(configs[cls] for cls, _ in GROUPS), given=given_flags(argv))
+    groups = [(cls, title) for _, cls, title in SECTIONS]
+    parsed = parse_configs(argv, groups, description=__doc__, enforce_required=True)
+    return configs_from(parsed, given_flags(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
     started = time.time()  # --exit-duration-in-mins counts from the process's start
-    cfg = parse(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    check(cfg, world_size)
-    device = device_of(cfg.train)
+    cfg = prepare(parse(argv), world_size)
+    device = device_of(cfg.runtime)
     started_here = not dist.is_initialized()
     _, _, device = init_distributed(device, cfg.parallel.distributed_timeout_minutes)
     if device.type == "cpu":  # ranks sharing a CPU get one core each
@@ -63,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_minutes=cfg.parallel.distributed_timeout_minutes,
     )
     run = setup(cfg, state, started)
-    accepted = no_effect_line(cfg.megatron, cfg.model, cfg.train, cfg.parallel)
+    accepted = no_effect_line(cfg.megatron, cfg.model, cfg.runtime, cfg.parallel)
     if accepted:
         run.writer.print(accepted)
     code = 0

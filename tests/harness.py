@@ -337,7 +337,7 @@ def engine_steps(rank: int, world: int, extra: list[str], steps: int = 3):
     the parameters by name before and after, the losses, and the main grads' dtype."""
     from engine.pretrain import parse
     from engine.train.loop import train_iteration
-    from engine.train.preflight import check
+    from engine.train.preflight import prepare
     from engine.train.setup import setup
     from parallel.state import ParallelState
 
@@ -349,8 +349,7 @@ def engine_steps(rank: int, world: int, extra: list[str], steps: int = 3):
         "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--num-workers", "0",
     ]  # fmt: skip
-    cfg = parse(argv + extra)
-    check(cfg, world)
+    cfg = prepare(parse(argv + extra), world)
     par = cfg.parallel
     state = ParallelState.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
     engine = setup(cfg, state)

@@ -13,11 +13,11 @@ import torch
 
 from engine.config.batch_schedule import BatchSchedule, parse_step_schedule
 from engine.config.optimizer import OptimizerConfig
-from engine.config.training import TrainConfig
+from engine.config.training import TrainingConfig
 from engine.errors import ConfigError
 from engine.optim.lr_schedule import LRScheduler
 from engine.pretrain import parse
-from engine.train.preflight import check
+from engine.train.preflight import prepare
 from tests.test_training import base_args, pretrain, records
 
 # (start, increment, ramp-up samples, global batch, micro-batch x data-parallel size)
@@ -44,7 +44,7 @@ def megatron_calculator(start, increment, samples, final, unit):
 
 
 def ramp(start, increment, samples, final, unit) -> BatchSchedule:
-    train = TrainConfig(
+    train = TrainingConfig(
         micro_batch_size=unit,
         global_batch_size=final,
         rampup_batch_size=[start, increment, samples],
@@ -167,7 +167,7 @@ def test_batch_schedule_errors_are_one_line(extra, message):
         "--tokenizer-type", "NullTokenizer",
     ]  # fmt: skip
     with pytest.raises(ConfigError, match=message) as err:
-        check(parse(argv + extra), 1)
+        prepare(parse(argv + extra), 1)
     assert "\n" not in str(err.value)
 
 

@@ -199,21 +199,21 @@ SHAPE = [
 def test_context_parallel_flags_are_checked_in_one_line(world, extra, message):
     from engine.errors import ConfigError
     from engine.pretrain import parse
-    from engine.train.preflight import check
+    from engine.train.preflight import prepare
 
     cfg = parse(SHAPE + extra)
     with pytest.raises(ConfigError) as error:
-        check(cfg, world)
+        prepare(cfg, world)
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
 def test_context_parallel_flags_that_fit_pass():
     from engine.pretrain import parse
-    from engine.train.preflight import check
+    from engine.train.preflight import prepare
 
     for world, extra in [
         (2, ["--context-parallel-size", "2"]),
         (4, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "allgather"]),
         (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
     ]:
-        check(parse(SHAPE + extra), world)
+        prepare(parse(SHAPE + extra), world)

@@ -48,7 +48,8 @@ def test_samples_under_tp_and_pp_equal_one_process(dataset_prefix, tokenizer_mod
     cfg = ModelConfig(**read_meta(path)["model"])
     model = GPTModel(cfg, BuildContext(cfg))
     load_model_weights(path, model)
-    from engine.data.tokenizers import TokenizerConfig, build_tokenizer
+    from engine.config.tokenizer import TokenizerConfig
+    from engine.data.tokenizers import build_tokenizer
 
     tokenizer = build_tokenizer(TokenizerConfig(tokenizer_model=tokenizer_model))
     for k, sample in enumerate(found[1][-1]["samples"]):

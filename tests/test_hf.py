@@ -4,6 +4,7 @@ transformers' logits."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -14,7 +15,7 @@ import torch
 from engine.checkpoint.files import find_latest, iteration_dir, read_meta
 from engine.checkpoint.load import load_model_weights
 from engine.config.model import ModelConfig
-from engine.data.tokenizers import TokenizerConfig
+from engine.config.tokenizer import TokenizerConfig
 from engine.data.tokenizers.sentencepiece import SentencePieceTokenizer
 from engine.errors import ConfigError
 from engine.eval.generate import greedy_generate
@@ -337,17 +338,16 @@ def test_options_without_an_equivalent_are_errors(trained, tmp_path):
     cfg = ModelConfig(**read_meta(iteration_dir(trained["llama"], 8))["model"])
     from engine.interop.hf.architectures import style_of
 
-    cfg.qk_layernorm = True
+    cfg = dataclasses.replace(cfg, qk_layernorm=True)
     assert style_of(cfg) == "qwen3"
-    cfg.add_qkv_bias = True
+    cfg = dataclasses.replace(cfg, add_qkv_bias=True)
     with pytest.raises(ConfigError, match="--add-qkv-bias has no equivalent in Qwen3ForCausal"):
         style_of(cfg)
     cfg = ModelConfig(**read_meta(iteration_dir(trained["gpt2"], 8))["model"])
-    cfg.qk_layernorm = True
+    cfg = dataclasses.replace(cfg, qk_layernorm=True)
     with pytest.raises(ConfigError, match="--qk-layernorm has no equivalent in GPT2LMHeadModel"):
         style_of(cfg)
-    cfg.qk_layernorm = False
-    cfg.untie_embeddings_and_output_weights = True
+    cfg = dataclasses.replace(cfg, qk_layernorm=False, untie_embeddings_and_output_weights=True)
     with pytest.raises(ConfigError, match="GPT2LMHeadModel ties them"):
         style_of(cfg)
 

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE_ROOT_MODULES = {"__init__.py", "cli.py", "errors.py", "launch.py", "pretrain.py"}
 # what engine/config/ may import of the engine: itself, the error types and the tokenizer's
 # config (the one config that lives with its part, since the tools share it)
-CONFIG_MAY_IMPORT = ("engine.config", "engine.errors", "engine.data.tokenizers.config")
+CONFIG_MAY_IMPORT = ("engine.config", "engine.errors", "engine.config.tokenizer")
 
 
 def _modules(folder: str):

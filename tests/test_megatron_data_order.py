@@ -9,6 +9,9 @@ import types
 import numpy as np
 import pytest
 
+from engine.config.configs import Configs
+from engine.config.evaluation import EvalConfig
+from engine.config.training import TrainingConfig
 from engine.data.builder import build_gpt_datasets, build_mock_datasets
 from engine.data.indexed.dataset import IndexedDataset, IndexedDatasetBuilder
 from engine.train.setup import split_sample_counts
@@ -92,13 +95,11 @@ def _assert_same_samples(ours, theirs, sizes):
 
 
 def _sizes(train_iters, global_batch, eval_interval, eval_iters):
-    train = types.SimpleNamespace(
-        train_iters=train_iters,
-        train_samples=None,
-        eval_interval=eval_interval,
-        eval_iters=eval_iters,
+    cfg = Configs(
+        training=TrainingConfig(train_iters=train_iters),
+        evaluation=EvalConfig(eval_interval=eval_interval, eval_iters=eval_iters),
     )
-    return split_sample_counts(train, global_batch)
+    return split_sample_counts(cfg, global_batch)
 
 
 CASES = {

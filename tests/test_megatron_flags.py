@@ -14,7 +14,7 @@ import pytest
 from engine.config.megatron_flags import check_compat, flag_names, no_effect_line
 from engine.errors import ConfigError
 from engine.pretrain import parse
-from engine.train.preflight import check
+from engine.train.preflight import prepare
 from tests.distributed import run_ranks
 from tests.harness import engine_steps
 from tests.test_training import ROOT, base_args, pretrain, records
@@ -47,7 +47,7 @@ NO_EFFECT = [
 
 def test_flags_without_effect_are_accepted_and_named_in_one_line():
     cfg = parse(SHAPE + NO_EFFECT)
-    check(cfg, 1)
+    cfg = prepare(cfg, 1)
     line = no_effect_line(cfg.megatron)
     named = [a for a in NO_EFFECT if a.startswith("--") and a != "--position-embedding-type"]
     assert line.startswith("Megatron-LM flags accepted without effect here: ")
@@ -83,7 +83,7 @@ def test_fsdp_flags_follow_megatron_lm():
     fsdp = SHAPE + ["--ckpt-format", "fsdp_dtensor", "--use-megatron-fsdp"]
     cfg = parse(fsdp)
     check_compat(cfg.megatron, cfg.model.position_embedding_type, megatron_fsdp=True)
-    check(cfg, 1)
+    cfg = prepare(cfg, 1)
     assert cfg.parallel.sharding_strategy() == "optim_grads_params"
     assert "--ckpt-format" in no_effect_line(cfg.megatron)
     cfg = parse(SHAPE + ["--ckpt-format", "fsdp_dtensor"])
@@ -91,9 +91,9 @@ def test_fsdp_flags_follow_megatron_lm():
         check_compat(cfg.megatron, cfg.model.position_embedding_type)
     # the strategy alone has no effect in Megatron-LM either: accepted and named
     cfg = parse(SHAPE + ["--data-parallel-sharding-strategy", "no_shard"])
-    check(cfg, 1)
+    cfg = prepare(cfg, 1)
     assert cfg.parallel.sharding_strategy() == "no_shard"
-    line = no_effect_line(cfg.megatron, cfg.model, cfg.train, cfg.parallel)
+    line = no_effect_line(cfg.megatron, cfg.model, cfg.runtime, cfg.parallel)
     assert line.endswith("--data-parallel-sharding-strategy (without --use-megatron-fsdp)")
 
 
@@ -126,15 +126,15 @@ def test_required_flags_are_named_in_one_line():
     )
     assert result.stderr.strip().splitlines() == [f"error: {expected}; see --help"]
     with pytest.raises(ConfigError, match="give --train-iters N or --train-samples N"):
-        check(parse(UNSIZED), 1)
+        prepare(parse(UNSIZED), 1)
 
 
 def test_megatron_defaults():
     """Megatron-LM's defaults (megatron/training/arguments.py and its config dataclasses;
     pretrain_gpt.py's tokenizer)."""
     cfg = parse(SHAPE)
-    assert cfg.train.log_interval == 100 and cfg.train.eval_iters == 100
-    assert cfg.train.eval_interval is None and cfg.data.num_workers == 2
+    assert cfg.logging.log_interval == 100 and cfg.evaluation.eval_iters == 100
+    assert cfg.evaluation.eval_interval is None and cfg.data.num_workers == 2
     assert cfg.optimizer.lr_decay_style == "linear" and cfg.data.split == "969,30,1"
     shape = UNSIZED[:-5]  # no --mock-data or tokenizer flags
     bpe = parse(shape + ["--vocab-file", "v.json", "--merge-file", "m.txt"])
@@ -153,20 +153,20 @@ def test_group_query_attention_as_megatron_reads_it():
         "--num-query-groups (without --group-query-attention)"
     )
     with pytest.raises(ConfigError, match="--num-query-groups must be at least 1"):
-        check(parse(SHAPE + ["--group-query-attention", "--num-query-groups", "0"]), 1)
+        prepare(parse(SHAPE + ["--group-query-attention", "--num-query-groups", "0"]), 1)
 
 
 def test_train_samples_set_the_iterations_and_iteration_flags_are_refused():
     by_samples = UNSIZED
     cfg = parse(by_samples + ["--train-samples", "21", "--global-batch-size", "4"])
-    check(cfg, 2)
-    assert cfg.train.train_iters == 5  # whole global batches, as Megatron-LM counts
+    cfg = prepare(cfg, 2)
+    assert cfg.training.train_iters == 5  # whole global batches, as Megatron-LM counts
     both = parse(SHAPE + ["--train-samples", "64"])
     with pytest.raises(ConfigError, match="--train-iters and --train-samples both"):
-        check(both, 1)
+        prepare(both, 1)
     mixed = parse(by_samples + ["--train-samples", "64", "--lr-decay-iters", "3"])
     with pytest.raises(ConfigError, match="--lr-decay-iters goes with --train-iters"):
-        check(mixed, 1)
+        prepare(mixed, 1)
 
 
 def test_a_run_by_samples_with_megatron_flags_trains(
@@ -331,7 +331,7 @@ def test_profile_writes_a_torch_trace_of_the_profiled_steps(
     assert any("aten::mm" in str(e.get("name")) for e in events)
     without_dir = parse(SHAPE + ["--profile"])
     with pytest.raises(ConfigError, match="give --tensorboard-dir DIR"):
-        check(without_dir, 1)
+        prepare(without_dir, 1)
 
 
 def test_apply_layernorm_1p_stores_norm_weights_centred_on_zero():
@@ -366,14 +366,14 @@ def test_data_args_files(dataset_prefix, tmp_path):
     listed = tmp_path / "blend.txt"
     listed.write_text(f"0.3 {dataset_prefix}\n0.7 {dataset_prefix}\n")
     flags = UNSIZED[:-5] + ["--train-iters", "4"]  # no --mock-data or tokenizer flags
-    cfg = parse(flags + ["--data-args-path", str(listed)])
-    cfg.data.validate()
-    assert cfg.data.data_path == ["0.3", dataset_prefix, "0.7", dataset_prefix]
+    data = parse(flags + ["--data-args-path", str(listed)]).data.with_path_files()
+    data.validate()
+    assert data.data_path == ["0.3", dataset_prefix, "0.7", dataset_prefix]
     per_split = tmp_path / "splits.json"
     per_split.write_text(json.dumps({"train": f"1 {dataset_prefix}", "valid": [dataset_prefix]}))
-    cfg = parse(flags + ["--per-split-data-args-path", str(per_split)])
-    cfg.data.validate()
-    assert cfg.data.per_split_paths == (["1", dataset_prefix], [dataset_prefix], [])
+    data = parse(flags + ["--per-split-data-args-path", str(per_split)]).data.with_path_files()
+    data.validate()
+    assert data.per_split_paths == (["1", dataset_prefix], [dataset_prefix], [])
     (tmp_path / "bad.json").write_text("{train: 1}")
     for extra, message in (
         (["--data-args-path", str(tmp_path / "none.txt")], "none.txt: cannot be read"),
@@ -381,7 +381,7 @@ def test_data_args_files(dataset_prefix, tmp_path):
         (["--data-args-path", str(listed), "--data-path", "x"], "both name the data"),
     ):
         with pytest.raises(ConfigError, match=message):
-            parse(flags + extra).data.validate()
+            parse(flags + extra).data.with_path_files().validate()
 
 
 def test_rotary_percent_rotates_the_first_channels_as_megatron_core():
@@ -552,8 +552,9 @@ def test_yarn_and_dynamic_rope_give_megatron_core_and_transformers_tables(monkey
         ours = RotaryEmbedding.for_config(cfg)
         assert torch.allclose(ours.inv_freq, inv_freq, rtol=1e-6)
         assert ours.attention_factor == pytest.approx(factor, rel=1e-12)
-    cfg = ModelConfig(**base, position_embedding_type="rope", rope_scaling_type="dynamic")
-    cfg.rope_scaling_factor = 4.0
+    cfg = ModelConfig(
+        **base, position_embedding_type="rope", rope_scaling_type="dynamic", rope_scaling_factor=4.0
+    )
     hf = LlamaConfig(
         **hf_shape, rope_parameters={"rope_type": "dynamic", "rope_theta": 500000.0, "factor": 4.0}
     )

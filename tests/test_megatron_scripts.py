@@ -22,8 +22,8 @@ import sys
 
 import pytest
 
+from engine.config.tokenizer import TokenizerConfig
 from engine.data.prepare.preprocess import preprocess
-from engine.data.tokenizers import TokenizerConfig
 from parallel.local_ranks import free_port
 from tests.test_training import ROOT, records
 from tests.tokenizer_files import copy_gpt2_files, make_hf_folder

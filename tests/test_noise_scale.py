@@ -96,7 +96,7 @@ def test_the_log_carries_the_noise_scale(dataset_prefix, tokenizer_model, tmp_pa
 def test_layouts_without_a_noise_scale_are_refused(world, extra, message):
     from engine.errors import ConfigError
     from engine.pretrain import parse
-    from engine.train.preflight import check
+    from engine.train.preflight import prepare
 
     argv = [
         *("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"),
@@ -105,5 +105,5 @@ def test_layouts_without_a_noise_scale_are_refused(world, extra, message):
         *("--train-iters", "4", "--attention-dropout", "0.0", "--log-gradient-noise-scale"),
     ]
     with pytest.raises(ConfigError) as error:
-        check(parse(argv + extra), world)
+        prepare(parse(argv + extra), world)
     assert str(error.value).startswith(message) and "\n" not in str(error.value)

@@ -236,7 +236,7 @@ def test_skipped_update_does_not_advance_the_schedule(dataset_prefix, tokenizer_
     assert [straight[i]["skipped_iters"] for i in (2, 3, 4)] == [0, 1, 1]
 
     cfg = parse(args)
-    theirs = megatron_lrs(cfg.optimizer, train_iters, cfg.train.global_batch_size, train_iters)
+    theirs = megatron_lrs(cfg.optimizer, train_iters, cfg.training.global_batch_size, train_iters)
     successful_before = {i: i - 1 - (i > SKIPPED) for i in range(1, train_iters + 1)}
     expected = {i: theirs[n] for i, n in successful_before.items()}
     assert {i: r["lr"] for i, r in straight.items()} == pytest.approx(expected, rel=1e-12, abs=0)

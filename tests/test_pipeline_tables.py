@@ -272,18 +272,19 @@ def test_zero_bubble_in_3d_with_each_sharding_strategy():
     ],
 )  # fmt: skip
 def test_the_engine_checks_zero_bubble_flags(extra, match):
+    from engine.config.checks import check_layout_flags
+    from engine.config.resolve import resolve
     from engine.pretrain import parse
-    from engine.train.preflight import check_layout_flags
 
     flags = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
              "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "100",
              "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "1",
              "--pipeline-model-parallel-size", "2", *extra]  # fmt: skip
     if match is None:
-        assert check_layout_flags(parse(flags), 2) == 1
+        assert check_layout_flags(resolve(parse(flags), 2), 2) == 1
     else:
         with pytest.raises(ConfigError, match=match):
-            check_layout_flags(parse(flags), 2)
+            check_layout_flags(resolve(parse(flags), 2), 2)
 
 
 def _pretrain(rank, world, flags):

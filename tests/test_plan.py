@@ -90,11 +90,12 @@ def _cpu_machine(memory_bytes: float):
 
 
 def test_every_planned_layout_passes_the_engines_checks_and_the_shown_ones_run_and_fit():
+    from engine.config.checks import check_layout_flags
+    from engine.config.resolve import resolve
     from engine.planning.flags import layout_flags
     from engine.planning.measure import measure_rank
     from engine.planning.search import SearchSpace, plan
     from engine.pretrain import parse
-    from engine.train.preflight import check_layout_flags
 
     base = parse(LLAMA + RUN + ["--micro-batch-size", "1"]).model
     budget = 24e6  # bytes per rank: full-size micro-batches without recomputation do not fit
@@ -104,7 +105,7 @@ def test_every_planned_layout_passes_the_engines_checks_and_the_shown_ones_run_a
     assert {r["layout"].cp for r in rows} == {1, 2} and {r["layout"].tp for r in rows} == {1, 2}
     for row in rows:
         flags = LLAMA + RUN + layout_flags(row["cfg"], row["layout"])
-        assert check_layout_flags(parse(flags), 2) == row["layout"].dp
+        assert check_layout_flags(resolve(parse(flags), 2), 2) == row["layout"].dp
     proposed = [r for r in rows if r["fits"]][:6]
     for row in proposed:
         layout = row["layout"]
@@ -125,10 +126,11 @@ def test_published_megatron_results_are_predicted_within_15_percent():
 
 
 def test_plan_tool_prints_the_table_and_emits_flags_the_engine_accepts(tmp_path):
+    from engine.config.checks import check_layout_flags
+    from engine.config.resolve import resolve
     from engine.interop.hf.architectures import model_config_from_hf
     from engine.planning.flags import model_flags
     from engine.pretrain import parse
-    from engine.train.preflight import check_layout_flags
 
     hf = tmp_path / "config.json"
     hf.write_text(json.dumps(dict(
@@ -147,7 +149,9 @@ def test_plan_tool_prints_the_table_and_emits_flags_the_engine_accepts(tmp_path)
     emitted = lines[-1].split()
     assert emitted == json.loads(out.read_text())[0]["flags"]
     model = model_flags(model_config_from_hf(json.loads(hf.read_text()))[0])
-    check_layout_flags(parse(model + ["--seq-length", "4096", "--train-iters", "1"] + emitted), 16)
+    check_layout_flags(
+        resolve(parse(model + ["--seq-length", "4096", "--train-iters", "1"] + emitted), 16), 16
+    )
 
 
 @pytest.mark.parametrize(

@@ -14,10 +14,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from engine.config.tokenizer import TokenizerConfig
 from engine.data.builder import build_streaming_datasets, data_format
 from engine.data.indexed.dataset import IndexedDataset
 from engine.data.streaming.shards import open_shards
-from engine.data.tokenizers import TokenizerConfig, build_tokenizer
+from engine.data.tokenizers import build_tokenizer
 from engine.errors import ConfigError, InputError
 from tests.cli import one_line_error, run_python
 from tests.test_training import base_args, losses, pretrain

@@ -5,6 +5,8 @@ independent reference, recomputation with dropout, and the parameter-count helpe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -203,11 +205,14 @@ def _recompute(rank, world):
         for mode in ("none", "full-uniform", "full-block", "selective"):
             cfg = model_config(style, hidden_dropout=0.2, attention_dropout=0.2, num_layers=3)
             if mode.startswith("full"):
-                cfg.recompute_granularity = "full"
-                cfg.recompute_method = mode.split("-")[1]
-                cfg.recompute_num_layers = 2
+                cfg = dataclasses.replace(
+                    cfg,
+                    recompute_granularity="full",
+                    recompute_method=mode.split("-")[1],
+                    recompute_num_layers=2,
+                )
             elif mode == "selective":
-                cfg.recompute_granularity = "selective"
+                cfg = dataclasses.replace(cfg, recompute_granularity="selective")
             tracker = model_parallel_seed(1234, state.tp_rank, 0)
             model = build(cfg, state, sp=True, tracker=tracker)
             tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
@@ -274,5 +279,5 @@ def test_invalid_shapes_give_clear_errors(change, tp, sp, message):
 def test_vocab_padding():
     cfg = model_config("gpt2")
     assert cfg.padded_vocab_size(1) == 384 and cfg.padded_vocab_size(2) == 512
-    cfg.vocab_size = 512
+    cfg = dataclasses.replace(cfg, vocab_size=512)
     assert cfg.padded_vocab_size(4) == 512

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from engine.config.tokenizer import TokenizerConfig
 from engine.data.indexed.dataset import IndexedDataset
 from engine.data.prepare.preprocess import preprocess
-from engine.data.tokenizers import TokenizerConfig, build_tokenizer
+from engine.data.tokenizers import build_tokenizer
 from engine.data.tokenizers.gigatoken_encoder import gigatoken_encoder
 from engine.data.tokenizers.train_sentencepiece import train_tokenizer
 from engine.errors import ConfigError, InputError
@@ -399,7 +400,7 @@ def test_an_imported_tokenizer_continues_training(files, tmp_path):
 
 
 def test_checkpoints_from_before_the_record_name_a_sentencepiece_model():
-    from engine.data.tokenizers import config_from_record
+    from engine.config.tokenizer import config_from_record
 
     old = {"tokenizer_model": "/data/tok.model"}
     assert config_from_record(old) == TokenizerConfig(tokenizer_model="/data/tok.model")

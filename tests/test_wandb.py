@@ -13,7 +13,7 @@ import pytest
 
 from engine.errors import ConfigError
 from engine.pretrain import parse
-from engine.train.preflight import check
+from engine.train.preflight import prepare
 from tests.test_training import base_args, pretrain, records
 
 BLOCK = 32768  # the record log's block size (LevelDB's log format, as wandb writes it)
@@ -107,9 +107,9 @@ def test_wandb_flags_are_checked_in_one_line(monkeypatch, tmp_path):
     ]  # fmt: skip
     if engine.monitor.wandb.wandb_importable():
         with pytest.raises(ConfigError, match="give --wandb-save-dir DIR or --save DIR"):
-            check(parse(argv), 1)
-        check(parse(argv + ["--wandb-save-dir", str(tmp_path)]), 1)
+            prepare(parse(argv), 1)
+        prepare(parse(argv + ["--wandb-save-dir", str(tmp_path)]), 1)
     # as on a machine without wandb
     monkeypatch.setattr(engine.monitor.wandb, "wandb_importable", lambda: False)
     with pytest.raises(ConfigError, match="--wandb-project: wandb is not importable"):
-        check(parse(argv + ["--save", str(tmp_path)]), 1)
+        prepare(parse(argv + ["--save", str(tmp_path)]), 1)

@@ -26,7 +26,7 @@ from engine.planning.bench_setup import corpus_dataset, engine_flags
 from engine.pretrain import parse
 from engine.train.checkpoint import save
 from engine.train.loop import train_iteration
-from engine.train.preflight import check
+from engine.train.preflight import prepare
 from engine.train.setup import setup
 from parallel.local_ranks import run_local
 from parallel.state import ParallelState
@@ -48,8 +48,7 @@ def _bench(rank, world, args, prefix, tokenizer, save_dir):
         save=save_dir,
         keep_last_n="1",
     )
-    cfg = parse(flags)
-    check(cfg, 1)
+    cfg = prepare(parse(flags), 1)
     run_ = setup(cfg, ParallelState.build(1, 1))
     tokens = torch.randint(0, cfg.model.vocab_size, (1, 65))
     batches = [{"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}]
@@ -72,10 +71,10 @@ def _bench(rank, world, args, prefix, tokenizer, save_dir):
 
     for _ in range(args.trials):
         plain = statistics.median(timed(step) for _ in range(3))
-        run_.cfg.train.async_save = run_.checkpointer.async_save = False
+        run_.checkpointer.async_save = False
         results["sync"].append(timed(lambda: save(run_)))
         step()
-        run_.cfg.train.async_save = run_.checkpointer.async_save = True
+        run_.checkpointer.async_save = True
         call = timed(lambda: save(run_))
         next_step = timed(step)
         rest = timed(run_.checkpointer.wait)

@@ -23,7 +23,7 @@ from engine.optim.optimizer import no_weight_decay
 from engine.planning.bench_setup import corpus_dataset, engine_flags
 from engine.pretrain import parse
 from engine.train.loop import train_iteration
-from engine.train.preflight import check
+from engine.train.preflight import prepare
 from engine.train.setup import setup
 from parallel.local_ranks import run_local
 from parallel.state import ParallelState
@@ -46,8 +46,7 @@ def _bench(rank, world, args, prefix, tokenizer):
         attention_dropout="0.0",
         clip_grad="1.0",
     )
-    cfg = parse(flags)
-    check(cfg, 1)
+    cfg = prepare(parse(flags), 1)
     engine = setup(cfg, ParallelState.build(1, 1))
     bare = GPTModel(cfg.model, BuildContext(cfg.model))
     params = list(bare.parameters())

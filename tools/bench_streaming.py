@@ -31,8 +31,8 @@ import tempfile
 import time
 
 from engine.cli import run_main as run
+from engine.config.tokenizer import TokenizerConfig
 from engine.data.builder import build_streaming_datasets
-from engine.data.tokenizers import TokenizerConfig
 from engine.monitor.metrics import PEAK_TFLOPS, model_flops_per_token
 from engine.planning.bench_setup import bench_tokenizers, shifted_documents, time_train_steps
 from parallel.local_ranks import run_local
@@ -112,10 +112,9 @@ def _cpu_step(rank, world, name: str, seq_length: int, warmup: int, steps: int) 
 def h100_tokens_per_s(name: str, seq_length: int) -> tuple[float, float]:
     """(tokens/s at 45% of the H100's dense bf16 peak, training FLOPs per token)."""
     from engine.pretrain import parse
-    from engine.train.preflight import check
+    from engine.train.preflight import prepare
 
-    cfg = parse(_model_flags(name, seq_length))
-    check(cfg, 1)
+    cfg = prepare(parse(_model_flags(name, seq_length)), 1)
     flops = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size(1))
     return H100_MFU * PEAK_TFLOPS[("H100 SXM", "bf16")] * 1e12 / flops, flops
 

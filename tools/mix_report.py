@@ -17,7 +17,8 @@ import sys
 from engine.cli import run_main
 from engine.config.arguments import parse_configs
 from engine.config.data import DataConfig
-from engine.config.training import TrainConfig
+from engine.config.resolve import with_length
+from engine.config.training import TrainingConfig
 from engine.data.mix.report import plan_mix
 from engine.errors import ConfigError
 
@@ -30,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = own.parse_known_args(sys.argv[1:] if argv is None else argv)
     if args.seq_length < 1:
         raise ConfigError("--seq-length must be at least 1")
-    configs = parse_configs(rest, [(DataConfig, "data"), (TrainConfig, "training")], __doc__)
-    data, train = configs[DataConfig], configs[TrainConfig]
-    train.resolve_length(1, args.seq_length)
+    configs = parse_configs(rest, [(DataConfig, "data"), (TrainingConfig, "training")], __doc__)
+    data = configs[DataConfig]
+    train = with_length(configs[TrainingConfig], 1, args.seq_length)
     batches = train.batch_schedule(1, args.seq_length)
     plans, starts = plan_mix(data, train, args.seq_length, batches)
     print(f"{train.train_iters} iterations, global batch {batches.final}, seq {args.seq_length}")

@@ -79,7 +79,9 @@ def _machine(args):
 
 def _model(args, rest: list[str]):
     """The engine's configs from its flags in `rest` with --hf-config's model or --load's."""
+    from engine.config.resolve import with_saved_architecture
     from engine.pretrain import parse
+    from engine.train.preflight import saved_architecture
 
     extra = ["--micro-batch-size", "1", "--train-iters", "1"]
     if args.hf_config:
@@ -108,15 +110,12 @@ def _model(args, rest: list[str]):
     if "--load" in given and "--num-layers" not in given and not args.hf_config:
         flags = flags + ["--use-checkpoint-args"]  # the model from the checkpoint
     cfg = parse(flags + extra)
-    if cfg.train.use_checkpoint_args:
-        from engine.train.preflight import use_checkpoint_args
-
-        if not cfg.train.load:
-            raise ConfigError("--use-checkpoint-args needs --load DIR")
-        use_checkpoint_args(cfg)
+    saved = saved_architecture(cfg)  # with --use-checkpoint-args: the model of --load
+    if saved is not None:
+        cfg = with_saved_architecture(cfg, saved)
     if cfg.model.vocab_size is None:
         raise ConfigError("the vocabulary size is unknown: give --vocab-size")
-    if not cfg.train.global_batch_size or cfg.train.global_batch_size < 1:
+    if not cfg.training.global_batch_size or cfg.training.global_batch_size < 1:
         raise ConfigError(
             "give --global-batch-size (>= 1): the planner splits it into micro-batches"
         )
@@ -124,13 +123,14 @@ def _model(args, rest: list[str]):
 
 
 def _checked(model, layout, world: int) -> None:
-    """The engine's own layout checks on the planned flags (engine/train/preflight.py)."""
+    """The engine's own layout checks on the planned flags (engine/config/checks.py)."""
+    from engine.config.checks import check_layout_flags
+    from engine.config.resolve import resolve
     from engine.planning.flags import layout_flags, model_flags
     from engine.pretrain import parse
-    from engine.train.preflight import check_layout_flags
 
     flags = model_flags(model) + layout_flags(model, layout) + ["--train-iters", "1"]
-    check_layout_flags(parse(flags), world)
+    check_layout_flags(resolve(parse(flags), world), world)
 
 
 def _gb(value: float) -> str:
@@ -165,10 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     space = SearchSpace(
         cp=tuple(args.context_parallel_sizes), micro_batch_sizes=tuple(args.micro_batch_sizes)
     )
-    rows = plan(cfg.model, world, cfg.train.global_batch_size, machine, space, args.memory_fraction)
+    global_batch = cfg.training.global_batch_size
+    rows = plan(cfg.model, world, global_batch, machine, space, args.memory_fraction)
     if not rows:
         raise ConfigError(
-            f"no layout of this model splits --global-batch-size {cfg.train.global_batch_size} "
+            f"no layout of this model splits --global-batch-size {global_batch} "
             f"over {world} devices; change the batch or the device count"
         )
     shown = rows[: args.top]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -9,7 +10,7 @@ from engine.config.fields import option
 from engine.errors import ConfigError
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """Where training data comes from and how it is cut into samples."""
 
@@ -71,14 +72,16 @@ class DataConfig:
         paths = (self.train_data_path, self.valid_data_path, self.test_data_path)
         return paths if any(paths) else None
 
-    def read_path_files(self) -> None:
-        """--data-args-path and --per-split-data-args-path into the path lists (as Megatron-LM
-        reads them); ConfigError (one line) for a file that cannot be used."""
+    def with_path_files(self) -> DataConfig:
+        """This config with --data-args-path and --per-split-data-args-path read into the path
+        lists (as Megatron-LM reads them); ConfigError (one line) for a file that cannot be
+        used."""
+        changes: dict = {}
         if self.data_args_path:
             if self.data_path:
                 raise ConfigError("--data-args-path and --data-path both name the data; give one")
-            self.data_path = _read_text(self.data_args_path, "--data-args-path").split()
-            self.data_args_path = None
+            changes["data_path"] = _read_text(self.data_args_path, "--data-args-path").split()
+            changes["data_args_path"] = None
         if self.per_split_data_args_path:
             flag = "--per-split-data-args-path"
             if self.train_data_path or self.valid_data_path or self.test_data_path:
@@ -102,11 +105,11 @@ class DataConfig:
                         f"{flag} {self.per_split_data_args_path}: {name!r} must be a list of "
                         "strings or one string"
                     )
-                setattr(self, f"{name}_data_path", value)
-            self.per_split_data_args_path = None
+                changes[f"{name}_data_path"] = value
+            changes["per_split_data_args_path"] = None
+        return dataclasses.replace(self, **changes) if changes else self
 
     def validate(self) -> None:
-        self.read_path_files()
         if self.per_split_paths and self.data_path:
             raise ConfigError(
                 "--data-path and --train/valid/test-data-path name the data twice; give "

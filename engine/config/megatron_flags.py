@@ -24,7 +24,7 @@ _ON = {"action": "store_const", "const": True}
 _OFF = {"action": "store_const", "const": False}
 
 
-@dataclass
+@dataclass(frozen=True)
 class MegatronCompatConfig:
     """Megatron-LM flags accepted without effect, or refused (see the module docstring)."""
 
@@ -206,7 +206,7 @@ def check_compat(
 
 
 def no_effect_line(
-    compat: MegatronCompatConfig, model=None, train=None, parallel=None
+    compat: MegatronCompatConfig, model=None, runtime=None, parallel=None
 ) -> str | None:
     """The one line printed at start naming the Megatron-LM flags accepted without effect
     (and --num-query-groups, which Megatron-LM reads only with --group-query-attention,
@@ -216,7 +216,7 @@ def no_effect_line(
     names = [_flag_of(n) for n in NO_EFFECT if n in given]
     if model is not None and model.num_query_groups is not None and not model.group_query_attention:
         names.append("--num-query-groups (without --group-query-attention)")
-    if train is not None and train.grad_reduce_in_bf16 and not train.bf16:
+    if runtime is not None and runtime.grad_reduce_in_bf16 and not runtime.bf16:
         names.append("--grad-reduce-in-bf16 (without --bf16)")
     if (
         parallel is not None

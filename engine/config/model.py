@@ -9,8 +9,31 @@ from engine.config.fields import FROM_CHECKPOINT, option
 from engine.config.rope_scaling import rope_scaling_of
 from engine.errors import ConfigError
 
+# Fields that define the model's tensors; --use-checkpoint-args takes them from the checkpoint.
+ARCHITECTURE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "group_query_attention",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "kv_channels",
+    "max_position_embeddings",
+    "vocab_size",
+    "position_embedding_type",
+    "rotary_base",
+    "normalization",
+    "norm_epsilon",
+    "apply_layernorm_1p",
+    "swiglu",
+    "openai_gelu",
+    "add_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "qk_layernorm",
+)
 
-@dataclass
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The decoder's shape and style (GPT-2 or Llama-like are combinations of these)."""
 

@@ -8,7 +8,7 @@ from engine.config.fields import option
 from engine.errors import ConfigError
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     """Optimizer, learning-rate schedule, clipping and loss scaling."""
 

@@ -9,7 +9,7 @@ from engine.errors import ConfigError
 from parallel.pipeline.tables import V_SHAPED
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """How the model and the data are split over processes."""
 

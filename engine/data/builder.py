@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 
+from engine.config.tokenizer import TokenizerConfig
 from engine.data.indexed.dataset import IndexedDataset
 from engine.data.indexed.gpt_dataset import (
     SPLIT_NAMES,
@@ -25,7 +26,7 @@ from engine.data.mix.blended import (
 )
 from engine.data.streaming.dataset import StreamingDataset, StreamPlan
 from engine.data.streaming.shards import is_parquet_path, open_shards
-from engine.data.tokenizers import TokenizerConfig, build_tokenizer
+from engine.data.tokenizers import build_tokenizer
 from engine.errors import ConfigError
 
 # megatron-core builds each dataset of a weighted blend this much larger than its share, so

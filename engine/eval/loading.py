@@ -11,7 +11,8 @@ import tempfile
 import torch
 
 from engine.checkpoint.files import find_latest, iteration_dir
-from engine.data.tokenizers import Tokenizer, TokenizerConfig, build_tokenizer, config_from_record
+from engine.config.tokenizer import TokenizerConfig, config_from_record
+from engine.data.tokenizers import Tokenizer, build_tokenizer
 from engine.errors import ConfigError, InputError
 
 

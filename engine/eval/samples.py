@@ -78,7 +78,7 @@ def decode(
 ) -> list[list[int]]:
     """The continuations (new tokens only, up to the end-of-document token) of `prompts` under
     the run's layout. Collective on every rank; every rank returns the same."""
-    rows, eod = run.cfg.train.micro_batch_size, getattr(run.eval_prompts.tokenizer, "eod", None)
+    rows, eod = run.cfg.training.micro_batch_size, getattr(run.eval_prompts.tokenizer, "eod", None)
     out: list[list[int]] = []
     for start in range(0, len(prompts), rows):
         group = prompts[start : start + rows]
@@ -162,7 +162,7 @@ def log_samples(run) -> None:
     prompts, c = run.eval_prompts, run.counters
     tokenizer = prompts.tokenizer
     greedy = decode(run, prompts.ids, prompts.max_new_tokens, None)
-    generator = torch.Generator().manual_seed(run.cfg.train.seed * 1_000_003 + c.iteration)
+    generator = torch.Generator().manual_seed(run.cfg.training.seed * 1_000_003 + c.iteration)
     sampled = decode(
         run, prompts.ids, prompts.max_new_tokens, generator, prompts.temperature, prompts.top_p
     )

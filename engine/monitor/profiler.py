@@ -21,47 +21,37 @@ from collections.abc import Callable
 
 import torch
 
-from engine.errors import ConfigError
-
-
-def check_profile_flags(train) -> None:
-    """ConfigError (one line) for --profile settings that cannot work."""
-    if not train.profile:
-        return
-    if not 0 <= train.profile_step_start < train.profile_step_end:
-        raise ConfigError(
-            f"--profile-step-start {train.profile_step_start} must be below --profile-step-end "
-            f"{train.profile_step_end} (and not negative)"
-        )
-    torch_profiler = train.use_pytorch_profiler or not torch.cuda.is_available()
-    if torch_profiler and not train.tensorboard_dir:
-        raise ConfigError(
-            "--profile with torch.profiler (--use-pytorch-profiler, or any run without a GPU) "
-            "writes its trace beside --tensorboard-dir; give --tensorboard-dir DIR"
-        )
-
 
 class StepProfiler:
     """Called at the top of every iteration and after it; inert unless --profile names this
     rank (--profile-ranks, default every rank)."""
 
-    def __init__(self, train, rank: int, device: torch.device, settle: Callable[[], None]):
+    def __init__(
+        self,
+        profiling,
+        tensorboard_dir: str | None,
+        rank: int,
+        device: torch.device,
+        settle: Callable[[], None],
+    ):
+        """`profiling`: engine/config/profiling.py's ProfileConfig; torch.profiler's trace goes
+        beside `tensorboard_dir`."""
         self.settle = settle
-        ranks = train.profile_ranks or []
-        self.enabled = bool(train.profile) and (not ranks or rank in ranks)
-        self.start, self.end = train.profile_step_start, train.profile_step_end
+        ranks = profiling.profile_ranks or []
+        self.enabled = bool(profiling.profile) and (not ranks or rank in ranks)
+        self.start, self.end = profiling.profile_step_start, profiling.profile_step_end
         self.rank = rank
         self.torch_profiler = None
         self.cuda_range = False
         if not self.enabled:
             return
-        if device.type == "cuda" and not train.use_pytorch_profiler:
+        if device.type == "cuda" and not profiling.use_pytorch_profiler:
             self.cuda_range = True
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.folder = os.path.join(train.tensorboard_dir, os.pardir, "torch_profile")
+        self.folder = os.path.join(tensorboard_dir, os.pardir, "torch_profile")
         self.torch_profiler = torch.profiler.profile(
             activities=activities,
             schedule=torch.profiler.schedule(

@@ -11,48 +11,33 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from engine.errors import ConfigError
 from engine.monitor.metrics import tensorboard_scalars
 
 
-def wandb_folder(train) -> str:
+def wandb_folder(logging, checkpointing) -> str:
     """Where the run's files go: --wandb-save-dir, else <--save>/wandb (as Megatron-LM)."""
-    return train.wandb_save_dir or os.path.join(train.save, "wandb")
+    return logging.wandb_save_dir or os.path.join(checkpointing.save, "wandb")
 
 
 def wandb_importable() -> bool:
     return importlib.util.find_spec("wandb") is not None
 
 
-def check_wandb_flags(train) -> None:
-    """ConfigError (one line) when --wandb-project cannot be honoured."""
-    if not train.wandb_project:
-        return
-    if not wandb_importable():
-        raise ConfigError(
-            "--wandb-project: wandb is not importable; `pip install wandb` (WANDB_MODE=offline "
-            "logs without network) or drop the --wandb-* flags"
-        )
-    if not train.wandb_save_dir and not train.save:
-        raise ConfigError(
-            "--wandb-project needs a folder for the run: give --wandb-save-dir DIR or --save DIR "
-            "(its wandb/ subfolder is used)"
-        )
-
-
 class WandbWriter:
     """One wandb run, written by the logging rank."""
 
-    def __init__(self, train, config: dict):
+    def __init__(self, logging, checkpointing, config: dict):
+        """`logging` and `checkpointing`: engine/config's LoggingConfig and CheckpointConfig;
+        `config`: the run's settings, as wandb's run config."""
         import wandb
 
-        folder = wandb_folder(train)
+        folder = wandb_folder(logging, checkpointing)
         os.makedirs(folder, exist_ok=True)
-        options = {"dir": folder, "project": train.wandb_project, "config": config}
-        if train.wandb_exp_name:
-            options["name"] = train.wandb_exp_name
-        if train.wandb_entity:
-            options["entity"] = train.wandb_entity
+        options = {"dir": folder, "project": logging.wandb_project, "config": config}
+        if logging.wandb_exp_name:
+            options["name"] = logging.wandb_exp_name
+        if logging.wandb_entity:
+            options["entity"] = logging.wandb_entity
         self.run = wandb.init(**options)
 
     def log(self, record: dict, step: int, split: str | None = None) -> None:

@@ -130,15 +130,14 @@ def time_train_steps(flags: list[str], warmup: int, steps: int, device: str) -> 
     from engine.monitor.metrics import model_flops_per_token
     from engine.pretrain import parse
     from engine.train.loop import train_iteration
-    from engine.train.preflight import check
+    from engine.train.preflight import prepare
     from engine.train.setup import setup
     from parallel.state import ParallelState
 
-    cfg = parse(flags)
-    check(cfg, 1)
+    cfg = prepare(parse(flags), 1)
     engine = setup(cfg, ParallelState.build(1, 1, device=device))
     dev = torch.device(device)
-    mbs, seq = cfg.train.micro_batch_size, cfg.model.seq_length
+    mbs, seq = cfg.training.micro_batch_size, cfg.model.seq_length
     tokens = torch.randint(0, cfg.model.vocab_size, (mbs, seq + 1))
     batch = {"tokens": tokens[:, :-1].to(dev), "labels": tokens[:, 1:].to(dev)}
     times = []

@@ -37,14 +37,13 @@ def measure_rank(rank: int, world: int, flags: list[str], warmup: int, steps: in
     from engine.planning.state_memory import held_state_bytes
     from engine.pretrain import parse
     from engine.train.loop import train_iteration
-    from engine.train.preflight import check, device_of
+    from engine.train.preflight import device_of, prepare
     from engine.train.setup import setup
     from parallel.state import ParallelState
 
-    cfg = parse(flags)
-    check(cfg, world)
+    cfg = prepare(parse(flags), world)
     par = cfg.parallel
-    device = device_of(cfg.train)
+    device = device_of(cfg.runtime)
     if device.type == "cuda":  # one GPU per rank, as torchrun places them
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -55,7 +54,7 @@ def measure_rank(rank: int, world: int, flags: list[str], warmup: int, steps: in
         device=device,
     )
     run = setup(cfg, state)
-    train, seq = cfg.train, cfg.model.seq_length
+    train, seq = cfg.training, cfg.model.seq_length
     m = train.num_microbatches(state.dp_size, train.global_batch(state.dp_size))
     generator = torch.Generator().manual_seed(1 + state.dp_rank)
     tokens = torch.randint(

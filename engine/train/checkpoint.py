@@ -6,9 +6,9 @@ import dataclasses
 
 from engine.checkpoint.files import find_latest, iteration_dir
 from engine.checkpoint.load import load_checkpoint
+from engine.config.tokenizer import tokenizer_record
 from engine.data.mix.schedule import check_resumed_schedule
 from engine.data.streaming.dataset import StreamingDataset
-from engine.data.tokenizers import tokenizer_record
 from engine.interop.megatron.checkpoint import load_weights, megatron_latest, megatron_progress
 from engine.train.state import Counters, Run, layout_of
 from parallel.random import model_parallel_seed
@@ -17,19 +17,19 @@ from parallel.random import model_parallel_seed
 def resume(run: Run) -> None:
     """Load the latest checkpoint of --load into the run (as --finetune, --no-load-optim and
     --no-load-rng say)."""
-    train = run.cfg.train
-    megatron = megatron_latest(train.load)
+    checkpointing = run.cfg.checkpointing
+    megatron = megatron_latest(checkpointing.load)
     if megatron is not None:
         _resume_from_megatron(run, megatron)
         return
-    iteration = find_latest(train.load)
+    iteration = find_latest(checkpointing.load)
     if iteration is None:
-        run.writer.print(f"no checkpoint in {train.load}; starting from scratch")
+        run.writer.print(f"no checkpoint in {checkpointing.load}; starting from scratch")
         return
-    path = iteration_dir(train.load, iteration)
+    path = iteration_dir(checkpointing.load, iteration)
     # As Megatron-LM: --finetune takes the weights alone; --no-load-optim leaves out the
     # optimizer, its loss scaler and the learning-rate schedule; --no-load-rng the RNG.
-    load_optimizer = not (train.finetune or train.no_load_optim)
+    load_optimizer = not (checkpointing.finetune or checkpointing.no_load_optim)
     meta = load_checkpoint(
         path,
         run.chunks,
@@ -39,10 +39,10 @@ def resume(run: Run) -> None:
         run.tracker,
         group=run.checkpoint_group,
         load_optimizer=load_optimizer,
-        verify=train.verify_checkpoint,
-        load_rng=not (train.finetune or train.no_load_rng),
+        verify=checkpointing.verify_checkpoint,
+        load_rng=not (checkpointing.finetune or checkpointing.no_load_rng),
     )
-    if train.finetune:
+    if checkpointing.finetune:
         run.writer.print(f"fine-tuning from the weights of {path}; starting at iteration 0")
         reseed(run, 0)
         return
@@ -65,7 +65,7 @@ def resume(run: Run) -> None:
     run.data_state = meta.get("data")
     if not meta["rng_restored"]:
         how = "with re-seeded random streams (" + (
-            "--no-load-rng)" if train.no_load_rng else "new layout)"
+            "--no-load-rng)" if checkpointing.no_load_rng else "new layout)"
         )
     else:
         how = "exactly"
@@ -88,10 +88,10 @@ def _resume_from_megatron(run: Run, path: str) -> None:
     --finetune its iteration, consumed samples and (unless --no-load-optim) learning-rate
     schedule and Adam state (when it holds one; otherwise the optimizer starts from the
     weights, and the resume line says so)."""
-    train = run.cfg.train
-    load_optimizer = not (train.finetune or train.no_load_optim)
+    checkpointing = run.cfg.checkpointing
+    load_optimizer = not (checkpointing.finetune or checkpointing.no_load_optim)
     step = load_weights(path, run.chunks, run.cfg.model, run.optimizer if load_optimizer else None)
-    if train.finetune:
+    if checkpointing.finetune:
         run.writer.print(f"fine-tuning from the weights of Megatron-LM's {path}; iteration 0")
         reseed(run, 0)
         return
@@ -121,7 +121,7 @@ def _resume_from_megatron(run: Run, path: str) -> None:
 
 def reseed(run: Run, iteration: int) -> None:
     """Fresh random streams for a run that could not restore the saved ones."""
-    seed = run.cfg.train.seed + iteration
+    seed = run.cfg.training.seed + iteration
     state = run.state
     run.tracker = model_parallel_seed(
         seed, state.tp_rank, state.pp_rank, state.device, state.cp_rank
@@ -159,7 +159,7 @@ def save(run: Run) -> None:
         meta["data"] = run.train_iterator.state_dict()  # rank 0 (a first stage) writes meta
     stall = run.checkpointer.save(c.iteration, run.chunks, run.optimizer, meta, run.tracker)
     run.last_saved = c.iteration
-    kind = "started (async)" if run.cfg.train.async_save else "saved"
+    kind = "started (async)" if run.checkpointer.async_save else "saved"
     run.writer.print(
         f"checkpoint {kind}: {iteration_dir(run.checkpointer.root, c.iteration)} "
         f"(stalled {stall:.2f}s)"

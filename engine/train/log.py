@@ -53,12 +53,12 @@ def log_window(run: Run, window: list[dict], tokens: int) -> None:
 
 def _write(run: Run, record: dict, loss: float) -> None:
     """The record to the metrics writers, and its console line."""
-    c, train = run.counters, run.cfg.train
+    c, iterations = run.counters, run.cfg.training.train_iters
     run.writer.log(record, c.iteration)
     mfu = f" | mfu {record['mfu']:.1%}" if "mfu" in record else ""
     grad = f"{record['grad_norm']:.3f}" if record["grad_norm"] is not None else "skipped"
     run.writer.print(
-        f"iteration {c.iteration:6d}/{train.train_iters} | consumed {c.consumed_samples} | "
+        f"iteration {c.iteration:6d}/{iterations} | consumed {c.consumed_samples} | "
         f"lm loss {loss:.4f} | lr {record['lr']:.3e} | grad norm {grad} | "
         f"{record['tokens_per_sec']:,.0f} tokens/s | {record['tflops_per_device']:.3f} "
         f"TFLOP/s/device{mfu} | skipped {c.skipped_iters} | mem {record['mem_gb']:.2f} GB"

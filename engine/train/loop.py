@@ -41,7 +41,7 @@ def domain_names(dataset) -> tuple[str, ...]:
 
 def micro_batches_per_step(run: Run, global_batch: int) -> int:
     """This DP rank's micro-batches in a step of `global_batch` samples."""
-    return global_batch // (run.cfg.train.micro_batch_size * run.state.dp_size)
+    return global_batch // (run.cfg.training.micro_batch_size * run.state.dp_size)
 
 
 def train_iteration(run: Run, batches: list[dict], global_batch: int | None = None) -> dict:
@@ -58,10 +58,10 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         if not math.isfinite(loss):
             return False
         decision["spike_z"] = run.spikes.check(loss)
-        decision["attempted"] = decision["spike_z"] is None or not run.cfg.train.skip_spike_batches
+        decision["attempted"] = decision["spike_z"] is None or not run.cfg.exit.skip_spike_batches
         return decision["attempted"]
 
-    every = run.cfg.train.log_grad_norms_interval
+    every = run.cfg.logging.log_grad_norms_interval
     parts = run.norm_parts if every and iteration % every == 0 else None
     names = domain_names(run.datasets[0])
     out = train_step(
@@ -113,10 +113,10 @@ def evaluate(run: Run, split: int) -> tuple[float, dict] | None:
     Parquet valid stream starts again when a run resumes); the test split is read from its
     start."""
     dataset = run.datasets[split]
-    if dataset is None or run.cfg.train.eval_iters == 0:
+    if dataset is None or run.cfg.evaluation.eval_iters == 0:
         return None
     run.optimizer.finish_param_sync()
-    state, train, c = run.state, run.cfg.train, run.counters
+    state, c = run.state, run.counters
     if split != 1:
         iterator = data_iterator(run, dataset, 0, num_workers=0)
     elif isinstance(dataset, StreamingDataset):
@@ -124,20 +124,22 @@ def evaluate(run: Run, split: int) -> tuple[float, dict] | None:
             run.valid_iterator = data_iterator(run, dataset, 0, num_workers=0)
         iterator = run.valid_iterator
     else:
-        if c.consumed_valid_samples + train.eval_iters * run.batches.final > len(dataset):
+        if c.consumed_valid_samples + run.cfg.evaluation.eval_iters * run.batches.final > len(
+            dataset
+        ):
             # more evaluations than the split was built for (a run resumed with other flags):
             # start it again, as Megatron-LM's cyclic loader would
             c.consumed_valid_samples = 0
         iterator = data_iterator(run, dataset, c.consumed_valid_samples, num_workers=0)
     if split == 1:
-        c.consumed_valid_samples += train.eval_iters * run.batches.final
+        c.consumed_valid_samples += run.cfg.evaluation.eval_iters * run.batches.final
     names = domain_names(dataset)
     total, count = None, micro_batches_per_step(run, run.batches.final)
-    for _ in range(train.eval_iters):
+    for _ in range(run.cfg.evaluation.eval_iters):
         batches = next_batches(iterator, count, state.device)
         values = eval_step(run.chunks, batches, state, run.schedule, len(names))
         total = values if total is None else [a + b for a, b in zip(total, values)]
-    mean = [value / train.eval_iters for value in total]
+    mean = [value / run.cfg.evaluation.eval_iters for value in total]
     return mean[0], domain_losses(mean[1:], names) if names else {}
 
 
@@ -154,7 +156,7 @@ def data_iterator(run: Run, dataset, consumed: int, num_workers: int, state=None
         if isinstance(dataset, StreamingDataset):
             dataset.resume_positions(consumed, state)  # a bad data state fails on every rank
         return None
-    mbs, dp_rank, dp_size = run.cfg.train.micro_batch_size, run.state.dp_rank, run.state.dp_size
+    mbs, dp_rank, dp_size = run.cfg.training.micro_batch_size, run.state.dp_rank, run.state.dp_size
     pin = run.state.device.type == "cuda"  # page-locked batches copy to the GPU asynchronously
     if isinstance(dataset, StreamingDataset):
         return dataset.iterator(consumed, mbs, dp_rank, dp_size, num_workers, state, pin)
@@ -188,7 +190,7 @@ class NaNLimit(Exception):
 
 def train(run: Run) -> Counters:
     """The loop from the current counters to --train-iters (or --exit-interval)."""
-    state, train_cfg, c = run.state, run.cfg.train, run.counters
+    state, c = run.state, run.counters
     iterator = data_iterator(
         run, run.datasets[0], c.consumed_samples, run.cfg.data.num_workers, run.data_state
     )
@@ -197,7 +199,7 @@ def train(run: Run) -> Counters:
     tokens_since_log = 0
     run.throughput.reset()
     run.times.take()  # the time breakdown starts with the window
-    while c.iteration < train_cfg.train_iters:
+    while c.iteration < run.cfg.training.train_iters:
         run.profiler.before_iteration(c.iteration)
         _announce_mix_phase(run)
         global_batch = run.batches.at(c.consumed_samples)
@@ -213,30 +215,37 @@ def train(run: Run) -> Counters:
         c.optimizer_step += record["updated"]
         c.nan_iters += record["nan"]
         if record["spike_z"] is not None:
-            action = "update skipped" if train_cfg.skip_spike_batches else "kept"
+            action = "update skipped" if run.cfg.exit.skip_spike_batches else "kept"
             run.writer.print(
                 f"loss spike at iteration {c.iteration}: {record['lm_loss']:.4f} "
                 f"(z = {record['spike_z']:.1f}); {action}"
             )
         window.append(record)
-        if c.iteration % train_cfg.log_interval == 0 or c.iteration == train_cfg.train_iters:
+        if (
+            c.iteration % run.cfg.logging.log_interval == 0
+            or c.iteration == run.cfg.training.train_iters
+        ):
             log_window(run, window, tokens_since_log)
             window, tokens_since_log = [], 0
-        every = train_cfg.eval_interval
-        if every and c.iteration % every == 0 and c.iteration < train_cfg.train_iters:
+        every = run.cfg.evaluation.eval_interval
+        if every and c.iteration % every == 0 and c.iteration < run.cfg.training.train_iters:
             with run.times.measure("evaluate"), run.times.paused():
                 log_eval(run, "valid", evaluate(run, 1))
                 if run.eval_prompts is not None:
                     log_samples(run)
-        if train_cfg.exit_on_nan_count and c.nan_iters >= train_cfg.exit_on_nan_count:
+        if run.cfg.exit.exit_on_nan_count and c.nan_iters >= run.cfg.exit.exit_on_nan_count:
             raise NaNLimit(
                 f"stopping at iteration {c.iteration}: {c.nan_iters} iterations with a NaN/Inf "
-                f"loss or gradient (--exit-on-nan-count {train_cfg.exit_on_nan_count}); "
+                f"loss or gradient (--exit-on-nan-count {run.cfg.exit.exit_on_nan_count}); "
                 "checkpoints already saved are kept"
             )
-        stop = bool(train_cfg.exit_interval) and c.iteration % train_cfg.exit_interval == 0
+        stop = bool(run.cfg.exit.exit_interval) and c.iteration % run.cfg.exit.exit_interval == 0
         if run.checkpointer is not None and (
-            stop or (train_cfg.save_interval and c.iteration % train_cfg.save_interval == 0)
+            stop
+            or (
+                run.cfg.checkpointing.save_interval
+                and c.iteration % run.cfg.checkpointing.save_interval == 0
+            )
         ):
             with run.times.measure("save-checkpoint"):
                 save(run)
@@ -255,8 +264,8 @@ def train(run: Run) -> Counters:
 
 def finish(run: Run) -> None:
     """End of run: valid and test evaluation, a final checkpoint, peak memory per rank."""
-    c, train_cfg = run.counters, run.cfg.train
-    if c.iteration >= train_cfg.train_iters:
+    c = run.counters
+    if c.iteration >= run.cfg.training.train_iters:
         log_eval(run, "valid", evaluate(run, 1))
         if run.eval_prompts is not None:
             log_samples(run)

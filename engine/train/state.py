@@ -8,30 +8,13 @@ import torch
 
 from engine.checkpoint.save import Checkpointer
 from engine.config.batch_schedule import BatchSchedule
-from engine.config.data import DataConfig
-from engine.config.megatron_flags import MegatronCompatConfig
-from engine.config.model import ModelConfig
-from engine.config.optimizer import OptimizerConfig
-from engine.config.parallel import ParallelConfig
-from engine.config.training import TrainConfig
-from engine.data.tokenizers import TokenizerConfig
+from engine.config.configs import Configs
+from engine.config.runtime import RuntimeConfig
 from engine.monitor.metrics import MetricsWriter, SpikeDetector, Throughput
 from engine.monitor.profiler import StepProfiler
 from engine.optim.lr_schedule import LRScheduler
 from engine.train.exit_conditions import ExitConditions
 from parallel.state import ParallelState
-
-
-@dataclass
-class Configs:
-    model: ModelConfig
-    parallel: ParallelConfig
-    optimizer: OptimizerConfig
-    data: DataConfig
-    train: TrainConfig
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    megatron: MegatronCompatConfig = field(default_factory=MegatronCompatConfig)
-    given: frozenset[str] = frozenset()  # the flags on the command line
 
 
 @dataclass
@@ -83,8 +66,8 @@ class Run:
     mix: object = None  # the train blend's weights over the run: engine/data/mix/schedule.py
 
 
-def params_dtype(train: TrainConfig) -> torch.dtype:
-    return torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
+def params_dtype(runtime: RuntimeConfig) -> torch.dtype:
+    return torch.bfloat16 if runtime.bf16 else torch.float16 if runtime.fp16 else torch.float32
 
 
 def layout_of(state: ParallelState, cfg: Configs) -> dict:

@@ -41,7 +41,7 @@ class DatasetPlan:
 
 def plan_mix(data, train, seq_length: int, batches) -> tuple[list[DatasetPlan], list[int]]:
     """(one plan per dataset of the train blend, the first iteration of each phase) for a run
-    of `train` (TrainConfig, its length resolved) over `data` (DataConfig)."""
+    of `train` (TrainingConfig, its length resolved) over `data` (DataConfig)."""
     paths = data.train_data_path or data.data_path
     if data.mock_data or not paths:
         raise ConfigError("--data-path: give the blend to report on (weight name:PREFIX ...)")

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.config.tokenizer import TokenizerConfig
 from engine.data.indexed.dataset import IndexedDatasetBuilder, optimal_dtype
 from engine.data.prepare.readers import Record, decode_record, expand_inputs, iter_records
-from engine.data.tokenizers import Tokenizer, TokenizerConfig, build_tokenizer
+from engine.data.tokenizers import Tokenizer, build_tokenizer
 from engine.data.tokenizers.gigatoken_encoder import CHOICES, GigatokenEncoder, gigatoken_encoder
 from engine.errors import InputError
 from parallel.errors import one_line

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.config.tokenizer import TokenizerConfig
 from engine.data.indexed.gpt_dataset import SPLIT_NAMES, split_ranges
 from engine.data.indexed.helpers import build_blending_indices
 from engine.data.loader import collate_samples
 from engine.data.streaming.shards import Shard, ShardCursor
-from engine.data.tokenizers import TokenizerConfig, build_tokenizer
+from engine.data.tokenizers import build_tokenizer
 from engine.errors import ConfigError, InputError
 
 ORDER_RULES = 2  # the version of the cutting and blending rules (see fingerprint)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from engine.config.tokenizer import TOKENIZER_TYPES, TokenizerConfig
 from engine.data.tokenizers.base import Tokenizer
-from engine.data.tokenizers.config import TOKENIZER_TYPES, TokenizerConfig
 from engine.errors import ConfigError
 
 

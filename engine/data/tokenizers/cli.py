@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config.arguments import add_dataclass_arguments, build_configs
-from engine.data.tokenizers.config import TokenizerConfig
+from engine.config.tokenizer import TokenizerConfig
 
 
 def add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:

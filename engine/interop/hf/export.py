@@ -18,8 +18,8 @@ import torch
 from engine.checkpoint.files import find_latest, iteration_dir
 from engine.checkpoint.load import open_checkpoint, read_tensors, verify_checkpoint
 from engine.config.model import ModelConfig
-from engine.data.tokenizers import Tokenizer, TokenizerConfig, build_tokenizer
-from engine.data.tokenizers.config import config_from_record
+from engine.config.tokenizer import TokenizerConfig, config_from_record
+from engine.data.tokenizers import Tokenizer, build_tokenizer
 from engine.errors import CheckpointError, ConfigError, UserError
 from engine.files.outputs import replace_folder
 from engine.interop.hf.architectures import QWEN2, hf_config_dict, hf_tensors, style_of

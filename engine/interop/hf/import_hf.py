@@ -20,7 +20,8 @@ import torch
 
 from engine.checkpoint.convert import check_new_output, write_converted
 from engine.checkpoint.files import iteration_dir
-from engine.data.tokenizers import TokenizerConfig, build_tokenizer, tokenizer_record
+from engine.config.tokenizer import TokenizerConfig, tokenizer_record
+from engine.data.tokenizers import build_tokenizer
 from engine.errors import InputError, UserError
 from engine.interop.hf.architectures import hf_tensors, model_config_from_hf
 from parallel.checkpoint.dcp import LazyTensor

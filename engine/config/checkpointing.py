@@ -1,0 +1,49 @@
+"""Checkpoints (`CheckpointConfig`): where a run saves and loads, how often, how many it keeps,
+and what a load restores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config.fields import option
+from engine.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving and loading checkpoints."""
+
+    save: str | None = option(None, "checkpoint directory to save to")
+    load: str | None = option(None, "checkpoint directory to resume from (its latest)")
+    verify_checkpoint: bool = option(
+        True,
+        "load --load's checkpoint without comparing its files with the checksums recorded when "
+        "they were written (sizes are still checked)",
+        flag="--no-verify",
+        action="store_false",
+    )
+    finetune: bool = option(
+        False,
+        "load only the model weights of --load: iteration, samples, optimizer, learning-rate "
+        "schedule, data position and random state start afresh",
+    )
+    no_load_optim: bool = option(
+        False,
+        "resume without the optimizer state, loss scaler and learning-rate schedule (they "
+        "start afresh, as in Megatron-LM); iteration and data position are kept",
+    )
+    no_load_rng: bool = option(False, "resume without the saved random state (re-seeded)")
+    use_checkpoint_args: bool = option(
+        False, "take the model's shape and style from the --load checkpoint, not the flags"
+    )
+    save_interval: int | None = option(None, "steps between checkpoints")
+    keep_last_n: int | None = option(None, "keep only the newest N checkpoints")
+    async_save: bool = option(False, "write checkpoints in the background")
+
+    def validate(self) -> None:
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ConfigError("--save-interval must be at least 1")
+        if self.save_interval and not self.save:
+            raise ConfigError("--save-interval needs --save DIR")
+        if self.keep_last_n is not None and self.keep_last_n < 1:
+            raise ConfigError("--keep-last-n must be at least 1")

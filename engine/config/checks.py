@@ -1,0 +1,159 @@
+"""The checks of a resolved configuration that read nothing but the configs and the world
+size: the Megatron-LM flags this engine refuses, the layout (sizes against the world and the
+model, context parallelism, pipeline stages and schedule, the batch split), the extra
+measurements, the optimizer's schedule against the run's length, and each config's own
+fields. They only read; engine/config/resolve.py wrote everything derived before them, and
+engine/train/preflight.py adds the checks that read files, tokenizers and devices.
+"""
+
+from __future__ import annotations
+
+from engine.config.configs import Configs
+from engine.config.megatron_flags import check_compat
+from engine.errors import ConfigError
+from parallel.pipeline.layout import stage_layers
+from parallel.pipeline.tables import PLACEMENT, SPLIT_BACKWARD, V_SHAPED, min_microbatches
+from parallel.state import check_layout
+
+
+def check_configs(cfg: Configs, world_size: int) -> int:
+    """ConfigError (one line) on the first problem; returns the data-parallel size."""
+    m, par = cfg.model, cfg.parallel
+    check_compat(cfg.megatron, m.position_embedding_type, par.use_megatron_fsdp)
+    dp = check_layout_flags(cfg, world_size)
+    _check_noise_scale(cfg.logging, par, dp)
+    _check_profile_steps(cfg.profiling)
+    training = cfg.training
+    cfg.optimizer.validate(training.train_iters, training.train_samples, training.global_batch(dp))
+    cfg.data.validate()
+    return dp
+
+
+def check_layout_flags(cfg: Configs, world_size: int) -> int:
+    """The checks of a layout that need no data or files (sizes against the world and the
+    model, context parallelism, pipeline stages and schedule, the batch split, the run's
+    length); returns the data-parallel size. tools/plan.py validates the layouts it shows
+    with this."""
+    m, par = cfg.model, cfg.parallel
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    dp = check_layout(world_size, tp, pp, cp=par.context_parallel_size)
+    m.validate(tp, par.sequence_parallel)
+    _check_context_parallel(m, par)
+    par.validate(m.num_layers)
+    for section in (cfg.runtime, cfg.logging, cfg.evaluation, cfg.checkpointing):
+        section.validate()
+    _check_pipeline(cfg, dp)
+    return dp
+
+
+def _check_profile_steps(profiling) -> None:
+    if profiling.profile and not 0 <= profiling.profile_step_start < profiling.profile_step_end:
+        raise ConfigError(
+            f"--profile-step-start {profiling.profile_step_start} must be below "
+            f"--profile-step-end {profiling.profile_step_end} (and not negative)"
+        )
+
+
+def _check_noise_scale(logging, par, dp: int) -> None:
+    """The noise scale needs each DP rank's whole own gradient of a step: two or more DP
+    ranks, no CP (a CP rank's gradient covers part of each sequence), and gradients reduced
+    once per step (not sharded every micro-batch)."""
+    if not logging.log_gradient_noise_scale:
+        return
+    flag = "--log-gradient-noise-scale"
+    if dp < 2:
+        raise ConfigError(
+            f"{flag} compares each data-parallel rank's gradient with their "
+            "mean: it needs a data-parallel size of 2 or more"
+        )
+    if par.context_parallel_size > 1:
+        raise ConfigError(f"{flag} is not available with --context-parallel-size above 1")
+    if par.sharding_strategy() in ("optim_grads", "optim_grads_params"):
+        raise ConfigError(
+            f"{flag} is not available with --data-parallel-sharding-strategy "
+            f"{par.sharding_strategy()} (gradients are reduced every micro-batch); use optim"
+        )
+
+
+def _check_context_parallel(m, par) -> None:
+    """The sequence splits into 2 x CP chunks (and each CP rank's part over TP under SP);
+    the comm types fit the layers and the heads."""
+    cp, tp, types = par.context_parallel_size, par.tensor_model_parallel_size, par.cp_comm_type
+    if len(types) not in (1, m.num_layers):
+        raise ConfigError(
+            f"--cp-comm-type: {len(types)} values for {m.num_layers} layers; give one value, or "
+            "one per layer"
+        )
+    if "a2a+p2p" in types:
+        raise ConfigError(
+            "--cp-comm-type a2a+p2p: hierarchical context parallelism is not available in this "
+            "engine; use p2p, a2a or allgather"
+        )
+    if cp == 1:
+        return
+    if m.seq_length % (2 * cp):
+        raise ConfigError(
+            f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size {cp} "
+            f"(each CP rank holds two chunks of every sequence); use a multiple of {2 * cp}"
+        )
+    if par.sequence_parallel and (m.seq_length // cp) % tp:
+        raise ConfigError(
+            f"--seq-length {m.seq_length} / --context-parallel-size {cp} is not divisible by "
+            f"--tensor-model-parallel-size {tp} (--sequence-parallel splits each CP rank's part)"
+        )
+    if m.attention_dropout > 0 and set(types) - {"a2a"}:
+        raise ConfigError(
+            f"--attention-dropout {m.attention_dropout}: dropout inside context-parallel "
+            "attention is available with --cp-comm-type a2a only; pass --attention-dropout 0.0 "
+            "(as Megatron-LM's Llama examples do) or --cp-comm-type a2a"
+        )
+    if "a2a" in types:
+        for flag, count in (
+            ("--num-attention-heads", m.num_attention_heads),
+            ("key/value groups (--num-query-groups)", m.query_groups),
+        ):
+            if (count // tp) % cp:
+                raise ConfigError(
+                    f"--cp-comm-type a2a: {flag} {count} / --tensor-model-parallel-size {tp} "
+                    f"is not divisible by --context-parallel-size {cp}; use p2p or allgather"
+                )
+
+
+def _check_pipeline(cfg, dp: int) -> None:
+    m, par, train = cfg.model, cfg.parallel, cfg.training
+    pp = par.pipeline_model_parallel_size
+    virtual = par.virtual_size(m.num_layers)
+    for rank in range(pp):
+        stage_layers(
+            m.num_layers,
+            pp,
+            rank,
+            virtual,
+            par.decoder_first_pipeline_num_layers,
+            par.decoder_last_pipeline_num_layers,
+            PLACEMENT.get(par.pipeline_schedule, "loop"),
+        )
+    if par.pipeline_schedule in SPLIT_BACKWARD and not par.gradient_accumulation_fusion:
+        raise ConfigError(
+            f"--pipeline-schedule {par.pipeline_schedule} defers the weight-gradient GEMMs that "
+            "add into the fp32 gradient buffer, which --no-gradient-accumulation-fusion turns "
+            "off (every W would be empty): drop that flag or use 1f1b"
+        )
+    schedule = train.batch_schedule(dp, m.seq_length)
+    batches, _ = schedule.sizes(train.train_iters)
+    for batch in sorted(batches | {schedule.final}):
+        microbatches = train.num_microbatches(dp, batch)
+        fewest = min_microbatches(par.pipeline_schedule, pp)
+        if microbatches < fewest:
+            rule = "2 x pipeline-model-parallel-size" + (" - 1" if fewest % 2 else "")
+            raise ConfigError(
+                f"--pipeline-schedule {par.pipeline_schedule} needs at least {rule} = {fewest} "
+                f"micro-batches per step ({microbatches} = global batch {batch} / "
+                f"(micro-batch-size x data-parallel size {dp}))"
+            )
+        if virtual > 1 and microbatches % pp and par.pipeline_schedule not in V_SHAPED:
+            raise ConfigError(
+                f"interleaved pipelining needs the micro-batches per step ({microbatches} = "
+                f"global batch {batch} / (micro-batch-size x data-parallel size {dp})) to be a "
+                f"multiple of pipeline-model-parallel-size {pp}"
+            )

@@ -1,0 +1,64 @@
+"""Every setting of a training run: one typed config per concern, made from the command line
+(engine/config/arguments.py), completed once by engine/config/resolve.py, read-only after
+(every config is a frozen dataclass)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config.checkpointing import CheckpointConfig
+from engine.config.data import DataConfig
+from engine.config.evaluation import EvalConfig
+from engine.config.exits import ExitConfig
+from engine.config.logs import LoggingConfig
+from engine.config.megatron_flags import MegatronCompatConfig
+from engine.config.model import ModelConfig
+from engine.config.optimizer import OptimizerConfig
+from engine.config.parallel import ParallelConfig
+from engine.config.profiling import ProfileConfig
+from engine.config.runtime import RuntimeConfig
+from engine.config.tokenizer import TokenizerConfig
+from engine.config.training import TrainingConfig
+
+
+@dataclass(frozen=True)
+class Configs:
+    """A training run's configs; `given` holds the flags its command line named."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpointing: CheckpointConfig = field(default_factory=CheckpointConfig)
+    exit: ExitConfig = field(default_factory=ExitConfig)
+    profiling: ProfileConfig = field(default_factory=ProfileConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    megatron: MegatronCompatConfig = field(default_factory=MegatronCompatConfig)
+    given: frozenset[str] = frozenset()
+
+
+# (Configs field, its config class, its group's title in --help), in --help's order
+SECTIONS = (
+    ("model", ModelConfig, "model"),
+    ("parallel", ParallelConfig, "parallelism"),
+    ("optimizer", OptimizerConfig, "optimizer, learning rate, loss scaling"),
+    ("data", DataConfig, "data"),
+    ("training", TrainingConfig, "training length and batch"),
+    ("runtime", RuntimeConfig, "device, precision and kernels"),
+    ("evaluation", EvalConfig, "evaluation"),
+    ("logging", LoggingConfig, "logging"),
+    ("checkpointing", CheckpointConfig, "checkpoints"),
+    ("exit", ExitConfig, "exit conditions and skipped steps"),
+    ("profiling", ProfileConfig, "profiling"),
+    ("tokenizer", TokenizerConfig, "tokenizer"),
+    ("megatron", MegatronCompatConfig, "Megatron-LM flags accepted without effect, or refused"),
+)
+
+
+def configs_from(parsed: dict[type, object], given: frozenset[str]) -> Configs:
+    """Configs from engine/config/arguments.py's {class: instance}."""
+    return Configs(**{name: parsed[cls] for name, cls, _ in SECTIONS}, given=given)

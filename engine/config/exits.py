@@ -1,0 +1,31 @@
+"""When a run stops early or skips a step (`ExitConfig`): NaN/Inf losses, loss spikes, an exit
+interval, a wall-clock limit, a signal."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config.fields import option
+
+
+@dataclass(frozen=True)
+class ExitConfig:
+    """Early stops and skipped steps."""
+
+    exit_on_nan_count: int | None = option(
+        None, "stop after this many steps with a NaN/Inf loss or gradient"
+    )
+    spike_zscore: float = option(6.0, "a loss this many std devs above the recent mean is a spike")
+    spike_window: int = option(50, "steps of loss history for spike detection")
+    skip_spike_batches: bool = option(False, "skip the update of a step whose loss spikes")
+    exit_interval: int | None = option(None, "stop (after saving) when iteration % this == 0")
+    exit_duration_in_mins: float | None = option(
+        None,
+        "stop (after saving) once the processes have run this many minutes; exit code 0 "
+        "(0: no limit)",
+    )
+    exit_signal_handler: bool = option(
+        False,
+        "on SIGTERM (a preempted or time-limited Slurm job): finish the iteration, save, exit "
+        "with code 0",
+    )

@@ -1,0 +1,51 @@
+"""What a run logs and where (`LoggingConfig`): the log interval, the time breakdown, gradient
+norms and noise scale, JSONL, TensorBoard and Weights & Biases."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config.fields import option
+from engine.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """The log lines, the extra measurements and the metrics writers."""
+
+    log_interval: int = option(100, "steps between log lines")
+    timing_log_level: int = option(
+        0,
+        "the time breakdown (time/* in the log) is always measured; from 1 on, the device is "
+        "synchronised around each measured part so that GPU work is counted where it runs "
+        "(adds synchronisations); 2 also times each tensor-parallel collective on a GPU "
+        "(tp-comm, timed on CPU at any level; never under --torch-compile), giving up its "
+        "overlap with the GEMMs",
+        choices=(0, 1, 2),
+    )
+    log_gradient_noise_scale: bool = option(
+        False,
+        "log the gradient noise scale (McCandlish et al.'s B_simple, from each DP rank's own "
+        "gradient norm and the reduced one, smoothed); needs DP >= 2",
+    )
+    log_grad_norms_interval: int | None = option(
+        None,
+        "every this many iterations, log the gradient norm of each layer, the embeddings, the "
+        "final norm, the output layer and each optimizer parameter group",
+    )
+    log_jsonl: str | None = option(None, "append one JSON object per log line to this file")
+    tensorboard_dir: str | None = option(None, "write TensorBoard scalars here")
+    wandb_project: str | None = option(
+        None,
+        "log to this Weights & Biases project (needs wandb installed; WANDB_MODE=offline "
+        "works without network)",
+    )
+    wandb_exp_name: str | None = option(None, "the wandb run's name")
+    wandb_save_dir: str | None = option(None, "where wandb writes the run (default <--save>/wandb)")
+    wandb_entity: str | None = option(None, "the wandb team or user to log under")
+
+    def validate(self) -> None:
+        if self.log_grad_norms_interval is not None and self.log_grad_norms_interval < 1:
+            raise ConfigError("--log-grad-norms-interval must be positive (or left out)")
+        if self.log_interval < 1:
+            raise ConfigError("--log-interval must be at least 1")
