@@ -13,7 +13,7 @@ from engine.monitor.grad_norm_parts import grad_norm_parts
 from engine.monitor.noise_scale import LocalGradSquares
 from engine.optim.lr_schedule import LRScheduler
 from engine.optim.optimizer import build_optimizer, no_weight_decay
-from engine.train.step import run_schedule, train_step
+from engine.train.step import StepFeatures, run_schedule, train_step
 from parallel.data_parallel.ddp import DistributedDataParallel
 from parallel.grads import finalize_model_grads
 from parallel.pipeline.schedules import get_schedule
@@ -194,8 +194,7 @@ def engine_run(
                 batches,
                 state,
                 schedule,
-                norm_parts=parts,
-                local_squares=own,
+                features=StepFeatures(norm_parts=parts, local_squares=own),
             )
         )
     optimizer.finish_param_sync()
@@ -336,7 +335,7 @@ def engine_steps(rank: int, world: int, extra: list[str], steps: int = 3):
     on `world` ranks (each data-parallel rank its own fixed random micro-batch). Returns
     the parameters by name before and after, the losses, and the main grads' dtype."""
     from engine.pretrain import parse
-    from engine.train.loop import train_iteration
+    from engine.train.iteration import train_iteration
     from engine.train.preflight import prepare
     from engine.train.setup import setup
     from parallel.state import ParallelState
@@ -366,5 +365,5 @@ def engine_steps(rank: int, world: int, extra: list[str], steps: int = 3):
     losses = []
     for _ in range(steps):
         record = train_iteration(engine, [{"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}])
-        losses.append(record["lm_loss"])
+        losses.append(record.lm_loss)
     return before, params(), losses, ddp.params[0].main_grad.dtype

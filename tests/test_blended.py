@@ -10,6 +10,7 @@ from engine.data.indexed.dataset import IndexedDatasetBuilder
 from engine.data.indexed.helpers import build_blending_indices, build_blending_indices_numpy
 from engine.data.loader import PretrainingSampler, build_data_iterator
 from engine.data.mix.blended import BlendedDataset, parse_blend, parse_data_path
+from engine.data.sources import data_sources
 from engine.errors import ConfigError
 
 
@@ -61,13 +62,13 @@ def test_a_blend_split_empty_in_one_dataset_is_one_line(dataset_prefix, tmp_path
             builder.add_document(np.arange(doc, doc + 30))
         builder.finalize()
     with pytest.raises(ConfigError, match="small: the test split holds none of its documents"):
-        build_gpt_datasets([dataset_prefix, str(small)], "90,9,1", 16, 1, (8, 8, 8), str(tmp_path))
+        sources = data_sources([dataset_prefix, str(small)], "90,9,1")
+        build_gpt_datasets(sources, 16, 1, (8, 8, 8), str(tmp_path))
 
 
 def test_blend_of_two_real_datasets(dataset_prefix, tmp_path):
     train, valid, test = build_gpt_datasets(
-        ["0.7", dataset_prefix, "0.3", dataset_prefix],
-        "90,10,0",
+        data_sources(["0.7", dataset_prefix, "0.3", dataset_prefix], "90,10,0"),
         64,
         7,
         (2000, 100, 0),
@@ -97,7 +98,9 @@ def test_sample_k_does_not_depend_on_dp_size():
 
 
 def test_data_iterator_shifts_labels(dataset_prefix, tmp_path):
-    train, _, _ = build_gpt_datasets([dataset_prefix], "1", 32, 1, (8, 0, 0), str(tmp_path))
+    train, _, _ = build_gpt_datasets(
+        data_sources([dataset_prefix], "1"), 32, 1, (8, 0, 0), str(tmp_path)
+    )
     batch = next(build_data_iterator(train, 2, micro_batch_size=2, dp_rank=1, dp_size=2))
     assert batch["tokens"].shape == (2, 32) and batch["labels"].shape == (2, 32)
     sample = train[4]  # consumed 2, dp rank 1 of 2 with micro-batch 2 starts at sample 4

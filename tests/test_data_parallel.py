@@ -252,7 +252,8 @@ def test_bf16_tracks_fp32_loss():
 
 def _overlap_launch_points(rank, world):
     from engine.model.builder import build_model_chunks
-    from engine.train.step import forward_step, make_loss_func
+    from engine.train.loss import make_loss_func
+    from engine.train.step import forward_step
     from parallel.data_parallel.ddp import DistributedDataParallel
     from tests.harness import global_batch, micro_batches
 

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from engine.train.step import domain_losses, make_loss_func
+from engine.train.loss import domain_losses, make_loss_func
 from tests.test_training import ROOT, base_args, pretrain, records
 
 

@@ -14,7 +14,8 @@ from engine.config.evaluation import EvalConfig
 from engine.config.training import TrainingConfig
 from engine.data.builder import build_gpt_datasets, build_mock_datasets
 from engine.data.indexed.dataset import IndexedDataset, IndexedDatasetBuilder
-from engine.train.setup import split_sample_counts
+from engine.data.sources import data_sources
+from engine.train.datasets import split_sample_counts
 
 EOD = 0
 SEQ = 32
@@ -121,7 +122,9 @@ def test_data_path_and_split_give_megatrons_samples(megatron, prefixes, tmp_path
     data_path = paths_of(prefixes)
     sizes = _sizes(*run)
     seed = 1234
-    ours = build_gpt_datasets(data_path, split, SEQ, seed, sizes, str(tmp_path / "ours"))
+    ours = build_gpt_datasets(
+        data_sources(data_path, split), SEQ, seed, sizes, str(tmp_path / "ours")
+    )
     theirs = _theirs(megatron, sizes, seed, blend=_megatron_blend(data_path), split=split)
     _assert_same_samples(ours, theirs, sizes)
     if case.startswith("single"):
@@ -134,7 +137,8 @@ def test_per_split_paths_give_megatrons_samples(megatron, prefixes, tmp_path):
     per_split = (["0.6", prefixes[0], "0.4", prefixes[1]], [prefixes[2]], ["1.0", prefixes[3]])
     tokens = int(IndexedDataset(prefixes[3]).sequence_lengths.sum())
     sizes = (160, 48, (tokens - 1) // SEQ)
-    ours = build_gpt_datasets(None, "", SEQ, 7, sizes, str(tmp_path / "ours"), per_split)
+    sources = data_sources(None, "", per_split)
+    ours = build_gpt_datasets(sources, SEQ, 7, sizes, str(tmp_path / "ours"))
     theirs = _theirs(
         megatron,
         sizes,

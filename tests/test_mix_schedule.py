@@ -13,6 +13,7 @@ from engine.data.builder import build_gpt_datasets
 from engine.data.indexed.dataset import IndexedDataset
 from engine.data.indexed.helpers import build_blending_indices
 from engine.data.mix.schedule import check_resumed_schedule, read_mix_schedule
+from engine.data.sources import data_sources
 from engine.errors import ConfigError
 from tests.cli import one_line_error, run_python
 from tests.test_training import base_args, latest, losses, pretrain, records
@@ -118,7 +119,8 @@ def test_a_later_phase_changed_leaves_the_samples_already_read(dataset_prefix, t
         path = tmp_path / f"mix{at}.json"
         path.write_text(json.dumps({"phases": [{"at": at, "weights": {"code": 1}}]}))
         mix = read_mix_schedule(str(path), names, [0.5, 0.5], 10, batches)
-        train = build_gpt_datasets(blend, "100,0,0", 32, 1234, (80, 0, 0), None, mix=mix)[0]
+        sources = data_sources(blend, "100,0,0")
+        train = build_gpt_datasets(sources, 32, 1234, (80, 0, 0), None, mix=mix)[0]
         built.append(train)
     first, second = built
     for i in range(40):  # the first 5 iterations: before either switch

@@ -15,8 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.config.tokenizer import TokenizerConfig
-from engine.data.builder import build_streaming_datasets, data_format
+from engine.data.builder import build_streaming_datasets
 from engine.data.indexed.dataset import IndexedDataset
+from engine.data.sources import data_sources, detect_format
 from engine.data.streaming.shards import open_shards
 from engine.data.tokenizers import build_tokenizer
 from engine.errors import ConfigError, InputError
@@ -42,10 +43,9 @@ def shards(corpus, tmp_path_factory) -> str:
 def _datasets(path, tokenizer_model, num_samples=(400, 40, 0), split="90,10,0", **kw):
     data_path = path if isinstance(path, list) else [path]
     return build_streaming_datasets(
-        data_path,
+        data_sources(data_path, split),
         kw.get("column", "text"),
         kw.get("window", WINDOW),
-        split,
         SEQ,
         kw.get("seed", 1234),
         num_samples,
@@ -194,12 +194,16 @@ def test_blend_follows_weights_and_resumes_per_source(shards, corpus, tokenizer_
     assert np.array_equal(more, full[300:])
 
 
-def test_data_format_is_detected_and_mixing_is_refused(shards, dataset_prefix):
-    assert data_format([shards], None) == "parquet"
-    assert data_format([os.path.join(shards, "part-0.parquet")], None) == "parquet"
-    assert data_format([dataset_prefix], None) == "indexed"
+def test_data_format_is_detected_and_mixing_is_refused(shards, dataset_prefix, tmp_path):
+    assert detect_format([shards], None) == "parquet"
+    assert detect_format([os.path.join(shards, "part-0.parquet")], None) == "parquet"
+    assert detect_format([dataset_prefix], None) == "indexed"
+    os.makedirs(os.path.join(tmp_path, "cached"), exist_ok=True)  # megatron-core's cache folder
+    for suffix in (".bin", ".idx"):
+        shutil.copy(dataset_prefix + suffix, os.path.join(tmp_path, "cached" + suffix))
+    assert detect_format([os.path.join(tmp_path, "cached")], None) == "indexed"
     with pytest.raises(ConfigError, match="mixes Parquet"):
-        data_format(["0.5", shards, "0.5", dataset_prefix], None)
+        detect_format(["0.5", shards, "0.5", dataset_prefix], None)
 
 
 def _bad_shard(folder, name, table, **kw):

@@ -303,11 +303,11 @@ def test_checkpoint_of_sharded_parameters_loads_under_other_strategies(
 def _pretrain_counting_reads(rank, world, argv):
     """main(argv) on this rank, counting the data iterators it builds."""
     from engine.pretrain import main
-    from engine.train import loop
+    from engine.train import batches
 
     built = []
-    real = loop.build_data_iterator
-    loop.build_data_iterator = lambda *a, **k: built.append(1) or real(*a, **k)
+    real = batches.build_data_iterator
+    batches.build_data_iterator = lambda *a, **k: built.append(1) or real(*a, **k)
     main(argv)
     return len(built)
 

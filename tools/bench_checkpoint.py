@@ -25,7 +25,7 @@ from engine.cli import run_main as run
 from engine.planning.bench_setup import corpus_dataset, engine_flags
 from engine.pretrain import parse
 from engine.train.checkpoint import save
-from engine.train.loop import train_iteration
+from engine.train.iteration import train_iteration
 from engine.train.preflight import prepare
 from engine.train.setup import setup
 from parallel.local_ranks import run_local
@@ -67,7 +67,7 @@ def _bench(rank, world, args, prefix, tokenizer, save_dir):
 
     def step():
         train_iteration(run_, batches)
-        run_.counters.iteration += 1
+        run_.progress.counters.iteration += 1
 
     for _ in range(args.trials):
         plain = statistics.median(timed(step) for _ in range(3))
@@ -83,7 +83,7 @@ def _bench(rank, world, args, prefix, tokenizer, save_dir):
         results["async_slowdown"].append(max(0.0, next_step - plain))
         results["async_total"].append(call + next_step + rest)
     results.update(_checksum_cost(run_, save_dir, args.trials))
-    size = _folder_bytes(os.path.join(save_dir, f"iter_{run_.last_saved:07d}"))
+    size = _folder_bytes(os.path.join(save_dir, f"iter_{run_.progress.last_saved:07d}"))
     params = sum(p.numel() for c in run_.chunks for p in c.params)
     return {k: statistics.median(v) for k, v in results.items()}, size, params
 
@@ -105,7 +105,7 @@ def _checksum_cost(run_, save_dir: str, trials: int) -> dict:
 
     state = model_state(run_.chunks, for_save=True)
     state.update(optimizer_state(run_.optimizer, run_.chunks, for_save=True))
-    state.update(rng_state(0, run_.tracker))
+    state.update(rng_state(0, run_.progress.tracker))
     out = {"write_plain": [], "write_checksums": [], "verify": [], "hash_only": []}
     folder = os.path.join(save_dir, "checksum_bench")
     writers = [("write_plain", FileSystemWriter), ("write_checksums", ChecksummingWriter)]

@@ -22,7 +22,7 @@ from engine.model import BuildContext, GPTModel
 from engine.optim.optimizer import no_weight_decay
 from engine.planning.bench_setup import corpus_dataset, engine_flags
 from engine.pretrain import parse
-from engine.train.loop import train_iteration
+from engine.train.iteration import train_iteration
 from engine.train.preflight import prepare
 from engine.train.setup import setup
 from parallel.local_ranks import run_local
@@ -77,7 +77,7 @@ def _bench(rank, world, args, prefix, tokenizer):
 
     def engine_step():
         train_iteration(engine, batches)
-        engine.counters.iteration += 1
+        engine.progress.counters.iteration += 1
 
     times = {"bare": [], "engine": []}
     for step in range(args.warmup + args.steps):

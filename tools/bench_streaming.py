@@ -33,6 +33,7 @@ import time
 from engine.cli import run_main as run
 from engine.config.tokenizer import TokenizerConfig
 from engine.data.builder import build_streaming_datasets
+from engine.data.sources import data_sources
 from engine.monitor.metrics import PEAK_TFLOPS, model_flops_per_token
 from engine.planning.bench_setup import bench_tokenizers, shifted_documents, time_train_steps
 from parallel.local_ranks import run_local
@@ -60,10 +61,9 @@ def write_shards(folder: str, target_bytes: int, shards: int) -> int:
 def loader_rate(folder: str, tokenizer: TokenizerConfig, workers: int, args) -> dict:
     """Tokens/s the streaming dataset delivers over one pass of the shards."""
     train, _, _ = build_streaming_datasets(
-        [folder],
+        data_sources([folder], "100,0,0"),
         "text",
         args.shuffle_buffer,
-        "100,0,0",
         args.seq_length,
         1234,
         (10**12, 0, 0),

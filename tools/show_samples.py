@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 
 from engine.cli import run_main as run
-from engine.data.builder import build_gpt_datasets, build_streaming_datasets, data_format
+from engine.data.builder import build_gpt_datasets, build_streaming_datasets
+from engine.data.sources import data_sources
 from engine.data.tokenizers import build_tokenizer
 from engine.data.tokenizers.cli import add_tokenizer_arguments, tokenizer_config
 from engine.errors import ConfigError
@@ -30,12 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     config = tokenizer_config(args)
     tokenizer = build_tokenizer(config)
     counts = (args.num_samples, 0, 0)
-    if data_format(args.data_path, args.data_format) == "parquet":
+    sources = data_sources(args.data_path, args.split, data_format=args.data_format)
+    if sources.format == "parquet":
         stream = build_streaming_datasets(
-            args.data_path,
+            sources,
             args.parquet_text_column,
             args.parquet_shuffle_buffer,
-            args.split,
             args.seq_length,
             args.seed,
             counts,
@@ -46,9 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         batches = stream.iterator(0, 1, 0, 1)
         train = [_sample(next(batches)) for _ in range(args.num_samples)]
     else:
-        train, _, _ = build_gpt_datasets(
-            args.data_path, args.split, args.seq_length, args.seed, counts
-        )
+        train, _, _ = build_gpt_datasets(sources, args.seq_length, args.seed, counts)
     for i in range(args.num_samples):
         ids = train[i]
         text = tokenizer.detokenize(ids)

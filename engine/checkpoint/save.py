@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from engine.checkpoint import faults
 from engine.checkpoint.files import (
     META,
     commit,
@@ -48,7 +49,6 @@ from engine.checkpoint.state import (
     rng_state,
 )
 from engine.errors import CheckpointError, UserError
-from engine.train import faults
 from parallel.checkpoint.dcp import BoxSavePlanner, BoxTensor
 from parallel.consensus import first_error, gather_to_all
 from parallel.errors import describe_os_error, one_line, root_cause

@@ -1,4 +1,5 @@
-"""From --data-path / --split / sample counts to the train, valid and test datasets."""
+"""From the data sources (engine/data/sources.py) and the sample counts the run asks of
+each split to the train, valid and test datasets."""
 
 from __future__ import annotations
 
@@ -13,19 +14,13 @@ from engine.data.indexed.gpt_dataset import (
     GPTDatasetSpec,
     parse_split,
     sequence_range,
-    split_bookends,
     split_ranges,
 )
 from engine.data.indexed.mock import MOCK_SPLIT, MockIndexedDataset
-from engine.data.mix.blended import (
-    Blend,
-    BlendedDataset,
-    normalize_weights,
-    parse_blend,
-    parse_data_path,
-)
+from engine.data.mix.blended import Blend, BlendedDataset, normalize_weights
+from engine.data.sources import DataSources
 from engine.data.streaming.dataset import StreamingDataset, StreamPlan
-from engine.data.streaming.shards import is_parquet_path, open_shards
+from engine.data.streaming.shards import open_shards
 from engine.data.tokenizers import build_tokenizer
 from engine.errors import ConfigError
 
@@ -36,24 +31,21 @@ MID_LEVEL_SURPLUS = 0.005
 
 
 def build_gpt_datasets(
-    data_path: list[str] | None,
-    split: str,
+    sources: DataSources,
     seq_length: int,
     seed: int,
     num_samples: tuple[int, int, int],
     cache_dir: str | None = None,
-    per_split_paths: tuple[list[str] | None, ...] | None = None,
     mix=None,
 ) -> list[BlendedDataset | None]:
-    """[train, valid, test], sample for sample as megatron-core's BlendedMegatronDatasetBuilder
-    builds them for the same paths, split, seed, sequence length and sample counts.
+    """[train, valid, test] of preprocessed `sources` (engine/data/sources.py), sample for
+    sample as megatron-core's BlendedMegatronDatasetBuilder builds them for the same paths,
+    split, seed, sequence length and sample counts.
 
-    Either `data_path` is cut by `split` into the three splits, or `per_split_paths` gives each
-    split its own paths (--train-data-path, ...; --split is then not used). A split is None where
-    it is asked for no samples, has no paths, or its share of the documents rounds to none in
-    every dataset (e.g. a 0.1% test split of a small corpus). `mix`
-    (engine/data/mix/schedule.py MixSchedule) sets the train split's order instead of its
-    blend weights."""
+    A split is None where it is asked for no samples, has no paths, or its share of the
+    documents rounds to none in every dataset (e.g. a 0.1% test split of a small corpus).
+    `mix` (engine/data/mix/schedule.py MixSchedule) sets the train split's order instead of
+    its blend weights."""
     opened: dict[str, IndexedDataset] = {}
 
     def indexed(prefix: str) -> IndexedDataset:
@@ -61,7 +53,7 @@ def build_gpt_datasets(
             opened[prefix] = IndexedDataset(prefix)
         return opened[prefix]
 
-    blends, bookends = split_blends(data_path, split, per_split_paths)
+    blends, bookends = sources.blends, sources.shares
     result: list[BlendedDataset | None] = []
     for k, name in enumerate(SPLIT_NAMES):
         if num_samples[k] <= 0 or blends[k] is None or bookends[k] is None:
@@ -79,28 +71,12 @@ def build_gpt_datasets(
         )
         # megatron-core takes a split's only prefix as it is when the split has paths of its
         # own, weighted or not
-        direct = per_split_paths is not None and len(blends[k].prefixes) == 1
+        direct = sources.per_split and len(blends[k].prefixes) == 1
         if k == 0 and mix is not None:
             result.append(_scheduled_split(blends[k], part, num_samples[k], name, mix))
             continue
         result.append(_blend_split(blends[k], part, num_samples[k], name, direct))
     return result
-
-
-def split_blends(
-    data_path: list[str] | None,
-    split: str,
-    per_split_paths: tuple[list[str] | None, ...] | None = None,
-) -> tuple[list[Blend | None], list[tuple[float, float] | None]]:
-    """Each split's blend and its share of every dataset in it: `data_path` cut by `split`,
-    or each split's own paths taken whole (None where a split has no paths or no share)."""
-    if per_split_paths is not None:
-        blends = [
-            parse_blend(p, f"--{n}-data-path") if p else None
-            for p, n in zip(per_split_paths, SPLIT_NAMES)
-        ]
-        return blends, [(0.0, 1.0) if blend else None for blend in blends]
-    return [parse_blend(data_path)] * len(SPLIT_NAMES), split_bookends(parse_split(split))
 
 
 def _part(indexed, ranges, split_name, prefix, count, *, seq_length, seed, cache_dir):
@@ -171,48 +147,31 @@ def build_mock_datasets(
     return result
 
 
-def data_format(data_path: list[str], given: str | None) -> str:
-    """--data-format, or detected: Parquet files and folders stream, anything else is a prefix
-    of a preprocessed dataset."""
-    if given is not None:
-        return given
-    _, paths = parse_data_path(data_path)
-    parquet = [p for p in paths if is_parquet_path(p)]
-    if parquet and len(parquet) < len(paths):
-        other = next(p for p in paths if not is_parquet_path(p))
-        raise ConfigError(
-            f"--data-path mixes Parquet ({parquet[0]}) and a preprocessed dataset prefix "
-            f"({other}); blend one kind at a time, or preprocess the Parquet data"
-        )
-    return "parquet" if parquet else "indexed"
-
-
 def build_streaming_datasets(
-    data_path: list[str],
+    sources: DataSources,
     text_column: str,
     shuffle_buffer: int,
-    split: str,
     seq_length: int,
     seed: int,
     num_samples: tuple[int, int, int],
     tokenizer: TokenizerConfig,
 ) -> list[StreamingDataset | None]:
-    """[train, valid, test] Parquet streams: each a blend of the sources by weight, taking its
-    --split share of every window's rows (None where a split is asked for no samples or its
-    share of every window rounds to no rows)."""
-    blend = parse_blend(data_path)
+    """[train, valid, test] Parquet streams of `sources` (engine/data/sources.py, cut by
+    --split): each a blend of the sources by weight, taking its --split share of every
+    window's rows (None where a split is asked for no samples or its share of every window
+    rounds to no rows)."""
+    blend, split, split_weights = sources.train, sources.split, sources.split_weights
     if blend.weights is None and len(blend.prefixes) > 1:
         raise ConfigError(
-            f"--data-path {' '.join(data_path)}: Parquet sources blend by weight only (their "
-            "sizes in samples are known only once tokenized); give weight/source pairs"
+            f"--data-path {' '.join(blend.prefixes)}: Parquet sources blend by weight only "
+            "(their sizes in samples are known only once tokenized); give weight/source pairs"
         )
     kept = [
         (w, s, n) for w, s, n in zip(blend.weights or [1.0], blend.prefixes, blend.names) if w > 0
     ]
-    weights, sources = normalize_weights([w for w, _, _ in kept]), [s for _, s, _ in kept]
+    weights, paths = normalize_weights([w for w, _, _ in kept]), [s for _, s, _ in kept]
     names = [n for _, _, n in kept]
-    split_weights = tuple(parse_split(split))
-    shards = [tuple(open_shards(source, text_column)) for source in sources]
+    shards = [tuple(open_shards(path, text_column)) for path in paths]
     identity = build_tokenizer(tokenizer).identity()
     result: list[StreamingDataset | None] = []
     for k in range(len(SPLIT_NAMES)):
@@ -230,7 +189,7 @@ def build_streaming_datasets(
         if not all(rows):
             raise ConfigError(
                 f"--split {split} gives the {SPLIT_NAMES[k]} split no row of any window of "
-                f"{sources[rows.index(False)]} (windows of --parquet-shuffle-buffer "
+                f"{paths[rows.index(False)]} (windows of --parquet-shuffle-buffer "
                 f"{shuffle_buffer} rows); raise the buffer or that split's share"
             )
         result.append(StreamingDataset(plans, weights, num_samples[k], tokenizer, names))

@@ -12,14 +12,15 @@ data-parallel replica, which decodes the same rows) holds the same tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from engine.errors import InputError
-from engine.train.step import context_parallel_batches
-from parallel.context_parallel.chunks import rank_positions
+from parallel.context_parallel.chunks import context_parallel_batches, rank_positions
+from parallel.state import ParallelState
 from parallel.tensor_parallel.layers import gather_logits
 
 
@@ -32,6 +33,20 @@ class EvalPrompts:
     max_new_tokens: int
     temperature: float
     top_p: float
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """What decoding under a run's layout uses: its model chunks and pipeline schedule, its
+    process groups, the sequence length and vocabulary, and the prompts per forward pass (the
+    micro-batch size)."""
+
+    chunks: list
+    schedule: Callable[..., list[torch.Tensor]]
+    state: ParallelState
+    seq_length: int
+    vocab_size: int
+    rows: int
 
 
 def read_prompts(path: str, tokenizer, seq_length: int) -> list[list[int]]:
@@ -69,25 +84,26 @@ def next_tokens(
 
 
 def decode(
-    run,
+    decoding: Decoding,
     prompts: list[list[int]],
     max_new_tokens: int,
     generator: torch.Generator | None,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    eod: int | None = None,
 ) -> list[list[int]]:
-    """The continuations (new tokens only, up to the end-of-document token) of `prompts` under
-    the run's layout. Collective on every rank; every rank returns the same."""
-    rows, eod = run.cfg.training.micro_batch_size, getattr(run.eval_prompts.tokenizer, "eod", None)
+    """The continuations (new tokens only, up to the end-of-document token `eod`) of
+    `prompts` under the run's layout. Collective on every rank; every rank returns the same."""
+    rows = decoding.rows
     out: list[list[int]] = []
     for start in range(0, len(prompts), rows):
         group = prompts[start : start + rows]
-        out += _decode_rows(run, group, rows, max_new_tokens, generator, temperature, top_p, eod)
+        out += _decode_rows(decoding, group, max_new_tokens, generator, temperature, top_p, eod)
     return out
 
 
-def _decode_rows(run, group, rows, max_new_tokens, generator, temperature, top_p, eod):
-    seq = run.cfg.model.seq_length
+def _decode_rows(decoding, group, max_new_tokens, generator, temperature, top_p, eod):
+    seq, rows = decoding.seq_length, decoding.rows
     tokens = torch.full((rows, seq), eod if eod is not None else 0, dtype=torch.long)
     lengths = [len(p) for p in group] + [len(group[0])] * (rows - len(group))
     for r in range(rows):
@@ -97,7 +113,7 @@ def _decode_rows(run, group, rows, max_new_tokens, generator, temperature, top_p
     for _ in range(max_new_tokens):
         if all(done[r] or lengths[r] >= seq for r in range(len(group))):
             break  # every prompt ended or filled the sequence
-        chosen = _next_position_tokens(run, tokens, lengths, generator, temperature, top_p)
+        chosen = _next_position_tokens(decoding, tokens, lengths, generator, temperature, top_p)
         for r in range(rows):
             if done[r] or lengths[r] >= seq:
                 done[r] = True
@@ -108,9 +124,11 @@ def _decode_rows(run, group, rows, max_new_tokens, generator, temperature, top_p
     return [tokens[r, len(group[r]) : lengths[r]].tolist() for r in range(len(group))]
 
 
-def _next_position_tokens(run, tokens, lengths, generator, temperature, top_p) -> torch.Tensor:
+def _next_position_tokens(
+    decoding: Decoding, tokens, lengths, generator, temperature, top_p
+) -> torch.Tensor:
     """One forward pass of the pipeline; every rank gets the next token of every row."""
-    state = run.state
+    state, chunks = decoding.state, decoding.chunks
     positions = torch.tensor([length - 1 for length in lengths], device=state.device)
     picked: list[torch.Tensor] = []
 
@@ -130,23 +148,23 @@ def _next_position_tokens(run, tokens, lengths, generator, temperature, top_p) -
             for r in range(rows):
                 if len(local[r]):
                     at[r] = output[int(local[r][0]), r]
-            full = gather_logits(at, state.tp_group, run.cfg.model.vocab_size).float()
+            full = gather_logits(at, state.tp_group, decoding.vocab_size).float()
             if state.cp_group is not None:  # each row's position is on one CP rank
                 dist.all_reduce(full, group=state.cp_group)
             picked.append(next_tokens(full, temperature, top_p, generator))
         return output.sum() * 0.0, output.new_zeros(())
 
     # the interleaved schedule runs micro-batches in groups of the pipeline size
-    copies = state.pp_size if len(run.chunks) > 1 else 1
+    copies = state.pp_size if len(chunks) > 1 else 1
     whole = [{"tokens": tokens.to(state.device)} for _ in range(copies)]
     batches = context_parallel_batches(whole, state)
-    for chunk in run.chunks:
+    for chunk in chunks:
         chunk.eval()
     try:
         with torch.no_grad():
-            run.schedule(run.chunks, batches, forward_step, read_logits, forward_only=True)
+            decoding.schedule(chunks, batches, forward_step, read_logits, forward_only=True)
     finally:
-        for chunk in run.chunks:
+        for chunk in chunks:
             chunk.train()
     chosen = torch.zeros(tokens.shape[0], dtype=torch.long, device=state.device)
     if picked:
@@ -154,33 +172,3 @@ def _next_position_tokens(run, tokens, lengths, generator, temperature, top_p) -
     if state.pp_group is not None:
         dist.all_reduce(chosen, group=state.pp_group)  # only the last stage holds them
     return chosen.cpu()
-
-
-def log_samples(run) -> None:
-    """Greedy and sampled continuations of every --eval-prompts prompt: printed, in the JSONL
-    (a record with `samples`) and as TensorBoard text. Collective on every rank."""
-    prompts, c = run.eval_prompts, run.counters
-    tokenizer = prompts.tokenizer
-    greedy = decode(run, prompts.ids, prompts.max_new_tokens, None)
-    generator = torch.Generator().manual_seed(run.cfg.training.seed * 1_000_003 + c.iteration)
-    sampled = decode(
-        run, prompts.ids, prompts.max_new_tokens, generator, prompts.temperature, prompts.top_p
-    )
-    samples = [
-        {
-            "prompt": tokenizer.detokenize(ids),
-            "greedy": tokenizer.detokenize(g),
-            "sampled": tokenizer.detokenize(s),
-            "greedy_ids": g,
-            "sampled_ids": s,
-        }
-        for ids, g, s in zip(prompts.ids, greedy, sampled)
-    ]
-    record = {"iteration": c.iteration, "consumed_samples": c.consumed_samples, "samples": samples}
-    run.writer.log_samples(record, c.iteration)
-    knobs = f"temperature {prompts.temperature}, top-p {prompts.top_p}"
-    for k, sample in enumerate(samples, start=1):
-        run.writer.print(f"sample {k} at iteration {c.iteration}, greedy: {sample['prompt']!r} -> "
-                         f"{sample['greedy']!r}")  # fmt: skip
-        run.writer.print(f"sample {k} at iteration {c.iteration}, sampled ({knobs}): "
-                         f"{sample['prompt']!r} -> {sample['sampled']!r}")  # fmt: skip

@@ -129,7 +129,7 @@ def time_train_steps(flags: list[str], warmup: int, steps: int, device: str) -> 
 
     from engine.monitor.metrics import model_flops_per_token
     from engine.pretrain import parse
-    from engine.train.loop import train_iteration
+    from engine.train.iteration import train_iteration
     from engine.train.preflight import prepare
     from engine.train.setup import setup
     from parallel.state import ParallelState
@@ -145,7 +145,7 @@ def time_train_steps(flags: list[str], warmup: int, steps: int, device: str) -> 
         sync_device(dev)
         start = time.perf_counter()
         train_iteration(engine, [batch])
-        engine.counters.iteration += 1
+        engine.progress.counters.iteration += 1
         sync_device(dev)
         if step >= warmup:
             times.append(time.perf_counter() - start)

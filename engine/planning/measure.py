@@ -36,7 +36,7 @@ def measure_rank(rank: int, world: int, flags: list[str], warmup: int, steps: in
     from engine.planning.saved_activations import PeakSavedBytes
     from engine.planning.state_memory import held_state_bytes
     from engine.pretrain import parse
-    from engine.train.loop import train_iteration
+    from engine.train.iteration import train_iteration
     from engine.train.preflight import device_of, prepare
     from engine.train.setup import setup
     from parallel.state import ParallelState
@@ -71,7 +71,7 @@ def measure_rank(rank: int, world: int, flags: list[str], warmup: int, steps: in
             dist.barrier()
             start = time.perf_counter()
             train_iteration(run, batches)
-            run.counters.iteration += 1
+            run.progress.counters.iteration += 1
             sync_device(state.device)
             elapsed = torch.tensor([time.perf_counter() - start], device=state.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)

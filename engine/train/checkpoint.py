@@ -8,7 +8,6 @@ from engine.checkpoint.files import find_latest, iteration_dir
 from engine.checkpoint.load import load_checkpoint
 from engine.config.tokenizer import tokenizer_record
 from engine.data.mix.schedule import check_resumed_schedule
-from engine.data.streaming.dataset import StreamingDataset
 from engine.interop.megatron.checkpoint import load_weights, megatron_latest, megatron_progress
 from engine.train.state import Counters, Run, layout_of
 from parallel.random import model_parallel_seed
@@ -36,7 +35,7 @@ def resume(run: Run) -> None:
         run.optimizer,
         run.state.rank,
         layout_of(run.state, run.cfg),
-        run.tracker,
+        run.progress.tracker,
         group=run.checkpoint_group,
         load_optimizer=load_optimizer,
         verify=checkpointing.verify_checkpoint,
@@ -49,7 +48,7 @@ def resume(run: Run) -> None:
     mix_now = run.mix.record() if run.mix is not None else None
     check_resumed_schedule(meta.get("mix"), mix_now, meta["iteration"])
     counters = meta.get("counters", {})
-    run.counters = Counters(
+    run.progress.counters = Counters(
         iteration=meta["iteration"],
         consumed_samples=meta["consumed_samples"],
         skipped_iters=counters.get("skipped_iters", 0),
@@ -62,7 +61,7 @@ def resume(run: Run) -> None:
         if run.optimizer.grad_scaler is not None and meta.get("grad_scaler"):
             run.optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
     run.spikes.load_state_dict(meta.get("spikes", {}))
-    run.data_state = meta.get("data")
+    run.progress.data_state = meta.get("data")
     if not meta["rng_restored"]:
         how = "with re-seeded random streams (" + (
             "--no-load-rng)" if checkpointing.no_load_rng else "new layout)"
@@ -95,15 +94,15 @@ def _resume_from_megatron(run: Run, path: str) -> None:
         run.writer.print(f"fine-tuning from the weights of Megatron-LM's {path}; iteration 0")
         reseed(run, 0)
         return
-    progress = megatron_progress(path)
-    run.counters = Counters(
-        iteration=progress["iteration"],
-        consumed_samples=progress["consumed_samples"],
+    saved = megatron_progress(path)
+    run.progress.counters = Counters(
+        iteration=saved["iteration"],
+        consumed_samples=saved["consumed_samples"],
         optimizer_step=step or 0,
     )
     if load_optimizer:
         run.scheduler.load_state_dict(
-            {"num_steps": progress["iteration"], "num_samples": progress["schedule_samples"]}
+            {"num_steps": saved["iteration"], "num_samples": saved["schedule_samples"]}
         )
     if step is not None:
         optim = f"Adam state at step {step}"
@@ -112,29 +111,29 @@ def _resume_from_megatron(run: Run, path: str) -> None:
     else:
         optim = "the optimizer starts afresh (--no-load-optim)"
     run.writer.print(
-        f"resumed from Megatron-LM's {path} at iteration {progress['iteration']} (weights, "
+        f"resumed from Megatron-LM's {path} at iteration {saved['iteration']} (weights, "
         f"samples consumed and learning-rate schedule; {optim}; random streams re-seeded)"
     )
-    run.last_saved = progress["iteration"]  # its folder is Megatron-LM's: never re-saved
-    reseed(run, progress["iteration"])
+    run.progress.last_saved = saved["iteration"]  # its folder is Megatron-LM's: never re-saved
+    reseed(run, saved["iteration"])
 
 
 def reseed(run: Run, iteration: int) -> None:
     """Fresh random streams for a run that could not restore the saved ones."""
     seed = run.cfg.training.seed + iteration
     state = run.state
-    run.tracker = model_parallel_seed(
+    run.progress.tracker = model_parallel_seed(
         seed, state.tp_rank, state.pp_rank, state.device, state.cp_rank
     )
     for chunk in run.chunks:
         for module in chunk.module.modules():
             if hasattr(module, "ctx"):
-                module.ctx.tracker = run.tracker
+                module.ctx.tracker = run.progress.tracker
 
 
 def save(run: Run) -> None:
     """Checkpoint the run at its current iteration into --save."""
-    c = run.counters
+    c = run.progress.counters
     meta = {
         "consumed_samples": c.consumed_samples,
         "layout": layout_of(run.state, run.cfg),
@@ -155,10 +154,14 @@ def save(run: Run) -> None:
     }
     if run.mix is not None:  # the blend's weights over the run, compared on resume
         meta["mix"] = run.mix.record()
-    if isinstance(run.datasets[0], StreamingDataset) and run.train_iterator is not None:
-        meta["data"] = run.train_iterator.state_dict()  # rank 0 (a first stage) writes meta
-    stall = run.checkpointer.save(c.iteration, run.chunks, run.optimizer, meta, run.tracker)
-    run.last_saved = c.iteration
+    iterator = run.progress.train_iterator  # rank 0 (a first stage, which reads) writes meta
+    position = iterator.state_dict() if iterator is not None else None
+    if position is not None:  # a Parquet stream's position beyond the consumed count
+        meta["data"] = position
+    stall = run.checkpointer.save(
+        c.iteration, run.chunks, run.optimizer, meta, run.progress.tracker
+    )
+    run.progress.last_saved = c.iteration
     kind = "started (async)" if run.checkpointer.async_save else "saved"
     run.writer.print(
         f"checkpoint {kind}: {iteration_dir(run.checkpointer.root, c.iteration)} "

@@ -7,9 +7,8 @@
     TRIPOD_FAULT_KILL_AT=1:3          rank 1 kills itself (SIGKILL) at iteration 3
     TRIPOD_FAULT_SIGTERM_AT=1:3       rank 1 is sent SIGTERM at iteration 3 (as Slurm sends it
                                       to a job it preempts or that reaches its time limit)
-    TRIPOD_FAULT_KILL_IN_SAVE=1:8     rank 1 kills itself in the middle of the save of
-                                      iteration 8: its data files are written, the checkpoint's
-                                      metadata and commit are not
+
+(A kill in the middle of a save is engine/checkpoint/faults.py's.)
 
 Iterations are 1-based: the iteration being computed, as logged.
 """
@@ -21,22 +20,20 @@ import signal
 
 import torch
 
+from engine.checkpoint.faults import rank_at
+
 
 def _iterations(name: str) -> set[int]:
     value = os.environ.get(name, "")
     return {int(x) for x in value.split(",") if x.strip()}
 
 
-def _rank_at(name: str, rank: int, iteration: int) -> bool:
-    return os.environ.get(name) == f"{rank}:{iteration}"
-
-
 def before_iteration(rank: int, iteration: int, batches: list[dict], vocab_size: int) -> None:
-    if _rank_at("TRIPOD_FAULT_RAISE_AT", rank, iteration):
+    if rank_at("TRIPOD_FAULT_RAISE_AT", rank, iteration):
         raise RuntimeError(f"injected failure at iteration {iteration}")
-    if _rank_at("TRIPOD_FAULT_KILL_AT", rank, iteration):
+    if rank_at("TRIPOD_FAULT_KILL_AT", rank, iteration):
         os.kill(os.getpid(), signal.SIGKILL)
-    if _rank_at("TRIPOD_FAULT_SIGTERM_AT", rank, iteration):
+    if rank_at("TRIPOD_FAULT_SIGTERM_AT", rank, iteration):
         os.kill(os.getpid(), signal.SIGTERM)
     if iteration in _iterations("TRIPOD_FAULT_RANDOM_BATCH_AT"):
         generator = torch.Generator().manual_seed(iteration)
@@ -51,20 +48,3 @@ def after_backward(rank: int, iteration: int, chunks) -> None:
         ddp = chunks[0]  # this rank's gradient, whole or (sharded gradients) its shard
         grad = next(g for p in ddp.params for g in ddp.reduced_grads(p) if g.numel())
         grad[0] = float("nan")
-
-
-def storage_writer(path: str, rank: int, iteration: int):
-    """The DCP storage writer for a save (recording checksums), or one that dies mid-save."""
-    from parallel.checkpoint.checksums import ChecksummingWriter
-
-    if not _rank_at("TRIPOD_FAULT_KILL_IN_SAVE", rank, iteration):
-        return ChecksummingWriter(path)
-
-    class _DiesAfterWriting(ChecksummingWriter):
-        def write_data(self, plan, planner):
-            future = super().write_data(plan, planner)
-            future.wait()
-            os.kill(os.getpid(), signal.SIGKILL)
-            return future
-
-    return _DiesAfterWriting(path)

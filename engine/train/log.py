@@ -1,59 +1,65 @@
-"""The log lines of a training run: the training window and the evaluations."""
+"""The log lines of a training run: the training window, the evaluations and the generation
+samples of --eval-prompts. Each reads typed results (engine/train/iteration.py's
+IterationResult) and writes a record under Megatron-LM's keys to the metrics writers."""
 
 from __future__ import annotations
 
 import math
 import statistics
 
+import torch
+
+from engine.eval.samples import Decoding, decode
 from engine.monitor.metrics import memory_gb
+from engine.train.iteration import IterationResult
+from engine.train.loss import domain_losses
 from engine.train.state import Run
-from engine.train.step import domain_losses
 from parallel.timing import measure
 
 
-def log_window(run: Run, window: list[dict], tokens: int) -> None:
+def log_window(run: Run, window: list[IterationResult], tokens: int) -> None:
     """The log line (and metrics record) of the iterations since the last one."""
-    c = run.counters
-    updated = [r for r in window if r["updated"]]
-    losses = [r["lm_loss"] for r in updated] or [r["lm_loss"] for r in window]
+    c = run.progress.counters
+    updated = [r for r in window if r.updated]
+    losses = [r.lm_loss for r in updated] or [r.lm_loss for r in window]
     loss = sum(losses) / len(losses)
     last = window[-1]
     record = {
         "iteration": c.iteration,
         "consumed_samples": c.consumed_samples,
         "lm_loss": loss if math.isfinite(loss) else None,
-        "lr": last["lr"],
-        "grad_norm": last["grad_norm"],
-        "loss_scale": last.get("loss_scale"),
-        "batch_size": last["batch_size"],
+        "lr": last.lr,
+        "grad_norm": last.grad_norm,
+        "loss_scale": last.loss_scale,
+        "batch_size": last.batch_size,
         "skipped_iters": c.skipped_iters,
         "mem_gb": memory_gb(run.state.device),
     }
     finite = [x for x in losses if math.isfinite(x)]
     if len(finite) > 1:  # how much the loss moved between the iterations of the window
         record["lm_loss_var"] = statistics.pvariance(finite)
-    scales = [r.get("gradient_noise_scale") for r in window]
-    scales = [x for x in scales if x is not None]
+    scales = [r.gradient_noise_scale for r in window if r.gradient_noise_scale is not None]
     if scales:  # the smoothed estimate after the window's last measured step
         record["gradient_noise_scale"] = scales[-1]
-    record |= _window_domain_losses(updated or window)
+    record |= _window_domain_losses(updated or window, run.features.domain_names)
     record |= _mix_keys(run)
-    parts = [r["part_norms"] for r in window if r.get("part_norms")]
+    parts = [r.part_norms for r in window if r.part_norms]
     if parts:  # the latest breakdown in the window (--log-grad-norms-interval)
         record |= {f"grad_norm/{label}": value for label, value in parts[-1].items()}
     # the window ends here: its rates, and the seconds per iteration of each part of its steps
     # (parallel/timing.py); logging it counts towards the next window
+    times = run.features.times
     record |= run.throughput.rates(tokens, len(window))
-    parts = run.times.take()
+    parts = times.take()
     run.throughput.reset()
     record |= {f"time/{part}": s / len(window) for part, s in sorted(parts.items())}
-    with measure(run.times, "log"):
+    with measure(times, "log"):
         _write(run, record, loss)
 
 
 def _write(run: Run, record: dict, loss: float) -> None:
     """The record to the metrics writers, and its console line."""
-    c, iterations = run.counters, run.cfg.training.train_iters
+    c, iterations = run.progress.counters, run.cfg.training.train_iters
     run.writer.log(record, c.iteration)
     mfu = f" | mfu {record['mfu']:.1%}" if "mfu" in record else ""
     grad = f"{record['grad_norm']:.3f}" if record["grad_norm"] is not None else "skipped"
@@ -72,25 +78,24 @@ def _mix_keys(run: Run) -> dict:
     (`consumed_tokens/<name>`, samples x --seq-length)."""
     keys = {}
     if run.mix is not None:
-        phase = run.mix.phase_at(max(0, run.counters.iteration - 1))
+        phase = run.mix.phase_at(max(0, run.progress.counters.iteration - 1))
         keys |= {f"mix_weight/{n}": w for n, w in zip(run.mix.names, phase.weights)}
-    dataset = run.datasets[0]
-    if hasattr(dataset, "consumed_per_dataset") and len(dataset.names) > 1:
+    split = run.datasets[0]
+    given = split.consumed_per_dataset(run.progress.counters.consumed_samples)
+    if given is not None and len(split.names) > 1:
         seq = run.cfg.model.seq_length
-        given = dataset.consumed_per_dataset(run.counters.consumed_samples)
-        keys |= {f"consumed_tokens/{n}": int(k) * seq for n, k in zip(dataset.names, given)}
+        keys |= {f"consumed_tokens/{n}": int(k) * seq for n, k in zip(split.names, given)}
     return keys
 
 
-def _window_domain_losses(window: list[dict]) -> dict:
+def _window_domain_losses(window: list[IterationResult], names: tuple[str, ...]) -> dict:
     """Each blended dataset's loss over the window's iterations (`lm_loss/<name>`) and its
     share of the loss's token weight (`lm_loss_share/<name>`): the shares add up to 1 and
     sum(share * loss) is the window's mean loss."""
-    found = [r for r in window if r.get("domain_parts")]
+    found = [r.domain_parts for r in window if r.domain_parts]
     if not found:
         return {}
-    names = found[-1]["domain_names"]
-    summed = [sum(values) / len(found) for values in zip(*(r["domain_parts"] for r in found))]
+    summed = [sum(values) / len(found) for values in zip(*found)]
     return _domain_keys(domain_losses(summed, names))
 
 
@@ -117,11 +122,49 @@ def log_eval(run: Run, name: str, result: tuple[float, dict] | None) -> None:
         return
     loss, domains = result
     ppl = math.exp(min(loss, 50.0))
-    c = run.counters
+    c = run.progress.counters
     record = {"iteration": c.iteration, "consumed_samples": c.consumed_samples}
     record |= {"split": name, "lm_loss": loss, "ppl": ppl} | _domain_keys(domains)
     run.writer.log(record, c.iteration, name)
     run.writer.print(
-        f"{name} at iteration {run.counters.iteration}: lm loss {loss:.4f} | perplexity "
+        f"{name} at iteration {c.iteration}: lm loss {loss:.4f} | perplexity "
         f"{ppl:.2f}{_domains_text(record)}"
     )
+
+
+def log_samples(run: Run) -> None:
+    """Greedy and sampled continuations of every --eval-prompts prompt: printed, in the JSONL
+    (a record with `samples`) and as TensorBoard text. Collective on every rank."""
+    prompts, c = run.eval_prompts, run.progress.counters
+    tokenizer = prompts.tokenizer
+    eod = getattr(tokenizer, "eod", None)
+    decoding = Decoding(
+        run.chunks,
+        run.schedule,
+        run.state,
+        run.cfg.model.seq_length,
+        run.cfg.model.vocab_size,
+        run.cfg.training.micro_batch_size,
+    )
+    new = prompts.max_new_tokens
+    greedy = decode(decoding, prompts.ids, new, None, eod=eod)
+    generator = torch.Generator().manual_seed(run.cfg.training.seed * 1_000_003 + c.iteration)
+    sampled = decode(decoding, prompts.ids, new, generator, prompts.temperature, prompts.top_p, eod)
+    samples = [
+        {
+            "prompt": tokenizer.detokenize(ids),
+            "greedy": tokenizer.detokenize(g),
+            "sampled": tokenizer.detokenize(s),
+            "greedy_ids": g,
+            "sampled_ids": s,
+        }
+        for ids, g, s in zip(prompts.ids, greedy, sampled)
+    ]
+    record = {"iteration": c.iteration, "consumed_samples": c.consumed_samples, "samples": samples}
+    run.writer.log_samples(record, c.iteration)
+    knobs = f"temperature {prompts.temperature}, top-p {prompts.top_p}"
+    for k, sample in enumerate(samples, start=1):
+        run.writer.print(f"sample {k} at iteration {c.iteration}, greedy: {sample['prompt']!r} -> "
+                         f"{sample['greedy']!r}")  # fmt: skip
+        run.writer.print(f"sample {k} at iteration {c.iteration}, sampled ({knobs}): "
+                         f"{sample['prompt']!r} -> {sample['sampled']!r}")  # fmt: skip

@@ -23,10 +23,10 @@ from engine.config.configs import Configs
 from engine.config.model import ARCHITECTURE_FIELDS, ModelConfig
 from engine.config.resolve import SavedArchitecture, resolve
 from engine.config.tokenizer import TokenizerConfig, config_from_record
-from engine.data.builder import data_format, split_blends
 from engine.data.indexed.dataset import IndexedDataset
 from engine.data.indexed.gpt_dataset import SPLIT_NAMES, sequence_range
 from engine.data.prepare.token_ids import check_token_ids
+from engine.data.sources import DataSources, sources_of
 from engine.data.streaming.shards import open_shards
 from engine.data.tokenizers import build_tokenizer
 from engine.errors import ConfigError, UserError
@@ -181,43 +181,38 @@ def _check_data(cfg: Configs) -> None:
         )
     given = m.vocab_size > tokenizer.vocab_size
     source = f"--vocab-size {m.vocab_size}" if given else tokenizer.source
-    if data.mock_data:
-        if data.data_path or data.per_split_paths:
-            raise ConfigError(
-                "--mock-data generates its documents; drop --data-path and the per-split paths"
-            )
-        return
-    if not data.data_path and not data.per_split_paths:
+    if data.mock_data and (data.data_path or data.per_split_paths):
         raise ConfigError(
-            "--data-path is required (a dataset prefix or weight/prefix pairs), or --mock-data "
-            "to try the run on generated documents"
+            "--mock-data generates its documents; drop --data-path and the per-split paths"
         )
-    blends, shares = split_blends(data.data_path, data.split, data.per_split_paths)
-    if data_format(data.data_path or data.train_data_path, data.data_format) == "parquet":
-        if data.per_split_paths:
+    sources = sources_of(data)
+    if sources.format == "mock":
+        return
+    if sources.format == "parquet":
+        if sources.per_split:
             raise ConfigError(
                 "--train/valid/test-data-path: Parquet sources are cut by --split; give them "
                 "with --data-path"
             )
-        _check_parquet(data, list(blends[0].prefixes))
+        _check_parquet(data, list(sources.train.prefixes))
         return
     datasets: dict[str, IndexedDataset] = {}
     try:
-        for prefix in dict.fromkeys(p for b in blends if b for p in b.prefixes):
+        for prefix in sources.prefixes():
             datasets[prefix] = IndexedDataset(prefix)
             check_token_ids(datasets[prefix], m.vocab_size, source, data.data_cache_path)
-        _check_split_shares(data, blends, shares, datasets)
+        _check_split_shares(sources, datasets)
     finally:
         for dataset in datasets.values():
             dataset.close()
 
 
-def _check_split_shares(data, blends, shares, datasets: dict[str, IndexedDataset]) -> None:
+def _check_split_shares(sources: DataSources, datasets: dict[str, IndexedDataset]) -> None:
     """Each split that has paths gets a share of every dataset of its blend (megatron-core
     stops on an assertion otherwise), and the train split holds tokens (a small split is
     repeated for as many epochs as the run needs, but an empty one gives nothing)."""
-    cut_by = "the per-split paths" if data.per_split_paths else f"--split {data.split}"
-    for k, (blend, share) in enumerate(zip(blends, shares)):
+    cut_by = sources.cut_by
+    for k, (blend, share) in enumerate(zip(sources.blends, sources.shares)):
         if blend is None or share is None:
             if k == 0:
                 raise ConfigError(f"{cut_by} gives the train split nothing; give it a share")

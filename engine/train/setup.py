@@ -1,5 +1,6 @@
-"""Setting a training run up from its configs: model, optimizer, schedules, data, metrics,
-checkpointing, and (with --load) the state of a checkpoint."""
+"""Setting a training run up from its resolved configs: model, optimizer, schedule, data,
+metrics, checkpointing, the optional per-step measurements, and (with --load) the state of a
+checkpoint."""
 
 from __future__ import annotations
 
@@ -13,16 +14,10 @@ import torch.distributed as dist
 
 from engine.checkpoint.save import Checkpointer
 from engine.config.configs import SECTIONS, Configs
-from engine.data.builder import (
-    build_gpt_datasets,
-    build_mock_datasets,
-    build_streaming_datasets,
-    data_format,
-)
-from engine.data.indexed.gpt_dataset import SPLIT_NAMES
 from engine.data.mix.schedule import train_mix
+from engine.data.sources import sources_of
 from engine.data.tokenizers import build_tokenizer
-from engine.errors import ConfigError
+from engine.eval.samples import EvalPrompts, read_prompts
 from engine.model.builder import build_model_chunks
 from engine.monitor.grad_norm_parts import grad_norm_parts
 from engine.monitor.metrics import (
@@ -38,9 +33,12 @@ from engine.monitor.wandb import WandbWriter
 from engine.ops import agree_on_ops, select_ops
 from engine.optim.lr_schedule import LRScheduler
 from engine.optim.optimizer import build_optimizer
+from engine.train.batches import domain_names
 from engine.train.checkpoint import resume
+from engine.train.datasets import build_datasets
 from engine.train.exit_conditions import ExitConditions, earliest_start
-from engine.train.state import Counters, Run, logging_rank, params_dtype
+from engine.train.state import Progress, Run, logging_rank, params_dtype
+from engine.train.step import StepFeatures
 from parallel.data_parallel.ddp import DistributedDataParallel
 from parallel.pipeline.schedules import get_schedule
 from parallel.pipeline.tables import PLACEMENT
@@ -50,60 +48,25 @@ from parallel.timing import StepTimes
 
 
 def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> Run:
-    """Model, optimizer, data, and (with --load) the state of a checkpoint. `started`: when
-    the process started (time.time()), from which --exit-duration-in-mins counts."""
-    m, par = cfg.model, cfg.parallel
+    """The run of resolved configs `cfg` (engine/train/preflight.py's prepare) on this rank.
+    `started`: when the process started (time.time()), from which --exit-duration-in-mins
+    counts."""
+    m, par, training = cfg.model, cfg.parallel, cfg.training
     started = earliest_start(
         time.time() if started is None else started, state.world_group, state.device
     )
-    random.seed(cfg.training.seed)
-    np.random.seed(cfg.training.seed % 2**32)
+    random.seed(training.seed)
+    np.random.seed(training.seed % 2**32)
     if state.device.type == "cuda" and cfg.runtime.tf32:
         torch.set_float32_matmul_precision("high")  # TF32 tensor cores for fp32 matmuls
     tracker = model_parallel_seed(
-        cfg.training.seed, state.tp_rank, state.pp_rank, state.device, state.cp_rank
+        training.seed, state.tp_rank, state.pp_rank, state.device, state.cp_rank
     )
     dtype = params_dtype(cfg.runtime)
-    virtual = par.virtual_size(m.num_layers)
-    ops = agree_on_ops(
-        select_ops(state.device, cfg.runtime.use_fused_kernels), state.world_group, state.device
-    )
-    if state.rank == 0:
-        print(f"ops: {ops.name}", flush=True)
     times = _step_times(cfg.logging, state.device)
-    chunks = build_model_chunks(
-        m,
-        state,
-        params_dtype=dtype,
-        seed=cfg.training.seed,
-        sequence_parallel=par.sequence_parallel,
-        gradient_accumulation_fusion=par.gradient_accumulation_fusion,
-        tracker=tracker,
-        virtual_size=virtual,
-        first_stage_layers=par.decoder_first_pipeline_num_layers,
-        last_stage_layers=par.decoder_last_pipeline_num_layers,
-        ops=ops,
-        torch_compile=cfg.runtime.torch_compile,
-        cp_comm_type=par.cp_comm_type,
-        times=_tp_comm_times(times, cfg, state.device),
-        placement=PLACEMENT.get(par.pipeline_schedule, "loop"),
-    )
-    ddps = [
-        DistributedDataParallel(
-            c,
-            state.dp_cp_group,  # CP ranks hold the same weights: reduce and shard over both
-            bucket_size=par.ddp_bucket_size,
-            overlap_grad_reduce=par.overlap_grad_reduce,
-            sharding=par.sharding_strategy(),
-            overlap_param_gather=par.overlap_param_gather,
-            grad_dtype=torch.bfloat16
-            if cfg.runtime.bf16 and cfg.runtime.grad_reduce_in_bf16
-            else torch.float32,
-        )
-        for c in chunks
-    ]
+    chunks = _model(cfg, state, tracker, dtype, times)
     optimizer = build_optimizer(
-        ddps,
+        chunks,
         cfg.optimizer,
         use_distributed_optimizer=par.shards_optimizer(),
         fp16=cfg.runtime.fp16,
@@ -113,35 +76,26 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         device=state.device,
         dp_group=state.dp_cp_group,  # replicas agree on a non-finite gradient norm
     )
-    batches = cfg.training.batch_schedule(state.dp_size, m.seq_length)
-    global_batch = batches.final
+    batches = training.batch_schedule(state.dp_size, m.seq_length)
     scheduler = LRScheduler(
-        cfg.optimizer, cfg.training.train_iters, global_batch, cfg.training.train_samples
+        cfg.optimizer, training.train_iters, batches.final, training.train_samples
     )
     seq = m.seq_length // state.cp_size  # the activations a pipeline stage sends on
     if par.sequence_parallel and state.tp_size > 1:
         seq //= state.tp_size
     schedule = get_schedule(
         state,
-        virtual_size=virtual,
+        virtual_size=par.virtual_size(m.num_layers),
         kind=par.pipeline_schedule,
-        tensor_shape=(seq, cfg.training.micro_batch_size, m.hidden_size),
+        tensor_shape=(seq, training.micro_batch_size, m.hidden_size),
         dtype=dtype,
         overlap_p2p=par.overlap_p2p_communication,
         times=times,
     )
-    mix = train_mix(cfg.data, cfg.training.train_iters, batches)
-    datasets = _datasets(cfg, state, batches, mix if cfg.data.data_mix_schedule else None)
-    flops = model_flops_per_token(m, m.padded_vocab_size(state.tp_size))
-    peak, _ = device_peak_tflops(
-        state.device, "bf16" if cfg.runtime.bf16 else "fp16" if cfg.runtime.fp16 else "fp32"
-    )
-    wandb = None
-    if cfg.logging.wandb_project and logging_rank(state):
-        wandb = WandbWriter(cfg.logging, cfg.checkpointing, run_record(cfg, state))
-    writer = MetricsWriter(
-        logging_rank(state), cfg.logging.log_jsonl, cfg.logging.tensorboard_dir, wandb
-    )
+    sources = sources_of(cfg.data)
+    mix = train_mix(sources.train, cfg.data.data_mix_schedule, training.train_iters, batches)
+    scheduled = mix if cfg.data.data_mix_schedule else None
+    datasets = build_datasets(cfg, sources, state, batches, scheduled)
     # Checkpoints talk over their own gloo group: an async save runs its collectives in a
     # background thread, which must never interleave with the training's collectives.
     checkpoint_group = None
@@ -149,30 +103,25 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         checkpoint_group = dist.new_group(list(range(state.world_size)), backend="gloo")
     checkpointer = None
     if cfg.checkpointing.save:
+        saving = cfg.checkpointing
         checkpointer = Checkpointer(
-            cfg.checkpointing.save,
-            checkpoint_group,
-            state.rank,
-            cfg.checkpointing.async_save,
-            cfg.checkpointing.keep_last_n,
+            saving.save, checkpoint_group, state.rank, saving.async_save, saving.keep_last_n
         )
     run = Run(
-        cfg,
-        state,
-        ddps,
-        optimizer,
-        scheduler,
-        schedule,
-        tracker,
-        datasets,
-        Counters(),
-        batches,
-        dtype,
-        writer,
-        checkpointer,
-        checkpoint_group,
-        Throughput(flops, state.world_size, peak),
-        SpikeDetector(cfg.exit.spike_window, cfg.exit.spike_zscore),
+        cfg=cfg,
+        state=state,
+        chunks=chunks,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        schedule=schedule,
+        datasets=datasets,
+        batches=batches,
+        dtype=dtype,
+        writer=_writer(cfg, state),
+        checkpointer=checkpointer,
+        checkpoint_group=checkpoint_group,
+        throughput=_throughput(cfg, state),
+        spikes=SpikeDetector(cfg.exit.spike_window, cfg.exit.spike_zscore),
         exit_conditions=ExitConditions(
             cfg.exit.exit_duration_in_mins, cfg.exit.exit_signal_handler, started=started
         ),
@@ -183,26 +132,96 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
             state.device,
             optimizer.finish_param_sync,
         ),
-        times=times,
+        features=_features(cfg, state, chunks, times, domain_names(datasets[0])),
+        progress=Progress(tracker=tracker),
+        eval_prompts=_eval_prompts(cfg) if cfg.evaluation.eval_prompts else None,
         mix=mix,
     )
     if mix is not None and len(mix.phases) > 1:
         run.writer.print(mix.describe())
-    if cfg.logging.log_gradient_noise_scale:
-        run.local_squares = LocalGradSquares(ddps, state.tp_rank)
-        run.noise_scale = NoiseScale()
-    if cfg.logging.log_grad_norms_interval:
-        decoupled = cfg.optimizer.decoupled_lr is not None
-        run.norm_parts = grad_norm_parts(m, ddps, decoupled)
-    if cfg.evaluation.eval_prompts:
-        run.eval_prompts = _eval_prompts(cfg, state)
     if batches.describe():
         run.writer.print(batches.describe())
     if cfg.checkpointing.load:
         resume(run)
     if checkpointer is not None:
-        checkpointer.prepare(ddps, optimizer, run.tracker)
+        checkpointer.prepare(chunks, optimizer, run.progress.tracker)
     return run
+
+
+def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
+    """This rank's model chunks (one per virtual stage), each in its DDP wrapper."""
+    m, par, runtime = cfg.model, cfg.parallel, cfg.runtime
+    ops = agree_on_ops(
+        select_ops(state.device, runtime.use_fused_kernels), state.world_group, state.device
+    )
+    if state.rank == 0:
+        print(f"ops: {ops.name}", flush=True)
+    chunks = build_model_chunks(
+        m,
+        state,
+        params_dtype=dtype,
+        seed=cfg.training.seed,
+        sequence_parallel=par.sequence_parallel,
+        gradient_accumulation_fusion=par.gradient_accumulation_fusion,
+        tracker=tracker,
+        virtual_size=par.virtual_size(m.num_layers),
+        first_stage_layers=par.decoder_first_pipeline_num_layers,
+        last_stage_layers=par.decoder_last_pipeline_num_layers,
+        ops=ops,
+        torch_compile=runtime.torch_compile,
+        cp_comm_type=par.cp_comm_type,
+        times=_tp_comm_times(times, cfg, state.device),
+        placement=PLACEMENT.get(par.pipeline_schedule, "loop"),
+    )
+    grad_dtype = torch.bfloat16 if runtime.bf16 and runtime.grad_reduce_in_bf16 else torch.float32
+    return [
+        DistributedDataParallel(
+            c,
+            state.dp_cp_group,  # CP ranks hold the same weights: reduce and shard over both
+            bucket_size=par.ddp_bucket_size,
+            overlap_grad_reduce=par.overlap_grad_reduce,
+            sharding=par.sharding_strategy(),
+            overlap_param_gather=par.overlap_param_gather,
+            grad_dtype=grad_dtype,
+        )
+        for c in chunks
+    ]
+
+
+def _features(cfg: Configs, state: ParallelState, chunks, times, names) -> StepFeatures:
+    """The per-step measurements the logging flags ask for."""
+    logging = cfg.logging
+    local_squares = noise_scale = norm_parts = None
+    if logging.log_gradient_noise_scale:
+        local_squares, noise_scale = LocalGradSquares(chunks, state.tp_rank), NoiseScale()
+    if logging.log_grad_norms_interval:
+        decoupled = cfg.optimizer.decoupled_lr is not None
+        norm_parts = grad_norm_parts(cfg.model, chunks, decoupled)
+    return StepFeatures(
+        times=times,
+        norm_parts=norm_parts,
+        norm_parts_interval=logging.log_grad_norms_interval,
+        local_squares=local_squares,
+        noise_scale=noise_scale,
+        domain_names=names,
+    )
+
+
+def _writer(cfg: Configs, state: ParallelState) -> MetricsWriter:
+    """The console, JSONL, TensorBoard and wandb writers (on the logging rank)."""
+    logging, wandb = cfg.logging, None
+    if logging.wandb_project and logging_rank(state):
+        wandb = WandbWriter(logging, cfg.checkpointing, run_record(cfg, state))
+    return MetricsWriter(logging_rank(state), logging.log_jsonl, logging.tensorboard_dir, wandb)
+
+
+def _throughput(cfg: Configs, state: ParallelState) -> Throughput:
+    """Tokens/s, TFLOP/s per device and MFU against the device's peak at the run's precision."""
+    m, runtime = cfg.model, cfg.runtime
+    flops = model_flops_per_token(m, m.padded_vocab_size(state.tp_size))
+    precision = "bf16" if runtime.bf16 else "fp16" if runtime.fp16 else "fp32"
+    peak, _ = device_peak_tflops(state.device, precision)
+    return Throughput(flops, state.world_size, peak)
 
 
 def _step_times(logging, device) -> StepTimes:
@@ -234,24 +253,8 @@ def run_record(cfg: Configs, state: ParallelState) -> dict:
     return record
 
 
-def split_sample_counts(cfg: Configs, global_batch: int) -> tuple[int, int, int]:
-    """Samples asked of the train, valid and test splits, as Megatron-LM asks them (the sizes
-    decide how many epochs each split spans, and so its order): the whole run; --eval-iters
-    batches for each evaluation of the run and one more; --eval-iters batches."""
-    training, evaluation = cfg.training, cfg.evaluation
-    every = evaluation.eval_interval
-    evaluations = training.train_iters // every + 1 if every else 1
-    return (
-        training.train_samples or training.train_iters * global_batch,
-        evaluations * evaluation.eval_iters * global_batch,
-        evaluation.eval_iters * global_batch,
-    )
-
-
-def _eval_prompts(cfg: Configs, state: ParallelState):
+def _eval_prompts(cfg: Configs) -> EvalPrompts:
     """--eval-prompts read and tokenized (every rank: they decode together)."""
-    from engine.eval.samples import EvalPrompts, read_prompts
-
     tokenizer = build_tokenizer(cfg.tokenizer)
     ids = read_prompts(cfg.evaluation.eval_prompts, tokenizer, cfg.model.seq_length)
     evaluation = cfg.evaluation
@@ -262,66 +265,3 @@ def _eval_prompts(cfg: Configs, state: ParallelState):
         evaluation.eval_temperature,
         evaluation.eval_top_p,
     )
-
-
-def _datasets(cfg: Configs, state: ParallelState, batches, mix) -> list:
-
-    global_batch = batches.final
-    samples = split_sample_counts(cfg, global_batch)
-    data = cfg.data
-    tokenizer = build_tokenizer(cfg.tokenizer) if data.mock_data else None
-
-    def build():
-        paths = data.data_path or data.train_data_path
-        if not data.mock_data and data_format(paths, data.data_format) == "parquet":
-            return build_streaming_datasets(
-                data.data_path,
-                data.parquet_text_column,
-                data.parquet_shuffle_buffer,
-                data.split,
-                cfg.model.seq_length,
-                cfg.training.seed,
-                samples,
-                cfg.tokenizer,
-            )
-        if data.mock_data:
-            return build_mock_datasets(
-                tokenizer.vocab_size,
-                tokenizer.eod,
-                cfg.model.seq_length,
-                cfg.training.seed,
-                samples,
-                data.data_cache_path,
-            )
-        return build_gpt_datasets(
-            data.data_path,
-            data.split,
-            cfg.model.seq_length,
-            cfg.training.seed,
-            samples,
-            data.data_cache_path,
-            data.per_split_paths,
-            mix,
-        )
-
-    # Rank 0 builds the index caches (indexed and mock data); the others then load them.
-    if state.rank == 0:
-        datasets = build()
-    if state.world_group is not None:
-        dist.barrier(group=state.world_group)
-    if state.rank != 0:
-        datasets = build()
-    if datasets[0] is None:
-        raise ConfigError(f"--split {data.split} leaves no training documents")
-    _, consumed = batches.sizes(
-        cfg.training.train_iters
-    )  # a ramp's last step may pass --train-samples
-    needs = (max(samples[0], consumed), samples[1], samples[2])
-    for name, dataset, needed in zip(SPLIT_NAMES, datasets, needs):
-        if dataset is not None and len(dataset) < needed:
-            raise ConfigError(
-                f"the {name} split has {len(dataset)} samples and the run needs {needed}: "
-                "prefixes given alone (--data-path A B) blend one epoch of each; give weights "
-                "(0.5 A 0.5 B) to repeat them, or train for less"
-            )
-    return datasets

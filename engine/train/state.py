@@ -1,19 +1,29 @@
-"""The state of a training run: its configs, counters, and the objects the loop works with."""
+"""The state of a training run: what the loop works with (`Run`, built once by
+engine/train/setup.py and not changed after) and what changes as it goes (`Progress`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from engine.checkpoint.save import Checkpointer
 from engine.config.batch_schedule import BatchSchedule
 from engine.config.configs import Configs
 from engine.config.runtime import RuntimeConfig
+from engine.data.mix.schedule import MixSchedule
+from engine.data.split import TrainingSplit
+from engine.eval.samples import EvalPrompts
 from engine.monitor.metrics import MetricsWriter, SpikeDetector, Throughput
 from engine.monitor.profiler import StepProfiler
 from engine.optim.lr_schedule import LRScheduler
 from engine.train.exit_conditions import ExitConditions
+from engine.train.step import StepFeatures
+from parallel.data_parallel.ddp import DistributedDataParallel
+from parallel.data_parallel.optimizer import DistributedOptimizer
+from parallel.random import RNGStatesTracker
 from parallel.state import ParallelState
 
 
@@ -27,43 +37,45 @@ class Counters:
     skipped_iters: int = 0
     nan_iters: int = 0
     optimizer_step: int = 0
-    spike_history: list = field(default_factory=list)
 
 
 @dataclass
+class Progress:
+    """What changes while a run goes on: its counters, its random streams (re-seeded when a
+    checkpoint's cannot be restored), the last iteration saved, and the data's position."""
+
+    tracker: RNGStatesTracker
+    counters: Counters = field(default_factory=Counters)
+    last_saved: int | None = None
+    data_state: dict | None = None  # Parquet streams: the position to resume from
+    train_iterator: Iterator[dict] | None = None  # whose position a checkpoint saves
+    valid_iterator: Iterator[dict] | None = None  # Parquet streams: read on within a run
+
+
+@dataclass(frozen=True)
 class Run:
-    """Everything the loop needs, built once by `setup`."""
+    """Everything the loop works with, built once by engine/train/setup.py."""
 
     cfg: Configs
     state: ParallelState
-    chunks: list
-    optimizer: object
+    chunks: list[DistributedDataParallel]  # one per virtual pipeline stage of this rank
+    optimizer: DistributedOptimizer
     scheduler: LRScheduler
-    schedule: object
-    tracker: object
-    datasets: list
-    counters: Counters
+    schedule: Callable[..., list[torch.Tensor]]  # parallel/pipeline/schedules.get_schedule's
+    datasets: list[TrainingSplit | None]  # [train, valid, test]; None: a split without samples
     batches: BatchSchedule
     dtype: torch.dtype
     writer: MetricsWriter
-    checkpointer: Checkpointer | None
-    checkpoint_group: object
+    checkpointer: Checkpointer | None  # None without --save
+    checkpoint_group: dist.ProcessGroup | None
     throughput: Throughput
     spikes: SpikeDetector
-    last_saved: int | None = None
-    exit_conditions: ExitConditions | None = None
-    profiler: StepProfiler | None = None
-    # Parquet streams: the position to resume from, and the training iterator whose position
-    # a checkpoint saves.
-    data_state: dict | None = None
-    train_iterator: object = None
-    valid_iterator: object = None  # Parquet streams: the valid stream, read on within a run
-    norm_parts: object = None  # --log-grad-norms-interval: engine/monitor/grad_norm_parts.py
-    local_squares: object = None  # --log-gradient-noise-scale: engine/monitor/noise_scale.py
-    noise_scale: object = None
-    times: object = None  # parallel.timing.StepTimes: where the steps' time goes
-    eval_prompts: object = None  # --eval-prompts: engine/eval/samples.py EvalPrompts
-    mix: object = None  # the train blend's weights over the run: engine/data/mix/schedule.py
+    exit_conditions: ExitConditions
+    profiler: StepProfiler
+    features: StepFeatures
+    progress: Progress
+    eval_prompts: EvalPrompts | None = None  # --eval-prompts
+    mix: MixSchedule | None = None  # the train blend's weights over the run
 
 
 def params_dtype(runtime: RuntimeConfig) -> torch.dtype:

@@ -38,3 +38,16 @@ def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) 
     if window is not None:
         mask &= keys >= queries - window
     return mask
+
+
+def context_parallel_batches(batches: list[dict], state) -> list[dict]:
+    """This CP rank's two load-balanced chunks of every sequence in the micro-batches
+    ([b, s] tensors split along s); the batches themselves when there is no CP."""
+    if state.cp_size == 1:
+        return batches
+    # [b, s] tensors are cut along the sequence; a per-sample `domain` [b] stays whole
+    rank, size = state.cp_rank, state.cp_size
+    return [
+        {k: split_sequence(v, 1, size, rank) if v.dim() > 1 else v for k, v in b.items()}
+        for b in batches
+    ]

@@ -12,12 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.data.builder import split_blends
 from engine.data.indexed.dataset import IndexedDataset
 from engine.data.indexed.gpt_dataset import sequence_range
-from engine.data.mix.blended import parse_blend
 from engine.data.mix.schedule import plain_schedule, train_mix
-from engine.data.streaming.shards import is_parquet_path
+from engine.data.sources import data_sources
 from engine.errors import ConfigError
 
 
@@ -45,22 +43,22 @@ def plan_mix(data, train, seq_length: int, batches) -> tuple[list[DatasetPlan], 
     paths = data.train_data_path or data.data_path
     if data.mock_data or not paths:
         raise ConfigError("--data-path: give the blend to report on (weight name:PREFIX ...)")
-    if any(is_parquet_path(p) for p in parse_blend(paths).prefixes):
+    sources = data_sources(data.data_path, data.split, data.per_split_paths)
+    if sources.format == "parquet":
         raise ConfigError(
             "--data-path: Parquet sources are reported once tokenized; preprocess them "
             "(tools/preprocess_data.py) or give their .bin/.idx prefixes"
         )
-    blends, bookends = split_blends(data.data_path, data.split, data.per_split_paths)
-    blend = blends[0]
-    if blend is None or bookends[0] is None:
+    blend, share = sources.train, sources.shares[0]
+    if blend is None or share is None:
         raise ConfigError(f"--split {data.split} gives the train split no documents")
     available = []
     for prefix in blend.prefixes:
         lengths = IndexedDataset(prefix).sequence_lengths
-        start, end = sequence_range(len(lengths), bookends[0])
+        start, end = sequence_range(len(lengths), share)
         available.append(int(np.sum(lengths[start:end], dtype=np.int64)))
     _, total = batches.sizes(train.train_iters)
-    mix = train_mix(data, train.train_iters, batches)
+    mix = train_mix(blend, data.data_mix_schedule, train.train_iters, batches)
     if mix is None:  # one dataset
         mix = plain_schedule(blend.names, [1.0])
     if blend.weights is None and len(blend.prefixes) > 1:  # one epoch of each, by size

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.data.indexed.helpers import build_blending_indices
-from engine.data.mix.blended import normalize_weights, parse_blend
+from engine.data.mix.blended import Blend, normalize_weights
 from engine.data.streaming.shards import is_parquet_path
 from engine.errors import ConfigError
 from engine.files.structured import read_yaml_or_json
@@ -89,16 +89,17 @@ class MixSchedule:
         return "data mix: " + "; ".join(lines)
 
 
-def train_mix(data, train_iters: int, batches) -> MixSchedule | None:
-    """The train split's mix (DataConfig `data`): the schedule of --data-mix-schedule, the
-    plain weights of a blend of several datasets, or None (one dataset, mock data)."""
-    paths = data.train_data_path or data.data_path
-    if data.mock_data or not paths:
-        if data.data_mix_schedule:
+def train_mix(
+    blend: Blend | None, schedule_file: str | None, train_iters: int, batches
+) -> MixSchedule | None:
+    """The mix of the train split's `blend` (engine/data/sources.py; None for mock data): the
+    schedule of --data-mix-schedule `schedule_file`, the plain weights of a blend of several
+    datasets, or None (one dataset, mock data)."""
+    if blend is None:
+        if schedule_file:
             raise ConfigError(f"{FLAG} needs a blend of named datasets in --data-path")
         return None
-    blend = parse_blend(paths, "--train-data-path" if data.train_data_path else "--data-path")
-    if data.data_mix_schedule is None:
+    if schedule_file is None:
         if len(blend.prefixes) < 2 or blend.weights is None:  # (alone: weighted by size)
             return None
         return plain_schedule(blend.names, blend.weights)
@@ -112,9 +113,7 @@ def train_mix(data, train_iters: int, batches) -> MixSchedule | None:
             f"{FLAG} is not supported for Parquet streams yet; preprocess the data into "
             ".bin/.idx (tools/preprocess_data.py) to schedule its mix"
         )
-    return read_mix_schedule(
-        data.data_mix_schedule, blend.names, blend.weights, train_iters, batches
-    )
+    return read_mix_schedule(schedule_file, blend.names, blend.weights, train_iters, batches)
 
 
 def plain_schedule(names, weights) -> MixSchedule:

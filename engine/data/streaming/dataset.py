@@ -217,7 +217,8 @@ class SampleStream:
 
 
 class StreamingDataset:
-    """One split of one or more weighted Parquet sources, `num_samples` samples long."""
+    """One split of one or more weighted Parquet sources, `num_samples` samples long, as a
+    training split (engine/data/split.py)."""
 
     def __init__(
         self,
@@ -249,10 +250,12 @@ class StreamingDataset:
         dp_rank: int,
         dp_size: int,
         num_workers: int = 0,
-        state: dict | None = None,
+        position: dict | None = None,
         pin_memory: bool = False,
     ) -> StreamingIterator:
-        positions = self.resume_positions(consumed_samples, state)
+        """This DP rank's micro-batches from `consumed_samples` on, each source's stream from
+        the saved `position` (a StreamingIterator.state_dict; None: from the start)."""
+        positions = self.resume_positions(consumed_samples, position)
         streams = [
             SampleStream(plan, self.tokenizer, num_workers, positions[i] if positions else None)
             for i, plan in enumerate(self.plans)
@@ -260,6 +263,19 @@ class StreamingDataset:
         return StreamingIterator(
             self, streams, consumed_samples, micro_batch_size, dp_rank, dp_size, pin_memory
         )
+
+    def check_position(self, consumed_samples: int, position: dict | None) -> None:
+        """On a rank that reads no batches: fail (on every rank alike) where `iterator` would
+        for this count and position."""
+        self.resume_positions(consumed_samples, position)
+
+    def restart_point(self, consumed_samples: int) -> int:
+        """A stream is positioned by what it saved; without that it starts again."""
+        return 0
+
+    def consumed_per_dataset(self, consumed_samples: int) -> None:
+        """Which source gave each sample is known only while reading."""
+        return None
 
     def resume_positions(self, consumed_samples: int, state: dict | None) -> list | None:
         """The stream positions of a checkpoint's data state (None: from the start), checked

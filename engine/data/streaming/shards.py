@@ -27,8 +27,12 @@ class Shard:
 
 
 def is_parquet_path(path: str) -> bool:
-    """A `.parquet` file, or a folder (which must then hold Parquet files)."""
-    return path.endswith(PARQUET_SUFFIX) or os.path.isdir(path)
+    """A `.parquet` file, or a folder (which must then hold Parquet files) that is not also
+    the prefix of a preprocessed dataset (megatron-core keeps its index caches in a folder
+    named as the prefix, beside its .bin and .idx)."""
+    if path.endswith(PARQUET_SUFFIX):
+        return True
+    return os.path.isdir(path) and not os.path.exists(path + ".idx")
 
 
 def shard_paths(source: str) -> list[tuple[str, str]]:

@@ -1,0 +1,35 @@
+"""Fault injection in a checkpoint's save, for the robustness tests. Inert unless set:
+
+    TRIPOD_FAULT_KILL_IN_SAVE=1:8     rank 1 kills itself in the middle of the save of
+                                      iteration 8: its data files are written, the checkpoint's
+                                      metadata and commit are not
+
+(The faults injected into training iterations are engine/train/faults.py's.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from parallel.checkpoint.checksums import ChecksummingWriter
+
+
+def rank_at(name: str, rank: int, iteration: int) -> bool:
+    """Whether the variable `name` is set to `rank:iteration`."""
+    return os.environ.get(name) == f"{rank}:{iteration}"
+
+
+def storage_writer(path: str, rank: int, iteration: int):
+    """The DCP storage writer for a save (recording checksums), or one that dies mid-save."""
+    if not rank_at("TRIPOD_FAULT_KILL_IN_SAVE", rank, iteration):
+        return ChecksummingWriter(path)
+
+    class _DiesAfterWriting(ChecksummingWriter):
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+            future.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+            return future
+
+    return _DiesAfterWriting(path)

@@ -1,0 +1,90 @@
+"""One training iteration: an optimizer step over the global batch, or a skipped one.
+
+The step is skipped (and counted) when the loss or the gradient is NaN/Inf or, with
+--skip-spike-batches, the loss is a spike (z-score over a window of recent losses). A skipped
+step does not advance the learning-rate schedule; the "lr" logged is the one the iteration's
+update used or would have.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.train import faults
+from engine.train.state import Run
+from engine.train.step import StepHooks, train_step
+
+
+@dataclass(frozen=True)
+class IterationResult:
+    """What an iteration did, as the log lines read it."""
+
+    lm_loss: float
+    lr: float
+    updated: bool
+    grad_norm: float | None  # None when the update was not taken
+    loss_scale: float | None  # fp16's dynamic loss scale
+    nan: bool  # a NaN/Inf loss or gradient (counted towards --exit-on-nan-count)
+    batch_size: int  # the global batch
+    spike_z: float | None = None  # the loss's z-score when it was a spike
+    part_norms: dict[str, float] | None = None  # --log-grad-norms-interval
+    gradient_noise_scale: float | None = None  # --log-gradient-noise-scale (smoothed)
+    domain_parts: list[float] | None = None  # a blend's losses by dataset (loss.py)
+
+
+def train_iteration(run: Run, batches: list[dict], global_batch: int | None = None):
+    """One optimizer step over `batches` (this rank's micro-batches of a global batch of
+    `global_batch` samples, by default the run's final one), or a skipped step. Collective on
+    every rank; every rank decides the same. Returns an IterationResult."""
+    global_batch = global_batch or run.batches.final
+    rank, iteration = run.state.rank, run.progress.counters.iteration + 1
+    faults.before_iteration(rank, iteration, batches, run.cfg.model.vocab_size)
+    spike: dict[str, float | bool | None] = {"z": None, "attempted": False}
+
+    def should_step(loss: float) -> bool:
+        if not math.isfinite(loss):
+            return False
+        spike["z"] = run.spikes.check(loss)
+        spike["attempted"] = spike["z"] is None or not run.cfg.exit.skip_spike_batches
+        return bool(spike["attempted"])
+
+    hooks = StepHooks(
+        after_backward=lambda: faults.after_backward(rank, iteration, run.chunks),
+        should_step=should_step,
+        before_update=run.checkpointer.wait_for_copy if run.checkpointer else None,
+    )
+    features = run.features.at(iteration)
+    out = train_step(
+        run.chunks,
+        run.optimizer,
+        run.scheduler,
+        batches,
+        run.state,
+        run.schedule,
+        features=features,
+        hooks=hooks,
+        samples=global_batch,
+    )
+    # An attempted step that did not update had a non-finite gradient (with fp16 that is a
+    # loss-scale overflow, which the scaler handles and is not counted).
+    bad_gradient = spike["attempted"] and not out.updated and run.optimizer.grad_scaler is None
+    noise_scale = None
+    if features.noise_scale is not None and out.grad_norm is not None:
+        own_batch = global_batch // run.state.dp_size
+        noise_scale = features.noise_scale.update(
+            out.local_grad_squares, own_batch, out.grad_norm**2, global_batch
+        )
+    return IterationResult(
+        lm_loss=out.loss,
+        lr=out.lr,
+        updated=out.updated,
+        grad_norm=out.grad_norm,
+        loss_scale=out.loss_scale,
+        nan=not math.isfinite(out.loss) or bool(bad_gradient),
+        batch_size=global_batch,
+        spike_z=spike["z"],
+        part_norms=out.part_norms,
+        gradient_noise_scale=noise_scale,
+        domain_parts=out.domain_parts,
+    )

@@ -1,0 +1,94 @@
+"""The loss of a micro-batch on the last pipeline stage: per-token losses into the scalar to
+differentiate and the values to report (the mean; with a blend, each dataset's part), under
+context parallelism each rank's share."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel.comm import group_size
+
+
+def make_loss_func(
+    num_microbatches: int, loss_scale: float = 1.0, cp_group=None, num_domains: int = 0
+):
+    """Per-token losses [b, s] -> (mean / num_microbatches * loss_scale, detached mean).
+    A (loss, z-loss) pair from the model adds the z-loss to what is differentiated only.
+
+    With `num_domains` (a blend whose batches say each sample's dataset, `domain`), the
+    detached value is [mean, s_0 .. s_{D-1}, w_0 .. w_{D-1}]: w_d is the share of the mean's
+    token weight that dataset d's tokens carry and s_d their weighted loss, so s_d / w_d is
+    dataset d's loss and the s_d add up to the mean (see `domain_losses`).
+
+    Under context parallelism (cp_group) each rank holds part of every sequence: its "mean"
+    is its share of the micro-batch's mean (its tokens' sum over the whole micro-batch's token
+    count), so the shares of a CP group add up to the mean. What is differentiated is scaled
+    by the CP size, because gradients are averaged over DP x CP while the CP ranks' parts
+    must add up."""
+    cp_size = group_size(cp_group)
+
+    def loss_func(output, batch: dict):
+        per_token, z_term = output if isinstance(output, tuple) else (output, None)
+        mask = batch.get("loss_mask")
+        weights = None if mask is None else mask.to(per_token.dtype)
+        if cp_size == 1:
+            count = per_token.numel() if weights is None else weights.sum().clamp(min=1.0)
+            loss, reported = _mean_loss(per_token, z_term, mask, num_microbatches, loss_scale)
+        else:
+            if weights is None:
+                count = float(per_token.numel() * cp_size)
+            else:
+                total_count = weights.sum().detach().clone()
+                dist.all_reduce(total_count, group=cp_group)
+                count = total_count.clamp(min=1.0)
+
+            def share_of(values):
+                return (values if weights is None else values * weights).sum() / count
+
+            share = share_of(per_token)
+            total = share if z_term is None else share + share_of(z_term)
+            loss, reported = total * (cp_size * loss_scale / num_microbatches), share.detach()
+        if num_domains and "domain" not in batch:
+            raise ValueError("per-dataset losses asked for, but the batch says no sample's dataset")
+        if num_domains:
+            parts = _domain_parts(per_token.detach(), weights, count, batch["domain"], num_domains)
+            reported = torch.cat([reported.reshape(1), parts])
+        return loss, reported
+
+    return loss_func
+
+
+def _mean_loss(per_token, z_term, mask, num_microbatches: int, loss_scale: float):
+    def mean_of(values):
+        if mask is None:
+            return values.mean()
+        weights = mask.to(values.dtype)
+        return (values * weights).sum() / weights.sum().clamp(min=1.0)
+
+    mean = mean_of(per_token)
+    total = mean if z_term is None else mean + mean_of(z_term)
+    return total * (loss_scale / num_microbatches), mean.detach()
+
+
+def _domain_parts(per_token, weights, count, domain, num_domains: int) -> torch.Tensor:
+    """[s_0 .. s_{D-1}, w_0 .. w_{D-1}] of one micro-batch (see make_loss_func)."""
+    token_weights = torch.ones_like(per_token) if weights is None else weights
+    token_weights = token_weights / count
+    onehot = torch.nn.functional.one_hot(domain, num_domains).to(per_token.dtype)  # [b, D]
+    losses = (per_token * token_weights).sum(dim=1) @ onehot
+    shares = token_weights.sum(dim=1) @ onehot
+    return torch.cat([losses, shares])
+
+
+def domain_losses(values: list[float], names) -> dict[str, tuple[float, float]]:
+    """{name: (loss, share)} from a step's summed [s_0 .., w_0 ..] (see make_loss_func): the
+    shares add up to 1 and sum(share * loss) is the overall loss. A dataset with no tokens in
+    the batch has no entry."""
+    count = len(names)
+    out = {}
+    for d, name in enumerate(names):
+        loss_sum, share = values[d], values[count + d]
+        if share > 0:
+            out[name] = (loss_sum / share, share)
+    return out
