@@ -11,7 +11,7 @@ start-up, measured on a one-document input, so it is the steady rate):
     tokenizer's ids), and --tokenize-with tokenizer (the tokenizer's own library);
   - Megatron-LM's tools/preprocess_data.py --workers 2 and tools/preprocess_data_fast.py
     (gigatoken; Hugging Face tokenizers only), when --megatron-python and --megatron-root
-    name a Python that runs them (see README: Benchmarks);
+    name a Python that runs them (see docs/benchmarks.md);
   - the ceilings, in a fresh process with the texts already in memory: the tokenizer library's
     own batch encode and gigatoken's, on all cores.
 Peak memory is the proportional set size (PSS) summed over the whole process tree (main and

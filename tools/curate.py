@@ -7,7 +7,7 @@ Input: JSONL (plain, .gz, .zst), Parquet or .txt files, a folder or a glob, as
 tools/preprocess_data.py reads them. Output: curated/kept/*.parquet (the kept documents with
 every input field), curated/removed/*.parquet (with `curate_reason`), curated/report.json and
 report.png. Running the same command again resumes a killed run. The kept shards go to
-tools/preprocess_data.py --input curated/kept unchanged. See the README for the config.
+tools/preprocess_data.py --input curated/kept unchanged. See docs/curate.md for the config.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Command line -> config dataclasses, with Megatron-LM's flag names.
 
-Flags are generated from the fields of the dataclasses in engine/config.py (a field `hidden_size`
+Flags are generated from the fields of the dataclasses in engine/config/ (a field `hidden_size`
 becomes `--hidden-size`, unless its metadata names another flag), one argparse group per
 dataclass, so `--help` lists them grouped and the configs stay the single source of truth.
 """

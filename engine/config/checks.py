@@ -30,15 +30,14 @@ def check_configs(cfg: Configs, world_size: int) -> int:
 
 
 def check_layout_flags(cfg: Configs, world_size: int) -> int:
-    """The checks of a layout that need no data or files (sizes against the world and the
-    model, context parallelism, pipeline stages and schedule, the batch split, the run's
-    length); returns the data-parallel size. tools/plan.py validates the layouts it shows
-    with this."""
+    """The checks of a resolved layout that need no data or files (sizes against the world,
+    context parallelism, pipeline stages and schedule, the batch split against the run's
+    length; the model's shape and the batch flags were checked by resolve); returns the
+    data-parallel size. tools/plan.py validates the layouts it shows with this."""
     m, par = cfg.model, cfg.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     dp = check_layout(world_size, tp, pp, cp=par.context_parallel_size)
-    m.validate(tp, par.sequence_parallel)
-    _check_context_parallel(m, par)
+    _check_context_parallel(m, par)  # (the model's own shape: checked by resolve)
     par.validate(m.num_layers)
     for section in (cfg.runtime, cfg.logging, cfg.evaluation, cfg.checkpointing):
         section.validate()

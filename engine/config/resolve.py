@@ -47,7 +47,8 @@ def resolve(
     checkpoint's architecture with --use-checkpoint-args; `vocab_size_of`: a tokenizer
     config's vocabulary size (without it the vocabulary is left as the flags give it, as the
     layout planner does). ConfigError (one line) when a derived value cannot be had: a layout
-    the world size does not divide, a missing or contradictory length."""
+    the world size does not divide, a model shape or batch that cannot be, a missing or
+    contradictory length."""
     model, tokenizer = cfg.model, cfg.tokenizer
     if saved is not None:
         taken = with_saved_architecture(cfg, saved)
@@ -59,6 +60,8 @@ def resolve(
     dp = check_layout(
         world_size, tp, parallel.pipeline_model_parallel_size, cp=parallel.context_parallel_size
     )
+    # the fields the length is derived from are checked first (as the layout checks did)
+    model.validate(tp, parallel.sequence_parallel)
     cfg.training.validate()
     training = with_length(cfg.training, dp, model.seq_length)
     if vocab_size_of is not None:

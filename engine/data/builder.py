@@ -163,7 +163,7 @@ def build_streaming_datasets(
     blend, split, split_weights = sources.train, sources.split, sources.split_weights
     if blend.weights is None and len(blend.prefixes) > 1:
         raise ConfigError(
-            f"--data-path {' '.join(blend.prefixes)}: Parquet sources blend by weight only "
+            f"--data-path {' '.join(sources.given)}: Parquet sources blend by weight only "
             "(their sizes in samples are known only once tokenized); give weight/source pairs"
         )
     kept = [

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from engine.config.data import DataConfig
 from engine.data.indexed.gpt_dataset import SPLIT_NAMES, parse_split, split_bookends
-from engine.data.mix.blended import Blend, parse_blend, parse_data_path
+from engine.data.mix.blended import Blend, parse_blend
 from engine.data.streaming.shards import is_parquet_path
 from engine.errors import ConfigError
 
@@ -31,6 +31,7 @@ class DataSources:
     split_weights: tuple[float, ...]  # --split's proportions (Parquet cuts each window by them)
     split: str  # --split as given (for messages)
     per_split: bool  # given split by split (--train/valid/test-data-path)
+    given: tuple[str, ...] = ()  # the train split's paths as given (for messages)
 
     @property
     def train(self) -> Blend | None:
@@ -54,19 +55,21 @@ def data_sources(
 ) -> DataSources:
     """The sources of `data_path` cut by `split`, or of each split's own paths; ConfigError
     (one line) for paths that cannot be read as a blend or that mix formats."""
-    paths = data_path or (per_split_paths[0] if per_split_paths else [])
-    kind = detect_format(paths, data_format)
     if per_split_paths is not None:  # --split is not read
         blends = tuple(
             parse_blend(p, f"--{n}-data-path") if p else None
             for p, n in zip(per_split_paths, SPLIT_NAMES)
         )
         shares = tuple((0.0, 1.0) if blend else None for blend in blends)
-        return DataSources(kind, blends, shares, (), split, True)
+        kind = _format_of(blends[0].prefixes if blends[0] else (), data_format)
+        given = tuple(per_split_paths[0])
+        return DataSources(kind, blends, shares, (), split, True, given)
     blend = parse_blend(data_path)
     weights = tuple(parse_split(split))
     shares = tuple(split_bookends(list(weights)))
-    return DataSources(kind, (blend,) * len(SPLIT_NAMES), shares, weights, split, False)
+    kind = _format_of(blend.prefixes, data_format)
+    blends = (blend,) * len(SPLIT_NAMES)
+    return DataSources(kind, blends, shares, weights, split, False, tuple(data_path))
 
 
 def sources_of(data: DataConfig) -> DataSources:
@@ -82,11 +85,17 @@ def sources_of(data: DataConfig) -> DataSources:
 
 
 def detect_format(data_path: list[str], given: str | None) -> str:
+    """--data-format, or detected from --data-path (see _format_of)."""
+    if given is not None:
+        return given
+    return _format_of(parse_blend(data_path).prefixes, given)
+
+
+def _format_of(paths, given: str | None) -> str:
     """--data-format, or detected: Parquet files and folders stream, anything else is a prefix
     of a preprocessed dataset."""
     if given is not None:
         return given
-    _, paths = parse_data_path(data_path)
     parquet = [p for p in paths if is_parquet_path(p)]
     if parquet and len(parquet) < len(paths):
         other = next(p for p in paths if not is_parquet_path(p))

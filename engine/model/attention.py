@@ -17,7 +17,6 @@ from engine.model.context import BuildContext
 from engine.model.norm import Norm
 from parallel.context_parallel.attention import context_parallel_attention
 from parallel.random import checkpoint
-from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class SelfAttention(nn.Module):
@@ -31,33 +30,16 @@ class SelfAttention(nn.Module):
         self.local_heads = n // ctx.tp_size
         self.local_groups = g // ctx.tp_size
         prefix = f"layers.{layer_number}.self_attention"
-        self.linear_qkv = ColumnParallelLinear(
+        self.linear_qkv = ctx.column_linear(
+            f"{prefix}.linear_qkv",
             cfg.hidden_size,
             (n + 2 * g) * d,
-            tp_group=ctx.tp_group,
-            init_method=ctx.init_method,
-            init_seed=ctx.param_seed(f"{prefix}.linear_qkv.weight"),
             bias=cfg.add_bias_linear or cfg.add_qkv_bias,
-            sequence_parallel=ctx.sequence_parallel,
             partition_sizes=[n * d, g * d, g * d],
             partition_names=[".q", ".k", ".v"],
-            gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
-            params_dtype=ctx.params_dtype,
-            device=ctx.device,
-            times=ctx.times,
         )
-        self.linear_proj = RowParallelLinear(
-            n * d,
-            cfg.hidden_size,
-            tp_group=ctx.tp_group,
-            init_method=ctx.output_init_method,
-            init_seed=ctx.param_seed(f"{prefix}.linear_proj.weight"),
-            bias=cfg.add_bias_linear,
-            sequence_parallel=ctx.sequence_parallel,
-            gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
-            params_dtype=ctx.params_dtype,
-            device=ctx.device,
-            times=ctx.times,
+        self.linear_proj = ctx.row_linear(
+            f"{prefix}.linear_proj", n * d, cfg.hidden_size, bias=cfg.add_bias_linear
         )
         if cfg.qk_layernorm:
             partial = ctx.tp_size > 1  # each TP rank normalises different heads

@@ -12,7 +12,13 @@ from engine.config.model import ModelConfig
 from engine.ops.torch_ops import TorchOps
 from parallel.context_parallel.attention import rank_positions
 from parallel.random import RNGStatesTracker
-from parallel.tensor_parallel.layers import normal_init, scaled_normal_init
+from parallel.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    normal_init,
+    scaled_normal_init,
+)
 
 
 @dataclass
@@ -47,6 +53,75 @@ class BuildContext:
     @property
     def output_init_method(self):
         return scaled_normal_init(self.config.init_method_std, self.config.num_layers)
+
+    def column_linear(
+        self,
+        name: str,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        partition_sizes: list[int] | None = None,
+        partition_names: list[str] | None = None,
+        initialized_rows: int | None = None,
+    ) -> ColumnParallelLinear:
+        """A column-parallel linear whose weight is the global parameter `name`.weight, drawn
+        with the model's initialisation; `partition_sizes`/`partition_names`: the logical
+        tensors a fused weight stacks (checkpoints store each)."""
+        return ColumnParallelLinear(
+            input_size,
+            output_size,
+            tp_group=self.tp_group,
+            init_method=self.init_method,
+            init_seed=self.param_seed(f"{name}.weight"),
+            bias=bias,
+            sequence_parallel=self.sequence_parallel,
+            partition_sizes=partition_sizes,
+            partition_names=partition_names,
+            initialized_rows=initialized_rows,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            params_dtype=self.params_dtype,
+            device=self.device,
+            times=self.times,
+        )
+
+    def row_linear(
+        self, name: str, input_size: int, output_size: int, *, bias: bool
+    ) -> RowParallelLinear:
+        """A row-parallel linear whose weight is the global parameter `name`.weight, drawn
+        with the output initialisation (scaled by the depth, as Megatron-LM's projections back
+        into the residual stream)."""
+        return RowParallelLinear(
+            input_size,
+            output_size,
+            tp_group=self.tp_group,
+            init_method=self.output_init_method,
+            init_seed=self.param_seed(f"{name}.weight"),
+            bias=bias,
+            sequence_parallel=self.sequence_parallel,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            params_dtype=self.params_dtype,
+            device=self.device,
+            times=self.times,
+        )
+
+    def vocab_embedding(self, name: str, *, scatter: bool = True) -> VocabParallelEmbedding:
+        """The vocab-parallel word embedding, the global parameter `name`; `scatter`: its
+        output is split along the sequence under sequence parallelism (False for the last
+        stage's copy of a tied embedding, which only lends its weight to the output layer)."""
+        cfg = self.config
+        return VocabParallelEmbedding(
+            cfg.padded_vocab_size(self.tp_size),
+            cfg.hidden_size,
+            tp_group=self.tp_group,
+            init_method=self.init_method,
+            init_seed=self.param_seed(name),
+            vocab_size=cfg.vocab_size,
+            sequence_parallel=self.sequence_parallel and scatter,
+            params_dtype=self.params_dtype,
+            device=self.device,
+            times=self.times,
+        )
 
     def cp_comm_type_of(self, layer_number: int) -> str:
         types = self.cp_comm_type

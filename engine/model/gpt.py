@@ -22,8 +22,6 @@ from engine.model.norm import Norm
 from engine.model.rope import RotaryEmbedding
 from parallel.random import checkpoint
 from parallel.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    VocabParallelEmbedding,
     draw_full,
     gather_logits,
 )
@@ -39,18 +37,7 @@ class Embedding(nn.Module):
         super().__init__()
         cfg = ctx.config
         self.ctx, self.tp_rank = ctx, tp_rank
-        self.word_embeddings = VocabParallelEmbedding(
-            cfg.padded_vocab_size(ctx.tp_size),
-            cfg.hidden_size,
-            tp_group=ctx.tp_group,
-            init_method=ctx.init_method,
-            init_seed=ctx.param_seed(WORD_EMBEDDINGS),
-            vocab_size=cfg.vocab_size,
-            sequence_parallel=ctx.sequence_parallel,
-            params_dtype=ctx.params_dtype,
-            device=ctx.device,
-            times=ctx.times,
-        )
+        self.word_embeddings = ctx.vocab_embedding(WORD_EMBEDDINGS)
         # --decoupled-lr trains the word embeddings and the output layer at its own rate
         self.word_embeddings.weight.is_embedding_or_output_parameter = True
         if cfg.position_embedding_type == "learned_absolute":
@@ -128,35 +115,18 @@ class GPTModel(nn.Module):
             )
             padded = config.padded_vocab_size(ctx.tp_size)
             if not self.tied:
-                self.output_layer = ColumnParallelLinear(
+                self.output_layer = ctx.column_linear(
+                    "output_layer",
                     config.hidden_size,
                     padded,
-                    tp_group=ctx.tp_group,
-                    init_method=ctx.init_method,
-                    init_seed=ctx.param_seed("output_layer.weight"),
                     bias=False,
-                    sequence_parallel=ctx.sequence_parallel,
                     initialized_rows=config.vocab_size,
-                    gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
-                    params_dtype=ctx.params_dtype,
-                    device=ctx.device,
-                    times=ctx.times,
                 )
                 self.output_layer.weight.is_embedding_or_output_parameter = True
             elif not pre_process:
                 # The last stage keeps its own copy of the tied embedding, drawn from the same
                 # seed; the pipeline keeps the copies equal by all-reducing their gradients.
-                self.word_embeddings_for_head = VocabParallelEmbedding(
-                    padded,
-                    config.hidden_size,
-                    tp_group=ctx.tp_group,
-                    init_method=ctx.init_method,
-                    init_seed=ctx.param_seed(WORD_EMBEDDINGS),
-                    vocab_size=config.vocab_size,
-                    params_dtype=ctx.params_dtype,
-                    device=ctx.device,
-                    times=ctx.times,
-                )
+                self.word_embeddings_for_head = ctx.vocab_embedding(WORD_EMBEDDINGS, scatter=False)
                 weight = self.word_embeddings_for_head.weight
                 weight.shared_embedding = True  # a duplicate: not counted in the grad norm
                 weight.is_embedding_or_output_parameter = True

@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.context import BuildContext
-from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class MLP(nn.Module):
@@ -19,33 +18,16 @@ class MLP(nn.Module):
         self.ops = ctx.ops
         self.gelu_approximation = "tanh" if cfg.openai_gelu else "none"
         prefix = f"layers.{layer_number}.mlp"
-        self.linear_fc1 = ColumnParallelLinear(
+        self.linear_fc1 = ctx.column_linear(
+            f"{prefix}.linear_fc1",
             cfg.hidden_size,
             2 * f if cfg.swiglu else f,
-            tp_group=ctx.tp_group,
-            init_method=ctx.init_method,
-            init_seed=ctx.param_seed(f"{prefix}.linear_fc1.weight"),
             bias=cfg.add_bias_linear,
-            sequence_parallel=ctx.sequence_parallel,
             partition_sizes=[f, f] if cfg.swiglu else None,
             partition_names=[".gate", ".up"] if cfg.swiglu else None,
-            gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
-            params_dtype=ctx.params_dtype,
-            device=ctx.device,
-            times=ctx.times,
         )
-        self.linear_fc2 = RowParallelLinear(
-            f,
-            cfg.hidden_size,
-            tp_group=ctx.tp_group,
-            init_method=ctx.output_init_method,
-            init_seed=ctx.param_seed(f"{prefix}.linear_fc2.weight"),
-            bias=cfg.add_bias_linear,
-            sequence_parallel=ctx.sequence_parallel,
-            gradient_accumulation_fusion=ctx.gradient_accumulation_fusion,
-            params_dtype=ctx.params_dtype,
-            device=ctx.device,
-            times=ctx.times,
+        self.linear_fc2 = ctx.row_linear(
+            f"{prefix}.linear_fc2", f, cfg.hidden_size, bias=cfg.add_bias_linear
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -81,10 +81,11 @@ def _mix_keys(run: Run) -> dict:
         phase = run.mix.phase_at(max(0, run.progress.counters.iteration - 1))
         keys |= {f"mix_weight/{n}": w for n, w in zip(run.mix.names, phase.weights)}
     split = run.datasets[0]
-    given = split.consumed_per_dataset(run.progress.counters.consumed_samples)
-    if given is not None and len(split.names) > 1:
-        seq = run.cfg.model.seq_length
-        keys |= {f"consumed_tokens/{n}": int(k) * seq for n, k in zip(split.names, given)}
+    if len(split.names) > 1:
+        given = split.consumed_per_dataset(run.progress.counters.consumed_samples)
+        if given is not None:
+            seq = run.cfg.model.seq_length
+            keys |= {f"consumed_tokens/{n}": int(k) * seq for n, k in zip(split.names, given)}
     return keys
 
 

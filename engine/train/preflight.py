@@ -179,8 +179,12 @@ def _check_data(cfg: Configs) -> None:
         raise ConfigError(
             f"--vocab-size {m.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
         )
-    given = m.vocab_size > tokenizer.vocab_size
-    source = f"--vocab-size {m.vocab_size}" if given else tokenizer.source
+    # the vocabulary is the tokenizer's unless --vocab-size (or the checkpoint) gave it to a
+    # family that does not read it
+    given = "--vocab-size" in cfg.given or cfg.checkpointing.use_checkpoint_args
+    source = tokenizer.source
+    if given and cfg.tokenizer.vocab_size is None:
+        source = f"--vocab-size {m.vocab_size}"
     if data.mock_data and (data.data_path or data.per_split_paths):
         raise ConfigError(
             "--mock-data generates its documents; drop --data-path and the per-split paths"

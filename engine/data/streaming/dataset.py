@@ -288,7 +288,7 @@ class StreamingDataset:
                     "shards or settings (shards, --parquet-text-column, --parquet-shuffle-buffer,"
                     " --seq-length, --seed or --split changed); give the same data and settings "
                     "to resume, or --save to a new folder and train from --load without resuming"
-                    " (see README: Streaming from Parquet)",
+                    " (see docs/data.md: Streaming from Parquet)",
                     every_rank=True,  # every rank holds the same checkpoint and data
                 )
             if state["consumed_samples"] != consumed_samples:
