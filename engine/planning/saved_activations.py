@@ -31,18 +31,24 @@ from engine.model.context import BuildContext
 from engine.model.layer import TransformerLayer
 
 
+def storage_key(tensor: torch.Tensor) -> int:
+    """Which storage a tensor's memory is: the storage itself, not its data pointer, which
+    changes when sharded parameters are released and gathered again in place (their storage
+    shrunk to nothing and refilled), so that a parameter is known as one however often."""
+    return tensor.untyped_storage()._cdata
+
+
 def saved_activation_bytes(
     fn: Callable[[], torch.Tensor], parameters: Iterable[torch.Tensor]
 ) -> tuple[torch.Tensor, int]:
     """(fn(), bytes of the distinct storages autograd saved for backward while it ran),
     parameters left out. Views of one storage count once, as they take memory once."""
-    skip = {p.untyped_storage().data_ptr() for p in parameters}
+    skip = {storage_key(p) for p in parameters}
     seen: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
+        if storage_key(tensor) not in skip:
+            seen[storage_key(tensor)] = tensor.untyped_storage().nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -57,8 +63,8 @@ class PeakSavedBytes:
     a rank needs: the graphs of the micro-batches in flight."""
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
-        self.skip = {p.untyped_storage().data_ptr() for p in parameters}
-        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, saved tensors alive]
+        self.skip = {storage_key(p) for p in parameters}
+        self.live: dict[int, list[int]] = {}  # storage -> [bytes, saved tensors alive]
         self.held = self.peak = 0
         self.hooks = None
 
@@ -70,8 +76,7 @@ class PeakSavedBytes:
             del self.live[address]
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        address = storage.data_ptr()
+        storage, address = tensor.untyped_storage(), storage_key(tensor)
         if address in self.skip or tensor.device.type == "meta":
             return tensor
         saved = tensor.detach()  # the graph's own handle: it dies when the graph frees it
