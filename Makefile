@@ -1,7 +1,11 @@
 # Set-up and the two front-door commands. Both create or reuse the virtualenv at .venv and are
 # safe to run again. torch is installed first and pinned: a bare `torch` requirement would let
-# pip fetch a multi-GB CUDA build.
+# pip fetch a multi-GB CUDA build. A torch the venv can already import is left as it is: on a
+# GPU machine with its own CUDA build (offline), `make test VENV_ARGS=--system-site-packages`
+# uses that one; TORCH chooses another version to install.
 PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV_ARGS ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
@@ -11,8 +15,8 @@ STAMP := $(VENV)/.installed-stamp
 venv: $(STAMP)
 
 $(STAMP): requirements.txt setup.py pyproject.toml csrc/dataset_helpers.cpp
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	# Megatron-LM's own dataset reader, an independent reference in the tests (its deps are
 	# torch, numpy and packaging, all installed above).

@@ -33,11 +33,14 @@ def _world_sizes(args) -> list[int]:
 
 def preflight(args) -> None:
     """The pretraining flags checked for every world size of this launch (ConfigError)."""
+    from torch.distributed.run import determine_local_world_size
+
     from engine.pretrain import parse
     from engine.train.preflight import prepare
 
+    per_node = determine_local_world_size(args.nproc_per_node)
     for world_size in _world_sizes(args):
-        prepare(parse(args.training_script_args), world_size)
+        prepare(parse(args.training_script_args), world_size, per_node)
 
 
 def _describe(rank, failure) -> str:

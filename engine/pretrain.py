@@ -17,7 +17,7 @@ from engine.config.arguments import given_flags, parse_configs
 from engine.config.configs import SECTIONS, Configs, configs_from
 from engine.config.megatron_flags import no_effect_line
 from engine.train.loop import NaNLimit, finish, train
-from engine.train.preflight import device_of, prepare
+from engine.train.preflight import prepare
 from engine.train.setup import setup
 from parallel.state import ParallelState, init_distributed
 
@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()  # --exit-duration-in-mins counts from the process's start
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = prepare(parse(argv), world_size)
-    device = device_of(cfg.runtime)
     started_here = not dist.is_initialized()
-    _, _, device = init_distributed(device, cfg.parallel.distributed_timeout_minutes)
+    timeout = cfg.parallel.distributed_timeout_minutes
+    _, _, device = init_distributed(cfg.runtime.device, timeout)
     if device.type == "cpu":  # ranks sharing a CPU get one core each
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))

@@ -15,10 +15,10 @@
 # PyTorch's attention pick FlashAttention (bf16).
 set -euo pipefail
 
-gpus=0
-if command -v nvidia-smi >/dev/null 2>&1; then
-    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-fi
+PYTHON=${PYTHON:-python}
+# the GPUs this process may use, as torch sees them (CUDA_VISIBLE_DEVICES and a Slurm
+# allocation included, which `nvidia-smi -L` ignores)
+gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
 if [ "$gpus" -gt 0 ]; then
     NPROC_PER_NODE=${NPROC_PER_NODE:-$gpus}
 else
@@ -30,7 +30,6 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 DATA=${DATA:-data/quickstart}
-PYTHON=${PYTHON:-python}
 if [ "$gpus" -gt 0 ]; then PRECISION=${PRECISION:-bf16}; else PRECISION=${PRECISION:-fp32}; fi
 case "$PRECISION" in
     bf16) PRECISION_ARGS=(--bf16) ;;

@@ -58,6 +58,10 @@ def _entry(fn, rank, world_size, port, conn, threads, log_paths, args, kwargs):
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
             LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            # the ranks are gloo processes on the CPU: on a machine with GPUs they must not
+            # take (and collide on) them
+            CUDA_VISIBLE_DEVICES="",
         )
         torch.set_num_threads(threads)
         timeout = datetime.timedelta(seconds=120)

@@ -218,22 +218,59 @@ class ParallelState:
         )
 
 
-def init_distributed(
-    device: torch.device | None = None, timeout_minutes: float = 10.0
-) -> tuple[int, int, torch.device]:
-    """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, ...).
+def rank_device(
+    requested: str | None, local_rank: int, local_world_size: int, cuda_devices: int
+) -> torch.device:
+    """The device a rank computes on: `cuda:LOCAL_RANK` where there are GPUs (or with
+    `--device cuda`), the CPU otherwise (or with `--device cpu`). ConfigError (one line) where
+    that cannot be: no GPU for --device cuda, a local rank beyond the visible GPUs (two ranks on
+    one GPU, which NCCL refuses), or `--device cuda:N` given to several ranks of a node."""
+    kind = requested or ("cuda" if cuda_devices else "cpu")
+    try:
+        device = torch.device(kind)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {kind}: give cpu or cuda") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ConfigError(f"--device {kind}: give cpu or cuda")
+    if cuda_devices == 0:
+        raise ConfigError(f"--device {kind}, but no CUDA device is available")
+    index = local_rank
+    if device.index is not None:
+        if local_world_size > 1:
+            raise ConfigError(
+                f"--device {kind} puts all {local_world_size} ranks of a node on one GPU; give "
+                "--device cuda (each rank takes cuda:LOCAL_RANK)"
+            )
+        index = device.index
+    if index >= cuda_devices:
+        raise ConfigError(
+            f"local rank {local_rank} needs GPU {index}, but {cuda_devices} are visible "
+            f"(CUDA_VISIBLE_DEVICES); start at most {cuda_devices} processes per node "
+            "(--nproc-per-node)"
+        )
+    return torch.device("cuda", index)
 
-    Picks cuda:LOCAL_RANK and nccl when GPUs are present, else CPU and gloo. Returns
-    (rank, world_size, device).
-    """
+
+def local_rank_and_size() -> tuple[int, int]:
+    """This process's rank on its node and the node's process count (torchrun's LOCAL_RANK and
+    LOCAL_WORLD_SIZE; one process by default)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+
+
+def init_distributed(
+    requested_device: str | None = None, timeout_minutes: float = 10.0
+) -> tuple[int, int, torch.device]:
+    """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, ...) on
+    this rank's device (`rank_device`: cuda:LOCAL_RANK with nccl where there are GPUs, else
+    the CPU with gloo). Returns (rank, world_size, device)."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None:
-        if torch.cuda.is_available():
-            device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        else:
-            device = torch.device("cpu")
+    local_rank, local_world = local_rank_and_size()
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = rank_device(requested_device, local_rank, local_world, cuda)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -244,5 +281,7 @@ def init_distributed(
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(minutes=timeout_minutes),
+            # NCCL binds its communicators to this rank's GPU up front
+            device_id=device if device.type == "cuda" else None,
         )
     return rank, world, device

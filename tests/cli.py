@@ -8,8 +8,12 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The CPU tests' processes leave a machine's GPUs alone (gloo ranks on a GPU host would each
+# take, and collide on, GPU 0); the GPU-marked tests run in the test process itself.
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 ENV = {
     **os.environ,
+    **CPU_ONLY,
     "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
 }
 

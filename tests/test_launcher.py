@@ -18,6 +18,7 @@ from engine.data.indexed.dataset import IndexedDataset, IndexedDatasetBuilder
 from engine.data.prepare.token_ids import check_token_ids, token_id_range
 from engine.errors import ConfigError
 from parallel.local_ranks import free_port
+from tests.cli import CPU_ONLY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = [
@@ -47,6 +48,7 @@ def data_folder(dataset_prefix, tokenizer_model, tmp_path_factory) -> str:
 def launch(data_folder: str, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     env = dict(
         os.environ,
+        **CPU_ONLY,
         NPROC_PER_NODE="2",
         DATA=data_folder,
         MASTER_PORT=str(free_port()),
@@ -87,7 +89,7 @@ def test_configuration_errors_are_one_line_before_any_rank(data_folder, tmp_path
 
 
 def test_an_unknown_precision_is_one_line(data_folder):
-    env = dict(os.environ, NPROC_PER_NODE="2", DATA=data_folder, PRECISION="fp64")
+    env = dict(os.environ, **CPU_ONLY, NPROC_PER_NODE="2", DATA=data_folder, PRECISION="fp64")
     result = subprocess.run(
         ["bash", "examples/pretrain_gpt.sh", *SMALL],
         capture_output=True,

@@ -25,6 +25,7 @@ import pytest
 from engine.config.tokenizer import TokenizerConfig
 from engine.data.prepare.preprocess import preprocess
 from parallel.local_ranks import free_port
+from tests.cli import CPU_ONLY
 from tests.test_training import ROOT, records
 from tests.tokenizer_files import copy_gpt2_files, make_hf_folder
 
@@ -299,6 +300,7 @@ def run_script(body: str, env: dict, tmp_path) -> subprocess.CompletedProcess:
     script.write_text("set -euo pipefail\n" + body)
     environment = dict(
         os.environ,
+        **CPU_ONLY,
         **variables,
         MASTER_PORT=str(free_port()),
         PYTHON=sys.executable,

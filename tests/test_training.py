@@ -13,6 +13,7 @@ import pytest
 
 from engine.errors import CheckpointError
 from engine.monitor.metrics import SpikeDetector
+from tests.cli import CPU_ONLY
 from tests.distributed import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -331,7 +332,7 @@ def test_only_the_first_and_last_pipeline_stages_read_batches(
 
 
 def _torchrun(args, env_extra, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **CPU_ONLY, **env_extra)
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     from parallel.local_ranks import free_port
@@ -581,7 +582,7 @@ def _cli(args, env=None):
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=dict(os.environ, **(env or {})),
+        env=dict(os.environ, **CPU_ONLY, **(env or {})),
     )
 
 
@@ -662,6 +663,7 @@ def test_end_to_end_through_the_launcher(dataset_prefix, tokenizer_model, tmp_pa
 
     env = dict(
         os.environ,
+        **CPU_ONLY,
         NPROC_PER_NODE="2",
         DATA=str(data),
         MASTER_PORT=str(free_port()),

@@ -37,15 +37,15 @@ def measure_rank(rank: int, world: int, flags: list[str], warmup: int, steps: in
     from engine.planning.state_memory import held_state_bytes
     from engine.pretrain import parse
     from engine.train.iteration import train_iteration
-    from engine.train.preflight import device_of, prepare
+    from engine.train.preflight import prepare
     from engine.train.setup import setup
-    from parallel.state import ParallelState
+    from parallel.state import ParallelState, local_rank_and_size, rank_device
 
     cfg = prepare(parse(flags), world)
     par = cfg.parallel
-    device = device_of(cfg.runtime)
-    if device.type == "cuda":  # one GPU per rank, as torchrun places them
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = rank_device(cfg.runtime.device, *local_rank_and_size(), cuda)
+    if device.type == "cuda":  # cuda:LOCAL_RANK, as torchrun places the ranks
         torch.cuda.set_device(device)
     state = ParallelState.build(
         par.tensor_model_parallel_size,

@@ -35,14 +35,16 @@ from engine.interop.megatron.checkpoint import megatron_latest, megatron_progres
 from engine.interop.megatron.layout import model_config_from_args
 from engine.monitor import wandb as wandb_monitor
 from parallel.errors import describe_os_error
+from parallel.state import local_rank_and_size, rank_device
 
 
-def prepare(cfg: Configs, world_size: int) -> Configs:
+def prepare(cfg: Configs, world_size: int, local_world_size: int | None = None) -> Configs:
     """The configs resolved (engine/config/resolve.py, with what --load's checkpoint and the
-    tokenizer say) and checked for a run on `world_size` ranks; ConfigError (one line) on the
-    first problem."""
+    tokenizer say) and checked for a run on `world_size` ranks, `local_world_size` of them on
+    each node (default: this process's node, from torchrun's environment); ConfigError (one
+    line) on the first problem."""
     resolved = resolve(cfg, world_size, saved_architecture(cfg), _vocab_size)
-    check(resolved, world_size)
+    check(resolved, world_size, local_world_size)
     return resolved
 
 
@@ -92,20 +94,14 @@ def _megatron_architecture(path: str) -> SavedArchitecture:
     return SavedArchitecture(model_config_from_args(args), fields)
 
 
-def device_of(runtime) -> torch.device:
-    if runtime.device:
-        return torch.device(runtime.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def check(cfg: Configs, world_size: int) -> None:
+def check(cfg: Configs, world_size: int, local_world_size: int | None = None) -> None:
     """Every check of resolved configs (engine/config/checks.py's, then those that read
     devices, files, the tokenizer and the checkpoint); ConfigError (one line) on the first
     problem. Reads only."""
     check_configs(cfg, world_size)
     _check_profiler(cfg.profiling, cfg.logging)
     _check_wandb(cfg.logging, cfg.checkpointing)
-    _check_device(cfg.runtime)
+    _check_device(cfg.runtime, local_world_size)
     _check_data(cfg)
     _check_outputs(cfg.logging, cfg.checkpointing)
     load = cfg.checkpointing.load
@@ -115,10 +111,15 @@ def check(cfg: Configs, world_size: int) -> None:
             verify_checkpoint(iteration_dir(load, iteration), digests=False)
 
 
-def _check_device(runtime) -> None:
-    if runtime.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda, but no CUDA device is available")
-    if runtime.use_fused_kernels and device_of(runtime).type != "cuda":
+def _check_device(runtime, local_world_size: int | None) -> None:
+    """Every rank of a node gets its own device (the last one is checked, as the launcher
+    knows the node's process count), and what needs CUDA has it."""
+    local_rank, local_world = local_rank_and_size()
+    if local_world_size is not None:
+        local_rank, local_world = local_world_size - 1, local_world_size
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = rank_device(runtime.device, local_rank, local_world, cuda)
+    if runtime.use_fused_kernels and device.type != "cuda":
         raise ConfigError(
             "--use-fused-kernels needs a CUDA device; drop it (the PyTorch ops run on CPU)"
         )
