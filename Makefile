@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: quickstart test lint format venv clean
+.PHONY: quickstart test lint format venv clean gpu-check
 
 venv: $(STAMP)
 
@@ -29,6 +29,11 @@ quickstart: $(STAMP)
 
 test: $(STAMP) lint
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+
+# On a machine with CUDA GPUs: every check only a GPU can make, with a report under docs/gpu/
+# (tools/gpu_check.py; without a GPU it says so and exits 0).
+gpu-check: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python tools/gpu_check.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

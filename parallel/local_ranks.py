@@ -42,7 +42,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, conn, threads, log_paths, args, kwargs):
+def _entry(fn, rank, world_size, port, conn, threads, cpu_only, log_paths, args, kwargs):
     for fd, path in zip((1, 2), log_paths):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(target, fd)
@@ -59,10 +59,9 @@ def _entry(fn, rank, world_size, port, conn, threads, log_paths, args, kwargs):
             WORLD_SIZE=str(world_size),
             LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(world_size),
-            # the ranks are gloo processes on the CPU: on a machine with GPUs they must not
-            # take (and collide on) them
-            CUDA_VISIBLE_DEVICES="",
         )
+        if cpu_only:  # gloo ranks on the CPU must not take (and collide on) a machine's GPUs
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
         torch.set_num_threads(threads)
         timeout = datetime.timedelta(seconds=120)
         store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout)
@@ -134,10 +133,19 @@ def _echo_logs(logs: list[tuple[str, str]]) -> None:
                 os.write(fd, data)
 
 
-def run_local(fn, world_size: int, *args, timeout: float = 240.0, threads: int = 1, **kwargs):
+def run_local(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 240.0,
+    threads: int = 1,
+    cpu_only: bool = True,
+    **kwargs,
+):
     """fn(rank, world_size, *args, **kwargs) on world_size local gloo ranks; returns each
     rank's result, or raises AssertionError carrying the traceback of the rank that failed
-    first (the others usually fail only because it went away)."""
+    first (the others usually fail only because it went away). The ranks see no GPU unless
+    cpu_only is False (a benchmark of one process on one GPU)."""
     context = _context()
     port = free_port()
     folder = tempfile.mkdtemp(prefix="ranks-")
@@ -150,7 +158,7 @@ def run_local(fn, world_size: int, *args, timeout: float = 240.0, threads: int =
         receiver, sender = context.Pipe(duplex=False)
         process = context.Process(
             target=_entry,
-            args=(fn, rank, world_size, port, sender, threads, logs[rank], args, kwargs),
+            args=(fn, rank, world_size, port, sender, threads, cpu_only, logs[rank], args, kwargs),
             # Not daemonic: a rank may start DataLoader worker processes of its own (the
             # finally below kills every rank that is still alive).
             daemon=False,

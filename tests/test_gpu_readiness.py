@@ -4,6 +4,7 @@ script counting the GPUs torch may use."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -108,3 +109,62 @@ def test_the_launch_script_counts_the_gpus_torch_may_use(tmp_path):
     launched = log.read_text().split()
     assert launched[launched.index("--nproc-per-node") + 1] == "4"  # the CPU default
     assert "--bf16" not in launched
+
+
+def _tool(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_gpu_check_lists_its_steps_and_says_in_one_line_that_there_is_no_gpu():
+    listed = _tool("tools/gpu_check.py", "--dry-run")
+    assert listed.returncode == 0, listed.stderr
+    names = [line.split(":")[0] for line in listed.stdout.splitlines()]
+    for step in ("environment", "gpu-tests", "fused-ops", "attention", "train-launch"):
+        assert step in names
+    assert {"throughput-125m", "throughput-350m", "throughput-1.3b", "vs-megatron"} <= set(names)
+    absent = _tool("tools/gpu_check.py")
+    assert absent.returncode == 0 and len(absent.stdout.strip().splitlines()) == 1
+    assert "no CUDA GPU" in absent.stdout
+    unknown = _tool("tools/gpu_check.py", "--steps", "nonsense")
+    assert unknown.returncode == 2 and "unknown nonsense" in unknown.stdout
+
+
+def test_gpu_check_collects_the_gpu_marked_tests():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    files = gpu_check.gpu_test_files()
+    assert "tests/test_fused_ops.py" in files and "tests/test_gpu_readiness.py" not in files
+
+
+def test_gpu_benchmarks_run_on_the_cpu_with_tiny_shapes(tmp_path):
+    """The scripts make gpu-check runs, checked end to end on small shapes (no GPU here)."""
+    fused = _tool("tools/bench_fused_ops.py", "--tiny", "--json", str(tmp_path / "f.json"))
+    assert fused.returncode == 0, fused.stdout + fused.stderr
+    rows = {r["op"]: r for r in json.loads((tmp_path / "f.json").read_text())["rows"]}
+    assert set(rows) == {"rms_norm", "layer_norm", "rotary", "swiglu", "cross_entropy"}
+    for row in rows.values():  # the kernels' reference implementation through the fused glue
+        assert row["fused_err"] < 1e-5 and row["compiled_err"] < 1e-5, row
+    probe = _tool("tools/probe_attention.py", "--tiny", "--json", str(tmp_path / "a.json"))
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+    kinds = {r["path"]: r["kind"] for r in json.loads((tmp_path / "a.json").read_text())["rows"]}
+    assert kinds["MHA bf16 dropout 0.1"] == "math" and kinds["MHA fp32"] != "failed"
+
+
+def test_bench_throughput_reports_a_failing_variant_as_a_row(tmp_path):
+    """A variant that cannot run (here: the fused kernels on a CPU) is a row of the table, and
+    the others are still measured, each attempt in a process of its own."""
+    out = tmp_path / "t.json"
+    done = _tool(
+        "tools/bench_throughput.py", "--tiny", "--variants", "fused", "torch", "--json", str(out)
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert "needs a CUDA device" in runs["fused"]["error"]
+    assert runs["torch"]["tokens_per_s"] > 0 and runs["torch"]["micro_batch"] == 2
+    assert "fused            failed:" in done.stdout

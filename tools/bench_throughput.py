@@ -1,9 +1,11 @@
 """Single-GPU training throughput: tokens/s, TFLOP/s and MFU of a ~1.3B-parameter GPT step.
 
 Default model: 24 layers, hidden 2048, 16 heads, sequence 2048, vocabulary 32000, bf16,
-recompute off, the micro-batch the largest of --micro-batch-sizes that fits in memory. Runs
-the engine's real training step with the fused kernels and with the PyTorch ops, each in a
-fresh process, and measures a large bf16 matmul in the same run as the practical ceiling.
+recompute off (--model 125m / 350m / 1.3b pick GPT-3's shapes), the micro-batch the largest of
+--micro-batch-sizes that fits in memory. Runs the engine's real training step for each of
+--variants (fused kernels or PyTorch ops, with or without --torch-compile), every attempt in a
+fresh process (a variant that fails or runs out of memory is a row, not the end of the run),
+and measures a large bf16 matmul in the same run as the practical ceiling.
 MFU = model TFLOP/s (engine/monitor/metrics.py counts them) / the datasheet dense bf16 peak
 (--peak-tflops, default the device's known peak, e.g. 989 for H100 SXM). Prints a table and
 writes JSON. `--tiny` runs a small model on the CPU, to check the script itself.
@@ -21,7 +23,8 @@ import torch
 
 from engine.cli import run_main as run
 from engine.monitor.metrics import device_peak_tflops
-from engine.planning.bench_setup import corpus_dataset, engine_flags, sync_device, time_train_steps
+from engine.planning.bench_setup import corpus_dataset, sync_device
+from engine.planning.bench_variants import MODELS, VARIANTS, bench_variant
 from parallel.local_ranks import run_local
 
 
@@ -41,75 +44,38 @@ def _matmul_tflops(device: torch.device, size: int) -> float:
     return 2 * size**3 / statistics.median(times) / 1e12
 
 
-def _try(args, prefix, tokenizer, fused: bool, micro_batch: int, device: str):
-    flags = engine_flags(
-        prefix,
-        tokenizer,
-        args.num_layers,
-        args.hidden_size,
-        args.seq_length,
-        micro_batch,
-        num_attention_heads=str(args.num_attention_heads),
-        vocab_size=str(args.vocab_size),
-        train_iters="1000",
-        lr="1e-4",
-        lr_decay_style="constant",
-        hidden_dropout="0.0",
-        attention_dropout="0.0",
-        device=device,
-        make_vocab_size_divisible_by="128",
-    )
-    flags += ["--bf16"] if device == "cuda" else []
-    flags += ["--use-fused-kernels" if fused else "--no-use-fused-kernels"]
-    r = time_train_steps(flags, args.warmup, args.steps, device)
-    return r["step_s"], r["flops_per_token"], r["params"], r["mem_gb"]
-
-
-def _bench(rank, world, args, prefix, tokenizer, fused: bool, device: str):
-    for micro_batch in args.micro_batch_sizes:
-        try:
-            seconds, flops, params, memory = _try(
-                args, prefix, tokenizer, fused, micro_batch, device
-            )
-        except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            continue
-        tokens_per_s = micro_batch * args.seq_length / seconds
-        return {
-            "micro_batch": micro_batch,
-            "step_s": seconds,
-            "tokens_per_s": tokens_per_s,
-            "tflops": tokens_per_s * flops / 1e12,
-            "params": params,
-            "mem_gb": memory,
-        }
-    raise RuntimeError(f"no micro-batch size in {args.micro_batch_sizes} fits in memory")
-
-
 def _ceiling(rank, world, device, size):
     return _matmul_tflops(torch.device(device), size)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", choices=sorted(MODELS), help="a preset (sets the shape)")
     parser.add_argument("--num-layers", type=int, default=24)
     parser.add_argument("--hidden-size", type=int, default=2048)
     parser.add_argument("--num-attention-heads", type=int, default=16)
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[12, 8, 6, 4, 2, 1])
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[16, 12, 8, 6, 4, 2, 1])
+    parser.add_argument(
+        "--variants", nargs="+", choices=list(VARIANTS), help="default: fused torch (CPU: torch)"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--attempt-timeout", type=float, default=1800)
     parser.add_argument("--matmul-size", type=int, default=8192)
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak (default: known)")
     parser.add_argument("--tiny", action="store_true", help="a small model on the CPU")
     parser.add_argument("--json", default="bench_throughput.json")
     args = parser.parse_args(argv)
+    if args.model:
+        args.num_layers, args.hidden_size, args.num_attention_heads = MODELS[args.model]
     if args.tiny:
         args.num_layers, args.hidden_size, args.num_attention_heads = 2, 128, 2
         args.seq_length, args.vocab_size, args.micro_batch_sizes = 128, 8192, [2]
         args.warmup, args.steps, args.matmul_size = 1, 2, 512
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    variants = args.variants or (["fused", "torch"] if device == "cuda" else ["torch"])
     peak, name = (
         (args.peak_tflops, "given")
         if args.peak_tflops
@@ -119,16 +85,15 @@ def main(argv: list[str] | None = None) -> int:
         name = torch.cuda.get_device_name()
     with tempfile.TemporaryDirectory() as tmp:
         prefix, tokenizer = corpus_dataset(tmp)
-        ceiling = run_local(_ceiling, 1, device, args.matmul_size, timeout=3600)[0]
-        rows = {}
-        for fused in (True, False) if device == "cuda" else (False,):
-            label = "fused kernels" if fused else "PyTorch ops"
-            rows[label] = run_local(
-                _bench, 1, args, prefix, tokenizer, fused, device, timeout=3600, threads=2
-            )[0]
+        ceiling = run_local(
+            _ceiling, 1, device, args.matmul_size, timeout=600, cpu_only=device == "cpu"
+        )[0]
+        rows = {v: bench_variant(args, prefix, tokenizer, v, device) for v in variants}
+    params = next((r["params"] for r in rows.values() if "params" in r), None)
     print(
-        f"device: {name}; model {next(iter(rows.values()))['params'] / 1e9:.2f}B parameters, "
-        f"{args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, "
+        f"device: {name}; torch {torch.__version__}; model "
+        + (f"{params / 1e9:.2f}B parameters, " if params else "")
+        + f"{args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, "
         f"{'bf16' if device == 'cuda' else 'fp32'}, recompute off"
     )
     print(
@@ -136,21 +101,25 @@ def main(argv: list[str] | None = None) -> int:
         + (f"; datasheet dense bf16 peak {peak:.0f} TFLOP/s" if peak else "")
     )
     print(
-        f"{'ops':16s} {'mbs':>4s} {'step s':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
+        f"{'variant':16s} {'mbs':>4s} {'step s':>8s} {'tokens/s':>10s} {'TFLOP/s':>8s} "
         f"{'MFU':>6s} {'of matmul':>9s} {'mem GB':>7s}"
     )
     for label, r in rows.items():
-        mfu = f"{r['tflops'] / peak:6.1%}" if peak else "   n/a"
+        if "error" in r:
+            print(f"{label:16s} failed: {r['error']}")
+            continue
+        r["mfu"] = r["tflops"] / peak if peak else None
+        mfu = f"{r['mfu']:6.1%}" if peak else "   n/a"
         mem = f"{r['mem_gb']:7.1f}" if r["mem_gb"] is not None else "    n/a"
         print(
             f"{label:16s} {r['micro_batch']:4d} {r['step_s']:8.3f} {r['tokens_per_s']:10,.0f} "
             f"{r['tflops']:8.1f} {mfu} {r['tflops'] / ceiling:9.1%} {mem}"
         )
-        r["mfu"] = r["tflops"] / peak if peak else None
     with open(args.json, "w") as f:
         json.dump(
             {
                 "device": name,
+                "torch": torch.__version__,
                 "peak_tflops": peak,
                 "matmul_tflops": ceiling,
                 "runs": rows,

@@ -140,21 +140,29 @@ class FusedOps:
 
     name = "fused CUDA kernels (csrc/fused)"
 
+    # Each op runs outside torch.compile's graphs (a graph break per call): dynamo cannot trace
+    # the kernels' binding, and under tracing the stream handle is no CUDA stream.
+
     def __init__(self, kernels):
         self.kernels = kernels
 
+    @torch.compiler.disable
     def rms_norm(self, x, weight, eps):
         return _RMSNorm.apply(x, weight, eps, self.kernels)
 
+    @torch.compiler.disable
     def layer_norm(self, x, weight, bias, eps):
         return _LayerNorm.apply(x, weight, bias, eps, self.kernels)
 
+    @torch.compiler.disable
     def rotary(self, x, cos, sin):
         return _Rotary.apply(x, cos, sin, self.kernels)
 
+    @torch.compiler.disable
     def swiglu(self, h):
         return _SwiGLU.apply(h, self.kernels)
 
+    @torch.compiler.disable
     def cross_entropy(
         self, logits, target, tp_group, vocab_size=None, return_logsumexp=False, times=None
     ):

@@ -1,0 +1,233 @@
+"""tripod against megatron-core on the same GPU: tokens/s and peak memory of one training step.
+
+The same GPT model (Megatron-LM's defaults: learned positions, LayerNorm, GeLU, biases, tied
+embeddings; shapes from --model), the same micro-batch of random tokens, bf16 with fp32 main
+weights and gradients, Adam, gradient clipping at 1.0, one GPU. megatron-core (0.16.1, its
+local transformer implementation: get_gpt_layer_local_spec, no Transformer Engine, no apex)
+runs the step as Megatron-LM's training loop does: Float16Module, its DistributedDataParallel
+with fp32 gradient buffers, get_megatron_optimizer. tripod runs its real training step
+(tools/bench_throughput.py's timing), fused kernels when they build. Every attempt is a fresh
+process; the micro-batch is the largest of --micro-batch-sizes that fits megatron-core, and
+tripod runs the same. Prints a
+table (the ratio is tripod's tokens/s over megatron-core's) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from engine.cli import run_main
+from engine.monitor.metrics import device_peak_tflops
+from engine.planning.bench_setup import corpus_dataset
+from engine.planning.bench_variants import MODELS, bench_variant
+from parallel.local_ranks import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def megatron_step(args, micro_batch: int) -> dict:
+    """Median step seconds of megatron-core on this process's GPU (module docstring)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    config = TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=4 * args.hidden_size,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        init_method_std=0.02,
+        gradient_accumulation_fusion=False,  # needs apex
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,  # needs Megatron-LM's own CUDA kernels
+        attention_softmax_in_fp32=True,
+    )
+    model = GPTModel(
+        config,
+        get_gpt_layer_local_spec(),
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.seq_length,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="learned_absolute",
+    ).cuda()
+    model = Float16Module(config, model)
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-4,
+            weight_decay=0.01,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            clip_grad=1.0,
+            use_distributed_optimizer=False,
+        ),
+        [ddp],
+    )
+    seq, device = args.seq_length, torch.device("cuda", 0)
+    tokens = torch.randint(0, args.vocab_size, (micro_batch, seq + 1), device=device)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    positions = torch.arange(seq, device=device).unsqueeze(0).expand(micro_batch, -1)
+    mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device).triu(1)  # True: hidden
+    times = []
+    for step in range(args.warmup + args.steps):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = ddp(inputs, positions, mask, labels=labels)
+        loss.float().mean().backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+        torch.cuda.synchronize(device)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    params = sum(p.numel() for p in model.parameters())
+    dist.destroy_process_group()
+    return {
+        "step_s": statistics.median(times),
+        "params": params,
+        "mem_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+    }
+
+
+def _megatron_worker(args) -> int:
+    try:
+        result = megatron_step(args, args.worker_micro_batch)
+    except torch.cuda.OutOfMemoryError:
+        result = "oom"
+    except Exception as err:  # noqa: BLE001 - reported as the row's finding
+        result = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
+    with open(args.worker_json, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def bench_megatron(args) -> dict:
+    """megatron-core's row: the largest micro-batch that fits, each try a fresh process."""
+    for micro_batch in args.micro_batch_sizes:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            command = [sys.executable, os.path.abspath(__file__), "--worker-micro-batch"]
+            command += [str(micro_batch), "--worker-json", out.name]
+            command += _shape_flags(args)
+            try:
+                done = subprocess.run(
+                    command, cwd=ROOT, timeout=args.attempt_timeout, capture_output=True, text=True
+                )
+            except subprocess.TimeoutExpired:
+                return {"error": f"timed out after {args.attempt_timeout:.0f}s"}
+            try:
+                with open(out.name) as f:
+                    result = json.load(f)
+            except (OSError, ValueError):
+                tail = (done.stderr or done.stdout).strip().splitlines()[-1:]
+                return {"error": f"exit code {done.returncode}: {' '.join(tail)[:300]}"}
+        if result == "oom":
+            continue
+        if isinstance(result, str):
+            return {"error": result}
+        tokens_per_s = micro_batch * args.seq_length / result["step_s"]
+        return result | {"micro_batch": micro_batch, "tokens_per_s": tokens_per_s}
+    return {"error": f"no micro-batch size in {args.micro_batch_sizes} fits in memory"}
+
+
+def _shape_flags(args) -> list[str]:
+    flags = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size)]
+    flags += ["--num-attention-heads", str(args.num_attention_heads)]
+    flags += ["--seq-length", str(args.seq_length), "--vocab-size", str(args.vocab_size)]
+    return flags + ["--warmup", str(args.warmup), "--steps", str(args.steps)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", choices=sorted(MODELS), default="1.3b")
+    parser.add_argument("--num-layers", type=int)
+    parser.add_argument("--hidden-size", type=int)
+    parser.add_argument("--num-attention-heads", type=int)
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[16, 12, 8, 4, 2, 1])
+    parser.add_argument("--tripod-variant", default="fused", choices=["fused", "torch"])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--attempt-timeout", type=float, default=900)
+    parser.add_argument("--json", default="bench_vs_megatron.json")
+    parser.add_argument("--worker-micro-batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-json", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    layers, hidden, heads = MODELS[args.model]
+    args.num_layers = args.num_layers or layers
+    args.hidden_size = args.hidden_size or hidden
+    args.num_attention_heads = args.num_attention_heads or heads
+    if args.worker_micro_batch:
+        return _megatron_worker(args)
+    if not torch.cuda.is_available():
+        print("bench_vs_megatron: needs a CUDA GPU (megatron-core's model runs on CUDA only)")
+        return 2
+    name = torch.cuda.get_device_name()
+    peak, _ = device_peak_tflops(torch.device("cuda"), "bf16")
+    megatron = bench_megatron(args)
+    if "micro_batch" in megatron:  # the same micro-batch for both
+        args.micro_batch_sizes = [megatron["micro_batch"]]
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix, tokenizer = corpus_dataset(tmp)
+        tripod = bench_variant(args, prefix, tokenizer, args.tripod_variant, "cuda")
+    for row in (tripod, megatron):  # model FLOPs as the engine counts them, for both
+        if "tokens_per_s" in row and "flops_per_token" in tripod:
+            row["tflops"] = row["tokens_per_s"] * tripod["flops_per_token"] / 1e12
+    rows = {f"tripod ({args.tripod_variant})": tripod, "megatron-core 0.16.1 local": megatron}
+    print(
+        f"device: {name}; torch {torch.__version__}; {args.num_layers} layers, hidden "
+        f"{args.hidden_size}, seq {args.seq_length}, vocabulary {args.vocab_size}, bf16"
+    )
+    print(f"{'engine':28s} {'mbs':>4s} {'tokens/s':>10s} {'MFU':>6s} {'mem GB':>7s}")
+    for label, r in rows.items():
+        if "error" in r:
+            print(f"{label:28s} failed: {r['error']}")
+            continue
+        mfu = f"{r['tflops'] / peak:6.1%}" if peak and r.get("tflops") else "   n/a"
+        print(
+            f"{label:28s} {r['micro_batch']:4d} {r['tokens_per_s']:10,.0f} {mfu} {r['mem_gb']:7.1f}"
+        )
+    if "error" not in tripod and "error" not in megatron:
+        ratio = tripod["tokens_per_s"] / megatron["tokens_per_s"]
+        print(f"tripod / megatron-core tokens/s: {ratio:.2f}x")
+    with open(args.json, "w") as f:
+        json.dump(
+            {"device": name, "torch": torch.__version__, "runs": rows, "config": vars(args)},
+            f,
+            indent=1,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
