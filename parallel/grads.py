@@ -54,17 +54,26 @@ def counts_toward_norm(param, tp_rank: int) -> bool:
     return not is_tp_duplicate(param, tp_rank)
 
 
-def global_grad_norm(grads_counted: list[torch.Tensor], norm_group, consensus_group=None) -> float:
+def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[sum of squares of grads] in float64 on device: the device of the group the sum is
+    reduced over, also on a rank with no gradients of its own (NCCL refuses CPU tensors)."""
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    if grads:
+        total += torch.nn.utils.get_total_norm(grads, 2.0).double().to(device) ** 2
+    return total
+
+
+def global_grad_norm(
+    grads_counted: list[torch.Tensor], norm_group, consensus_group=None, *, device: torch.device
+) -> float:
     """sqrt of the sum of squares of the given gradients, summed over norm_group (which must
     make every element counted exactly once). inf/NaN anywhere gives a non-finite norm.
+    device: where the groups' collectives run (the rank's device).
 
     consensus_group: ranks that hold the same gradients (DP replicas without the distributed
     optimizer) take the maximum, so whether a step is skipped is decided identically on every
     rank even if one replica's gradient went bad on its own."""
-    device = grads_counted[0].device if grads_counted else torch.device("cpu")
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    if grads_counted:
-        total += torch.nn.utils.get_total_norm(grads_counted, 2.0).double() ** 2
+    total = squared_norm(grads_counted, device)
     all_reduce(total, norm_group)
     if consensus_group is not None:
         total = torch.where(torch.isfinite(total), total, torch.full_like(total, float("inf")))

@@ -168,3 +168,23 @@ def test_bench_throughput_reports_a_failing_variant_as_a_row(tmp_path):
     assert "needs a CUDA device" in runs["fused"]["error"]
     assert runs["torch"]["tokens_per_s"] > 0 and runs["torch"]["micro_batch"] == 2
     assert "fused            failed:" in done.stdout
+
+
+def test_a_rank_without_gradients_builds_its_norm_on_its_device():
+    """NCCL refuses CPU tensors: the norm's partial sum is made on the rank's device even when
+    the rank has no gradient to take it from ("meta" stands in for a GPU here)."""
+    from parallel.grads import squared_norm
+
+    meta = torch.device("meta")
+    assert squared_norm([], meta).device == meta
+    assert squared_norm([torch.ones(4)], meta).device == meta
+    assert squared_norm([torch.ones(4)], torch.device("cpu")).item() == 4.0
+
+
+def test_collectives_refuse_tensors_their_backend_cannot_move():
+    from parallel.comm import device_problem
+
+    on_cpu = torch.ones(2)
+    assert "NCCL collective was handed a tensor on cpu" in device_problem("nccl", (on_cpu,))
+    assert device_problem("gloo", (on_cpu,)) is None
+    assert device_problem("nccl", (torch.empty(2, device="meta"),)) is not None

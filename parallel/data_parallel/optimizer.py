@@ -92,6 +92,7 @@ class DistributedOptimizer:
         dp_group=None,
     ):
         self.ddps = ddps
+        self.device = ddps[0].params[0].device  # where this rank's collectives run
         self.shard = shard
         self.clip_grad = clip_grad
         self.grad_scaler = grad_scaler
@@ -156,7 +157,7 @@ class DistributedOptimizer:
         if self.grad_scaler is not None:
             torch._foreach_mul_(grads, self.grad_scaler.inv_scale)
         counted = [g for g, counts in zip(grads, self._counts) if counts]
-        norm = global_grad_norm(counted, self.norm_group, self.consensus_group)
+        norm = global_grad_norm(counted, self.norm_group, self.consensus_group, device=self.device)
         part_norms = self._part_norms(grads, parts) if parts is not None else None
         finite = norm == norm and norm != float("inf")
         scale = self.grad_scaler.scale if self.grad_scaler is not None else None
@@ -180,8 +181,7 @@ class DistributedOptimizer:
     def _part_norms(self, grads: list[torch.Tensor], parts: NormParts) -> dict[str, float]:
         """Sum of squares per label over this rank's counted pieces, summed over the same
         group as the global norm."""
-        device = grads[0].device if grads else torch.device("cpu")
-        sums = torch.zeros(len(parts.labels), dtype=torch.float64, device=device)
+        sums = torch.zeros(len(parts.labels), dtype=torch.float64, device=self.device)
         for piece, grad, counts in zip(self.pieces, grads, self._counts):
             if counts:
                 square = torch.linalg.vector_norm(grad, dtype=torch.float64).square()
