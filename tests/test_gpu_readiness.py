@@ -188,3 +188,39 @@ def test_collectives_refuse_tensors_their_backend_cannot_move():
     assert "NCCL collective was handed a tensor on cpu" in device_problem("nccl", (on_cpu,))
     assert device_problem("gloo", (on_cpu,)) is None
     assert device_problem("nccl", (torch.empty(2, device="meta"),)) is not None
+
+
+def test_async_save_stages_the_state_in_one_host_block_and_copies_it_exactly():
+    """One host allocation (pinned on GPUs) for every tensor, not one per tensor rounded up;
+    the copy reproduces each tensor (box shards of a sharded tensor too) bit for bit."""
+    from engine.checkpoint.staging import HostStaging
+    from parallel.checkpoint.dcp import BoxTensor
+
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "w": torch.randn(7, 5, generator=g),
+        "step": torch.tensor(3, dtype=torch.int64),
+        "half": torch.randn(13, generator=g).to(torch.bfloat16),
+        "empty": torch.zeros(0, 4),
+        "sharded": BoxTensor(
+            (6, 3),
+            torch.float32,
+            [((0, 0), torch.randn(2, 3, generator=g)), ((4, 0), torch.ones(2, 3))],
+        ),
+        "non_contiguous": torch.randn(4, 6, generator=g).t(),
+    }
+    staging = HostStaging(state, torch.device("cpu"))
+    host = staging.copy_from(state, staging.mark_ready())
+    storages = set()
+    for key, value in host.items():
+        views = [t for _, t in value.boxes] if isinstance(value, BoxTensor) else [value]
+        sources = [t for _, t in state[key].boxes] if isinstance(value, BoxTensor) else [state[key]]
+        for view, source in zip(views, sources):
+            assert view.dtype == source.dtype and view.shape == source.shape
+            assert torch.equal(view, source)
+            if view.numel():
+                storages.add(view.untyped_storage().data_ptr())
+                assert view.data_ptr() % 64 == 0  # each view aligned for any dtype
+    assert storages == {staging.block.untyped_storage().data_ptr()}
+    assert staging.matches(state)
+    assert not staging.matches({**state, "w": torch.zeros(7, 6)})

@@ -42,6 +42,7 @@ from engine.checkpoint.files import (
     iteration_dir,
     write_meta,
 )
+from engine.checkpoint.staging import HostStaging
 from engine.checkpoint.state import (
     model_state,
     optimizer_state,
@@ -49,56 +50,9 @@ from engine.checkpoint.state import (
     rng_state,
 )
 from engine.errors import CheckpointError, UserError
-from parallel.checkpoint.dcp import BoxSavePlanner, BoxTensor
+from parallel.checkpoint.dcp import BoxSavePlanner
 from parallel.consensus import first_error, gather_to_all
 from parallel.errors import describe_os_error, one_line, root_cause
-
-
-def _host_buffer(like: torch.Tensor) -> torch.Tensor:
-    pin = like.device.type == "cuda"
-    return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
-
-
-def _staging_buffers(state: dict) -> dict:
-    """Host tensors shaped like every tensor of the state, touched once so that copying into
-    them later costs no page faults."""
-    out = {}
-    for key, value in state.items():
-        if isinstance(value, BoxTensor):
-            boxes = [(o, _host_buffer(t).zero_()) for o, t in value.boxes]
-            out[key] = BoxTensor(value.global_shape, value.dtype, boxes)
-        else:
-            out[key] = _host_buffer(value).zero_()
-    return out
-
-
-def _copy_into(staging: dict, state: dict) -> dict:
-    """Copy the state into the staging buffers (what an async save writes while training goes
-    on); returns the staging dict."""
-    for key, value in state.items():
-        target = staging[key]
-        if isinstance(value, BoxTensor):
-            for (_, dst), (_, src) in zip(target.boxes, value.boxes):
-                dst.copy_(src, non_blocking=True)
-        else:
-            target.copy_(value, non_blocking=True)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return staging
-
-
-def _same_layout(staging: dict | None, state: dict) -> bool:
-    if staging is None or staging.keys() != state.keys():
-        return False
-    for key, value in state.items():
-        target = staging[key]
-        if isinstance(value, BoxTensor):
-            if [t.shape for _, t in target.boxes] != [t.shape for _, t in value.boxes]:
-                return False
-        elif target.shape != value.shape:
-            return False
-    return True
-
 
 # --- saving ---------------------------------------------------------------------------
 
@@ -107,13 +61,20 @@ class Checkpointer:
     """Saves checkpoints under `root`; at most one is being written at a time."""
 
     def __init__(
-        self, root: str, group, rank: int, async_save: bool = False, keep_last_n: int | None = None
+        self,
+        root: str,
+        group,
+        rank: int,
+        async_save: bool = False,
+        keep_last_n: int | None = None,
+        device: torch.device | None = None,
     ):
         self.root, self.group, self.rank = root, group, rank
+        self.device = device if device is not None else torch.device("cpu")  # the rank's
         self.async_save, self.keep_last_n = async_save, keep_last_n
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._staging: dict | None = None  # host buffers reused by every async save
+        self._staging: HostStaging | None = None  # reused by every async save
         self._staged = threading.Event()  # set once the pending async save has its copy
         self._staged.set()
         self.copy_wait_s = 0.0
@@ -129,7 +90,7 @@ class Checkpointer:
         """Allocate the async-save staging buffers now, outside the training loop."""
         if self.async_save:
             prime_optimizer_state(optimizer)
-            self._staging = _staging_buffers(self._state(chunks, optimizer, tracker))
+            self._staging = HostStaging(self._state(chunks, optimizer, tracker), self.device)
 
     def save(self, iteration: int, chunks, optimizer, meta: dict, tracker) -> float:
         """Write the checkpoint of `iteration`; returns the seconds the caller was stalled."""
@@ -148,11 +109,14 @@ class Checkpointer:
         state = self._state(chunks, optimizer, tracker)
         meta = dict(meta, iteration=iteration)
         if self.async_save:
-            if not _same_layout(self._staging, state):
-                self._staging = _staging_buffers(state)
+            if self._staging is None or not self._staging.matches(state):
+                self._staging = HostStaging(state, self.device)
+            ready = self._staging.mark_ready()
             self._staged.clear()
             self._thread = threading.Thread(
-                target=self._copy_and_write, args=(state, tmp, iteration, meta), daemon=True
+                target=self._copy_and_write,
+                args=(state, ready, tmp, iteration, meta),
+                daemon=True,
             )
             self._thread.start()
         else:
@@ -160,14 +124,14 @@ class Checkpointer:
             self._raise_pending()
         return time.perf_counter() - start
 
-    def _copy_and_write(self, state, tmp: str, iteration: int, meta: dict) -> None:
+    def _copy_and_write(self, state, ready, tmp: str, iteration: int, meta: dict) -> None:
         """Background: copy the live state to host buffers, let training update it again, then
         write. Nothing changes the saved tensors until the next optimizer update, which waits
         for the copy (wait_for_copy), so the copy overlaps the next forward and backward. A
         failed copy still takes part in the ranks' agreement, so no peer waits for it."""
         staged, failed = None, None
         try:
-            staged = _copy_into(self._staging, state)
+            staged = self._staging.copy_from(state, ready)
         except BaseException as err:  # noqa: BLE001 - agreed on and surfaced by wait()
             failed = self._failure(err, iteration)
         finally:

@@ -105,7 +105,12 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     if cfg.checkpointing.save:
         saving = cfg.checkpointing
         checkpointer = Checkpointer(
-            saving.save, checkpoint_group, state.rank, saving.async_save, saving.keep_last_n
+            saving.save,
+            checkpoint_group,
+            state.rank,
+            saving.async_save,
+            saving.keep_last_n,
+            device=state.device,
         )
     run = Run(
         cfg=cfg,
