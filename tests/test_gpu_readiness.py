@@ -224,3 +224,21 @@ def test_async_save_stages_the_state_in_one_host_block_and_copies_it_exactly():
     assert storages == {staging.block.untyped_storage().data_ptr()}
     assert staging.matches(state)
     assert not staging.matches({**state, "w": torch.zeros(7, 6)})
+
+
+def test_rope_tables_live_on_the_model_device_and_are_made_once_per_length():
+    """No host-to-device copy of the inverse frequencies per forward, and the cos/sin tables
+    reused by every micro-batch of a length ("meta" stands in for a GPU)."""
+    from engine.model import BuildContext, GPTModel
+    from engine.model.rope import RotaryEmbedding
+    from tests.harness import tiny_config
+
+    assert RotaryEmbedding(64, device="meta").inv_freq.device.type == "meta"
+    cfg = tiny_config("llama")
+    model = GPTModel(cfg, BuildContext(cfg))
+    tokens = torch.randint(0, 300, (2, cfg.seq_length))
+    first = model._rotary(cfg.seq_length, tokens.device)
+    loss = model(tokens, labels=tokens).sum()
+    assert model._rotary(cfg.seq_length, tokens.device) is first
+    assert model._rotary(cfg.seq_length // 2, tokens.device)[0].shape[0] == cfg.seq_length // 2
+    assert torch.equal(model(tokens, labels=tokens).sum(), loss)  # a new length, then back

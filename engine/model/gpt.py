@@ -99,7 +99,8 @@ class GPTModel(nn.Module):
         )
         self.tied = not config.untie_embeddings_and_output_weights
         self.embedding = Embedding(ctx, tp_rank) if pre_process else None
-        self.rotary = RotaryEmbedding.for_config(config) if config.uses_rope else None
+        self.rotary = RotaryEmbedding.for_config(config, ctx.device) if config.uses_rope else None
+        self._rotary_tables: tuple | None = None  # ((length, device), tables) of the last call
         self.layers = nn.ModuleDict({str(n): TransformerLayer(ctx, n) for n in self.layer_numbers})
         self.final_layernorm = self.output_layer = self.word_embeddings_for_head = None
         if post_process:
@@ -170,6 +171,15 @@ class GPTModel(nn.Module):
             head = self.embedding.word_embeddings
         return head(x, tied_output="gather" if self.ctx.sequence_parallel else "copy")
 
+    def _rotary(self, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin tables of this rank's positions of a length-seq chunk, made once per
+        length and device and reused by every micro-batch (they depend on nothing else)."""
+        key = (seq, device)
+        if self._rotary_tables is None or self._rotary_tables[0] != key:
+            positions = self.ctx.token_positions(seq, device)
+            self._rotary_tables = (key, self.rotary(positions, seq * self.ctx.cp_size))
+        return self._rotary_tables[1]
+
     def _run_layers(self, x: torch.Tensor, rotary) -> torch.Tensor:
         cfg = self.config
         layers = list(self.layers.values())
@@ -201,8 +211,9 @@ class GPTModel(nn.Module):
             x = hidden
         rotary = None
         if self.rotary is not None:
-            seq = x.shape[0] * (self.ctx.tp_size if self.ctx.sequence_parallel else 1)
-            rotary = self.rotary(self.ctx.token_positions(seq, x.device), seq * self.ctx.cp_size)
+            rotary = self._rotary(
+                x.shape[0] * (self.ctx.tp_size if self.ctx.sequence_parallel else 1), x.device
+            )
         x = self._run_layers(x, rotary)
         if not self.post_process:
             return x

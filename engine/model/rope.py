@@ -53,7 +53,8 @@ def _yarn_inverse_frequencies(yarn: YarnScaling, base: float, dim: int) -> torch
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for given token positions over a head of size dim; `scaling` is
     engine/config/rope_scaling.py's rope_scaling_of (None: plain RoPE). `max_positions`: the length
-    dynamic scaling starts above."""
+    dynamic scaling starts above. The inverse frequencies live on `device` (the model's), so a
+    forward copies nothing from the host."""
 
     def __init__(
         self,
@@ -61,6 +62,7 @@ class RotaryEmbedding(nn.Module):
         base: float = 10000.0,
         scaling: dict | None = None,
         max_positions: int | None = None,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         self.dim, self.base, self.max_positions = dim, base, max_positions
@@ -79,11 +81,13 @@ class RotaryEmbedding(nn.Module):
             yarn = YarnScaling.from_parameters(scaling)
             inv_freq = _yarn_inverse_frequencies(yarn, base, dim)
             self.attention_factor = yarn.attention_factor()
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # computed on the CPU (the same values everywhere), kept on the model's device
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
     @classmethod
-    def for_config(cls, cfg) -> RotaryEmbedding:
-        return cls(cfg.rotary_dim, cfg.rotary_base, rope_scaling_of(cfg), cfg.max_positions)
+    def for_config(cls, cfg, device: torch.device | str | None = None) -> RotaryEmbedding:
+        scaling = rope_scaling_of(cfg)
+        return cls(cfg.rotary_dim, cfg.rotary_base, scaling, cfg.max_positions, device)
 
     def _dynamic_inv_freq(self, seq_length: int) -> torch.Tensor:
         if seq_length <= self.max_positions:
