@@ -8,7 +8,9 @@ process it parses the pretraining flags and runs every check that needs no proce
 path or checkpoint is one line on stderr and exit code 2. Errors found later inside the ranks are
 printed once by the ranks themselves (engine/cli.py); when every failed rank exited with code 2
 (such an error) the launcher exits 2 without adding torchrun's report, otherwise it names each
-failed rank, its exit code or signal, and exits 1. examples/pretrain_gpt.sh launches this way.
+failed rank, its exit code or signal, and exits 1. The ranks' CUDA allocator uses expandable
+segments unless PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF is set. examples/pretrain_gpt.sh
+launches this way.
 """
 
 from __future__ import annotations
@@ -55,7 +57,20 @@ def _describe(rank, failure) -> str:
     return f"error: rank {rank} {how}; its output is above"
 
 
+ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def allocator_environment(environ: dict) -> dict:
+    """The ranks' CUDA allocator setting: expandable segments (less fragmentation as activation
+    sizes vary), unless the user set the allocator's configuration themselves."""
+    if any(name in environ for name in ALLOCATOR_VARIABLES):
+        return {}
+    return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
@@ -66,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun's agent logs each failed worker and the termination of the others; the ranks
     # say what went wrong themselves, and failures are summarised below.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ.update(allocator_environment(os.environ))  # the ranks inherit it
     try:
         run(args)
     except ChildFailedError as err:

@@ -242,3 +242,11 @@ def test_rope_tables_live_on_the_model_device_and_are_made_once_per_length():
     assert model._rotary(cfg.seq_length, tokens.device) is first
     assert model._rotary(cfg.seq_length // 2, tokens.device)[0].shape[0] == cfg.seq_length // 2
     assert torch.equal(model(tokens, labels=tokens).sum(), loss)  # a new length, then back
+
+
+def test_launcher_gives_the_ranks_expandable_segments_unless_the_user_chose():
+    from engine.launch import allocator_environment
+
+    assert allocator_environment({}) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert allocator_environment({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}
+    assert allocator_environment({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) == {}
