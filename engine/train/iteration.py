@@ -49,9 +49,14 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         spike["attempted"] = spike["z"] is None or not run.cfg.exit.skip_spike_batches
         return bool(spike["attempted"])
 
+    # The loss decides the step only where it can: skipping spike batches, or fp16 (a
+    # non-finite loss must not move the loss scale). Elsewhere a non-finite loss gives a
+    # non-finite gradient norm, which skips the update anyway, and the loss is read after
+    # the update: one wait for the device per step.
+    early = run.cfg.exit.skip_spike_batches or run.optimizer.grad_scaler is not None
     hooks = StepHooks(
         after_backward=lambda: faults.after_backward(rank, iteration, run.chunks),
-        should_step=should_step,
+        should_step=should_step if early else None,
         before_update=run.checkpointer.wait_for_copy if run.checkpointer else None,
     )
     features = run.features.at(iteration)
@@ -66,6 +71,8 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         hooks=hooks,
         samples=global_batch,
     )
+    if not early:
+        spike["z"], spike["attempted"] = run.spikes.check(out.loss), True
     # An attempted step that did not update had a non-finite gradient (with fp16 that is a
     # loss-scale overflow, which the scaler handles and is not counted).
     bad_gradient = spike["attempted"] and not out.updated and run.optimizer.grad_scaler is None

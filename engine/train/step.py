@@ -101,11 +101,12 @@ def run_schedule(
     return schedule(chunks, batches, forward_step, loss_func, forward_only=forward_only)
 
 
-def shared_loss(losses: list[torch.Tensor], state, num_domains: int = 0) -> list[float]:
+def shared_loss_tensor(losses: list[torch.Tensor], state, num_domains: int = 0) -> torch.Tensor:
     """Mean of the last stage's micro-batch losses over the DP ranks (the sum of the CP
     ranks' shares), made known to every rank (the other pipeline stages contribute nothing
-    to the sum): [loss], or with `num_domains` [loss, s_0 .., w_0 ..] (loss.py).
-    Collective on all ranks."""
+    to the sum): [loss], or with `num_domains` [loss, s_0 .., w_0 ..] (loss.py), on the
+    rank's device and not yet read (reading it waits for the device). Collective on all
+    ranks."""
     value = torch.zeros(1 + 2 * num_domains, dtype=torch.float64, device=state.device)
     if losses:
         value += torch.stack([x.reshape(-1) for x in losses]).double().mean(dim=0)
@@ -114,7 +115,12 @@ def shared_loss(losses: list[torch.Tensor], state, num_domains: int = 0) -> list
         value /= state.dp_size
     if state.pp_group is not None:
         dist.all_reduce(value, group=state.pp_group)
-    return value.tolist()
+    return value
+
+
+def shared_loss(losses: list[torch.Tensor], state, num_domains: int = 0) -> list[float]:
+    """shared_loss_tensor, read."""
+    return shared_loss_tensor(losses, state, num_domains).tolist()
 
 
 def eval_step(chunks, batches, state, schedule=None, num_domains: int = 0) -> list[float]:
@@ -167,13 +173,15 @@ def train_step(
     with measure(times, "grads-sync"):  # (the noise scale's reductions of the local norms)
         own = local_squares.detach(state, scale) if local_squares is not None else None
     with measure(times, "loss-sync"):
-        loss, *parts = shared_loss(losses, state, domains)
-    parts = parts or None
+        # read after the update (the norm's read waits for the device anyway), unless a hook
+        # must see the loss first: one host synchronisation per step, not two
+        loss_tensor = shared_loss_tensor(losses, state, domains)
+        early = loss_tensor.tolist() if hooks.should_step is not None else None
     with measure(times, "optimizer"):
         lr = scheduler.apply(optimizer)
     loss_scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else None
-    if hooks.should_step is not None and not hooks.should_step(loss):
-        return StepResult(loss, None, lr, False, loss_scale, None, own, parts)
+    if early is not None and not hooks.should_step(early[0]):
+        return StepResult(early[0], None, lr, False, loss_scale, None, own, early[1:] or None)
     if hooks.before_update is not None:
         with measure(times, "save-checkpoint"):  # an asynchronous save's copy still running
             hooks.before_update()
@@ -185,6 +193,7 @@ def train_step(
         # one (non-finite gradient, fp16 overflow, declined above) is retried at the same LR.
         scheduler.advance(samples)
     norm = result.grad_norm if math.isfinite(result.grad_norm) else None
+    loss, *parts = early if early is not None else loss_tensor.tolist()
     return StepResult(
-        loss, norm, lr, result.updated, result.loss_scale, result.part_norms, own, parts
+        loss, norm, lr, result.updated, result.loss_scale, result.part_norms, own, parts or None
     )
