@@ -332,7 +332,8 @@ class _ParamReads(TorchDispatchMode):
         found = [(t, self._bucket(t)) for t in tensors]
         found = [(t, hit) for t, hit in found if hit is not None]
         if "allgather" in str(func):
-            self.gathers += [(hit[0], hit[1].index) for _, hit in found]
+            # one entry per gather (its input, gathered in place, is a slice of its output)
+            self.gathers += list(dict.fromkeys((hit[0], hit[1].index) for _, hit in found))
         elif "c10d" not in str(func) and not func.is_view:  # a view reads nothing
             for _, (chunk, bucket) in found:
                 self.reads += 1

@@ -444,7 +444,8 @@ class DistributedDataParallel(nn.Module):
             return
         for bucket in reversed(self.buckets):  # forward order: the first layers' come first
             start, end = self.shard_range(bucket)
-            shard = self.param_buffer[start:end].clone()
+            # in place, as megatron-core: the shard is this rank's slice of the output
+            shard = self.param_buffer[start:end]
             bucket.param_work = all_gather_into(
                 bucket.data, shard, self.dp_group, async_op=self.overlap_param_gather
             )

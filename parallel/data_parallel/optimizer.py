@@ -171,9 +171,9 @@ class DistributedOptimizer:
         for piece, grad in zip(self.pieces, grads):
             piece.master.grad = grad
         self.optimizer.step()
-        for piece in self.pieces:
-            if piece.master is not piece.data:
-                piece.data.copy_(piece.master)
+        copies = [(p.data, p.master) for p in self.pieces if p.master is not p.data]
+        if copies:  # the updated masters back into the model's weights, in a few kernels
+            torch._foreach_copy_(*map(list, zip(*copies)))
         for ddp in self.ddps:
             ddp.start_param_sync()
         return StepResult(True, norm, scale, part_norms)
