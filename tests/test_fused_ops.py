@@ -346,3 +346,47 @@ def test_fused_ops_match_torch_ops_on_gpu(dtype, tolerance):
     from engine.ops.fused import build_kernels
 
     _compare(FusedOps(build_kernels()), "cuda", dtype, tolerance)
+
+
+class _DtypeStrictKernels:
+    """The reference kernels, refusing what the CUDA binding would misread: it reads the
+    weight (and bias) in the input's dtype."""
+
+    def __getattr__(self, name):
+        return getattr(reference, name)
+
+    @staticmethod
+    def _same(x, *others):
+        for other in others:
+            assert other.dtype == x.dtype, (x.dtype, other.dtype)
+
+    def rms_norm_fwd(self, x, w, eps, stream=0):
+        self._same(x, w)
+        return reference.rms_norm_fwd(x, w, eps, stream)
+
+    def rms_norm_bwd(self, dy, x, w, rstd, stream=0):
+        self._same(x, w, dy)
+        return reference.rms_norm_bwd(dy, x, w, rstd, stream)
+
+    def layer_norm_fwd(self, x, w, b, eps, stream=0):
+        self._same(x, w, b)
+        return reference.layer_norm_fwd(x, w, b, eps, stream)
+
+    def layer_norm_bwd(self, dy, x, w, mean, rstd, stream=0):
+        self._same(x, w, dy)
+        return reference.layer_norm_bwd(dy, x, w, mean, rstd, stream)
+
+
+def test_fused_norms_hand_the_kernels_weights_in_the_input_dtype():
+    """bf16 activations with fp32 norm weights: the kernels get the weights cast (they would
+    read fp32 bytes as bf16), and the weights' gradients come back in fp32."""
+    ops = FusedOps(_DtypeStrictKernels())
+    x = _random(6, 32, dtype=torch.bfloat16, seed=1).requires_grad_(True)
+    w = (1 + 0.1 * _random(32, seed=2)).requires_grad_(True)
+    b = (0.1 * _random(32, seed=3)).requires_grad_(True)
+    for out in (ops.rms_norm(x, w, 1e-5), ops.layer_norm(x, w, b, 1e-5)):
+        assert out.dtype == torch.bfloat16
+        out.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+    expected = TORCH_OPS.rms_norm(x.detach().float(), w.detach(), 1e-5)
+    assert rel_err(ops.rms_norm(x, w, 1e-5).float(), expected) < 2e-2

@@ -148,11 +148,12 @@ class FusedOps:
 
     @torch.compiler.disable
     def rms_norm(self, x, weight, eps):
-        return _RMSNorm.apply(x, weight, eps, self.kernels)
+        # the kernels read every operand in the input's dtype
+        return _RMSNorm.apply(x, weight.to(x.dtype), eps, self.kernels)
 
     @torch.compiler.disable
     def layer_norm(self, x, weight, bias, eps):
-        return _LayerNorm.apply(x, weight, bias, eps, self.kernels)
+        return _LayerNorm.apply(x, weight.to(x.dtype), bias.to(x.dtype), eps, self.kernels)
 
     @torch.compiler.disable
     def rotary(self, x, cos, sin):
