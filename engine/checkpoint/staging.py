@@ -82,7 +82,8 @@ class HostStaging:
             for target, source in pairs:
                 target.copy_(source)
             return self.tensors
-        torch.cuda.set_device(self.device)
+        if self.device.index is not None:  # the thread starts on GPU 0, not the rank's
+            torch.cuda.set_device(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
