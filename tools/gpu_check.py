@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
@@ -33,10 +33,8 @@ class Step:
     what: str
     command: list[str]
     limit_s: int
-    needs_gpus: int = 1
     needs_module: str | None = None
     json_name: str | None = None  # the JSON the command writes (under the work folder)
-    env: dict = field(default_factory=dict)
 
 
 def _tool(name: str, *flags: str) -> list[str]:
@@ -170,20 +168,18 @@ def _has_module(name: str) -> bool:
         return False
 
 
-def run_step(step: Step, work: str, scale: float, gpus: int, left_s: float) -> dict:
+def run_step(step: Step, work: str, scale: float, left_s: float) -> dict:
     """One step's record: outcome, seconds, output tail, and the JSON it wrote."""
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
     record = {"name": step.name, "what": step.what, "command": " ".join(step.command)}
     record["started"] = started
     if left_s < 10:
         return record | {"outcome": "skipped: --deadline-s reached"}
-    if gpus < step.needs_gpus:
-        return record | {"outcome": f"skipped: needs {step.needs_gpus} GPUs, {gpus} here"}
     if step.needs_module and not _has_module(step.needs_module):
         return record | {"outcome": f"skipped: {step.needs_module} is not installed"}
     limit = int(min(max(10, step.limit_s * scale), left_s))
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path, **step.env)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
     start = time.monotonic()
     try:
         done = subprocess.run(
@@ -299,8 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [s for s in chosen if s.name in args.steps]
     if args.dry_run:
         for s in chosen:
-            need = f" [needs {s.needs_gpus} GPUs]" if s.needs_gpus > 1 else ""
-            print(f"{s.name}: {s.what} (limit {s.limit_s}s){need}")
+            print(f"{s.name}: {s.what} (limit {s.limit_s}s)")
         return 0
     gpus = _gpu_count()
     if gpus == 0:
@@ -316,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as work:
         for step in chosen:
             print(f"[gpu-check] {step.name}: {step.what}", flush=True)
-            record = run_step(step, work, args.time_scale, gpus, deadline - time.monotonic())
+            record = run_step(step, work, args.time_scale, deadline - time.monotonic())
             print(f"[gpu-check] {step.name}: {record['outcome']} ({record.get('seconds', 0)}s)")
             print(record.get("output", ""), flush=True)
             records.append(record)
