@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from parallel.errors import ConfigError
+from parallel.pipeline.plan import Compute, Message, Plan, Post, Wait, forward_only, plan_transfers
 from parallel.pipeline.schedules import peak_in_flight
 from parallel.pipeline.tables import (
     GENERATORS,
@@ -24,7 +25,8 @@ from parallel.pipeline.tables import (
     default_chunks,
     min_microbatches,
 )
-from parallel.pipeline.validate import ScheduleError, pair_order_violation, simulate, validate
+from parallel.pipeline.transport import check_plan
+from parallel.pipeline.validate import ScheduleError, simulate, validate
 from parallel.state import ParallelState
 from tests.distributed import run_ranks
 from tests.harness import (
@@ -123,9 +125,6 @@ def test_the_validator_names_the_first_violation():
         # rank 0 waits for B0.0's gradient before sending F0.1's output, which rank 1 waits
         # for before its F0.0 and B0.0: a deadlock
         (_broken([F(0), B(0), F(1), B(1)], [F(1), F(0), B(0), B(1)]), "deadlock"),
-        (Table("broken", 2, 1, 3, "loop", ((F(0), F(1), F(2), B(0), B(1), B(2)),
-                                           (F(0), F(2), F(1), B(0), B(1), B(2)))),
-         "rank 1 receives activations from rank 0 out of order"),
     ]  # fmt: skip
     for table, match in cases:
         with pytest.raises(ScheduleError, match=match):
@@ -133,14 +132,142 @@ def test_the_validator_names_the_first_violation():
     late = _broken([F(0), F(1), B(1), B(0)], [F(0), B(0), F(1), B(1)])
     with pytest.raises(ScheduleError, match="chunk 0's last gradient step is B0.0"):
         validate(late)
-    # NCCL matches a pair's messages in posting order whatever their kind: only the V-shaped
-    # tables mix them (zb-v always, dualpipe-v from p = 3)
-    for table in _tables():
-        mixed = table.name == "zb-v" or (table.name == "dualpipe-v" and table.p > 2)
-        assert (pair_order_violation(table) is not None) == mixed, (table.name, table.p)
+    # a rank may take its inputs in another order than they are sent: the plan receives them
+    # in the shared order and holds the early one
+    validate(
+        Table(
+            "reordered",
+            2,
+            1,
+            3,
+            "loop",
+            ((F(0), F(1), F(2), B(0), B(1), B(2)), (F(0), F(2), F(1), B(0), B(1), B(2))),
+        )
+    )
     with pytest.raises(ScheduleError, match="holds 4 micro-batches of activations"):
         validate(build_table("gpipe", 2, 1, 4), max_in_flight=2)
     assert simulate(good).length == 9.0  # (m + p - 1) x (F + B)
+
+
+def _runtime_before_plans(table: Table, overlap: bool) -> Plan:
+    """The transfers the runtime posted before it had plans: a result sent in one batch with
+    the receive the next action needs, a missing receive posted alone when needed, and with
+    overlap the next two receives posted ahead, each alone."""
+    steps = tuple(_steps_before_plans(table, rank, overlap) for rank in range(table.p))
+    return Plan(table, overlap, steps)
+
+
+def _steps_before_plans(table: Table, rank: int, overlap: bool) -> tuple:
+    order, steps, batch_of = table.ranks[rank], [], {}
+
+    def post(sends, receives):
+        steps.append(Post(sum(isinstance(s, Post) for s in steps), tuple(sends), tuple(receives)))
+        for message in receives:
+            batch_of[message.consumer] = steps[-1].batch
+
+    def incoming(action):
+        source = table.partner(rank, action, incoming=True)
+        if source is None or source[0] == rank:
+            return None
+        kind = "activation" if action.kind == "F" else "gradient"
+        return Message(kind, source[0], source[1], rank, action, ())
+
+    def ahead(index):
+        for message in [m for m in map(incoming, order[index + 1 :]) if m][:2]:
+            if message.consumer not in batch_of:
+                post([], [message])
+
+    if overlap:
+        ahead(-1)
+    for index, action in enumerate(order):
+        need = incoming(action)
+        if need is not None:
+            if action not in batch_of:
+                post([], [need])
+            steps.append(Wait(batch_of[action]))
+        steps.append(Compute(action))
+        target = table.partner(rank, action, incoming=False)
+        if target is not None and target[0] != rank:
+            kind = "activation" if action.kind == "F" else "gradient"
+            send = Message(kind, rank, action, target[0], target[1], ())
+            upcoming = incoming(order[index + 1]) if index + 1 < len(order) else None
+            fresh = upcoming is not None and upcoming.consumer not in batch_of
+            post([send], [upcoming] if fresh else [])
+        if overlap:
+            ahead(index)
+    return tuple(steps)
+
+
+def _hangs(plan: Plan, transport: str) -> bool:
+    try:
+        check_plan(plan, transport)
+    except ScheduleError as err:
+        assert "hang" in str(err) or "would take" in str(err), err
+        return True
+    return False
+
+
+def test_transfer_plans_run_under_nccl_rules_where_the_old_posting_hangs():
+    """NCCL runs a rank's transfers in posting order on one stream, ends a batch only when all
+    of it has met its peers and ignores tags: checked against the rules, the planned transfers
+    of every table pass (training and forward-only, with and without overlap, under NCCL's and
+    gloo's rules), while the runtime's earlier posting hangs where the issue found it would."""
+    old_nccl, old_gloo = set(), set()
+    for table in _tables():
+        for run in (table, forward_only(table)):
+            for overlap in (False, True):
+                for transport in ("gloo", "nccl"):
+                    check_plan(plan_transfers(run, overlap), transport)
+                old = _runtime_before_plans(run, overlap)
+                case = (table.name, table.p, table.m, run is table, overlap)
+                if _hangs(old, "nccl"):
+                    old_nccl.add(case)
+                if _hangs(old, "gloo"):
+                    old_gloo.add(case)
+    assert not old_gloo  # gloo's tags and independent transfers forgave it
+    for table in _tables():  # overlap: a receive posted alone ahead blocks the sends behind it
+        assert (table.name, table.p, table.m, True, True) in old_nccl  # training: every table
+        looped = table.name in ("interleaved", *V_SHAPED)  # evaluation: where data loops back
+        assert ((table.name, table.p, table.m, False, True) in old_nccl) == looped
+    without_overlap = {case[:3] for case in old_nccl if not case[4]}
+    assert ("interleaved", 2, 4) in without_overlap  # micro-batches outnumber the stages
+    assert ("interleaved", 2, 2) not in without_overlap
+    assert ("dualpipe-v", 2, 4) in without_overlap
+    assert ("1f1b", 4, 16) not in without_overlap and ("gpipe", 4, 16) not in without_overlap
+
+
+def test_the_transport_rules_catch_hangs_and_mismatches():
+    table = build_table("1f1b", 2, 1, 1)  # rank 0: F then B; rank 1: F then B
+    act = Message("activation", 0, F(0), 1, F(0), ())
+    grad = Message("gradient", 1, B(0), 0, B(0), ())
+    fine = Plan(table, False, (
+        (Compute(F(0)), Post(0, (act,), (grad,)), Wait(0), Compute(B(0))),
+        (Post(0, (), (act,)), Wait(0), Compute(F(0)), Compute(B(0)), Post(1, (grad,), ())),
+    ))  # fmt: skip
+    for transport in ("gloo", "nccl"):
+        check_plan(fine, transport)
+    # rank 0 posts its receive of the gradient alone, ahead of its send: on NCCL's one stream
+    # the send waits behind that receive, which waits for rank 1, which waits for the send
+    ahead = Plan(table, False, (
+        (Post(0, (), (grad,)), Compute(F(0)), Post(1, (act,), ()), Wait(0), Compute(B(0))),
+        fine.ranks[1],
+    ))  # fmt: skip
+    check_plan(ahead, "gloo")
+    with pytest.raises(ScheduleError, match="hang; waiting: rank 0 at wait for batch 0, rank 1"):
+        check_plan(ahead, "nccl")
+    two = build_table("gpipe", 2, 1, 2)
+    acts = [Message("activation", 0, F(k), 1, F(k), ()) for k in range(2)]
+    grads = [Message("gradient", 1, B(k), 0, B(k), ()) for k in range(2)]
+    sender = (Compute(F(0)), Post(0, (acts[0],), ()), Compute(F(1)), Post(1, (acts[1],), ()),
+              Post(2, (), tuple(grads)), Wait(2), Compute(B(0)), Compute(B(1)))  # fmt: skip
+    swapped = (Post(0, (), (acts[1],)), Post(1, (), (acts[0],)), Wait(1), Compute(F(0)),
+               Wait(0), Compute(F(1)), Compute(B(0)), Compute(B(1)),
+               Post(2, tuple(grads), ()))  # fmt: skip
+    with pytest.raises(ScheduleError, match="rank 1 would take activation of F0.0"):
+        check_plan(Plan(two, False, (sender, swapped)), "gloo")
+    unwaited = (Post(0, (), (acts[0],)), Compute(F(0)))
+    with pytest.raises(ScheduleError, match="rank 1 runs F0.0 before waiting for its input"):
+        check_plan(Plan(two, False, (sender, unwaited)), "gloo")
 
 
 def _zero_bubble(rank, world, pp):

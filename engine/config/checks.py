@@ -12,7 +12,13 @@ from engine.config.configs import Configs
 from engine.config.megatron_flags import check_compat
 from engine.errors import ConfigError
 from parallel.pipeline.layout import stage_layers
-from parallel.pipeline.tables import PLACEMENT, SPLIT_BACKWARD, V_SHAPED, min_microbatches
+from parallel.pipeline.tables import (
+    PLACEMENT,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    min_microbatches,
+    schedule_name,
+)
 from parallel.state import check_layout
 
 
@@ -156,3 +162,7 @@ def _check_pipeline(cfg, dp: int) -> None:
                 f"global batch {batch} / (micro-batch-size x data-parallel size {dp})) to be a "
                 f"multiple of pipeline-model-parallel-size {pp}"
             )
+        if pp > 1:  # every rank's list and transfers, under gloo's and NCCL's rules
+            from parallel.pipeline.schedules import checked_table
+
+            checked_table(schedule_name(par.pipeline_schedule, virtual), pp, virtual, microbatches)

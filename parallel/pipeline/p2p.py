@@ -1,9 +1,9 @@
 """Point-to-point transfers between pipeline stages.
 
-The schedule runtime (parallel/pipeline/runtime.py) posts each transfer with `post_to`: a send
-to a pipeline rank and the receive the next action needs from one, as one batch of
-isend/irecv, so the two go out together; the receive is waited for when needed and the send
-completes on its own. `post` and `exchange` (sends and receives with the next and previous
+The schedule runtime (parallel/pipeline/runtime.py) posts its planned batches
+(parallel/pipeline/plan.py) with `post_batch`: sends to and receives from pipeline ranks as
+one batch of isend/irecv; the receives are waited for as planned and the sends complete on
+their own. `post` and `exchange` (sends and receives with the next and previous
 stage; `exchange` waits at once) remain for direct use. Shapes are known ahead ([s,
 micro-batch, h], with s divided by TP under sequence parallelism), so no shape metadata is
 exchanged. Activations and gradients have their own tags.
@@ -52,16 +52,16 @@ class Pending:
 
 @dataclass
 class Transfer:
-    """One batch of `P2P.post_to` in flight: `wait()` waits for its receive and returns the
-    tensor (an activation requires grad: it is a stage's input); its send completes on its own
-    (`sent()`, `wait_sent()`). Where the backend coalesces the batch into one work (NCCL),
-    waiting for the receive waits for the send too."""
+    """One batch of `P2P.post_batch` in flight: `wait()` waits for its receives and returns
+    their tensors in order (activations require grad: they are a stage's inputs); its sends
+    complete on their own (`sent()`, `wait_sent()`). Where the backend coalesces the batch
+    into one work (NCCL), waiting for the receives waits for the sends too."""
 
     send_works: list
     recv_works: list
     buffers: list[torch.Tensor]
-    received: torch.Tensor | None
-    activation: bool
+    received: list[torch.Tensor]
+    activation: list[bool]
     times: StepTimes | None = None
 
     @property
@@ -69,17 +69,18 @@ class Transfer:
         """A receive not waited for yet."""
         return bool(self.recv_works)
 
-    def wait(self) -> torch.Tensor | None:
+    def wait(self) -> list[torch.Tensor]:
         with measure(self.times, "pipeline-wait"):
             for work in self.recv_works:
                 work.wait()
         self.recv_works = []
-        if self.received is not None and self.activation:
-            self.received.requires_grad_(True)
+        for tensor, activation in zip(self.received, self.activation):
+            if activation:
+                tensor.requires_grad_(True)
         return self.received
 
     def sent(self) -> bool:
-        """Whether the send is done (its tensor then released)."""
+        """Whether the sends are done (their tensors then released)."""
         if all(work.is_completed() for work in self.send_works):
             self.send_works, self.buffers = [], []
             return True
@@ -150,32 +151,29 @@ class P2P:
         """`post` and wait: returns (tensor from prev, tensor from next)."""
         return self.post(send_next, send_prev, recv_prev, recv_next).wait()
 
-    def post_to(
+    def post_batch(
         self,
-        send: tuple[torch.Tensor, int, str] | None = None,
-        recv_from: tuple[int, str] | None = None,
+        sends: list[tuple[torch.Tensor, int, str]],
+        receives: list[tuple[int, str]],
     ) -> Transfer:
-        """One batch, not waited for: `send` = (tensor, pipeline rank, kind), `recv_from` =
-        (pipeline rank, kind), kind "activation" or "gradient" (its tag). For schedules whose
-        neighbours are not just the next and previous stage (parallel/pipeline/runtime.py)."""
-        state, ops, received = self.state, [], None
-        if send is not None:
-            tensor, peer, kind = send
+        """One batch, not waited for: each send (tensor, pipeline rank, kind), each receive
+        (pipeline rank, kind), kind "activation" or "gradient" (its tag). The schedule
+        runtime's transfers (parallel/pipeline/runtime.py, planned in plan.py)."""
+        state, ops, received = self.state, [], []
+        for tensor, peer, kind in sends:
             ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(),
                                   state.pp_ranks[peer], state.pp_group, TAGS[kind]))  # fmt: skip
-        if recv_from is not None:
-            peer, kind = recv_from
-            received = self._buffer()
-            ops.append(dist.P2POp(dist.irecv, received, state.pp_ranks[peer], state.pp_group,
-                                  TAGS[kind]))  # fmt: skip
+        for peer, kind in receives:
+            received.append(self._buffer())
+            ops.append(dist.P2POp(dist.irecv, received[-1], state.pp_ranks[peer],
+                                  state.pp_group, TAGS[kind]))  # fmt: skip
         with measure(self.times, "pipeline-wait"):
             works = dist.batch_isend_irecv(ops) if ops else []
-        sends = int(send is not None)
         if len(works) == len(ops):
-            send_works, recv_works = works[:sends], works[sends:]
+            send_works, recv_works = works[: len(sends)], works[len(sends) :]
         else:  # coalesced into one work
-            send_works = recv_works = works
-        activation = recv_from is not None and recv_from[1] == "activation"
+            send_works, recv_works = works, works if receives else []
+        activation = [kind == "activation" for _, kind in receives]
         buffers = [op.tensor for op in ops]
         return Transfer(send_works, recv_works, buffers, received, activation, self.times)
 

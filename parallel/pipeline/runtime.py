@@ -10,17 +10,14 @@ For each action of its list, in order:
 - I: the same backward with the linear layers' weight-gradient GEMMs deferred into this
   micro-batch's queue (parallel/pipeline/weight_grad.py); W runs the queue.
 
-Transfers. A result is sent as soon as it is computed, in one batch with the receive the next
-action needs (as Megatron-LM pairs a stage's "send output" with its "receive gradient"); the
-send is not waited for (it completes when its receiver takes it; its tensor is let go then,
-and whatever is left at the end of the step is waited for), so a rank only ever waits for data
-it needs, and on gloo a table whose data dependencies can be met in order
-(parallel/pipeline/validate.py simulates it) cannot deadlock. Receives are waited for by the
-action that needs them; with `overlap` the next two are kept posted ahead, so they arrive
-during the computes before. Matching is by peer and tag (activation or gradient) in posting
-order, which the validator checks each table keeps; NCCL ignores tags, so a table that mixes
-the two kinds differently on the two sides of a pair of ranks (zb-v; dualpipe-v from p = 3)
-is refused on NCCL (`pair_order_violation`). None of this has run on NCCL yet.
+Transfers follow the table's plan (parallel/pipeline/plan.py), made for all ranks at once so
+that it runs on NCCL as on gloo (parallel/pipeline/transport.py checks both): every rank posts
+its sends and receives in one global order, a send right after its compute, posts with no
+compute between them as one batch. A receive is waited for right after posting, or with
+`overlap` just before the compute that needs it, so it arrives during the computes before;
+sends are not waited for (one completes when its receiver takes it; its tensor is let go then,
+and whatever is left at the end of the step is waited for). A result handed to this rank's
+own other chunk skips the plan.
 
 Data-parallel rules: gradients accumulate locally (DDP no-sync) until a chunk's last
 micro-batch's backward (its W, when split), whose DDP may then reduce; with sharded gradients
@@ -42,13 +39,13 @@ import time
 import torch
 
 from parallel.pipeline.p2p import backward_from, free_sent_output
+from parallel.pipeline.plan import Compute, Post, plan_transfers
+from parallel.pipeline.plan import forward_only as forwards_of
 from parallel.pipeline.tables import Action, Table
-from parallel.pipeline.validate import pair_order_violation
 from parallel.pipeline.weight_grad import WeightGradQueue
 from parallel.timing import StepTimes, measure
 
 ACTIVATION = "activation"  # the kind Table.link gives activations (gradients: "gradient")
-LOOKAHEAD = 2  # receives posted ahead with overlap
 
 
 class TableRuntime:
@@ -77,100 +74,68 @@ class TableRuntime:
         self.stats.update(peak_held=0, peak_output_bytes=0, compute_s=0.0, computes_overlapped=0)
         if trace:
             self.stats["events"] = []
-        self.order = [a for a in table.ranks[self.rank] if a.kind == "F" or not forward_only]
-        violation = pair_order_violation(table)
-        if violation and self._backend() == "nccl":
-            raise ValueError(
-                f"schedule {table.name}: {violation}; NCCL matches messages between two ranks "
-                "in posting order whatever their kind, so this table cannot run on it yet "
-                "(use gloo, or another schedule)"
-            )
+        run = forwards_of(table) if forward_only else table
+        self.plan = plan_transfers(run, overlap).ranks[self.rank]
         self.losses: list[torch.Tensor] = []
         self.saved: dict = {}  # (chunk, k) -> (input, output or loss) until backward
         self.handed: dict = {}  # (kind, chunk, k) -> a tensor handed over on this rank
-        self.received: dict = {}  # (kind, chunk, k) -> Transfer posted for it
+        self.outbox: dict = {}  # producing action -> its result, until posted
+        self.posted: dict = {}  # batch number -> (Transfer, its receives' consumers)
+        self.inbox: dict = {}  # consuming action -> received tensor, once waited for
+        self.sends: list = []  # transfers whose sends may be in flight
         self.queues: dict = {}  # (chunk, k) -> WeightGradQueue of a split backward
-        self.sends: list = []  # sends in flight (overlap)
         self.held = 0
         self.started = time.perf_counter()
 
-    def _backend(self) -> str:
-        group = self.p2p.state.pp_group
-        return "none" if group is None else torch.distributed.get_backend(group)
-
     # --- where data comes from and goes to ------------------------------------------------
 
-    def _link(self, action: Action, incoming: bool):
-        return self.table.link(self.rank, action, incoming)
+    def _post(self, post: Post) -> None:
+        sends = []
+        for message in post.sends:
+            result = self.outbox.pop(message.producer)
+            sends.append((result, message.receiver, message.kind))
+        receives = [(message.sender, message.kind) for message in post.receives]
+        transfer = self.p2p.post_batch(sends, receives)
+        self.posted[post.batch] = (transfer, [message.consumer for message in post.receives])
+        self.sends = [t for t in self.sends if not t.sent()]
+        if post.sends:
+            self.sends.append(transfer)
+        for result, _, kind in sends:
+            if kind == ACTIVATION:
+                free_sent_output(result)
 
-    def _remote_source(self, action: Action | None):
-        if action is None:
-            return None
-        link = self._link(action, incoming=True)
-        return link if link is not None and link[1] != self.rank else None
-
-    def _post_receive(self, action: Action | None) -> None:
-        """Post the receive `action` needs (overlap mode), unless posted already."""
-        source = self._remote_source(action)
-        key = source and (source[0], action.chunk, action.microbatch)
-        if source is not None and key not in self.received:
-            self.received[key] = self.p2p.post_to(recv_from=(source[1], source[0]))
+    def _wait(self, batch: int) -> None:
+        transfer, consumers = self.posted.pop(batch)
+        self.inbox.update(zip(consumers, transfer.wait()))
 
     def _take(self, action: Action):
-        """The tensor `action` needs (waited for when in flight), or None."""
-        link = self._link(action, incoming=True)
+        """The tensor `action` needs (received and waited for, or handed over), or None."""
+        link = self.table.link(self.rank, action, incoming=True)
         if link is None:
             return None
-        key = (link[0], action.chunk, action.microbatch)
         if link[1] == self.rank:
-            return self.handed.pop(key)
-        if key not in self.received:  # the step's first receive, or after a local hand-over
-            self.received[key] = self.p2p.post_to(recv_from=(link[1], link[0]))
-        return self.received.pop(key).wait()
+            return self.handed.pop((link[0], action.chunk, action.microbatch))
+        return self.inbox.pop(action)
 
-    def _after(self, index: int, action: Action, result) -> None:
-        """Send (or hand over) `result`, in one batch with the receive the next action needs
-        (module docstring); with overlap, keep receives posted ahead."""
-        link = self._link(action, incoming=False)
-        send = None
-        if link is not None and result is not None:
-            kind, rank, chunk = link
-            if rank == self.rank:
-                handed = result.detach().requires_grad_(kind == ACTIVATION)
-                self.handed[kind, chunk, action.microbatch] = handed
-            else:
-                send = (result, rank, kind)
-        self.sends = [transfer for transfer in self.sends if not transfer.sent()]
-        if send is not None:
-            upcoming = self.order[index + 1] if index + 1 < len(self.order) else None
-            source = self._remote_source(upcoming)
-            key = source and (source[0], upcoming.chunk, upcoming.microbatch)
-            receive = (source[1], source[0]) if source and key not in self.received else None
-            transfer = self.p2p.post_to(send=send, recv_from=receive)
-            self.sends.append(transfer)
-            if receive is not None:
-                self.received[key] = transfer
-            if action.kind == "F":
-                free_sent_output(result)
-        if self.overlap:
-            self._receive_ahead(index)
-
-    def _receive_ahead(self, index: int) -> None:
-        """Post the receives of the next LOOKAHEAD actions that need one (in table order, as
-        matching by peer and tag needs)."""
-        wanted = 0
-        for action in self.order[index + 1 :]:
-            if self._remote_source(action) is None:
-                continue
-            self._post_receive(action)
-            wanted += 1
-            if wanted == LOOKAHEAD:
-                return
+    def _after(self, action: Action, result) -> None:
+        """Hand `result` over to this rank's own other chunk, or keep it for its post."""
+        link = self.table.link(self.rank, action, incoming=False)
+        if link is None:
+            return
+        kind, rank, chunk = link
+        if result is None:
+            raise RuntimeError(f"pipeline rank {self.rank}: {action} has no result to send")
+        if rank == self.rank:
+            self.handed[kind, chunk, action.microbatch] = result.detach().requires_grad_(
+                kind == ACTIVATION
+            )
+        else:
+            self.outbox[action] = result
 
     # --- compute -----------------------------------------------------------------------------
 
     def _start_compute(self) -> float:
-        self.stats["computes_overlapped"] += any(t.in_flight for t in self.received.values())
+        self.stats["computes_overlapped"] += any(t.in_flight for t, _ in self.posted.values())
         return time.perf_counter()
 
     def _end_compute(self, action: Action, start: float) -> None:
@@ -179,7 +144,7 @@ class TableRuntime:
         if "events" in self.stats:
             self.stats["events"].append((str(action), start - self.started, end - self.started))
 
-    def _forward(self, index: int, action: Action) -> None:
+    def _forward(self, action: Action) -> None:
         c, k = action.chunk, action.microbatch
         input_tensor = self._take(action)
         last = self.table.stage(self.rank, c) == self.table.stages - 1
@@ -196,9 +161,9 @@ class TableRuntime:
             self.saved[c, k] = (input_tensor, output)
             self.held += 1
             self.stats["peak_held"] = max(self.stats["peak_held"], self.held)
-        self._after(index, action, None if last else output)
+        self._after(action, None if last else output)
 
-    def _backward(self, index: int, action: Action) -> None:
+    def _backward(self, action: Action) -> None:
         c, k = action.chunk, action.microbatch
         output_grad = self._take(action)
         input_tensor, output = self.saved.pop((c, k))
@@ -223,9 +188,9 @@ class TableRuntime:
                 self._accumulate(c, k, lambda: backward_from(output, output_grad))
                 self.held -= 1
         self._end_compute(action, start)
-        self._after(index, action, input_tensor.grad if input_tensor is not None else None)
+        self._after(action, input_tensor.grad if input_tensor is not None else None)
 
-    def _weights(self, index: int, action: Action) -> None:
+    def _weights(self, action: Action) -> None:
         c, k = action.chunk, action.microbatch
         queue = self.queues.pop((c, k))
         start = self._start_compute()
@@ -233,7 +198,6 @@ class TableRuntime:
             self._accumulate(c, k, queue.run)
         self._end_compute(action, start)
         self.held -= 1
-        self._after(index, action, None)
 
     def _accumulate(self, chunk: int, k: int, work) -> None:
         """`work` adds micro-batch k's gradients of a chunk: DDP reduces only after the last
@@ -250,10 +214,13 @@ class TableRuntime:
 
     def run(self) -> list[torch.Tensor]:
         run = {"F": self._forward, "B": self._backward, "I": self._backward, "W": self._weights}
-        if self.overlap:
-            self._receive_ahead(-1)
-        for index, action in enumerate(self.order):
-            run[action.kind](index, action)
+        for step in self.plan:
+            if isinstance(step, Compute):
+                run[step.action.kind](step.action)
+            elif isinstance(step, Post):
+                self._post(step)
+            else:
+                self._wait(step.batch)
         for transfer in self.sends:
             transfer.wait_sent()
         return self.losses

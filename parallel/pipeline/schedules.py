@@ -29,7 +29,13 @@ import functools
 import torch
 
 from parallel.pipeline.runtime import TableRuntime
-from parallel.pipeline.tables import V_SHAPED, Table, build_table, warmup_forwards
+from parallel.pipeline.tables import (
+    V_SHAPED,
+    Table,
+    build_table,
+    schedule_name,
+    warmup_forwards,
+)
 from parallel.pipeline.validate import validate
 from parallel.timing import StepTimes, measure
 
@@ -104,7 +110,8 @@ def peak_in_flight(kind: str, p: int, rank: int, m: int, v: int = 1) -> int:
 
 @functools.lru_cache(maxsize=64)
 def checked_table(kind: str, p: int, v: int, m: int) -> Table:
-    """The schedule's table, validated once (parallel/pipeline/validate.py)."""
+    """The schedule's table, validated once (parallel/pipeline/validate.py: its transfer
+    plans included, under gloo's and NCCL's rules)."""
     table = build_table(kind, p, v, m)
     validate(table)
     return table
@@ -153,7 +160,7 @@ def get_schedule(
 
     if state.pp_size == 1 and virtual_size == 1:
         return functools.partial(forward_backward_no_pipelining, times=times)
-    kind = kind or ("interleaved" if virtual_size > 1 else "1f1b")
+    kind = schedule_name(kind, virtual_size)
     chunks_needed = "2 or more" if kind == "interleaved" else "2" if kind in V_SHAPED else "1"
     fits = virtual_size == 2 if kind in V_SHAPED else (virtual_size > 1) == (kind == "interleaved")
     if not fits:

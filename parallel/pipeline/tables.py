@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 from parallel.errors import ConfigError
 from parallel.pipeline.layout import virtual_stage
@@ -89,6 +90,24 @@ class Table:
         if not 0 <= other < self.stages:
             return None
         return (kind, *self.place(other))
+
+    def partner(self, rank: int, action: Action, incoming: bool) -> tuple[int, Action] | None:
+        """(rank, action) that produces what `action` receives (`incoming`) or consumes what
+        it sends: an F's activation comes from / goes to an F, a gradient from / to a B, or
+        an I where that rank splits its backward; None where `link` is None."""
+        link = self.link(rank, action, incoming)
+        if link is None:
+            return None
+        kind, other, chunk = link
+        k = action.microbatch
+        if kind == "activation":
+            return other, Action("F", chunk, k)
+        split = Action("I", chunk, k) in self._split_backwards[other]
+        return other, Action("I" if split else "B", chunk, k)
+
+    @cached_property
+    def _split_backwards(self) -> tuple[frozenset[Action], ...]:
+        return tuple(frozenset(a for a in order if a.kind == "I") for order in self.ranks)
 
 
 def gpipe(p: int, v: int, m: int) -> Table:
@@ -317,6 +336,12 @@ def default_chunks(name: str) -> int:
 def min_microbatches(name: str, p: int) -> int:
     """The fewest micro-batches per step schedule `name` runs with at p stages."""
     return {"zb-v": 2 * p - 1, "dualpipe-v": 2 * p}.get(name, 1)
+
+
+def schedule_name(kind: str | None, v: int) -> str:
+    """The schedule a layout runs: `kind`, or by default 1F1B (interleaved with virtual
+    stages)."""
+    return kind or ("interleaved" if v > 1 else "1f1b")
 
 
 def build_table(name: str, p: int, v: int, m: int) -> Table:

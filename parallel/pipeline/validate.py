@@ -9,9 +9,9 @@ under given action durations.
   compute waits for the data it receives (the neighbouring stage's F output or B/I input
   gradient), and the simulation must reach every action (else: a deadlock, named by the
   actions the ranks are stuck at);
-- on each pair of ranks, messages are received in the order they are sent, per direction
-  and kind (gloo matches by peer and tag in posting order; `pair_order_violation` checks the
-  kinds together, as NCCL, which ignores tags, would need);
+- the table's transfer plans (parallel/pipeline/plan.py) run under gloo's and NCCL's rules
+  (parallel/pipeline/transport.py: no hang, every receive takes its own message), for
+  training and forward-only evaluation, with and without overlap (`check_transfers`);
 - each chunk's last gradient step (B, or W) is the last micro-batch's: the runtime lets the
   data-parallel reduction start there;
 - `max_in_flight` (optional): the most micro-batches of activations a rank holds at once
@@ -24,7 +24,6 @@ time), the step's length, each rank's idle share (the bubble) and peak in flight
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 from parallel.errors import ConfigError
@@ -37,21 +36,7 @@ class ScheduleError(ConfigError):
 
 def _needs(table: Table, rank: int, action: Action) -> tuple[int, Action] | None:
     """(rank, action) whose result `action` receives, or None (it starts from local data)."""
-    return _peer_action(table, rank, action, incoming=True)
-
-
-def _peer_action(table: Table, rank: int, action: Action, incoming: bool):
-    link = table.link(rank, action, incoming)
-    if link is None:
-        return None
-    kind, other, chunk = link
-    k = action.microbatch
-    return other, Action("F" if kind == "activation" else _backward_kind(table, other, chunk, k),
-                         chunk, k)  # fmt: skip
-
-
-def _backward_kind(table: Table, rank: int, chunk: int, microbatch: int) -> str:
-    return "I" if Action("I", chunk, microbatch) in table.ranks[rank] else "B"
+    return table.partner(rank, action, incoming=True)
 
 
 def _check_counts(table: Table) -> None:
@@ -87,52 +72,6 @@ def _check_counts(table: Table) -> None:
                     f"rank {rank}: chunk {chunk}'s last gradient step is {order[last]}, not "
                     f"micro-batch {table.m - 1}'s (the data-parallel reduction starts there)"
                 )
-
-
-def _check_message_order(table: Table) -> None:
-    """Per (sender, receiver, kind): the receiver consumes in the sender's order."""
-    first = _order_violation(table, by_kind=True)
-    if first:
-        raise ScheduleError(first)
-
-
-def pair_order_violation(table: Table) -> str | None:
-    """Where a pair of ranks exchanges messages whose kinds interleave differently on the two
-    sides (what a transport that ignores tags, NCCL, would mismatch), or None."""
-    return _order_violation(table, by_kind=False)
-
-
-def _order_violation(table: Table, by_kind: bool) -> str | None:
-    sent: dict[tuple, list] = defaultdict(list)
-    received: dict[tuple, list] = defaultdict(list)
-    for rank, order in enumerate(table.ranks):
-        for action in order:
-            need = _needs(table, rank, action)
-            if need is None or need[0] == rank:
-                continue
-            src, producer = need
-            kind = ("activation" if action.kind == "F" else "gradient") if by_kind else "message"
-            received[src, rank, kind].append(producer)
-    for rank, order in enumerate(table.ranks):
-        for action in order:
-            for dst, _ in _consumers(table, rank, action):
-                if dst != rank:
-                    kind = "activation" if action.kind == "F" else "gradient"
-                    sent[rank, dst, kind if by_kind else "message"].append(action)
-    for key, messages in sent.items():
-        if received[key] != messages:
-            src, dst, kind = key
-            first = next(i for i, (a, b) in enumerate(zip(messages, received[key])) if a != b)
-            return (
-                f"rank {dst} receives {kind}s from rank {src} out of order: message {first} "
-                f"is {messages[first]}, but rank {dst} first waits for {received[key][first]}"
-            )
-    return None
-
-
-def _consumers(table: Table, rank: int, action: Action) -> list[tuple[int, Action]]:
-    consumer = _peer_action(table, rank, action, incoming=False)
-    return [] if consumer is None else [consumer]
 
 
 @dataclass
@@ -200,10 +139,23 @@ def validate(table: Table, max_in_flight: int | None = None) -> Timeline:
     """ScheduleError naming the first violation (module docstring); else the timeline."""
     _check_counts(table)
     timeline = simulate(table)
-    _check_message_order(table)
+    check_transfers(table)
     if max_in_flight is not None:
         for rank, peak in enumerate(timeline.peak_in_flight):
             if peak > max_in_flight:
                 raise ScheduleError(f"rank {rank} holds {peak} micro-batches of activations "
                                     f"at once, more than {max_in_flight}")  # fmt: skip
     return timeline
+
+
+def check_transfers(table: Table, transports: tuple[str, ...] = ("gloo", "nccl")) -> None:
+    """The table's transfer plans (parallel/pipeline/plan.py: training and forward-only, with
+    and without overlap) run under each transport's rules (parallel/pipeline/transport.py)."""
+    from parallel.pipeline.plan import forward_only, plan_transfers
+    from parallel.pipeline.transport import check_plan
+
+    for run in (table, forward_only(table)):
+        for overlap in (False, True):
+            plan = plan_transfers(run, overlap)
+            for transport in transports:
+                check_plan(plan, transport)
