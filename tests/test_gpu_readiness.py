@@ -125,6 +125,7 @@ def test_gpu_check_lists_its_steps_and_says_in_one_line_that_there_is_no_gpu():
     for step in ("environment", "gpu-tests", "fused-ops", "attention", "train-launch"):
         assert step in names
     assert {"throughput-125m", "throughput-350m", "throughput-1.3b", "vs-megatron"} <= set(names)
+    assert "nccl-layouts" in names
     absent = _tool("tools/gpu_check.py")
     assert absent.returncode == 0 and len(absent.stdout.strip().splitlines()) == 1
     assert "no CUDA GPU" in absent.stdout
@@ -154,6 +155,30 @@ def test_gpu_benchmarks_run_on_the_cpu_with_tiny_shapes(tmp_path):
     assert probe.returncode == 0, probe.stdout + probe.stderr
     kinds = {r["path"]: r["kind"] for r in json.loads((tmp_path / "a.json").read_text())["rows"]}
     assert kinds["MHA bf16 dropout 0.1"] == "math" and kinds["MHA fp32"] != "failed"
+
+
+def test_the_nccl_layout_check_runs_its_layouts_and_needs_two_gpus(tmp_path):
+    """tools/nccl_parity.py (gpu-check's NCCL step) run with both sides on CPU: the runs it
+    launches train, and their losses compare equal; without two GPUs it says so and exits 0,
+    and gpu-check skips the step with that reason."""
+    out = tmp_path / "n.json"
+    layouts = ("--layouts", "pp2-dualpipe-v", "dp2-optim_grads_params")
+    done = _tool("tools/nccl_parity.py", "--cpu-only", *layouts, "--iters", "2", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["layout"], r["iterations"], r["max_rel_diff"]) for r in rows] == [
+        ("pp2-dualpipe-v", 2, 0.0), ("dp2-optim_grads_params", 2, 0.0),
+    ]  # fmt: skip
+    absent = _tool("tools/nccl_parity.py")
+    assert absent.returncode == 0 and "needs 2 CUDA GPUs, this machine has 0" in absent.stdout
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    step = next(s for s in gpu_check.steps() if s.name == "nccl-layouts")
+    record = gpu_check.run_step(step, str(tmp_path), 1.0, 600)
+    assert record["outcome"].startswith("skipped: needs 2 GPUs, this machine has")
 
 
 def test_bench_throughput_reports_a_failing_variant_as_a_row(tmp_path):

@@ -34,6 +34,7 @@ class Step:
     command: list[str]
     limit_s: int
     needs_module: str | None = None
+    needs_gpus: int = 1
     json_name: str | None = None  # the JSON the command writes (under the work folder)
 
 
@@ -117,6 +118,15 @@ def steps() -> list[Step]:
             _tool("gpu_train_check.py"),
             limit_s=300,
         ),
+        Step(
+            "nccl-layouts",
+            "TP2, PP2 (every schedule), DP2 (each sharding strategy), CP2 over NCCL on two "
+            "GPUs against gloo on CPU",
+            _tool("nccl_parity.py", "--json", "nccl-layouts.json"),
+            limit_s=480,
+            needs_gpus=2,
+            json_name="nccl-layouts.json",
+        ),
         *throughput,
         Step(
             "vs-megatron",
@@ -177,6 +187,11 @@ def run_step(step: Step, work: str, scale: float, left_s: float) -> dict:
         return record | {"outcome": "skipped: --deadline-s reached"}
     if step.needs_module and not _has_module(step.needs_module):
         return record | {"outcome": f"skipped: {step.needs_module} is not installed"}
+    gpus = _gpu_count()
+    if gpus < step.needs_gpus:
+        return record | {
+            "outcome": f"skipped: needs {step.needs_gpus} GPUs, this machine has {gpus}"
+        }
     limit = int(min(max(10, step.limit_s * scale), left_s))
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
