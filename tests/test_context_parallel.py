@@ -147,3 +147,48 @@ def test_load_balanced_chunks():
     assert rank_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
     with pytest.raises(ValueError, match="not divisible by 2 x context-parallel size 2"):
         split_sequence(torch.zeros(6), 0, 2, 0)
+
+
+def _blocks_against_matmuls(device: str, dtype: torch.dtype, tolerance: float):
+    """Item 11 of the GPU-readiness issue: a whole and a causal block through the fused
+    kernels (parallel/context_parallel/blocks.py) against ring.py's fp32 matmul blocks, forward
+    (output, log-sum-exp) and backward (given the row's output and log-sum-exp)."""
+    import math
+
+    from parallel.context_parallel import ring
+    from parallel.context_parallel.blocks import block_kernels
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(2, 4, 64, 64, device=device, generator=generator) for _ in range(4)
+    )
+    scale, kernels = 1 / math.sqrt(64), block_kernels(torch.device(device))
+    for full in (True, False):
+        quarter = ring.Quarter(slice(0, 64), slice(0, 64), 128 if full else 0, 0, full)
+        out, lse = ring._quarter_forward(q, k, v, quarter, None, scale)
+        low = [t.to(dtype) for t in (q, k, v, dout)]
+        fused_out, fused_lse = kernels.forward(*low[:3], not full, scale)
+        assert fused_lse.dtype == torch.float32 and fused_lse.shape == lse.shape
+        assert (fused_out.float() - out).abs().max() < tolerance
+        assert (fused_lse - lse).abs().max() < tolerance
+        delta = (dout * out).sum(-1)
+        expected = ring._quarter_backward(q, k, v, dout, lse, delta, quarter, None, scale)
+        grads = kernels.backward(low[3], *low[:3], out.to(dtype), lse, not full, scale)
+        for ours, theirs in zip(grads, expected):
+            assert (ours.float() - theirs).abs().max() < tolerance * 4, full
+
+
+def test_ring_blocks_run_on_the_fused_kernels_with_a_window_on_matmuls():
+    _blocks_against_matmuls("cpu", torch.float32, 1e-5)
+    from parallel.context_parallel.ring import _on_kernel, quarters
+
+    for window in (None, 8):
+        for quarter in quarters(2, 0, 0, 16, window) + quarters(2, 1, 0, 16, window):
+            assert _on_kernel(quarter, window) == (window is None), quarter
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_ring_blocks_on_the_gpu_kernels(dtype, tolerance):
+    _blocks_against_matmuls("cuda", dtype, tolerance)

@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -275,3 +276,127 @@ def test_launcher_gives_the_ranks_expandable_segments_unless_the_user_chose():
     assert allocator_environment({}) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert allocator_environment({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}
     assert allocator_environment({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) == {}
+
+
+def test_each_rank_draws_only_its_slice_with_the_full_weights_values():
+    """Item 16: a weight's element is a function of the parameter's seed and its position, so
+    a rank draws its slice alone (on its device) and every TP layout holds the TP=1 values:
+    stacked q/k/v rows, split columns, a padded vocabulary (zero padding), positions past
+    2^32; the hash is lowbias32 bit for bit (numpy's uint32 as the reference), and the draws
+    are normal (mean, std, neighbours uncorrelated)."""
+    from parallel.tensor_parallel.init import draw_local, hash32, normal_init
+    from parallel.tensor_parallel.sharding import REPLICATED, local_from_full, split_sharding
+
+    init = normal_init(0.02)
+    full = draw_local((96, 40), REPLICATED, init, 1234)
+    for tp in (2, 4):
+        for rank in range(tp):
+            qkv = split_sharding(0, [32, 32, 32], rank, tp)
+            assert torch.equal(draw_local((96, 40), qkv, init, 1234), local_from_full(full, qkv))
+            columns = split_sharding(1, [40], rank, tp)
+            cut = local_from_full(full, columns)
+            assert torch.equal(draw_local((96, 40), columns, init, 1234), cut)
+    padded = draw_local((100, 40), split_sharding(0, [100], 1, 2), init, 1234, drawn_rows=96)
+    assert torch.equal(padded[:46], full[50:96]) and not padded[46:].any()
+    assert not torch.equal(draw_local((96, 40), REPLICATED, init, 1235), full)
+
+    bits = np.arange(-(2**20), 2**20, 7).astype(np.int64).astype(np.uint32)
+    expected = bits.copy()
+    for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        expected ^= expected >> np.uint32(shift)
+        expected *= np.uint32(factor)
+    expected ^= expected >> np.uint32(16)
+    assert np.array_equal(hash32(torch.from_numpy(bits.view(np.int32))).numpy().view(np.uint32),
+                          expected)  # fmt: skip
+
+    wide = (299_520, 16384)  # 4.9e9 elements in all: a 512th, whose positions cross 2^32
+    values = draw_local(wide, split_sharding(0, [wide[0]], 448, 512), init, 5).double()
+    assert values.shape == (585, 16384)
+    third = draw_local(wide, split_sharding(0, [wide[0]], 1344, 1536), init, 5)  # same rows
+    assert torch.equal(third.double(), values[:195])
+    assert abs(values.mean()) < 1e-4 and abs(values.std() / 0.02 - 1) < 2e-3
+    flat = values.flatten()
+    assert abs(torch.corrcoef(torch.stack([flat[:-1], flat[1:]]))[0, 1]) < 2e-3
+
+
+def test_the_plain_cross_entropy_keeps_no_fp32_copy_of_the_logits(monkeypatch):
+    """Item 12: the PyTorch-ops cross-entropy saves the logits as they are (bf16 here) for
+    backward, not an fp32 softmax, and works in fp32 pieces (a small CE_CHUNK forces several):
+    loss, log-sum-exp and gradient match a float64 reference, padding columns excluded."""
+    from parallel.tensor_parallel import layers
+
+    monkeypatch.setattr(layers, "CE_CHUNK", 64)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 3, 40, generator=generator).bfloat16().requires_grad_()
+    target = torch.randint(0, 36, (5, 3), generator=generator)
+    saved = []
+
+    def keep(tensor):
+        saved.append((tensor.dtype, tensor.numel()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        loss, lse = layers.vocab_parallel_cross_entropy(
+            logits, target, None, vocab_size=36, return_logsumexp=True
+        )
+    assert (torch.float32, logits.numel()) not in saved
+    assert max(numel for _, numel in saved) == logits.numel()
+    (loss.sum() + 0.5 * lse.sum()).backward()
+    reference = logits.detach().double().requires_grad_()
+    masked = reference.masked_fill(torch.arange(40) >= 36, float("-inf"))
+    ref_lse = torch.logsumexp(masked, dim=-1)
+    ref_loss = ref_lse - masked.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    (ref_loss.sum() + 0.5 * ref_lse.sum()).backward()
+    assert torch.allclose(loss.double(), ref_loss, atol=1e-5)
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
+    assert logits.grad.dtype == torch.bfloat16
+    assert torch.allclose(logits.grad.double(), reference.grad, atol=1e-2)
+    assert not logits.grad[..., 36:].any()
+    fp32 = torch.randn(4, 40, generator=generator, requires_grad=True)  # pieces are views here
+    kept = fp32.detach().clone()
+    layers.vocab_parallel_cross_entropy(fp32, target[:4, 0], None).sum().backward()
+    assert torch.equal(fp32.detach(), kept)
+    expected = torch.softmax(kept.double(), -1) - torch.nn.functional.one_hot(target[:4, 0], 40)
+    assert torch.allclose(fp32.grad.double(), expected, atol=1e-6)
+
+
+def test_each_layer_runs_the_attention_kernel_chosen_for_it():
+    """Item 10: the kernel is chosen when the model is built (FlexAttention for windows on GPUs,
+    K/V expanded for fp32 grouped-query attention on GPUs, a mask made once per length
+    elsewhere) and each gives the math reference's result (FlexAttention forward only: it has
+    no CPU backward); the start-up line names each layer's."""
+    import warnings
+
+    from engine.model.attention_kernel import AttentionKernel, choose_kernel, describe
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert choose_kernel(cuda, torch.bfloat16, True, 4096, 0.0) == "flex-window"
+    assert choose_kernel(cuda, torch.bfloat16, True, 4096, 0.1) == "sdpa-mask"
+    assert choose_kernel(cpu, torch.float32, False, 4096, 0.0) == "sdpa-mask"
+    assert choose_kernel(cuda, torch.float32, True, None, 0.0) == "sdpa-expanded"
+    assert choose_kernel(cuda, torch.bfloat16, True, None, 0.0) == "sdpa-causal"
+    assert choose_kernel(cpu, torch.float32, True, None, 0.0) == "sdpa-causal"
+    assert describe(["sdpa-causal"] * 3 + ["flex-window"], [4, 5, 6, 7]) == (
+        "layers 4-6: sdpa-causal; 7: flex-window"
+    )
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 64, 16, generator=generator)
+    k, v = (torch.randn(2, 2, 64, 16, generator=generator) for _ in range(2))
+
+    def reference(window):
+        keys, values = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        scores = q @ keys.transpose(-1, -2) / 4.0
+        back = torch.arange(64)[:, None] - torch.arange(64)[None, :]
+        allowed = (back >= 0) & (back <= (window if window is not None else 64))
+        return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ values
+
+    for kind, window in (("sdpa-causal", None), ("sdpa-expanded", None), ("sdpa-mask", 8),
+                         ("flex-window", 8)):  # fmt: skip
+        kernel = AttentionKernel(kind, window, grouped=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # flex_attention's eager-mode notice
+            for _ in range(2):
+                out = kernel(q, k, v, 0.0)
+        assert torch.allclose(out, reference(window), atol=1e-5), kind
+        assert len(kernel.masks) == (0 if window is None else 1), kind

@@ -16,6 +16,7 @@ from engine.errors import ConfigError
 from engine.model import BuildContext, GPTModel, parameter_counts
 from parallel.random import model_parallel_seed
 from parallel.state import ParallelState
+from parallel.tensor_parallel.init import normal_init
 from parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -185,8 +186,7 @@ def _torch_tp_reference(rank, world):
     return errors
 
 
-def _normal(tensor, generator):
-    tensor.normal_(0, 0.2, generator=generator)
+_normal = normal_init(0.2)
 
 
 def test_agrees_with_torch_tensor_parallel():

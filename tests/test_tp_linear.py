@@ -11,6 +11,7 @@ ranks:
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -18,10 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.model import BuildContext, GPTModel
 from parallel.data_parallel.ddp import DistributedDataParallel
 from parallel.state import ParallelState
+from parallel.tensor_parallel.init import normal_init
 from parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     all_reduce_partial_grads,
-    normal_init,
 )
 from parallel.tensor_parallel.sharding import full_from_local, tp_sharding_of
 from tests.distributed import rel_err, run_ranks
@@ -163,3 +164,23 @@ def test_gradient_accumulation_fusion_fills_main_grad_without_a_grad():
             assert result["fused_calls"][name] == 0, name  # none: straight into main_grad
         tied = "embedding.word_embeddings.weight"
         assert result["fused_calls"][tied] == result["plain_calls"][tied] == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_bf16_weight_gradients_accumulate_into_fp32_in_one_gemm():
+    """Item 14 of the GPU-readiness issue: on CUDA, bf16 weight gradients go into the fp32
+    main_grad through one GEMM with an fp32 output (no bf16 product first); the result is the
+    float64 reference's within fp32 accumulation, closer than the bf16 product added in."""
+    from parallel.tensor_parallel.linear_function import accumulate_in_fp32
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(512, 4096, device="cuda", generator=generator).bfloat16()
+    b = torch.randn(4096, 256, device="cuda", generator=generator).bfloat16()
+    start = torch.randn(512, 256, device="cuda", generator=generator)
+    main_grad = start.clone()
+    assert accumulate_in_fp32(main_grad, a, b)
+    reference = start.double() + a.double() @ b.double()
+    fused_error = (main_grad.double() - reference).abs().max().item()
+    added_error = ((start + (a @ b).float()).double() - reference).abs().max().item()
+    assert fused_error < 1e-2 and fused_error < added_error, (fused_error, added_error)

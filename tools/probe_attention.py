@@ -2,8 +2,9 @@
 
 Builds a one-layer model per path (multi-head and grouped-query attention, a sliding window,
 bf16 and fp32, with and without dropout), runs a forward and backward pass of the engine's own
-model under torch.profiler, and names the scaled-dot-product kernels it saw: flash,
-memory-efficient, cuDNN, or the math fallback (separate matmul and softmax kernels). Prints a
+model under torch.profiler, and names the engine's choice (engine/model/attention_kernel.py)
+and the kernels it saw: FlexAttention, flash, memory-efficient, cuDNN, or the math fallback
+(separate matmul and softmax kernels). Prints a
 table and writes JSON. `--tiny` runs on the CPU (where only the math and CPU flash paths exist),
 to check the script itself.
 """
@@ -33,7 +34,9 @@ PATHS = {
 }
 
 KERNEL_KINDS = (  # (kind, substrings of the kernel or op name), first match wins: cuDNN's
-    # own kernels carry "flash" and "fmha" in their names, the memory-efficient ones "fmha"
+    # own kernels carry "flash" and "fmha" in their names, the memory-efficient ones "fmha";
+    # FlexAttention runs generated Triton templates ("triton_tem_fused_..." on a GPU)
+    ("flex", ("flex_attention", "triton_tem")),
     ("cudnn", ("cudnn",)),
     ("flash", ("flash",)),
     ("memory-efficient", ("efficient", "fmha", "mem_eff")),
@@ -79,8 +82,9 @@ def probe(path: str, device: torch.device, seq: int, hidden: int, heads: int) ->
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     names = sorted({e.name for e in prof.events()})
-    attention = [n for n in names if n.startswith("aten::_scaled_dot_product")]
-    return {"path": path, "kind": classify(names), "names": attention}
+    attention = [n for n in names if n.startswith("aten::_scaled_dot_product") or "flex" in n]
+    chosen = model.layers["0"].self_attention.kernel.kind  # engine/model/attention_kernel.py
+    return {"path": path, "kind": classify(names), "chosen": chosen, "names": attention}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"path": path, "kind": "failed", "names": [f"{type(err).__name__}: {err}"]})
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"device: {name}; torch {torch.__version__}; seq {args.seq_length}")
-    print(f"{'path':24s} {'kernel':18s} names seen")
+    print(f"{'path':24s} {'chosen':14s} {'kernel':18s} names seen")
     for row in rows:
-        print(f"{row['path']:24s} {row['kind']:18s} {'; '.join(row['names'])[:160]}")
+        chosen = row.get("chosen", "-")
+        print(f"{row['path']:24s} {chosen:14s} {row['kind']:18s} {'; '.join(row['names'])[:140]}")
     with open(args.json, "w") as f:
         json.dump({"device": name, "torch": torch.__version__, "rows": rows}, f, indent=1)
     return 0

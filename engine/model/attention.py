@@ -2,17 +2,18 @@
 
 The fused QKV projection is column-parallel with three logical parts (q: heads x d, k and v:
 groups x d each), so every TP rank holds whole heads and whole key/value groups. The output
-projection is row-parallel. Attention itself is torch's scaled_dot_product_attention (flash or
-memory-efficient kernels on GPU); under context parallelism, this rank's queries attend over the
+projection is row-parallel. The attention kernel is chosen per layer when the model is built
+(engine/model/attention_kernel.py: SDPA, or FlexAttention for sliding windows on GPUs) and
+named at start; under context parallelism, this rank's queries attend over the
 whole sequence through parallel/context_parallel/attention.py (ring, all-to-all or all-gather).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.model.attention_kernel import AttentionKernel, choose_kernel
 from engine.model.context import BuildContext
 from engine.model.norm import Norm
 from parallel.context_parallel.attention import context_parallel_attention
@@ -54,6 +55,11 @@ class SelfAttention(nn.Module):
         else:
             self.q_layernorm = self.k_layernorm = None
         self.selective_recompute = cfg.recompute_granularity == "selective"
+        grouped = n != g
+        kind = choose_kernel(
+            ctx.device, ctx.params_dtype, grouped, cfg.attention_window, cfg.attention_dropout
+        )
+        self.kernel = AttentionKernel(kind, cfg.attention_window, grouped)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
@@ -67,19 +73,10 @@ class SelfAttention(nn.Module):
         """softmax(q k^T / sqrt(d)) v over whole sequences [b, heads, s, d], causal, with
         dropout drawn from the per-TP-rank stream (heads are split over TP)."""
         p = self.ctx.config.attention_dropout if self.training else 0.0
-        kwargs = {"enable_gqa": True} if self.local_heads != self.local_groups else {}
-        window = self.ctx.config.attention_window
-        if window is None:
-            kwargs["is_causal"] = True
-        else:  # causal and at most `window` tokens back: Hugging Face's sliding-window mask
-            seq = q.shape[-2]
-            positions = torch.arange(seq, device=q.device)
-            back = positions[:, None] - positions[None, :]
-            kwargs["attn_mask"] = (back >= 0) & (back <= window)
         if p > 0.0 and self.ctx.tracker is not None:
             with self.ctx.tracker.fork():
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **kwargs)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **kwargs)
+                return self.kernel(q, k, v, p)
+        return self.kernel(q, k, v, p)
 
     def _keeps_little(self) -> bool:
         """Ring attention keeps only q, k, v, output and log-sum-exp for backward: selective

@@ -12,12 +12,11 @@ from engine.config.model import ModelConfig
 from engine.ops.torch_ops import TorchOps
 from parallel.context_parallel.attention import rank_positions
 from parallel.random import RNGStatesTracker
+from parallel.tensor_parallel.init import normal_init, scaled_normal_init
 from parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    normal_init,
-    scaled_normal_init,
 )
 
 

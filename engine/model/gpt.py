@@ -21,8 +21,8 @@ from engine.model.layer import TransformerLayer
 from engine.model.norm import Norm
 from engine.model.rope import RotaryEmbedding
 from parallel.random import checkpoint
+from parallel.tensor_parallel.init import draw_full
 from parallel.tensor_parallel.layers import (
-    draw_full,
     gather_logits,
 )
 from parallel.tensor_parallel.sharding import mark_tp_partial_grad
@@ -45,6 +45,7 @@ class Embedding(nn.Module):
                 (cfg.max_positions, cfg.hidden_size),
                 ctx.init_method,
                 ctx.param_seed("embedding.position_embeddings.weight"),
+                ctx.device,
             )
             self.position_embeddings = nn.Embedding(
                 cfg.max_positions, cfg.hidden_size, _weight=weight.to(ctx.device, ctx.params_dtype)

@@ -153,6 +153,16 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     return run
 
 
+def _attention_kernels(chunks) -> str:
+    """The start-up line naming each of this rank's layers' attention kernel."""
+    from engine.model.attention import SelfAttention
+    from engine.model.attention_kernel import describe
+
+    found = [m for chunk in chunks for m in chunk.modules() if isinstance(m, SelfAttention)]
+    found.sort(key=lambda m: m.layer_number)
+    return describe([m.kernel.kind for m in found], [m.layer_number for m in found])
+
+
 def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
     """This rank's model chunks (one per virtual stage), each in its DDP wrapper."""
     m, par, runtime = cfg.model, cfg.parallel, cfg.runtime
@@ -178,6 +188,8 @@ def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
         times=_tp_comm_times(times, cfg, state.device),
         placement=PLACEMENT.get(par.pipeline_schedule, "loop"),
     )
+    if state.rank == 0:
+        print(f"attention: {_attention_kernels(chunks)}", flush=True)
     grad_dtype = torch.bfloat16 if runtime.bf16 and runtime.grad_reduce_in_bf16 else torch.float32
     return [
         DistributedDataParallel(

@@ -12,8 +12,11 @@ pair is computed.
 A pair is computed by quarters (this rank's two chunks against the sender's two): a quarter
 no query sees is skipped (with load-balanced chunks half of every pair between two ranks), one
 every query sees whole needs no mask, and the rest build their mask per tile of query rows,
-so no temporary grows with the square of the sequence. Blocks are plain matmuls computed in
-fp32 at least.
+so no temporary grows with the square of the sequence. Without a sliding window every
+quarter is whole or causal, and runs through torch's fused attention kernels in the inputs'
+dtype (parallel/context_parallel/blocks.py: memory-efficient on GPUs, flash on CPU), which
+return the log-sum-exp the merge needs; masked quarters (a window) are plain matmuls in fp32
+at least. Results are merged in fp32 at least.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.comm import group_rank, group_size
+from parallel.context_parallel.blocks import block_kernels
 from parallel.context_parallel.chunks import chunk_ids, visible
 
 # Scores computed at once: a quarter's queries are taken in tiles of rows so that its
@@ -110,6 +114,12 @@ def _quarter_backward(q, keys, values, dout, lse, delta, quarter, window, scale)
     return dq, dk, dv
 
 
+def _on_kernel(quarter: Quarter, window) -> bool:
+    """Whether a quarter runs on the fused kernels: no window, so whole or causal (the same
+    chunk's queries and keys)."""
+    return window is None and (quarter.full or quarter.query_start == quarter.key_start)
+
+
 def _merge(out, lse, block_out, block_lse):
     """Combine two softmax-normalised partial results by their log-sum-exps."""
     total = torch.logaddexp(lse, block_lse)
@@ -169,16 +179,24 @@ class _RingAttention(torch.autograd.Function):
         qf = q.to(acc)
         out = torch.zeros(qf.shape, dtype=acc, device=q.device)
         lse = torch.full(qf.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        kernels = block_kernels(q.device)
         kv = torch.stack([k, v])
         for step in range(cp_size):
             pending = ring.shift(kv) if step < cp_size - 1 else None
             source = (cp_rank - step) % cp_size
-            keys, values = (_repeat_groups(t.to(acc), heads) for t in kv)
+            raw_keys, raw_values = (_repeat_groups(t, heads) for t in kv)
+            keys, values = raw_keys.to(acc), raw_values.to(acc)
             for quarter in quarters(cp_size, cp_rank, source, chunk, window):
                 r, c = quarter.rows, quarter.cols
-                block = _quarter_forward(
-                    qf[:, :, r], keys[:, :, c], values[:, :, c], quarter, window, scale
-                )
+                if _on_kernel(quarter, window):
+                    block_out, block_lse = kernels.forward(
+                        q[:, :, r], raw_keys[:, :, c], raw_values[:, :, c], not quarter.full, scale
+                    )
+                    block = block_out.to(acc), block_lse.to(acc)
+                else:
+                    block = _quarter_forward(
+                        qf[:, :, r], keys[:, :, c], values[:, :, c], quarter, window, scale
+                    )
                 out[:, :, r], lse[:, :, r] = _merge(out[:, :, r], lse[:, :, r], *block)
             if pending is not None:
                 _wait(pending[1])
@@ -199,26 +217,28 @@ class _RingAttention(torch.autograd.Function):
         qf, doutf = q.to(acc), dout.to(acc)
         delta = (doutf * out.to(acc)).sum(-1)
         dq = torch.zeros_like(qf)
+        kernels = block_kernels(q.device)
         kv = torch.stack([k, v])
         travelling = None  # (buffer, handles, tensor being sent) of the key/value gradients
         for step in range(cp_size):
             pending = ring.shift(kv) if step < cp_size - 1 else None
             source = (cp_rank - step) % cp_size
-            keys, values = (_repeat_groups(t.to(acc), heads) for t in kv)
+            raw_keys, raw_values = (_repeat_groups(t, heads) for t in kv)
+            keys, values = raw_keys.to(acc), raw_values.to(acc)
             mine = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this rank's part
             for quarter in quarters(cp_size, cp_rank, source, chunk, window):
                 r, c = quarter.rows, quarter.cols
-                dq_part, dk_part, dv_part = _quarter_backward(
-                    qf[:, :, r],
-                    keys[:, :, c],
-                    values[:, :, c],
-                    doutf[:, :, r],
-                    lse[:, :, r],
-                    delta[:, :, r],
-                    quarter,
-                    window,
-                    scale,
-                )
+                if _on_kernel(quarter, window):
+                    parts = kernels.backward(
+                        dout[:, :, r], q[:, :, r], raw_keys[:, :, c], raw_values[:, :, c],
+                        out[:, :, r], lse[:, :, r], not quarter.full, scale,
+                    )  # fmt: skip
+                    dq_part, dk_part, dv_part = (t.to(acc) for t in parts)
+                else:
+                    dq_part, dk_part, dv_part = _quarter_backward(
+                        qf[:, :, r], keys[:, :, c], values[:, :, c], doutf[:, :, r],
+                        lse[:, :, r], delta[:, :, r], quarter, window, scale,
+                    )  # fmt: skip
                 dq[:, :, r] += dq_part
                 mine[0][:, :, c] += _sum_groups(dk_part, groups)
                 mine[1][:, :, c] += _sum_groups(dv_part, groups)

@@ -1,17 +1,15 @@
 """Tensor-parallel layers: column- and row-parallel linears, vocab-parallel embedding and a
 vocab-parallel cross-entropy that never gathers the full-vocabulary logits.
 
-Initialisation draws the *full* weight on every rank from a seed that belongs to the
-parameter (not to the rank), then keeps this rank's slice, so every TP size starts from the
-same model. Activations are [sequence, batch, hidden]; with sequence parallelism (SP) the
-sequence dimension of the tensors between TP blocks is split over the TP group. Layers built
-with a `times` (parallel.timing.StepTimes) count their TP communication as "tp-comm".
+Initialisation draws only this rank's slice of each weight, on its device, from a seed that
+belongs to the parameter (not to the rank) and each element's position in the full weight
+(parallel/tensor_parallel/init.py), so every TP size starts from the same model. Activations
+are [sequence, batch, hidden]; with sequence parallelism (SP) the sequence dimension of the
+tensors between TP blocks is split over the TP group. Layers built with a `times`
+(parallel.timing.StepTimes) count their TP communication as "tp-comm".
 """
 
 from __future__ import annotations
-
-import math
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,6 +18,7 @@ from torch import nn
 
 from parallel.comm import all_reduce, group_rank, group_size
 from parallel.errors import ConfigError
+from parallel.tensor_parallel.init import InitMethod, draw_local
 from parallel.tensor_parallel.linear_function import tensor_parallel_linear
 from parallel.tensor_parallel.regions import (
     gather_from_tensor_parallel_region,
@@ -31,44 +30,21 @@ from parallel.tensor_parallel.regions import (
 from parallel.tensor_parallel.sharding import (
     REPLICATED,
     has_tp_partial_grad,
-    local_from_full,
     mark_tp_partial_grad,
     set_tp_sharding,
     split_sharding,
 )
 from parallel.timing import StepTimes
 
-InitMethod = Callable[[torch.Tensor, torch.Generator], None]
-
-
-def normal_init(std: float) -> InitMethod:
-    def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
-        tensor.normal_(0.0, std, generator=generator)
-
-    return init
-
-
-def scaled_normal_init(std: float, num_layers: int) -> InitMethod:
-    """Output projections of residual branches: std / sqrt(2 * num_layers)."""
-    return normal_init(std / math.sqrt(2.0 * num_layers))
-
-
-def draw_full(shape, init_method: InitMethod, seed: int) -> torch.Tensor:
-    """The full fp32 tensor, drawn on CPU from the parameter's own seed."""
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(seed)
-    full = torch.empty(shape, dtype=torch.float32)
-    init_method(full, generator)
-    return full
-
 
 def _param(tensor: torch.Tensor, device, dtype) -> nn.Parameter:
     return nn.Parameter(tensor.to(device=device, dtype=dtype))
 
 
-def _sharded_param(full: torch.Tensor, sharding, device, dtype) -> nn.Parameter:
-    """This rank's slice of a full tensor, as a parameter that knows its sharding."""
-    param = _param(local_from_full(full, sharding), device, dtype)
+def _drawn_param(shape, sharding, init: InitMethod, seed: int, device, dtype, rows=None):
+    """This rank's slice of a weight drawn in place (parallel/tensor_parallel/init.py), as a
+    parameter that knows its sharding; rows from `rows` on start at zero."""
+    param = _param(draw_local(shape, sharding, init, seed, device, rows), device, dtype)
     set_tp_sharding(param, sharding)
     return param
 
@@ -122,9 +98,9 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = output_size // tp
         sharding = split_sharding(0, sizes, rank, tp, partition_names)
         rows = output_size if initialized_rows is None else initialized_rows
-        full = torch.zeros(output_size, input_size)
-        full[:rows] = draw_full((rows, input_size), init_method, init_seed)
-        self.weight = _sharded_param(full, sharding, device, params_dtype)
+        self.weight = _drawn_param(
+            (output_size, input_size), sharding, init_method, init_seed, device, params_dtype, rows
+        )
         if rows != output_size:
             self.weight.real_rows = rows  # rows past it are padding, not part of the model
         if bias:
@@ -180,8 +156,9 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and tp > 1
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         sharding = split_sharding(1, [input_size], rank, tp)
-        full = draw_full((output_size, input_size), init_method, init_seed)
-        self.weight = _sharded_param(full, sharding, device, params_dtype)
+        self.weight = _drawn_param(
+            (output_size, input_size), sharding, init_method, init_seed, device, params_dtype
+        )
         if bias:
             self.bias = _param(torch.zeros(output_size), device, params_dtype)
             set_tp_sharding(self.bias, REPLICATED)
@@ -237,10 +214,11 @@ class VocabParallelEmbedding(nn.Module):
         self.per_partition = padded_vocab_size // tp
         self.vocab_start = rank * self.per_partition
         self.vocab_end = self.vocab_start + self.per_partition
-        full = torch.zeros(padded_vocab_size, embedding_dim)
-        full[:vocab_size] = draw_full((vocab_size, embedding_dim), init_method, init_seed)
         sharding = split_sharding(0, [padded_vocab_size], rank, tp)
-        self.weight = _sharded_param(full, sharding, device, params_dtype)
+        self.weight = _drawn_param(
+            (padded_vocab_size, embedding_dim), sharding, init_method, init_seed, device,
+            params_dtype, vocab_size,
+        )  # fmt: skip
         if vocab_size != padded_vocab_size:
             self.weight.real_rows = vocab_size  # rows past it are padding, not part of the model
 
@@ -265,43 +243,76 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tensor_parallel_region(out, self.tp_group, self.times)
 
 
+CE_CHUNK = 1 << 24  # logits elements per fp32 piece of the cross-entropy
+
+
+def _ce_rows(logits: torch.Tensor) -> list[slice]:
+    """Row ranges of the flattened [tokens, V/tp] logits that hold about CE_CHUNK elements."""
+    tokens = logits.shape[0]
+    step = max(1, CE_CHUNK // max(1, logits.shape[1]))
+    return [slice(start, start + step) for start in range(0, tokens, step)]
+
+
+def _shifted(logits, rows, vocab_start, vocab_size, row_max=None) -> torch.Tensor:
+    """A piece of the logits in fp32, padding columns at -inf, minus its rows' max."""
+    piece = logits[rows].float()
+    local_vocab = logits.shape[-1]
+    if vocab_size is not None and vocab_start + local_vocab > vocab_size:
+        ids = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
+        piece = piece.masked_fill(ids >= vocab_size, float("-inf"))  # padding rows
+    # out of place: for fp32 logits without padding, `piece` is a view of the input
+    return piece if row_max is None else piece - row_max[rows].unsqueeze(-1)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """fp32 statistics over logits of any dtype, a piece of CE_CHUNK elements at a time: the
+    logits are saved as they are (no fp32 copy or softmax kept for backward, which recomputes
+    the softmax piece by piece), and each statistic crosses the TP group once."""
+
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, vocab_size, times):
-        ctx.input_dtype = logits.dtype
-        logits = logits.float()
-        local_vocab = logits.shape[-1]
-        if vocab_size is not None and vocab_start + local_vocab > vocab_size:
-            ids = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
-            logits = logits.masked_fill(ids >= vocab_size, float("-inf"))  # padding rows
-        row_max = logits.max(dim=-1).values
+        shape = target.shape
+        flat, target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+        local_vocab = flat.shape[-1]
+        pieces = _ce_rows(flat)
+        row_max = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+        for rows in pieces:
+            row_max[rows] = _shifted(flat, rows, vocab_start, vocab_size).max(dim=-1).values
         with measure_tp_comm(times, group):
             all_reduce(row_max, group, op=dist.ReduceOp.MAX)
-        logits = logits - row_max.unsqueeze(-1)
         outside = (target < vocab_start) | (target >= vocab_start + local_vocab)
         local_target = (target - vocab_start).masked_fill(outside, 0)
-        predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        predicted = predicted.masked_fill(outside, 0.0)
-        exp = logits.exp()
-        sum_exp = exp.sum(dim=-1)
+        predicted = torch.empty_like(row_max)
+        sum_exp = torch.empty_like(row_max)
+        for rows in pieces:
+            piece = _shifted(flat, rows, vocab_start, vocab_size, row_max)
+            predicted[rows] = piece.gather(-1, local_target[rows].unsqueeze(-1)).squeeze(-1)
+            sum_exp[rows] = piece.exp_().sum(dim=-1)
+        predicted.masked_fill_(outside, 0.0)
         with measure_tp_comm(times, group):
             all_reduce(predicted, group)
             all_reduce(sum_exp, group)
         log_sum_exp = torch.log(sum_exp)
         loss = log_sum_exp - predicted
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, outside, local_target)
-        return loss, log_sum_exp + row_max
+        ctx.save_for_backward(logits, row_max, sum_exp, outside, local_target)
+        ctx.vocab_start, ctx.vocab_size = vocab_start, vocab_size
+        return loss.view(shape), (log_sum_exp + row_max).view(shape)
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
         # d loss / d logits = softmax - onehot(target); d logsumexp / d logits = softmax.
-        softmax, outside, local_target = ctx.saved_tensors
-        grad = softmax  # used once: modified in place to save a logits-sized copy
-        grad.mul_((grad_loss + grad_lse).unsqueeze(-1))
-        hit = (~outside).to(grad.dtype) * grad_loss
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None, None
+        logits, row_max, sum_exp, outside, local_target = ctx.saved_tensors
+        flat = logits.reshape(-1, logits.shape[-1])
+        grad_loss = grad_loss.reshape(-1)
+        scale = grad_loss + grad_lse.reshape(-1)
+        hit = (~outside).float() * grad_loss
+        grad = torch.empty_like(flat)
+        for rows in _ce_rows(flat):
+            piece = _shifted(flat, rows, ctx.vocab_start, ctx.vocab_size, row_max).exp_()
+            piece.div_(sum_exp[rows].unsqueeze(-1)).mul_(scale[rows].unsqueeze(-1))
+            piece.scatter_add_(-1, local_target[rows].unsqueeze(-1), -hit[rows].unsqueeze(-1))
+            grad[rows] = piece
+        return grad.view(logits.shape), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(

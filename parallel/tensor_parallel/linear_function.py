@@ -21,7 +21,8 @@ did not hide.
 Gradient-accumulation fusion: when `fuse_wgrad` is set and the weight carries a `main_grad`
 buffer (parallel/data_parallel/ddp.py gives every parameter one) and an `on_main_grad_added`
 callback, the weight gradient is accumulated straight into `main_grad` (one in-place GEMM when
-dtypes match, else the GEMM in the activation dtype added in), no `.grad` is made, and the callback
+dtypes match; bf16 activations into an fp32 buffer: on CUDA one GEMM with an fp32 output,
+elsewhere the GEMM in the activation dtype added in), no `.grad` is made, and the callback
 tells the data-parallel wrapper the gradient is in. A weight used twice in one graph (a tied
 embedding) must not take this path: autograd would no longer wait for both uses before the
 callback. Without the buffer the gradient is returned to autograd as usual.
@@ -123,9 +124,20 @@ def _add_to_main_grad(weight, grad_output_2d, input_2d) -> None:
     main_grad = weight.main_grad
     if main_grad.dtype == grad_output_2d.dtype:
         main_grad.addmm_(grad_output_2d.t(), input_2d)
-    else:
+    elif not (main_grad.is_cuda and accumulate_in_fp32(main_grad, grad_output_2d.t(), input_2d)):
         main_grad.add_(grad_output_2d.t().matmul(input_2d))
     weight.on_main_grad_added(weight)
+
+
+def accumulate_in_fp32(main_grad, a, b) -> bool:
+    """main_grad += a @ b by one GEMM that reads bf16/fp16 a and b and accumulates into the
+    fp32 buffer itself (torch's addmm with out_dtype, CUDA only), with no product made in the
+    activation dtype first; False where this torch cannot (the caller then adds the product)."""
+    try:
+        torch.addmm(main_grad, a, b, out_dtype=main_grad.dtype, out=main_grad)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def tensor_parallel_linear(

@@ -1,0 +1,102 @@
+"""Which attention kernel a layer runs, chosen once when the model is built, and the kernels.
+
+- "sdpa-causal": torch's scaled_dot_product_attention with is_causal (cuDNN or flash on GPUs
+  in bf16/fp16, memory-efficient in fp32 with as many key/value heads as query heads).
+- "sdpa-expanded": the same with keys and values repeated to every query head first: fp32
+  grouped-query attention on CUDA, where SDPA's grouped path falls back to the math kernel
+  (measured, docs/gpu.md) and materialises the scores; the copies cost heads/groups x K/V.
+- "flex-window": a sliding window on CUDA without attention dropout: FlexAttention
+  (torch.nn.attention.flex_attention, compiled) with a block mask that skips the blocks
+  outside the window, so the work grows with the window, not the sequence.
+- "sdpa-mask": a sliding window elsewhere (CPU, or with attention dropout, which FlexAttention
+  has not): SDPA with a boolean mask made once per sequence length.
+
+`describe(kinds)` is the start-up line naming each layer's kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+KINDS = ("sdpa-causal", "sdpa-expanded", "flex-window", "sdpa-mask")
+
+
+def choose_kernel(
+    device: torch.device, dtype: torch.dtype, grouped: bool, window: int | None, dropout: float
+) -> str:
+    cuda = torch.device(device).type == "cuda"
+    if window is not None:
+        return "flex-window" if cuda and dropout == 0.0 else "sdpa-mask"
+    if grouped and cuda and dtype == torch.float32:
+        return "sdpa-expanded"
+    return "sdpa-causal"
+
+
+def describe(kinds: list[str], layers: list[int]) -> str:
+    """'layers 0-11: sdpa-causal; 12-23: flex-window' from each layer's kernel (layers in
+    order; a pipeline rank holds some)."""
+    runs: list[list] = []
+    for layer, kind in zip(layers, kinds):
+        if runs and runs[-1][2] == kind and runs[-1][1] == layer - 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer, kind])
+    parts = [f"{a}-{b}: {kind}" if a != b else f"{a}: {kind}" for a, b, kind in runs]
+    return "layers " + "; ".join(parts)
+
+
+def window_mask(seq: int, window: int, device) -> torch.Tensor:
+    """Causal and at most `window` tokens back (Hugging Face's sliding-window mask)."""
+    positions = torch.arange(seq, device=device)
+    back = positions[:, None] - positions[None, :]
+    return (back >= 0) & (back <= window)
+
+
+def window_block_mask(seq: int, window: int, device):
+    """FlexAttention's block mask of the same window."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def inside(batch, head, query, key):
+        return (query >= key) & (query - key <= window)
+
+    return create_block_mask(inside, None, None, seq, seq, device=str(device))
+
+
+class AttentionKernel:
+    """One layer's attention over whole sequences [b, heads, s, d] (the kind chosen above);
+    masks are made once per (length, device)."""
+
+    def __init__(self, kind: str, window: int | None, grouped: bool):
+        if kind not in KINDS:
+            raise ValueError(f"attention kernel {kind!r} is not one of {', '.join(KINDS)}")
+        self.kind, self.window, self.grouped = kind, window, grouped
+        self.masks: dict = {}
+        self.flex = None
+
+    def _mask(self, seq: int, device):
+        key = (seq, str(device))
+        if key not in self.masks:
+            make = window_block_mask if self.kind == "flex-window" else window_mask
+            self.masks[key] = make(seq, self.window, device)
+        return self.masks[key]
+
+    def __call__(self, q, k, v, dropout: float) -> torch.Tensor:
+        if self.kind == "flex-window":
+            if self.flex is None:
+                from torch.nn.attention.flex_attention import flex_attention
+
+                self.flex = torch.compile(flex_attention) if q.is_cuda else flex_attention
+            mask = self._mask(q.shape[-2], q.device)
+            return self.flex(q, k, v, block_mask=mask, enable_gqa=self.grouped)
+        kwargs = {}
+        if self.kind == "sdpa-expanded":
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        elif self.grouped:
+            kwargs["enable_gqa"] = True
+        if self.kind == "sdpa-mask":
+            kwargs["attn_mask"] = self._mask(q.shape[-2], q.device)
+        else:
+            kwargs["is_causal"] = True
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, **kwargs)

@@ -1,0 +1,61 @@
+"""One block of ring attention (a query chunk against a key chunk, whole or causal) through
+torch's fused attention kernels that return the log-sum-exp ring attention merges by, in the
+inputs' dtype (bf16 tensor cores on GPUs), instead of fp32 matmuls with score tiles.
+
+- CUDA: the memory-efficient kernel (`_scaled_dot_product_efficient_attention`, fp32, fp16
+  and bf16) and its backward;
+- CPU: the flash kernel for CPU (`_scaled_dot_product_flash_attention_for_cpu`) and its
+  backward.
+
+Backward is given the merged output and log-sum-exp of the whole row (not the block's), so
+the probabilities it recomputes are the final ones and its gradients are the block's share
+(as flash attention's own backward works). Log-sum-exps are fp32 [b, heads, s]. A block with
+a sliding window (a masked quarter) stays on the matmul path of parallel/context_parallel/
+ring.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+
+class CudaBlocks:
+    """The memory-efficient kernel, whose log-sum-exp rows are padded to a multiple of 32."""
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float):
+        out, lse, _, _ = aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale
+        )
+        return out, lse[..., : q.shape[-2]]
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+        rows = q.shape[-2]
+        padded = lse.new_zeros(*lse.shape[:-1], -(-rows // 32) * 32)
+        padded[..., :rows] = lse
+        empty = torch.empty(0, device=q.device)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, empty, out, padded, empty, empty, 0.0, [True, True, True, False],
+            causal, scale=scale,
+        )  # fmt: skip
+        return dq, dk, dv
+
+
+class CpuBlocks:
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float):
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+
+
+def block_kernels(device: torch.device):
+    """The block kernels for tensors on `device`."""
+    return CudaBlocks if torch.device(device).type == "cuda" else CpuBlocks
