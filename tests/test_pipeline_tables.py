@@ -268,6 +268,11 @@ def test_the_transport_rules_catch_hangs_and_mismatches():
     unwaited = (Post(0, (), (acts[0],)), Compute(F(0)))
     with pytest.raises(ScheduleError, match="rank 1 runs F0.0 before waiting for its input"):
         check_plan(Plan(two, False, (sender, unwaited)), "gloo")
+    early = (Post(0, (acts[0],), ()),) + sender[:1] + sender[2:]
+    with pytest.raises(ScheduleError, match="rank 0 posts the result of F0.0 before computing"):
+        check_plan(Plan(two, False, (early, swapped)), "gloo")
+    with pytest.raises(ScheduleError, match="rank 1 waits for batch 3 before posting it"):
+        check_plan(Plan(two, False, (sender, (Wait(3),) + swapped)), "nccl")
 
 
 def _zero_bubble(rank, world, pp):

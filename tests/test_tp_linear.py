@@ -184,3 +184,19 @@ def test_bf16_weight_gradients_accumulate_into_fp32_in_one_gemm():
     fused_error = (main_grad.double() - reference).abs().max().item()
     added_error = ((start + (a @ b).float()).double() - reference).abs().max().item()
     assert fused_error < 1e-2 and fused_error < added_error, (fused_error, added_error)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_weights_drawn_on_the_gpu_equal_the_cpu_draw():
+    """Item 16: the initialisation hash is bit for bit the same on a GPU, and a slice drawn
+    there equals the CPU's draw up to the last bit of the float64 transform."""
+    from parallel.tensor_parallel.init import draw_local, hash32
+    from parallel.tensor_parallel.sharding import split_sharding
+
+    bits = torch.arange(-(2**20), 2**20, 3, dtype=torch.int32)
+    assert torch.equal(hash32(bits.cuda()).cpu(), hash32(bits))
+    sharding = split_sharding(0, [4096, 1024, 1024], 1, 2)
+    cpu = draw_local((6144, 2048), sharding, normal_init(0.02), 77)
+    gpu = draw_local((6144, 2048), sharding, normal_init(0.02), 77, device="cuda")
+    assert gpu.is_cuda and torch.allclose(gpu.cpu(), cpu, rtol=1e-6, atol=1e-9)

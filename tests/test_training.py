@@ -518,7 +518,9 @@ def test_metrics_tensorboard_plot_and_peak_memory(dataset_prefix, tokenizer_mode
     by_samples = [(e.step, e.value) for e in events.Scalars("lm loss vs samples")]
     assert [s for s, _ in loss] == [2, 4, 6] and [s for s, _ in by_samples] == [16, 32, 48]
     assert [v for _, v in loss] == pytest.approx([r["lm_loss"] for r in train_records])
-    assert "peak memory per rank (GB): " in capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert "peak memory per rank (GB): " in out
+    assert "ops: PyTorch" in out and "attention: layers 0-3: sdpa-causal" in out  # start-up
     png = tmp_path / "curve.png"
     subprocess.run(
         [sys.executable, "tools/plot_metrics.py", "--log-jsonl", log, "--output", str(png)],

@@ -123,7 +123,7 @@ def steps() -> list[Step]:
             "TP2, PP2 (every schedule), DP2 (each sharding strategy), CP2 over NCCL on two "
             "GPUs against gloo on CPU",
             _tool("nccl_parity.py", "--json", "nccl-layouts.json"),
-            limit_s=480,
+            limit_s=720,
             needs_gpus=2,
             json_name="nccl-layouts.json",
         ),

@@ -1,8 +1,8 @@
 """Each parallel layout on two GPUs over NCCL against the same run on two CPU processes over
 gloo: the training losses must agree.
 
-Layouts: TP2 (with sequence parallelism), PP2 with every schedule (gpipe, 1f1b, interleaved
-with and without --overlap-p2p-communication, zb-h1, zb-v, dualpipe-v), DP2 with each
+Layouts: TP2 (with sequence parallelism), PP2 with every schedule (gpipe, 1f1b, zb-h1;
+interleaved, zb-v and dualpipe-v each with and without --overlap-p2p-communication), DP2 with each
 sharding strategy, CP2. Each runs a small GPT (fp32, TF32 off, no dropout) on mock data for a
 few iterations through engine.launch, once with `--device cuda` (NCCL) and once with
 `--device cpu` (gloo); a layout passes when every logged loss agrees within --rtol. Prints a
@@ -32,15 +32,18 @@ MODEL = [
 ]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 VIRTUAL = ["--num-layers-per-virtual-pipeline-stage", "1"]  # 4 layers / (2 x 2): 2 chunks
+OVERLAP = "--overlap-p2p-communication"
 LAYOUTS: dict[str, list[str]] = {
     "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2-gpipe": [*PP2, "--pipeline-schedule", "gpipe"],
     "pp2-1f1b": [*PP2, "--pipeline-schedule", "1f1b"],
     "pp2-interleaved": [*PP2, *VIRTUAL],
-    "pp2-interleaved-overlap": [*PP2, *VIRTUAL, "--overlap-p2p-communication"],
+    "pp2-interleaved-overlap": [*PP2, *VIRTUAL, OVERLAP],
     "pp2-zb-h1": [*PP2, "--pipeline-schedule", "zb-h1"],
     "pp2-zb-v": [*PP2, *VIRTUAL, "--pipeline-schedule", "zb-v"],
+    "pp2-zb-v-overlap": [*PP2, *VIRTUAL, "--pipeline-schedule", "zb-v", OVERLAP],
     "pp2-dualpipe-v": [*PP2, *VIRTUAL, "--pipeline-schedule", "dualpipe-v"],
+    "pp2-dualpipe-v-overlap": [*PP2, *VIRTUAL, "--pipeline-schedule", "dualpipe-v", OVERLAP],
     "dp2-no_shard": [],
     "dp2-optim": ["--use-distributed-optimizer"],
     "dp2-optim_grads": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"],

@@ -59,7 +59,7 @@ class SelfAttention(nn.Module):
         kind = choose_kernel(
             ctx.device, ctx.params_dtype, grouped, cfg.attention_window, cfg.attention_dropout
         )
-        self.kernel = AttentionKernel(kind, cfg.attention_window, grouped)
+        self.kernel = AttentionKernel(kind, cfg.attention_window, grouped, ctx.attention_masks)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx

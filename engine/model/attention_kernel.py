@@ -11,7 +11,9 @@
 - "sdpa-mask": a sliding window elsewhere (CPU, or with attention dropout, which FlexAttention
   has not): SDPA with a boolean mask made once per sequence length.
 
-`describe(kinds)` is the start-up line naming each layer's kernel.
+Masks and the compiled FlexAttention are made once per model (`AttentionMasks`, held by the
+BuildContext), not per layer. `describe(kinds, layers)` is the start-up line naming each
+layer's kernel.
 """
 
 from __future__ import annotations
@@ -63,32 +65,42 @@ def window_block_mask(seq: int, window: int, device):
     return create_block_mask(inside, None, None, seq, seq, device=str(device))
 
 
-class AttentionKernel:
-    """One layer's attention over whole sequences [b, heads, s, d] (the kind chosen above);
-    masks are made once per (length, device)."""
+class AttentionMasks:
+    """Masks and the compiled FlexAttention, shared by all layers of a model (BuildContext
+    holds one): each mask is made once per (kind, length, window, device)."""
 
-    def __init__(self, kind: str, window: int | None, grouped: bool):
-        if kind not in KINDS:
-            raise ValueError(f"attention kernel {kind!r} is not one of {', '.join(KINDS)}")
-        self.kind, self.window, self.grouped = kind, window, grouped
+    def __init__(self):
         self.masks: dict = {}
         self.flex = None
 
-    def _mask(self, seq: int, device):
-        key = (seq, str(device))
+    def mask(self, kind: str, seq: int, window: int, device):
+        key = (kind, seq, window, str(device))
         if key not in self.masks:
-            make = window_block_mask if self.kind == "flex-window" else window_mask
-            self.masks[key] = make(seq, self.window, device)
+            make = window_block_mask if kind == "flex-window" else window_mask
+            self.masks[key] = make(seq, window, device)
         return self.masks[key]
+
+    def flex_attention(self, cuda: bool):
+        if self.flex is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            self.flex = torch.compile(flex_attention) if cuda else flex_attention
+        return self.flex
+
+
+class AttentionKernel:
+    """One layer's attention over whole sequences [b, heads, s, d] (the kind chosen above)."""
+
+    def __init__(self, kind: str, window: int | None, grouped: bool, masks: AttentionMasks):
+        if kind not in KINDS:
+            raise ValueError(f"attention kernel {kind!r} is not one of {', '.join(KINDS)}")
+        self.kind, self.window, self.grouped, self.masks = kind, window, grouped, masks
 
     def __call__(self, q, k, v, dropout: float) -> torch.Tensor:
         if self.kind == "flex-window":
-            if self.flex is None:
-                from torch.nn.attention.flex_attention import flex_attention
-
-                self.flex = torch.compile(flex_attention) if q.is_cuda else flex_attention
-            mask = self._mask(q.shape[-2], q.device)
-            return self.flex(q, k, v, block_mask=mask, enable_gqa=self.grouped)
+            mask = self.masks.mask(self.kind, q.shape[-2], self.window, q.device)
+            flex = self.masks.flex_attention(q.is_cuda)
+            return flex(q, k, v, block_mask=mask, enable_gqa=self.grouped)
         kwargs = {}
         if self.kind == "sdpa-expanded":
             repeat = q.shape[1] // k.shape[1]
@@ -96,7 +108,7 @@ class AttentionKernel:
         elif self.grouped:
             kwargs["enable_gqa"] = True
         if self.kind == "sdpa-mask":
-            kwargs["attn_mask"] = self._mask(q.shape[-2], q.device)
+            kwargs["attn_mask"] = self.masks.mask(self.kind, q.shape[-2], self.window, q.device)
         else:
             kwargs["is_causal"] = True
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, **kwargs)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config.model import ModelConfig
+from engine.model.attention_kernel import AttentionMasks
 from engine.ops.torch_ops import TorchOps
 from parallel.context_parallel.attention import rank_positions
 from parallel.random import RNGStatesTracker
@@ -39,6 +40,7 @@ class BuildContext:
     seed: int = 1234
     ops: object = field(default_factory=TorchOps)  # TorchOps or engine.ops.fused.FusedOps
     times: object = None  # parallel.timing.StepTimes: TP communication counted as "tp-comm"
+    attention_masks: AttentionMasks = field(default_factory=AttentionMasks)  # shared by layers
 
     def param_seed(self, name: str) -> int:
         """Initialisation seed of the parameter with this global name: the same on every rank

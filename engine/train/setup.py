@@ -188,8 +188,9 @@ def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
         times=_tp_comm_times(times, cfg, state.device),
         placement=PLACEMENT.get(par.pipeline_schedule, "loop"),
     )
-    if state.rank == 0:
-        print(f"attention: {_attention_kernels(chunks)}", flush=True)
+    if state.tp_rank == state.dp_rank == state.cp_rank == 0:  # one rank per pipeline stage
+        stage = f" (pipeline rank {state.pp_rank})" if state.pp_size > 1 else ""
+        print(f"attention{stage}: {_attention_kernels(chunks)}", flush=True)
     grad_dtype = torch.bfloat16 if runtime.bf16 and runtime.grad_reduce_in_bf16 else torch.float32
     return [
         DistributedDataParallel(

@@ -36,9 +36,9 @@ class CudaBlocks:
         rows = q.shape[-2]
         padded = lse.new_zeros(*lse.shape[:-1], -(-rows // 32) * 32)
         padded[..., :rows] = lse
-        empty = torch.empty(0, device=q.device)
+        unused = torch.empty(0, device=q.device)  # the dropout seed and offset (no dropout)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, empty, out, padded, empty, empty, 0.0, [True, True, True, False],
+            dout, q, k, v, None, out, padded, unused, unused, 0.0, [True, True, True, False],
             causal, scale=scale,
         )  # fmt: skip
         return dq, dk, dv

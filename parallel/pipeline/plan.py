@@ -68,9 +68,6 @@ class Plan:
     overlap: bool
     ranks: tuple[tuple[Step, ...], ...]
 
-    def messages(self) -> list[Message]:
-        return [m for steps in self.ranks for s in steps if isinstance(s, Post) for m in s.sends]
-
 
 def forward_only(table: Table) -> Table:
     """The table's forwards alone, each rank's in its order (evaluation)."""
@@ -126,17 +123,14 @@ def _rank_steps(table: Table, rank: int, messages: list[Message], overlap: bool)
 
     def receive(message: Message) -> None:
         """Post it now: with the next compute's batch when that compute needs it, else alone
-        (a batch ends only when all of it has arrived); waited for before its consumer, or at
-        once without overlap (nothing arrives during a compute then)."""
+        (a batch ends only when all of it has arrived); waited for before its consumer, or
+        without overlap before the next compute (nothing arrives during a compute then)."""
         if message.consumer == order[done]:
             batch.append(message)
             return
         close_batch()
         number = post([message])
-        if overlap:
-            waits.setdefault(message.consumer, []).append(number)
-        else:
-            steps.append(Wait(number))
+        waits.setdefault(message.consumer if overlap else order[done], []).append(number)
 
     def compute_through(last: int) -> None:
         nonlocal done

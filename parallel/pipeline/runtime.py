@@ -12,12 +12,12 @@ For each action of its list, in order:
 
 Transfers follow the table's plan (parallel/pipeline/plan.py), made for all ranks at once so
 that it runs on NCCL as on gloo (parallel/pipeline/transport.py checks both): every rank posts
-its sends and receives in one global order, a send right after its compute, posts with no
-compute between them as one batch. A receive is waited for right after posting, or with
-`overlap` just before the compute that needs it, so it arrives during the computes before;
-sends are not waited for (one completes when its receiver takes it; its tensor is let go then,
-and whatever is left at the end of the step is waited for). A result handed to this rank's
-own other chunk skips the plan.
+its sends and receives in one global order, a send right after its compute (in one batch with
+the next compute's receives; a receive posted further ahead goes alone). A receive is waited
+for before the next compute, or with `overlap` just before the compute that needs it, so it
+arrives during the computes before; sends are not waited for (one completes when its
+receiver takes it; its tensor is let go then, and whatever is left at the end of the step is
+waited for). A result handed to this rank's own other chunk skips the plan.
 
 Data-parallel rules: gradients accumulate locally (DDP no-sync) until a chunk's last
 micro-batch's backward (its W, when split), whose DDP may then reduce; with sharded gradients
@@ -96,7 +96,8 @@ class TableRuntime:
             sends.append((result, message.receiver, message.kind))
         receives = [(message.sender, message.kind) for message in post.receives]
         transfer = self.p2p.post_batch(sends, receives)
-        self.posted[post.batch] = (transfer, [message.consumer for message in post.receives])
+        if post.receives:
+            self.posted[post.batch] = (transfer, [m.consumer for m in post.receives])
         self.sends = [t for t in self.sends if not t.sent()]
         if post.sends:
             self.sends.append(transfer)

@@ -5,8 +5,9 @@ or a receive would take another message's data.
 Both transports: each rank runs its steps in order; a Post hands its transfers over at once; a
 Wait blocks the rank until what it waits for is done (a conservative model: on a GPU only the
 compute stream waits, which can only hang less); a Compute needs its input received and
-waited for. A send and a receive match in posting order per (sender, receiver), and a matched
-pair completes once both transfers are active.
+waited for, a Post the computes of what it sends, a Wait its batch posted. A send and a
+receive match in posting order per (sender, receiver), and a matched pair completes once both
+transfers are active.
 - gloo: per (sender, receiver, tag) (activations and gradients have their own tags); every
   transfer is active once posted; a Wait waits for its batch's receives.
 - nccl: tags are ignored; one stream per rank: a batch is active only once every batch the
@@ -53,6 +54,7 @@ class _Ranks:
     inbox: list[set] = field(default_factory=list)  # consumers whose input was waited for
     dirty: set = field(default_factory=set)  # channels that may match now
     woken: set = field(default_factory=set)  # ranks whose transfers moved since last looked at
+    computed: list[set] = field(default_factory=list)  # actions each rank has run
 
     def channel(self, message: Message) -> tuple:
         tag = (message.kind,) if self.transport == "gloo" else ()
@@ -86,6 +88,7 @@ def check_plan(plan: Plan, transport: str) -> None:
     p = plan.table.p
     ranks = _Ranks(transport, plan, [0] * p, [{} for _ in range(p)], [deque() for _ in range(p)])
     ranks.inbox = [set() for _ in range(p)]
+    ranks.computed = [set() for _ in range(p)]
     name = f"schedule {plan.table.name} (p={p}, m={plan.table.m}) on {transport}"
     ranks.woken = set(range(p))
     while ranks.woken:
@@ -109,9 +112,16 @@ def _advance(ranks: _Ranks, rank: int, name: str) -> bool:
     while ranks.position[rank] < len(steps):
         step = steps[ranks.position[rank]]
         if isinstance(step, Post):
+            early = [m.producer for m in step.sends if m.producer not in ranks.computed[rank]]
+            if early:
+                raise ScheduleError(f"{name}: rank {rank} posts the result of {early[0]} "
+                                    "before computing it")  # fmt: skip
             _post(ranks, rank, step)
         elif isinstance(step, Wait):
-            batch = ranks.batches[rank][step.batch]
+            batch = ranks.batches[rank].get(step.batch)
+            if batch is None:
+                raise ScheduleError(f"{name}: rank {rank} waits for batch {step.batch} before "
+                                    "posting it")  # fmt: skip
             if not ranks.waited_for(batch):
                 return moved
             ranks.inbox[rank].update(m.consumer for m in batch.post.receives)
@@ -122,6 +132,7 @@ def _advance(ranks: _Ranks, rank: int, name: str) -> bool:
                     raise ScheduleError(f"{name}: rank {rank} runs {step.action} before "
                                         "waiting for its input")  # fmt: skip
                 ranks.inbox[rank].discard(step.action)
+            ranks.computed[rank].add(step.action)
         ranks.position[rank] += 1
         moved = True
     return moved

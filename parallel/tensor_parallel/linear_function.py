@@ -124,7 +124,12 @@ def _add_to_main_grad(weight, grad_output_2d, input_2d) -> None:
     main_grad = weight.main_grad
     if main_grad.dtype == grad_output_2d.dtype:
         main_grad.addmm_(grad_output_2d.t(), input_2d)
-    elif not (main_grad.is_cuda and accumulate_in_fp32(main_grad, grad_output_2d.t(), input_2d)):
+    elif not (
+        main_grad.is_cuda
+        and getattr(weight, "fp32_output_gemm", True)
+        and accumulate_in_fp32(main_grad, grad_output_2d.t(), input_2d)
+    ):
+        weight.fp32_output_gemm = False  # this torch cannot: not tried again for this weight
         main_grad.add_(grad_output_2d.t().matmul(input_2d))
     weight.on_main_grad_added(weight)
 
@@ -132,9 +137,12 @@ def _add_to_main_grad(weight, grad_output_2d, input_2d) -> None:
 def accumulate_in_fp32(main_grad, a, b) -> bool:
     """main_grad += a @ b by one GEMM that reads bf16/fp16 a and b and accumulates into the
     fp32 buffer itself (torch's addmm with out_dtype, CUDA only), with no product made in the
-    activation dtype first; False where this torch cannot (the caller then adds the product)."""
+    activation dtype first; False where this torch cannot (the caller then adds the product:
+    older CUDA builds want the buffer in the inputs' dtype). Out of memory is raised."""
     try:
         torch.addmm(main_grad, a, b, out_dtype=main_grad.dtype, out=main_grad)
+    except torch.OutOfMemoryError:
+        raise
     except (TypeError, RuntimeError, NotImplementedError):
         return False
     return True
