@@ -134,8 +134,9 @@ def stage_ends_activation_bytes(
 ) -> int:
     """Bytes the first stage's embedding and the last stage's head keep for one micro-batch
     (besides the layers): the token ids (8 T), learned positions (8 s) and the embedding
-    dropout's mask; the final norm, the output layer's input (a T_r h) and the vocab-parallel
-    cross-entropy's fp32 softmax (4 T V / t) with its target ids and padding mask (9 T)."""
+    dropout's mask; the final norm, the output layer's input (a T_r h) and what the
+    vocab-parallel cross-entropy keeps: the logits in the activations' dtype (a T V / t), its
+    fp32 row maximum and sum (8 T), target ids and padding mask (9 T)."""
     a, h = ACTIVATION_BYTES, cfg.hidden_size
     tokens, between = _tokens(cfg, tp, sequence_parallel, micro_batch_size, cp)
     total = 0
@@ -147,5 +148,5 @@ def stage_ends_activation_bytes(
             total += mask_bytes * between * h
     if last:
         total += _norm_bytes(cfg, between, h) + a * between * h
-        total += 4 * tokens * (padded_vocab // tp) + 9 * tokens
+        total += a * tokens * (padded_vocab // tp) + 17 * tokens
     return total
