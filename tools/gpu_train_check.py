@@ -31,7 +31,8 @@ def _run(command: list[str], env: dict, log: str) -> int:
         ).returncode
 
 
-def _losses(path: str) -> dict[int, float]:
+def train_losses(path: str) -> dict[int, float]:
+    """Training losses by iteration from a --log-jsonl file (empty if the run wrote none)."""
     if not os.path.exists(path):
         return {}
     with open(path) as f:
@@ -39,7 +40,8 @@ def _losses(path: str) -> dict[int, float]:
     return {r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r and "lr" in r}
 
 
-def _tail(path: str, lines: int = 8) -> str:
+def log_tail(path: str, lines: int = 8) -> str:
+    """The last lines of a run's log."""
     with open(path, errors="replace") as f:
         return "".join(f.readlines()[-lines:])
 
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepare = _run(["bash", "examples/prepare_data.sh"], env, os.path.join(folder, "data.log"))
         if prepare != 0:
-            print("prepare_data.sh failed:\n" + _tail(os.path.join(folder, "data.log")))
+            print("prepare_data.sh failed:\n" + log_tail(os.path.join(folder, "data.log")))
             return 1
         ckpt, at_20 = os.path.join(folder, "ckpt"), os.path.join(folder, "ckpt_at_20")
         save = ["--save", ckpt, "--save-interval", "20", "--async-save"]
@@ -82,12 +84,12 @@ def main(argv: list[str] | None = None) -> int:
             log = metrics[: -len(".jsonl")] + ".log"
             command = ["bash", f"examples/{script}", *flags, *SHORT, "--log-jsonl", metrics]
             code = _run(command, env, log)
-            losses[name] = _losses(metrics)
+            losses[name] = train_losses(metrics)
             last = max(losses[name]) if losses[name] else None
             rows.append((name, code, last, losses[name].get(last) if last else None))
             if code != 0:
                 ok = False
-                print(f"{name}: exit code {code}\n{_tail(log)}")
+                print(f"{name}: exit code {code}\n{log_tail(log)}")
         first, resumed = losses["gpt 40 iters, async save"], losses["gpt resumed at 20"]
         same = [i for i in resumed if i > 20 and first.get(i) == resumed[i]]
         differ = [i for i in resumed if i > 20 and first.get(i) != resumed[i]]

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 
+from gpu_train_check import log_tail, train_losses  # tools/, this script's folder
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = [
     *("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"),
@@ -67,14 +69,7 @@ def _run(layout: str, device: str, folder: str, iters: int) -> tuple[int, dict, 
         env["CUDA_VISIBLE_DEVICES"] = ""
     with open(log, "w") as f:
         code = subprocess.run(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    losses = {}
-    if os.path.exists(metrics):
-        with open(metrics) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        losses = {r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r and "lr" in r}
-    with open(log, errors="replace") as f:
-        tail = "".join(f.readlines()[-6:])
-    return code.returncode, losses, tail
+    return code.returncode, train_losses(metrics), log_tail(log, 6)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -176,16 +176,17 @@ class _RingAttention(torch.autograd.Function):
         ring, chunk, heads = _Ring(group), q.shape[-2] // 2, q.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
         acc = _accumulation_dtype(q.dtype)
-        qf = q.to(acc)
-        out = torch.zeros(qf.shape, dtype=acc, device=q.device)
-        lse = torch.full(qf.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        qf = q.to(acc) if window is not None else None  # the matmul path's (windowed) input
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kernels = block_kernels(q.device)
         kv = torch.stack([k, v])
         for step in range(cp_size):
             pending = ring.shift(kv) if step < cp_size - 1 else None
             source = (cp_rank - step) % cp_size
             raw_keys, raw_values = (_repeat_groups(t, heads) for t in kv)
-            keys, values = raw_keys.to(acc), raw_values.to(acc)
+            if window is not None:
+                keys, values = raw_keys.to(acc), raw_values.to(acc)
             for quarter in quarters(cp_size, cp_rank, source, chunk, window):
                 r, c = quarter.rows, quarter.cols
                 if _on_kernel(quarter, window):
@@ -214,9 +215,10 @@ class _RingAttention(torch.autograd.Function):
         ring, chunk = _Ring(group), q.shape[-2] // 2
         heads, groups = q.shape[1], k.shape[1]
         acc = _accumulation_dtype(q.dtype)
-        qf, doutf = q.to(acc), dout.to(acc)
-        delta = (doutf * out.to(acc)).sum(-1)
-        dq = torch.zeros_like(qf)
+        if window is not None:  # the matmul path's (windowed) inputs
+            qf, doutf = q.to(acc), dout.to(acc)
+            delta = (doutf * out.to(acc)).sum(-1)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kernels = block_kernels(q.device)
         kv = torch.stack([k, v])
         travelling = None  # (buffer, handles, tensor being sent) of the key/value gradients
@@ -224,7 +226,8 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.shift(kv) if step < cp_size - 1 else None
             source = (cp_rank - step) % cp_size
             raw_keys, raw_values = (_repeat_groups(t, heads) for t in kv)
-            keys, values = raw_keys.to(acc), raw_values.to(acc)
+            if window is not None:
+                keys, values = raw_keys.to(acc), raw_values.to(acc)
             mine = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this rank's part
             for quarter in quarters(cp_size, cp_rank, source, chunk, window):
                 r, c = quarter.rows, quarter.cols

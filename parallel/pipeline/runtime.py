@@ -69,7 +69,7 @@ class TableRuntime:
         self.table, self.chunks, self.batches = table, chunks, batches
         self.forward_step, self.loss_func = forward_step, loss_func
         self.p2p, self.rank = p2p, p2p.state.pp_rank
-        self.forward_only, self.overlap, self.times = forward_only, overlap, times
+        self.forward_only, self.times = forward_only, times
         self.stats = stats if stats is not None else {}
         self.stats.update(peak_held=0, peak_output_bytes=0, compute_s=0.0, computes_overlapped=0)
         if trace:

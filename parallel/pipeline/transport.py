@@ -43,18 +43,23 @@ class _Transfer:
 
 @dataclass
 class _Ranks:
+    """Every rank's progress through its steps and the transfers posted so far."""
+
     transport: str
     plan: Plan
-    position: list[int] = field(default_factory=list)
-    batches: list[dict[int, _Batch]] = field(default_factory=list)
-    streams: list[deque[_Batch]] = field(default_factory=list)  # nccl: not done, in order
     sends: dict[tuple, list[_Transfer]] = field(default_factory=dict)
     receives: dict[tuple, list[_Transfer]] = field(default_factory=dict)
     matched: dict[tuple, int] = field(default_factory=dict)  # channel -> pairs done
-    inbox: list[set] = field(default_factory=list)  # consumers whose input was waited for
     dirty: set = field(default_factory=set)  # channels that may match now
-    woken: set = field(default_factory=set)  # ranks whose transfers moved since last looked at
-    computed: list[set] = field(default_factory=list)  # actions each rank has run
+
+    def __post_init__(self):
+        p = self.plan.table.p
+        self.position = [0] * p  # each rank's next step
+        self.batches: list[dict[int, _Batch]] = [{} for _ in range(p)]
+        self.streams: list[deque[_Batch]] = [deque() for _ in range(p)]  # nccl: not done
+        self.inbox: list[set] = [set() for _ in range(p)]  # consumers whose input was waited for
+        self.computed: list[set] = [set() for _ in range(p)]  # actions each rank has run
+        self.woken = set(range(p))  # ranks whose transfers moved since last looked at
 
     def channel(self, message: Message) -> tuple:
         tag = (message.kind,) if self.transport == "gloo" else ()
@@ -85,12 +90,8 @@ def check_plan(plan: Plan, transport: str) -> None:
     """ScheduleError naming the first hang or mismatch of `plan` under `transport`'s rules."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
-    p = plan.table.p
-    ranks = _Ranks(transport, plan, [0] * p, [{} for _ in range(p)], [deque() for _ in range(p)])
-    ranks.inbox = [set() for _ in range(p)]
-    ranks.computed = [set() for _ in range(p)]
-    name = f"schedule {plan.table.name} (p={p}, m={plan.table.m}) on {transport}"
-    ranks.woken = set(range(p))
+    ranks = _Ranks(transport, plan)
+    name = f"schedule {plan.table.name} (p={plan.table.p}, m={plan.table.m}) on {transport}"
     while ranks.woken:
         for rank in sorted(ranks.woken):
             ranks.woken.discard(rank)
@@ -107,8 +108,9 @@ def check_plan(plan: Plan, transport: str) -> None:
         raise ScheduleError(f"{name}: the transfers hang; waiting: {waiting}")
 
 
-def _advance(ranks: _Ranks, rank: int, name: str) -> bool:
-    steps, moved = ranks.plan.ranks[rank], False
+def _advance(ranks: _Ranks, rank: int, name: str) -> None:
+    """Run rank's steps until one must wait."""
+    steps = ranks.plan.ranks[rank]
     while ranks.position[rank] < len(steps):
         step = steps[ranks.position[rank]]
         if isinstance(step, Post):
@@ -123,7 +125,7 @@ def _advance(ranks: _Ranks, rank: int, name: str) -> bool:
                 raise ScheduleError(f"{name}: rank {rank} waits for batch {step.batch} before "
                                     "posting it")  # fmt: skip
             if not ranks.waited_for(batch):
-                return moved
+                return
             ranks.inbox[rank].update(m.consumer for m in batch.post.receives)
         elif isinstance(step, Compute):
             source = ranks.plan.table.partner(rank, step.action, incoming=True)
@@ -134,8 +136,6 @@ def _advance(ranks: _Ranks, rank: int, name: str) -> bool:
                 ranks.inbox[rank].discard(step.action)
             ranks.computed[rank].add(step.action)
         ranks.position[rank] += 1
-        moved = True
-    return moved
 
 
 def _post(ranks: _Ranks, rank: int, post: Post) -> None:
@@ -150,8 +150,8 @@ def _post(ranks: _Ranks, rank: int, post: Post) -> None:
     ranks.dirty.update(ranks.channel(m) for m in post.sends + post.receives)
 
 
-def _match(ranks: _Ranks, name: str) -> bool:
-    progressed = False
+def _match(ranks: _Ranks, name: str) -> None:
+    """Complete every matched pair whose transfers are both active."""
     while ranks.dirty:
         channel = ranks.dirty.pop()
         sends, receives = ranks.sends.get(channel, []), ranks.receives.get(channel, [])
@@ -171,8 +171,6 @@ def _match(ranks: _Ranks, name: str) -> bool:
             ranks.finish(send, receive=False)
             ranks.finish(receive, receive=True)
             ranks.matched[channel] = n + 1
-            progressed = True
-    return progressed
 
 
 def _describe_message(message: Message) -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.tensor_parallel.sharding import REPLICATED, TPSharding
+from parallel.tensor_parallel.sharding import REPLICATED, TPSharding, local_from_full
 
 CHUNK = 1 << 22
 _MASK32 = (1 << 32) - 1
@@ -82,16 +82,13 @@ def standard_normal_at(seed: int, low: torch.Tensor, high: int = 0) -> torch.Ten
 
 
 def _local_indices(size: int, dim: int, sharding: TPSharding, device) -> torch.Tensor:
-    """The full-tensor indices along `dim` that this rank's slice holds, in its order."""
-    if sharding.replicated or sharding.dim != dim or sharding.tp_size == 1:
-        return torch.arange(size, device=device)
-    parts, start = [], 0
-    for chunk in sharding.chunks:
-        local = chunk // sharding.tp_size
-        begin = start + sharding.tp_rank * local
-        parts.append(torch.arange(begin, begin + local, device=device))
-        start += chunk
-    return torch.cat(parts)
+    """The full-tensor indices along `dim` that this rank's slice holds, in its order: the
+    slice sharding.py's `local_from_full` cuts, taken from the indices themselves."""
+    indices = torch.arange(size, device=device)
+    if sharding.replicated or sharding.dim != dim:
+        return indices
+    along = [-1 if d == dim else 1 for d in range(sharding.dim + 1)]
+    return local_from_full(indices.view(along), sharding).flatten()
 
 
 def _normal_block(seed: int, rows: torch.Tensor, cols: torch.Tensor, width: int) -> torch.Tensor:
@@ -122,15 +119,11 @@ def draw_local(
     `drawn_rows` on are zero (a padded vocabulary's padding)."""
     rows, cols = shape
     device = torch.device(device or "cpu")
-    if device.type == "meta":  # shapes only (converters build on meta): nothing to draw
-        local = [rows, cols]
-        for dim, size in enumerate(shape):
-            if not sharding.replicated and sharding.dim == dim:
-                local[dim] = size // sharding.tp_size
-        return torch.empty(local, dtype=torch.float32, device=device)
     row_index = _local_indices(rows, 0, sharding, device)
     col_index = _local_indices(cols, 1, sharding, device)
     out = torch.empty(len(row_index), len(col_index), dtype=torch.float32, device=device)
+    if device.type == "meta":  # shapes only (converters build on meta): nothing to draw
+        return out
     step = max(1, CHUNK // max(1, len(col_index)))
     for start in range(0, len(row_index), step):
         part = row_index[start : start + step]

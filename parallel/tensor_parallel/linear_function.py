@@ -124,14 +124,19 @@ def _add_to_main_grad(weight, grad_output_2d, input_2d) -> None:
     main_grad = weight.main_grad
     if main_grad.dtype == grad_output_2d.dtype:
         main_grad.addmm_(grad_output_2d.t(), input_2d)
-    elif not (
-        main_grad.is_cuda
-        and getattr(weight, "fp32_output_gemm", True)
-        and accumulate_in_fp32(main_grad, grad_output_2d.t(), input_2d)
-    ):
-        weight.fp32_output_gemm = False  # this torch cannot: not tried again for this weight
+    elif not _added_in_fp32(weight, main_grad, grad_output_2d.t(), input_2d):
         main_grad.add_(grad_output_2d.t().matmul(input_2d))
     weight.on_main_grad_added(weight)
+
+
+def _added_in_fp32(weight, main_grad, a, b) -> bool:
+    """`accumulate_in_fp32` on CUDA, unless it already failed for this weight."""
+    if not main_grad.is_cuda or not getattr(weight, "fp32_output_gemm", True):
+        return False
+    if accumulate_in_fp32(main_grad, a, b):
+        return True
+    weight.fp32_output_gemm = False  # this torch cannot: not tried again for this weight
+    return False
 
 
 def accumulate_in_fp32(main_grad, a, b) -> bool:
