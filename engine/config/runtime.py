@@ -26,7 +26,7 @@ class RuntimeConfig:
     torch_compile: bool = option(
         False,
         "compile each transformer layer's forward with torch.compile (off by default until "
-        "measured on a GPU)",
+        "measured on a GPU; weight gradients are then not deferred by zero-bubble schedules)",
     )
     grad_reduce_in_bf16: bool = option(
         False,

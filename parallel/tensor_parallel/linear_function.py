@@ -23,9 +23,10 @@ buffer (parallel/data_parallel/ddp.py gives every parameter one) and an `on_main
 callback, the weight gradient is accumulated straight into `main_grad` (one in-place GEMM when
 dtypes match; bf16 activations into an fp32 buffer: on CUDA one GEMM with an fp32 output,
 elsewhere the GEMM in the activation dtype added in), no `.grad` is made, and the callback
-tells the data-parallel wrapper the gradient is in. A weight used twice in one graph (a tied
-embedding) must not take this path: autograd would no longer wait for both uses before the
-callback. Without the buffer the gradient is returned to autograd as usual.
+tells the data-parallel wrapper the gradient is in (not under torch.compile: `_fusable`). A
+weight used twice in one graph (a tied embedding) must not take this path: autograd would no
+longer wait for both uses before the callback. Without the buffer the gradient is returned to
+autograd as usual.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def _as_matrix(t: torch.Tensor) -> torch.Tensor:
 class _TensorParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, input_mode, fuse_wgrad, times):
-        ctx.group, ctx.input_mode, ctx.fuse_wgrad = group, input_mode, fuse_wgrad
+        ctx.group, ctx.input_mode = group, input_mode
+        ctx.fuse_wgrad = fuse_wgrad and _fusable(weight)
+        ctx.overlap = not torch.compiler.is_compiling()  # a traced graph takes no async_op
         ctx.has_bias, ctx.times = bias is not None, times
         total = x
         if input_mode == "gather":
@@ -71,17 +74,17 @@ class _TensorParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        group, mode, times = ctx.group, ctx.input_mode, ctx.times
+        group, mode, times, overlap = ctx.group, ctx.input_mode, ctx.times, ctx.overlap
         gather_work = None
         total = x
         if mode == "gather":
             with measure(times, TP_COMM):
-                total, gather_work = _gather_sequence(x, group, async_op=True)
+                total, gather_work = _gather_sequence(x, group, async_op=overlap)
         grad_input = grad_output.matmul(weight)  # overlaps the gather above
         reduce_work = None
         if mode == "copy":
             with measure(times, TP_COMM):
-                reduce_work = dist.all_reduce(grad_input, group=group, async_op=True)
+                reduce_work = dist.all_reduce(grad_input, group=group, async_op=overlap)
         elif mode == "gather":
             shard = torch.empty(
                 (grad_input.shape[0] // group_size(group),) + grad_input.shape[1:],
@@ -89,9 +92,10 @@ class _TensorParallelLinear(torch.autograd.Function):
                 device=grad_input.device,
             )
             with measure(times, TP_COMM):
-                gather_work.wait()
+                if gather_work is not None:
+                    gather_work.wait()
                 reduce_work = reduce_scatter_into(
-                    shard, grad_input.contiguous(), group, async_op=True
+                    shard, grad_input.contiguous(), group, async_op=overlap
                 )
             grad_input = shard
         grad_weight = _weight_grad(weight, _as_matrix(grad_output), _as_matrix(total), ctx)
@@ -105,9 +109,7 @@ class _TensorParallelLinear(torch.autograd.Function):
 def _weight_grad(weight, grad_output_2d, input_2d, ctx):
     """dL/dW = grad_output^T input, or None when it went straight into weight.main_grad (or
     was queued to: parallel/pipeline/weight_grad.py, for zero-bubble schedules)."""
-    main_grad = getattr(weight, "main_grad", None)
-    added = getattr(weight, "on_main_grad_added", None)
-    if not (ctx.fuse_wgrad and main_grad is not None and added is not None):
+    if not ctx.fuse_wgrad:
         return grad_output_2d.t().matmul(input_2d)
     queue = getattr(weight, QUEUE_ATTRIBUTE, None)
     if queue is not None:
@@ -115,6 +117,17 @@ def _weight_grad(weight, grad_output_2d, input_2d, ctx):
         return None
     _add_to_main_grad(weight, grad_output_2d, input_2d)
     return None
+
+
+def _fusable(weight) -> bool:
+    """Whether weight's gradient can go straight into its main_grad: it has one and the
+    data-parallel wrapper's callback, and this is not being traced by torch.compile. A compiled
+    backward returns the gradient instead (the wrapper's hook adds it in, eagerly): the
+    wrapper's bookkeeping is Python state that a traced graph cannot replay, and reading it
+    would make every layer's graph guard on its own parameters (a recompile per layer)."""
+    if torch.compiler.is_compiling():
+        return False
+    return getattr(weight, "main_grad", None) is not None and hasattr(weight, "on_main_grad_added")
 
 
 def _add_to_main_grad(weight, grad_output_2d, input_2d) -> None:
