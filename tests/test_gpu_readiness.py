@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import stat
 import subprocess
 import sys
@@ -122,7 +123,10 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
 def test_gpu_check_lists_its_steps_and_says_in_one_line_that_there_is_no_gpu():
     listed = _tool("tools/gpu_check.py", "--dry-run")
     assert listed.returncode == 0, listed.stderr
-    names = [line.split(":")[0] for line in listed.stdout.splitlines()]
+    lines = listed.stdout.splitlines()
+    names = [line.split(":")[0] for line in lines if not line.startswith("  to confirm by ")]
+    confirmed_by = {line.split()[3].rstrip(":") for line in lines if line.startswith("  to con")}
+    assert confirmed_by and confirmed_by <= set(names), confirmed_by  # each names a real step
     for step in ("environment", "gpu-tests", "fused-ops", "attention", "train-launch"):
         assert step in names
     assert {"throughput-125m", "throughput-350m", "throughput-1.3b", "vs-megatron"} <= set(names)
@@ -142,6 +146,23 @@ def test_gpu_check_collects_the_gpu_marked_tests():
         sys.path.pop(0)
     files = gpu_check.gpu_test_files()
     assert "tests/test_fused_ops.py" in files and "tests/test_gpu_readiness.py" not in files
+
+
+def test_gpu_check_report_lists_what_to_confirm_beside_the_steps_outcome(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    records = [{"name": "gpu-tests", "what": "tests", "command": "pytest", "outcome": "passed"}]
+    md, _ = gpu_check.write_report(records, str(tmp_path / "r"), "a GPU")
+    text = pathlib.Path(md).read_text()
+    rows = [line for line in text.splitlines() if "one fp32-output GEMM" in line]
+    assert rows == [
+        "| bf16 weight gradients accumulate into the fp32 main_grad by one fp32-output GEMM (14)"
+        " | gpu-tests | passed |"
+    ]
+    assert "| nccl-layouts | not run |" in text
 
 
 def test_gpu_benchmarks_run_on_the_cpu_with_tiny_shapes(tmp_path):

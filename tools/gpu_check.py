@@ -7,7 +7,8 @@ printed tables. Without a GPU it says so in one line and exits 0. `--dry-run` li
 one a line; `--steps` runs some of them; `--time-scale` shrinks (or stretches) every limit.
 
 A step that needs what the machine lacks (megatron-core for the side-by-side) is listed in the
-report as skipped, with the reason. Not yet here: the NCCL runs on two or more GPUs.
+report as skipped, with the reason. The report also lists what was changed for GPUs since the
+last measurements (`TO_CONFIRM`), each beside the outcome of the step that shows it.
 """
 
 from __future__ import annotations
@@ -143,6 +144,44 @@ def steps() -> list[Step]:
     ]
 
 
+# What was changed for GPUs after the last measurements, tested on the CPU, with the step whose
+# outcome shows it on a GPU (issue 38's items): the report lists each with that outcome.
+TO_CONFIRM = (
+    (
+        "--async-save copies on the rank's GPU on a side stream into one pinned block (3)",
+        "train-launch",
+    ),
+    (
+        "RoPE's tables are made once per length on the device, no host copy per micro-batch (9)",
+        "throughput-125m",
+    ),
+    (
+        "a step reads the device once (the gradient norm) and the loss after the update (13)",
+        "throughput-125m",
+    ),
+    ("the ranks run with expandable allocator segments (17)", "train-launch"),
+    (
+        "attention kernel chosen per layer: FlexAttention for sliding windows, expanded K/V for "
+        "fp32 grouped-query attention (10)",
+        "attention",
+    ),
+    ("ring attention's blocks on the memory-efficient kernel in bf16 (11)", "gpu-tests"),
+    (
+        "bf16 weight gradients accumulate into the fp32 main_grad by one fp32-output GEMM (14)",
+        "gpu-tests",
+    ),
+    (
+        "each rank draws only its slice of each weight, on its GPU, equal to the CPU's draw (16)",
+        "gpu-tests",
+    ),
+    ("--torch-compile: one graph for all layers, no graph break (18)", "throughput-125m"),
+    (
+        "pipeline transfers in the planned global order run every schedule over NCCL (2)",
+        "nccl-layouts",
+    ),
+)
+
+
 def environment() -> int:
     """Print what the machine has (the `environment` step)."""
     import torch
@@ -273,6 +312,10 @@ def write_report(records: list[dict], base: str, device: str) -> tuple[str, str]
         f"| {r['name']} | {r['outcome']} | {r.get('seconds', '')} | {r.get('started', '')} |"
         for r in records
     ]
+    outcome_of = {r["name"]: r["outcome"] for r in records}
+    lines += ["", "## To confirm", "", "| changed on the CPU, shown here | step | outcome |"]
+    lines += ["| --- | --- | --- |"]
+    lines += [f"| {c} | {n} | {outcome_of.get(n, 'not run')} |" for c, n in TO_CONFIRM]
     for r in records:
         lines += ["", f"## {r['name']}", "", r["what"] + ".", "", f"`{r['command']}`", ""]
         lines += [f"Outcome: {r['outcome']}."]
@@ -311,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for s in chosen:
             print(f"{s.name}: {s.what} (limit {s.limit_s}s)")
+        for claim, name in TO_CONFIRM:
+            print(f"  to confirm by {name}: {claim}")
         return 0
     gpus = _gpu_count()
     if gpus == 0:
