@@ -1,6 +1,7 @@
 """Pretraining entry point: `python -m engine.pretrain <Megatron-LM flags>`, launched by
 torchrun (see examples/pretrain_gpt.sh). `main(argv)` parses and checks every flag before any
-process group starts, then sets up the run and trains.
+process group starts, then sets up the run and trains. `--check-megatron-args <flags or a
+script>` first: what each Megatron-LM flag will do here (engine/config/megatron/report.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch.distributed as dist
 from engine.cli import run_main
 from engine.config.arguments import given_flags, parse_configs
 from engine.config.configs import SECTIONS, Configs, configs_from
-from engine.config.megatron_flags import no_effect_line
+from engine.config.megatron.compat import no_effect_line
+from engine.errors import ConfigError
 from engine.train.loop import NaNLimit, finish, train
 from engine.train.preflight import prepare
 from engine.train.setup import setup
@@ -30,8 +32,33 @@ def parse(argv: list[str] | None) -> Configs:
     return configs_from(parsed, given_flags(argv))
 
 
+def values_problem(argv: list[str]) -> str | None:
+    """What the parse and checks of a command line refuse (on the fewest ranks its layout
+    takes), as one line; None if nothing."""
+    import contextlib
+    import io
+
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            cfg = parse(argv)
+            p = cfg.parallel
+            world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+            prepare(cfg, world * p.context_parallel_size)
+    except ConfigError as err:
+        return str(err)
+    except SystemExit:
+        return errors.getvalue().strip()
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.time()  # --exit-duration-in-mins counts from the process's start
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--check-megatron-args"]:  # a migration report, nothing trained
+        from engine.config.megatron.report import report
+
+        return report(argv[1:], values_problem)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = prepare(parse(argv), world_size)
     started_here = not dist.is_initialized()

@@ -2,7 +2,10 @@
 
 Flags are generated from the fields of the dataclasses in engine/config/ (a field `hidden_size`
 becomes `--hidden-size`, unless its metadata names another flag), one argparse group per
-dataclass, so `--help` lists them grouped and the configs stay the single source of truth.
+dataclass, so `--help` lists them grouped and the configs stay the single source of truth. A
+class with `add_arguments(parser, title)` and `from_namespace(namespace)` adds and reads its
+own flags (engine/config/megatron/compat.py: Megatron-LM's flags this engine does not
+implement).
 """
 
 from __future__ import annotations
@@ -59,13 +62,19 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, title: str) ->
 
 
 def build_configs(namespace: argparse.Namespace, classes: list[type]) -> dict[type, object]:
-    """Instantiate each dataclass from the parsed flags (unset flags keep field defaults)."""
+    """Instantiate each dataclass from the parsed flags (unset flags keep field defaults); a
+    class that adds its own arguments makes itself from the namespace (`from_namespace`)."""
     values: dict[str, dict] = {cls.__name__: {} for cls in classes}
     for key, value in vars(namespace).items():
         owner, _, name = key.partition(".")
         if owner in values:
             values[owner][name] = value
-    return {cls: cls(**values[cls.__name__]) for cls in classes}
+    return {
+        cls: cls.from_namespace(namespace)
+        if hasattr(cls, "from_namespace")
+        else cls(**values[cls.__name__])
+        for cls in classes
+    }
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,7 +87,10 @@ class _Parser(argparse.ArgumentParser):
 def make_parser(classes: list[tuple[type, str]], description: str | None = None) -> _Parser:
     parser = _Parser(description=description, allow_abbrev=False)
     for cls, title in classes:
-        add_dataclass_arguments(parser, cls, title)
+        if hasattr(cls, "add_arguments"):  # a class whose flags are not its fields
+            cls.add_arguments(parser, title)
+        else:
+            add_dataclass_arguments(parser, cls, title)
     return parser
 
 

@@ -9,7 +9,7 @@ engine/train/preflight.py adds the checks that read files, tokenizers and device
 from __future__ import annotations
 
 from engine.config.configs import Configs
-from engine.config.megatron_flags import check_compat
+from engine.config.megatron.compat import check_megatron_flags
 from engine.errors import ConfigError
 from parallel.pipeline.layout import stage_layers
 from parallel.pipeline.tables import (
@@ -25,7 +25,7 @@ from parallel.state import check_layout
 def check_configs(cfg: Configs, world_size: int) -> int:
     """ConfigError (one line) on the first problem; returns the data-parallel size."""
     m, par = cfg.model, cfg.parallel
-    check_compat(cfg.megatron, m.position_embedding_type, par.use_megatron_fsdp)
+    check_megatron_flags(cfg.megatron, m.position_embedding_type, par.use_megatron_fsdp)
     dp = check_layout_flags(cfg, world_size)
     _check_noise_scale(cfg.logging, par, dp)
     _check_profile_steps(cfg.profiling)

@@ -11,7 +11,7 @@ from engine.config.data import DataConfig
 from engine.config.evaluation import EvalConfig
 from engine.config.exits import ExitConfig
 from engine.config.logs import LoggingConfig
-from engine.config.megatron_flags import MegatronCompatConfig
+from engine.config.megatron.compat import MegatronFlags
 from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
 from engine.config.parallel import ParallelConfig
@@ -37,7 +37,7 @@ class Configs:
     exit: ExitConfig = field(default_factory=ExitConfig)
     profiling: ProfileConfig = field(default_factory=ProfileConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    megatron: MegatronCompatConfig = field(default_factory=MegatronCompatConfig)
+    megatron: MegatronFlags = field(default_factory=MegatronFlags)
     given: frozenset[str] = frozenset()
 
 
@@ -55,7 +55,7 @@ SECTIONS = (
     ("exit", ExitConfig, "exit conditions and skipped steps"),
     ("profiling", ProfileConfig, "profiling"),
     ("tokenizer", TokenizerConfig, "tokenizer"),
-    ("megatron", MegatronCompatConfig, "Megatron-LM flags accepted without effect, or refused"),
+    ("megatron", MegatronFlags, "Megatron-LM flags without effect here, or refused"),
 )
 
 

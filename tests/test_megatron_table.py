@@ -1,0 +1,160 @@
+"""Every flag of Megatron-LM's training parser (core_v0.16.1 and core_v0.19.0, the lists in
+engine/config/megatron/) has exactly one answer here, implemented flags keep Megatron-LM's
+defaults, each kind of answer does what it says on a command line, and the migration report
+reads flags and scripts."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from engine.config.arguments import flag_of
+from engine.config.configs import SECTIONS
+from engine.config.megatron.answers import (
+    DIFFERENT_DEFAULTS,
+    MISSING,
+    NO_EFFECT,
+    NOT_APPLICABLE,
+)
+from engine.config.megatron.compat import table_answers
+from engine.config.megatron.releases import RELEASES, megatron_flags, read_release
+from engine.config.megatron.report import implemented_flags
+from engine.errors import ConfigError
+from engine.pretrain import parse
+from engine.train.preflight import prepare
+from tests.test_megatron_flags import SHAPE
+from tests.test_training import ROOT
+
+
+def _implemented_fields():
+    for _, cls, _ in SECTIONS:
+        if hasattr(cls, "add_arguments"):
+            continue
+        for field in dataclasses.fields(cls):
+            if "help" in field.metadata:
+                yield field
+
+
+def test_both_releases_lists_are_read_whole():
+    counts = {release: len(read_release(release)) for release in RELEASES}
+    assert counts == {"core_v0.16.1": 700, "core_v0.19.0": 868}, counts
+    assert len(megatron_flags()) == 896  # their union
+
+
+def test_every_megatron_flag_has_exactly_one_answer():
+    groups = [NO_EFFECT, MISSING, NOT_APPLICABLE]
+    listed = [flag for table in groups for flags in table.values() for flag in flags]
+    twice = sorted({flag for flag in listed if listed.count(flag) > 1})
+    assert twice == [], twice
+    implemented = implemented_flags()
+    both = sorted(implemented & set(listed))
+    assert both == [], both  # an implemented flag is not also in the table
+    unanswered = sorted(set(megatron_flags()) - implemented - set(listed))
+    assert unanswered == [], unanswered
+    stray = sorted(set(listed) - set(megatron_flags()))
+    assert stray == [], stray  # the table names only Megatron-LM's flags
+
+
+def test_implemented_flags_keep_megatron_lm_defaults():
+    definitions = megatron_flags()
+    differ = {}
+    for field in _implemented_fields():
+        flag = flag_of(field)
+        definition = definitions.get(flag)
+        if definition is None or field.metadata.get("required") or flag in DIFFERENT_DEFAULTS:
+            continue
+        ours = field.default if field.default_factory is dataclasses.MISSING else None
+        if field.default_factory is not dataclasses.MISSING:
+            ours = field.default_factory() or None  # an empty list: not given
+        theirs = definition.default_value()
+        if definition.switch_value is not None:
+            theirs = bool(theirs)  # store_true's None is off
+            ours = bool(ours) if ours is not None else False
+        if ours != theirs:
+            differ[flag] = (ours, definition.default)
+    assert differ == {}, differ
+    assert set(DIFFERENT_DEFAULTS) <= set(definitions)
+
+
+def _refused(argv):
+    with pytest.raises(ConfigError) as err:
+        prepare(parse(SHAPE + argv), 1)
+    return str(err.value)
+
+
+def test_each_kind_of_answer_on_a_command_line():
+    answers = table_answers()
+    # without effect: accepted, with the value Megatron-LM's parser takes
+    cfg = prepare(parse(SHAPE + ["--overlap-grad-reduce", "--attention-backend", "flash"]), 1)
+    assert dict(cfg.megatron.given)["--attention-backend"] == "flash"
+    assert answers["--attention-backend"].kind == "accepted without effect"
+    # missing: one line naming the feature and the flag to drop
+    line = _refused(["--num-experts", "8"])
+    assert line == (
+        "--num-experts: mixture-of-experts (MoE) layers: not available in this engine; "
+        "drop --num-experts"
+    )
+    # ... but at Megatron-LM's default it asks for nothing
+    prepare(parse(SHAPE + ["--expert-model-parallel-size", "1", "--moe-router-topk", "2"]), 1)
+    # not applicable: says what the flag is for
+    flag = next(iter(NOT_APPLICABLE.values()))[0]
+    definition = megatron_flags()[flag]
+    value = [] if definition.switch_value is not None else ["x" + "1" * 3]
+    if definition.choices:
+        value = [next(c for c in definition.choices if c != definition.default.strip("'"))]
+    line = _refused([flag, *value])
+    assert line.startswith(f"{flag}: ") and "not part of pretraining GPT-style models" in line
+    assert "\n" not in line
+
+
+def _report(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "engine.pretrain", "--check-megatron-args", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+def test_migration_report_of_flags_and_of_a_script(tmp_path):
+    done = _report(*SHAPE, "--attention-backend", "flash", "--num-experts", "8")
+    lines = done.stdout.splitlines()
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--num-layers: implemented (Megatron-LM's meaning)" in lines
+    assert "--attention-backend: accepted without effect: picks a kernel or fusion" in lines
+    assert lines[-1] == "would train: no"
+    assert any(line.startswith("--num-experts: refused: mixture-of-experts") for line in lines)
+    assert _report(*SHAPE).stdout.splitlines()[-1] == "would train: yes"
+    own = _report(*SHAPE, "--log-jsonl", "m.jsonl").stdout.splitlines()
+    assert "--log-jsonl: this engine's own flag (Megatron-LM has none of this name)" in own
+    bad_value = _report(*SHAPE, "--tensor-model-parallel-size", "3")
+    assert bad_value.returncode == 2 and "values: " in bad_value.stdout, bad_value.stdout
+    script = tmp_path / "train.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        "DISTRIBUTED_ARGS=(--nproc_per_node 8 --nnodes 1)  # torchrun's own\n"
+        "MODEL_ARGS=(\n    --num-layers 2 \\\n    --use-mcore-models\n    --fp8-format hybrid\n)\n"
+        'torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py ${MODEL_ARGS[@]} --lr "$LR"\n'
+    )
+    done = _report(str(script))
+    assert done.stdout.splitlines() == [
+        "--num-layers: implemented (Megatron-LM's meaning)",
+        "--use-mcore-models: accepted without effect: chooses megatron-core's models over the "
+        "legacy ones, the only kind here",
+        "--fp8-format: refused: FP8/FP4 training: not available in this engine; drop --fp8-format",
+        "--lr: implemented (Megatron-LM's meaning)",
+        "would train: no",
+    ]
+
+
+def test_the_docs_page_is_the_tables():
+    from engine.config.megatron.docs_page import page
+
+    with open(f"{ROOT}/docs/megatron_flags.md", encoding="utf-8") as f:
+        assert f.read() == page(), (
+            "python -m engine.config.megatron.docs_page > docs/megatron_flags.md"
+        )
