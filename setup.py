@@ -51,6 +51,7 @@ setup(
     # Only the importable library. tools/ (scripts run as `python tools/<name>.py` from a
     # checkout) and tests/ stay out: a top-level `tools` package would collide with others.
     packages=find_packages(include=["engine", "engine.*", "parallel", "parallel.*"]),
+    package_data={"engine.config.megatron": ["*.tsv"]},  # Megatron-LM's flag lists
     ext_modules=extensions,
     cmdclass={"build_ext": build_class},
     python_requires=">=3.10",
