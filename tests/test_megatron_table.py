@@ -158,3 +158,21 @@ def test_the_docs_page_is_the_tables():
         assert f.read() == page(), (
             "python -m engine.config.megatron.docs_page > docs/megatron_flags.md"
         )
+
+
+def test_megatron_lm_older_spellings_set_the_same_options():
+    def configs(*extra):
+        return parse(SHAPE + list(extra))
+
+    older = configs(
+        *("--encoder-num-layers", "3", "--encoder-seq-length", "64"),
+        *("--recompute-activations", "--use-rotary-position-embeddings"),
+        *("--persistent-save-interval", "7", "--no-overlap-p2p-communication"),
+        *("--tokenizer-hf-include-special-tokens", "--yarn-correction-range-round-to-int"),
+    )
+    m, ours = older.model, configs("--overlap-p2p-communication")
+    assert (m.num_layers, m.seq_length, m.recompute_granularity) == (3, 64, "selective")
+    assert m.position_embedding_type == "rope" and m.yarn_correction_range_round_to_int
+    assert older.checkpointing.save_interval == 7
+    assert ours.parallel.overlap_p2p_communication and not older.parallel.overlap_p2p_communication
+    assert not older.tokenizer.tokenizer_hf_no_include_special_tokens

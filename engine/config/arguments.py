@@ -23,6 +23,13 @@ def flag_of(field: dataclasses.Field) -> str:
     return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
 
 
+def flags_of(field: dataclasses.Field) -> tuple[str, ...]:
+    """Every flag that sets a config field: its own, its `aliases` (other names Megatron-LM
+    gives the same flag) and its `switches` (Megatron-LM's flags that set it to one value)."""
+    meta = field.metadata
+    return (flag_of(field), *meta.get("aliases", ()), *meta.get("switches", {}))
+
+
 def _base_type(annotation) -> tuple[type, bool]:
     """(element type, is_list) of int / float / str / bool / X | None / list[X]."""
     origin = typing.get_origin(annotation)
@@ -49,6 +56,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, title: str) ->
         }
         meta.pop("flag", None)
         meta.pop("required", None)  # checked after parsing (see missing_required)
+        aliases = meta.pop("aliases", ())
+        switches = meta.pop("switches", {})
         element, is_list = _base_type(hints[field.name])
         if element is bool:
             kwargs["action"] = meta.pop("action", "store_true")
@@ -58,7 +67,16 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, title: str) ->
                 kwargs["nargs"] = meta.pop("nargs", "+")
         kwargs.update(meta)
         kwargs["default"] = argparse.SUPPRESS
-        group.add_argument(flag, **kwargs)
+        group.add_argument(flag, *aliases, **kwargs)
+        for switch, value in switches.items():
+            group.add_argument(
+                switch,
+                dest=kwargs["dest"],
+                action="store_const",
+                const=value,
+                default=argparse.SUPPRESS,
+                help=f"Megatron-LM's older spelling of {flag} {value}".replace("%", "%%"),
+            )
 
 
 def build_configs(namespace: argparse.Namespace, classes: list[type]) -> dict[type, object]:

@@ -36,7 +36,9 @@ class CheckpointConfig:
     use_checkpoint_args: bool = option(
         False, "take the model's shape and style from the --load checkpoint, not the flags"
     )
-    save_interval: int | None = option(None, "steps between checkpoints")
+    save_interval: int | None = option(
+        None, "steps between checkpoints", aliases=("--persistent-save-interval",)
+    )
     keep_last_n: int | None = option(None, "keep only the newest N checkpoints")
     async_save: bool = option(False, "write checkpoints in the background")
 

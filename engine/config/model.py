@@ -37,7 +37,12 @@ ARCHITECTURE_FIELDS = (
 class ModelConfig:
     """The decoder's shape and style (GPT-2 or Llama-like are combinations of these)."""
 
-    num_layers: int = option(2, "number of transformer layers", required=FROM_CHECKPOINT)
+    num_layers: int = option(
+        2,
+        "number of transformer layers",
+        required=FROM_CHECKPOINT,
+        aliases=("--encoder-num-layers",),
+    )
     hidden_size: int = option(128, "transformer hidden size", required=FROM_CHECKPOINT)
     num_attention_heads: int = option(4, "number of attention heads", required=FROM_CHECKPOINT)
     group_query_attention: bool = option(
@@ -52,7 +57,12 @@ class ModelConfig:
         None, "MLP hidden size (default 4 x hidden; with --swiglu 2/3 of that, rounded to 64)"
     )
     kv_channels: int | None = option(None, "per-head size (default hidden / heads)")
-    seq_length: int = option(128, "tokens per training sample", required=FROM_CHECKPOINT)
+    seq_length: int = option(
+        128,
+        "tokens per training sample",
+        required=FROM_CHECKPOINT,
+        aliases=("--encoder-seq-length",),
+    )
     max_position_embeddings: int | None = option(
         None,
         "positions the model is built for (the learned position table's size); at least "
@@ -71,6 +81,7 @@ class ModelConfig:
         "learned_absolute",
         "position encoding (yarn: RoPE with YaRN scaling, Megatron-LM's spelling)",
         choices=["learned_absolute", "rope", "yarn"],
+        switches={"--use-rotary-position-embeddings": "rope"},
     )
     rotary_base: int = option(10000, "RoPE base (theta)")
     use_rope_scaling: bool = option(
@@ -112,6 +123,7 @@ class ModelConfig:
         "YaRN: keep the correction range's ends unrounded",
         flag="--no-yarn-correction-range-round-to-int",
         action="store_false",
+        switches={"--yarn-correction-range-round-to-int": True},
     )
     rotary_percent: float = option(
         1.0, "the share of each head's channels RoPE rotates (the first ones); the rest pass"
@@ -146,7 +158,10 @@ class ModelConfig:
     attention_dropout: float = option(0.1, "dropout on the attention probabilities")
     init_method_std: float = option(0.02, "std of the normal weight initialisation")
     recompute_granularity: str | None = option(
-        None, "activation recomputation", choices=["full", "selective"]
+        None,
+        "activation recomputation",
+        choices=["full", "selective"],
+        switches={"--recompute-activations": "selective"},
     )
     recompute_method: str | None = option(
         None,

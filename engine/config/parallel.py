@@ -32,7 +32,9 @@ class ParallelConfig:
         choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"],
     )
     overlap_p2p_communication: bool = option(
-        False, "interleaved schedule: pipeline transfers run during compute"
+        False,
+        "interleaved schedule: pipeline transfers run during compute",
+        switches={"--no-overlap-p2p-communication": False},
     )
     sequence_parallel: bool = option(False, "split norms/dropout/residuals along the sequence")
     context_parallel_size: int = option(

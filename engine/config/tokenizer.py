@@ -54,6 +54,7 @@ class TokenizerConfig:
         False,
         "HuggingFaceTokenizer: encode without the tokenizer's own special tokens (a Llama-3 "
         "style <|begin_of_text|>); by default they are added, as tokenizer(text) adds them",
+        switches={"--tokenizer-hf-include-special-tokens": False},
     )
     tokenizer_eod_token: str | None = option(
         None,

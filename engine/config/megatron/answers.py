@@ -183,10 +183,6 @@ activation-function variants:
     --activation-func-clamp-value --glu-linear-offset --quick-geglu --squared-relu
 activation-recomputation options:
     --distribute-saved-activations --recompute-modules
-an older Megatron-LM spelling, not read yet (this engine's name for it: docs/megatron_flags.md):
-    --encoder-num-layers --encoder-seq-length --no-overlap-p2p-communication
-    --persistent-save-interval --recompute-activations --tokenizer-hf-include-special-tokens
-    --use-rotary-position-embeddings --yarn-correction-range-round-to-int
 attention variants:
     --attention-output-gate --qk-l2-norm --softmax-type --window-attn-skip-freq
 batch-invariant kernels:

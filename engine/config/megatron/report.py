@@ -30,15 +30,16 @@ from engine.config.megatron.releases import megatron_flags
 
 def implemented_flags() -> set[str]:
     """The flags of this engine's own configs."""
-    from engine.config.arguments import flag_of
+    from engine.config.arguments import flags_of
     from engine.config.configs import SECTIONS
 
     return {
-        flag_of(field)
+        flag
         for _, cls, _ in SECTIONS
         if dataclasses.is_dataclass(cls) and not hasattr(cls, "add_arguments")
         for field in dataclasses.fields(cls)
         if "help" in field.metadata
+        for flag in flags_of(field)
     }
 
 
