@@ -135,12 +135,15 @@ def engine_run(
     cp_comm_type=("p2p",),
     part_norms: bool = False,
     local_squares: bool = False,
+    counts: bool = False,
 ):
     """The same run through DDP + DistributedOptimizer + the pipeline schedule; `sharding`
     (a strategy of parallel/data_parallel/ddp.py) overrides `zero`.
     repeat_batch: train on one batch over and over (a loss that can fall).
     part_norms: each step also reports the gradient norm per layer and parameter group;
-    local_squares: and the DP ranks' mean squared norm of their own gradients."""
+    local_squares: and the DP ranks' mean squared norm of their own gradients;
+    counts: the gradient's zeros and the parameters' norm (--log-num-zeros-in-grad,
+    --log-params-norm)."""
     chunks = build_model_chunks(
         cfg,
         state,
@@ -194,7 +197,9 @@ def engine_run(
                 batches,
                 state,
                 schedule,
-                features=StepFeatures(norm_parts=parts, local_squares=own),
+                features=StepFeatures(
+                    norm_parts=parts, local_squares=own, num_zeros=counts, params_norm=counts
+                ),
             )
         )
     optimizer.finish_param_sync()

@@ -33,6 +33,12 @@ class LoggingConfig:
         "every this many iterations, log the gradient norm of each layer, the embeddings, the "
         "final norm, the output layer and each optimizer parameter group",
     )
+    log_params_norm: bool = option(
+        False, "log the parameters' L2 norm after each update (params_norm; as Megatron-LM)"
+    )
+    log_num_zeros_in_grad: bool = option(
+        False, "log how many gradient elements are zero (num_zeros; as Megatron-LM)"
+    )
     log_jsonl: str | None = option(None, "append one JSON object per log line to this file")
     tensorboard_dir: str | None = option(None, "write TensorBoard scalars here")
     wandb_project: str | None = option(

@@ -108,6 +108,8 @@ MEGATRON_TAGS = {
     "lm_loss": "lm loss",
     "lr": "learning-rate",
     "grad_norm": "grad-norm",
+    "params_norm": "params-norm",
+    "num_zeros": "num-zeros",
     "loss_scale": "loss-scale",
     "batch_size": "batch-size",
     "tflops_per_device": "throughput",

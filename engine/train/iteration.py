@@ -31,6 +31,8 @@ class IterationResult:
     part_norms: dict[str, float] | None = None  # --log-grad-norms-interval
     gradient_noise_scale: float | None = None  # --log-gradient-noise-scale (smoothed)
     domain_parts: list[float] | None = None  # a blend's losses by dataset (loss.py)
+    num_zeros: int | None = None  # --log-num-zeros-in-grad
+    params_norm: float | None = None  # --log-params-norm
 
 
 def train_iteration(run: Run, batches: list[dict], global_batch: int | None = None):
@@ -94,4 +96,6 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         part_norms=out.part_norms,
         gradient_noise_scale=noise_scale,
         domain_parts=out.domain_parts,
+        num_zeros=out.num_zeros,
+        params_norm=out.params_norm,
     )

@@ -35,6 +35,12 @@ def log_window(run: Run, window: list[IterationResult], tokens: int) -> None:
         "skipped_iters": c.skipped_iters,
         "mem_gb": memory_gb(run.state.device),
     }
+    # as Megatron-LM: the last iteration's value (the zeros of the last update taken)
+    if last.params_norm is not None:
+        record["params_norm"] = last.params_norm
+    zeros = [r.num_zeros for r in window if r.num_zeros is not None]
+    if zeros:
+        record["num_zeros"] = zeros[-1]
     finite = [x for x in losses if math.isfinite(x)]
     if len(finite) > 1:  # how much the loss moved between the iterations of the window
         record["lm_loss_var"] = statistics.pvariance(finite)
@@ -63,6 +69,10 @@ def _write(run: Run, record: dict, loss: float) -> None:
     run.writer.log(record, c.iteration)
     mfu = f" | mfu {record['mfu']:.1%}" if "mfu" in record else ""
     grad = f"{record['grad_norm']:.3f}" if record["grad_norm"] is not None else "skipped"
+    if "num_zeros" in record:
+        grad += f" | num zeros {record['num_zeros']}"
+    if "params_norm" in record:
+        grad += f" | params norm {record['params_norm']:.3f}"
     run.writer.print(
         f"iteration {c.iteration:6d}/{iterations} | consumed {c.consumed_samples} | "
         f"lm loss {loss:.4f} | lr {record['lr']:.3e} | grad norm {grad} | "

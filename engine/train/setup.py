@@ -222,6 +222,8 @@ def _features(cfg: Configs, state: ParallelState, chunks, times, names) -> StepF
         local_squares=local_squares,
         noise_scale=noise_scale,
         domain_names=names,
+        num_zeros=logging.log_num_zeros_in_grad,
+        params_norm=logging.log_params_norm,
     )
 
 

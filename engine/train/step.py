@@ -32,8 +32,9 @@ class StepFeatures:
     (`times`: the gradient reductions as "grads-sync", making the loss known as "loss-sync",
     the optimizer as "optimizer"; the schedule counts its own parts), each part's gradient
     norm (`norm_parts`, every `norm_parts_interval` iterations), the data-parallel ranks'
-    own gradients for the noise scale (`local_squares`, smoothed by `noise_scale`), and the
-    loss of each dataset of a blend (`domain_names`)."""
+    own gradients for the noise scale (`local_squares`, smoothed by `noise_scale`), the
+    loss of each dataset of a blend (`domain_names`), the gradient's zeros (`num_zeros`) and
+    the parameters' norm after the update (`params_norm`)."""
 
     times: StepTimes | None = None
     norm_parts: NormParts | None = None
@@ -41,6 +42,8 @@ class StepFeatures:
     local_squares: LocalGradSquares | None = None
     noise_scale: NoiseScale | None = None
     domain_names: tuple[str, ...] = ()
+    num_zeros: bool = False  # --log-num-zeros-in-grad
+    params_norm: bool = False  # --log-params-norm
 
     @property
     def num_domains(self) -> int:
@@ -78,6 +81,8 @@ class StepResult:
     part_norms: dict[str, float] | None = None  # with norm_parts: each part's gradient norm
     local_grad_squares: float | None = None  # with local_squares: mean |own gradient|^2
     domain_parts: list[float] | None = None  # with domains: [s_0 .., w_0 ..] (loss.py)
+    num_zeros: int | None = None  # with num_zeros, of an update taken
+    params_norm: float | None = None  # with params_norm
 
 
 def forward_step(chunk, batch: dict, input_tensor: torch.Tensor | None) -> torch.Tensor:
@@ -186,8 +191,8 @@ def train_step(
         with measure(times, "save-checkpoint"):  # an asynchronous save's copy still running
             hooks.before_update()
     with measure(times, "optimizer"):
-        norm_parts = features.norm_parts
-        result = optimizer.step(norm_parts) if norm_parts is not None else optimizer.step()
+        result = optimizer.step(features.norm_parts, count_zeros=features.num_zeros)
+        params_norm = optimizer.params_norm() if features.params_norm else None
     if result.updated:
         # As Megatron-LM: the schedule moves on only after an update is applied, so a skipped
         # one (non-finite gradient, fp16 overflow, declined above) is retried at the same LR.
@@ -195,5 +200,14 @@ def train_step(
     norm = result.grad_norm if math.isfinite(result.grad_norm) else None
     loss, *parts = early if early is not None else loss_tensor.tolist()
     return StepResult(
-        loss, norm, lr, result.updated, result.loss_scale, result.part_norms, own, parts or None
+        loss,
+        norm,
+        lr,
+        result.updated,
+        result.loss_scale,
+        result.part_norms,
+        own,
+        parts or None,
+        result.num_zeros,
+        params_norm,
     )

@@ -57,6 +57,7 @@ class StepResult:
     grad_norm: float
     loss_scale: float | None
     part_norms: dict[str, float] | None = None  # with a NormParts: the norm of each part
+    num_zeros: int | None = None  # with count_zeros: zero elements of the gradient
 
 
 @dataclass(frozen=True)
@@ -148,11 +149,13 @@ class DistributedOptimizer:
         return loss * self.grad_scaler.scale if self.grad_scaler is not None else loss
 
     @torch.no_grad()
-    def step(self, parts: NormParts | None = None) -> StepResult:
+    def step(self, parts: NormParts | None = None, count_zeros: bool = False) -> StepResult:
         """One update from the (already reduced, see parallel.grads) main grads. Main grads
         kept in bf16 (--grad-reduce-in-bf16) are copied to fp32 first, as Megatron-LM does:
         unscaling, the norm, clipping and the update are in fp32. With `parts`, the norm of
-        each part too (before clipping, as the global norm)."""
+        each part too (before clipping, as the global norm); with `count_zeros`, the number
+        of zero elements of the gradient, every element counted once (--log-num-zeros-in-grad;
+        not for a skipped update, as in Megatron-LM)."""
         grads = [p.grad if p.grad.dtype == p.master.dtype else p.grad.float() for p in self.pieces]
         if self.grad_scaler is not None:
             torch._foreach_mul_(grads, self.grad_scaler.inv_scale)
@@ -168,6 +171,9 @@ class DistributedOptimizer:
         coefficient = clip_coefficient(norm, self.clip_grad)
         if coefficient < 1.0:
             torch._foreach_mul_(grads, coefficient)
+        num_zeros = (
+            self._count(counted, lambda g: g.numel() - g.count_nonzero()) if count_zeros else None
+        )
         for piece, grad in zip(self.pieces, grads):
             piece.master.grad = grad
         self.optimizer.step()
@@ -176,7 +182,29 @@ class DistributedOptimizer:
             torch._foreach_copy_(*map(list, zip(*copies)))
         for ddp in self.ddps:
             ddp.start_param_sync()
-        return StepResult(True, norm, scale, part_norms)
+        return StepResult(
+            True, norm, scale, part_norms, None if num_zeros is None else int(num_zeros)
+        )
+
+    def _count(self, tensors: list[torch.Tensor], count) -> float:
+        """sum(count(t)) over this rank's tensors, summed over the norm's group (every
+        element counted once), in float64 on the group's device."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for tensor in tensors:
+            total += count(tensor)
+        all_reduce(total, self.norm_group)
+        return total.item()
+
+    def params_norm(self) -> float:
+        """The L2 norm of the parameters (their fp32 masters), every element counted once
+        under any layout, as the gradient norm (--log-params-norm; Megatron-LM's
+        calc_params_l2_norm)."""
+        masters = [p.master for p, counts in zip(self.pieces, self._counts) if counts]
+        return math.sqrt(
+            self._count(
+                masters, lambda m: torch.linalg.vector_norm(m, dtype=torch.float64).square()
+            )
+        )
 
     def _part_norms(self, grads: list[torch.Tensor], parts: NormParts) -> dict[str, float]:
         """Sum of squares per label over this rank's counted pieces, summed over the same

@@ -244,11 +244,11 @@ learning-rate schedule taken from or reset against the checkpoint:
     --use-checkpoint-opt-param-scheduler --use-checkpoint-opt_param-scheduler
 logging and TensorBoard options:
     --config-logger-dir --disable-log-loss-scale-to-tensorboard --log-device-memory-used
-    --log-energy --log-memory-interval --log-memory-to-tensorboard --log-num-zeros-in-grad
-    --log-params-norm --log-progress --log-timers-to-tensorboard
-    --log-validation-ppl-to-tensorboard --log-world-size-to-tensorboard --logging-level
-    --no-barrier-with-level-1-timing --no-log-loss-scale-to-tensorboard
-    --tensorboard-log-interval --tensorboard-queue-size --timing-log-option
+    --log-energy --log-memory-interval --log-memory-to-tensorboard --log-progress
+    --log-timers-to-tensorboard --log-validation-ppl-to-tensorboard
+    --log-world-size-to-tensorboard --logging-level --no-barrier-with-level-1-timing
+    --no-log-loss-scale-to-tensorboard --tensorboard-log-interval --tensorboard-queue-size
+    --timing-log-option
 loss masking of end-of-document and pad tokens:
     --allow-ambiguous-pad-tokens --eod-mask-loss
 meta-device initialisation (start-up memory under FSDP):
