@@ -27,6 +27,7 @@ ARCHITECTURE_FIELDS = (
     "apply_layernorm_1p",
     "swiglu",
     "openai_gelu",
+    "squared_relu",
     "add_bias_linear",
     "untie_embeddings_and_output_weights",
     "qk_layernorm",
@@ -137,6 +138,7 @@ class ModelConfig:
     )
     swiglu: bool = option(False, "SwiGLU MLP instead of GELU")
     openai_gelu: bool = option(False, "GELU's tanh approximation, as OpenAI's GPT-2 uses")
+    squared_relu: bool = option(False, "squared ReLU, relu(x)^2, instead of GELU in the MLP")
     add_bias_linear: bool = option(
         True, "no biases in linear layers", flag="--disable-bias-linear", action="store_false"
     )
@@ -251,6 +253,9 @@ class ModelConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.squared_relu and (self.swiglu or self.openai_gelu):
+            flag = "--swiglu" if self.swiglu else "--openai-gelu"
+            raise ConfigError(f"--squared-relu replaces GELU: drop {flag} (as in Megatron-LM)")
         if self.kv_channels is None and h % n:
             raise ConfigError(
                 f"hidden-size {h} is not divisible by num-attention-heads {n}; change one of "

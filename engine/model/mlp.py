@@ -1,4 +1,5 @@
-"""The feed-forward block: column-parallel up projection, GELU or SwiGLU, row-parallel down."""
+"""The feed-forward block: column-parallel up projection, GELU, squared ReLU or SwiGLU,
+row-parallel down."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ class MLP(nn.Module):
         super().__init__()
         cfg = ctx.config
         f = cfg.ffn_size
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.squared_relu = cfg.swiglu, cfg.squared_relu
         self.ops = ctx.ops
         self.gelu_approximation = "tanh" if cfg.openai_gelu else "none"
         prefix = f"layers.{layer_number}.mlp"
@@ -34,6 +35,8 @@ class MLP(nn.Module):
         h = self.linear_fc1(x)
         if self.swiglu:
             h = self.ops.swiglu(h)
+        elif self.squared_relu:
+            h = F.relu(h).square()
         else:
             h = F.gelu(h, approximate=self.gelu_approximation)
         return self.linear_fc2(h)

@@ -180,7 +180,7 @@ activation and optimizer CPU offloading:
     --optimizer-offload-fraction --overlap-cpu-optimizer-d2h-h2d
     --use-torch-optimizer-for-cpu-offload
 activation-function variants:
-    --activation-func-clamp-value --glu-linear-offset --quick-geglu --squared-relu
+    --activation-func-clamp-value --glu-linear-offset --quick-geglu
 activation-recomputation options:
     --distribute-saved-activations --recompute-modules
 attention variants:

@@ -72,6 +72,7 @@ def style_of(cfg: ModelConfig) -> str:
             (cfg.swiglu, "a GELU MLP without --swiglu (Llama uses SwiGLU)"),
             (not cfg.add_bias_linear, "linear biases (Llama has none: use --disable-bias-linear)"),
             (not cfg.openai_gelu, "--openai-gelu"),
+            (not cfg.squared_relu, "--squared-relu"),
             (
                 cfg.rotary_percent == 1.0,
                 f"--rotary-percent {cfg.rotary_percent} (Llama rotates every channel of a head)",
@@ -88,6 +89,7 @@ def style_of(cfg: ModelConfig) -> str:
             (not cfg.add_qkv_bias or cfg.add_bias_linear, "--add-qkv-bias alone"),
             (cfg.normalization == "LayerNorm", "--normalization RMSNorm (GPT-2 uses LayerNorm)"),
             (not cfg.swiglu, "--swiglu (GPT-2 has a GELU MLP)"),
+            (not cfg.squared_relu, "--squared-relu (GPT-2 has a GELU MLP)"),
             (cfg.add_bias_linear, "--disable-bias-linear (GPT-2 has biases)"),
             (
                 not cfg.untie_embeddings_and_output_weights,

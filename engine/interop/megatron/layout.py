@@ -77,6 +77,7 @@ def model_config_from_args(args) -> ModelConfig:
         apply_layernorm_1p=bool(get("apply_layernorm_1p")),
         swiglu=swiglu,
         openai_gelu=bool(get("openai_gelu")),
+        squared_relu=bool(get("squared_relu")),
         add_bias_linear=bool(get("add_bias_linear", True)),
         add_qkv_bias=bool(get("add_qkv_bias")),
         window_size=str(tuple(get("window_size"))) if get("window_size") else None,
