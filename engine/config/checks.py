@@ -45,7 +45,7 @@ def check_layout_flags(cfg: Configs, world_size: int) -> int:
     dp = check_layout(world_size, tp, pp, cp=par.context_parallel_size)
     _check_context_parallel(m, par)  # (the model's own shape: checked by resolve)
     par.validate(m.num_layers)
-    for section in (cfg.runtime, cfg.logging, cfg.evaluation, cfg.checkpointing):
+    for section in (cfg.runtime, cfg.logging, cfg.evaluation, cfg.checkpointing, cfg.exit):
         section.validate()
     _check_pipeline(cfg, dp)
     return dp

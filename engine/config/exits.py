@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config.fields import option
+from engine.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -29,3 +30,15 @@ class ExitConfig:
         "on SIGTERM (a preempted or time-limited Slurm job): finish the iteration, save, exit "
         "with code 0",
     )
+    check_weight_hash_across_dp_replicas_interval: int | None = option(
+        None,
+        "every this many iterations, compare the data-parallel replicas' weights (SHA-256 of "
+        "each parameter) and stop, naming the parameter and ranks, if any differ",
+    )
+
+    def validate(self) -> None:
+        every = self.check_weight_hash_across_dp_replicas_interval
+        if every is not None and every < 1:
+            raise ConfigError(
+                "--check-weight-hash-across-dp-replicas-interval must be at least 1 (or left out)"
+            )

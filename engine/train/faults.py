@@ -7,6 +7,8 @@
     TRIPOD_FAULT_KILL_AT=1:3          rank 1 kills itself (SIGKILL) at iteration 3
     TRIPOD_FAULT_SIGTERM_AT=1:3       rank 1 is sent SIGTERM at iteration 3 (as Slurm sends it
                                       to a job it preempts or that reaches its time limit)
+    TRIPOD_FAULT_PERTURB_WEIGHT_AT=1:3  rank 1 changes one of its weights after the update of
+                                      iteration 3 (a replica drifting from the others)
 
 (A kill in the middle of a save is engine/checkpoint/faults.py's.)
 
@@ -41,6 +43,13 @@ def before_iteration(rank: int, iteration: int, batches: list[dict], vocab_size:
             noise = torch.randint(0, vocab_size, batch["tokens"].shape, generator=generator)
             batch["tokens"] = noise.to(batch["tokens"].device)
             batch["labels"] = noise.roll(-1, dims=1).to(batch["labels"].device)
+
+
+def after_update(rank: int, iteration: int, chunks) -> None:
+    if rank_at("TRIPOD_FAULT_PERTURB_WEIGHT_AT", rank, iteration):
+        ddp = chunks[0]
+        with ddp.gathered_parameters(), torch.no_grad():
+            ddp.params[0].view(-1)[0] += 1.0
 
 
 def after_backward(rank: int, iteration: int, chunks) -> None:

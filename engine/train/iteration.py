@@ -73,6 +73,7 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         hooks=hooks,
         samples=global_batch,
     )
+    faults.after_update(rank, iteration, run.chunks)
     if not early:
         spike["z"], spike["attempted"] = run.spikes.check(out.loss), True
     # An attempted step that did not update had a non-finite gradient (with fp16 that is a

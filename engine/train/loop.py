@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from engine.monitor.metrics import memory_gb
+from engine.monitor.weight_hash import check_replicas
 from engine.train.batches import data_iterator, micro_batches_per_step, next_batches
 from engine.train.checkpoint import save
 from engine.train.evaluate import evaluate
@@ -66,6 +67,10 @@ def train(run: Run) -> Counters:
         if c.iteration % cfg.logging.log_interval == 0 or c.iteration == iterations:
             log_window(run, window, tokens_since_log)
             window, tokens_since_log = [], 0
+        every = cfg.exit.check_weight_hash_across_dp_replicas_interval
+        if every and c.iteration % every == 0:
+            check_replicas(run.chunks, state.world_group, state.device, c.iteration)
+            run.writer.print(f"weights equal across data-parallel replicas at {c.iteration}")
         every = cfg.evaluation.eval_interval
         if every and c.iteration % every == 0 and c.iteration < iterations:
             with times.measure("evaluate"), times.paused():

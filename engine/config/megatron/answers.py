@@ -357,8 +357,7 @@ torch FSDP2:
 training phases:
     --phase-transition-iterations
 training-loop checks (NaN, large gradients, weight hashes):
-    --check-for-large-grads --check-weight-hash-across-dp-replicas-interval
-    --no-check-for-nan-in-loss-and-grad
+    --check-for-large-grads --no-check-for-nan-in-loss-and-grad
 weight-decay schedule and exclusions:
     --apply-wd-to-qk-layernorm --end-weight-decay --no-weight-decay-cond-type
     --start-weight-decay --weight-decay-incr-style

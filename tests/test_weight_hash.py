@@ -1,0 +1,53 @@
+"""--check-weight-hash-across-dp-replicas-interval: replicas that hold the same weights pass
+(replicated, with the distributed optimizer, or sharded parameters gathered), and a replica
+whose weight drifted stops the run, through the launcher, with one line naming the parameter
+and the ranks of each version."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_training import ROOT, base_args
+
+
+def _launch(args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "engine.launch", "--nproc-per-node", "2", "-m", "engine.pretrain"]
+        + args,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize("sharding", [None, "--use-distributed-optimizer", "--use-megatron-fsdp"])
+def test_replicas_are_compared_and_a_drifted_one_stops_the_run(
+    dataset_prefix, tokenizer_model, sharding
+):
+    extra = {"--train-iters": "4", "--check-weight-hash-across-dp-replicas-interval": "2"}
+    if sharding:
+        extra[sharding] = True
+    args = base_args(dataset_prefix, tokenizer_model, **extra) + ["--device", "cpu"]
+    equal = _launch(args)
+    assert equal.returncode == 0, equal.stderr
+    found = [x for x in equal.stdout.splitlines() if x.startswith("weights equal across")]
+    assert found == [
+        "weights equal across data-parallel replicas at 2",
+        "weights equal across data-parallel replicas at 4",
+    ]
+    if sharding == "--use-megatron-fsdp":
+        return  # no replicas of a sharded parameter: each rank holds its own shard
+    drifted = _launch(args, {"TRIPOD_FAULT_PERTURB_WEIGHT_AT": "1:4"})
+    assert drifted.returncode == 2
+    lines = [x for x in drifted.stderr.splitlines() if x.strip()]
+    assert lines == [
+        "error: weights checked at iteration 4 (--check-weight-hash-across-dp-replicas-interval): "
+        "embedding.word_embeddings.weight differs between data-parallel replicas: one on rank 0;"
+        " one on rank 1"
+    ], drifted.stderr
