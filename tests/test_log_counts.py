@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import math
 
+import pytest
+import torch
+
 from parallel.state import ParallelState
 from tests.distributed import run_ranks
 from tests.harness import (
@@ -69,3 +72,26 @@ def test_the_log_carries_zeros_and_params_norm(dataset_prefix, tokenizer_model, 
     assert train[0]["params_norm"] != train[1]["params_norm"]
     out = capfd.readouterr().out
     assert out.count("| num zeros ") == 2 and out.count("| params norm ") == 2
+
+
+def test_memory_tags_are_megatron_lms_and_absent_on_a_cpu():
+    from engine.monitor.metrics import cuda_memory_tags, tensorboard_scalars
+
+    assert cuda_memory_tags(torch.device("cpu")) == {}
+    record = {"iteration": 1, "mem-allocated-bytes": 10, "mem-reserved-bytes": 20}
+    tags = {tag for tag, _, _ in tensorboard_scalars(record)}
+    assert tags == {"mem-allocated-bytes", "mem-reserved-bytes"}  # Megatron-LM's tags
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_memory_tags_read_the_cuda_allocator():
+    from engine.monitor.metrics import cuda_memory_tags
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    held = torch.empty(1 << 20, device=device)
+    tags = cuda_memory_tags(device)
+    assert tags["mem-allocated-bytes"] >= held.numel() * 4
+    assert tags["mem-max-allocated-bytes"] >= tags["mem-allocated-bytes"]
+    assert tags["mem-reserved-bytes"] >= tags["mem-allocated-bytes"]
+    assert tags["mem-allocated-count"] >= 1

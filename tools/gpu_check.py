@@ -175,6 +175,7 @@ TO_CONFIRM = (
         "gpu-tests",
     ),
     ("--torch-compile: one graph for all layers, no graph break (18)", "throughput-125m"),
+    ("--log-memory-to-tensorboard reads the CUDA allocator's statistics", "gpu-tests"),
     (
         "pipeline transfers in the planned global order run every schedule over NCCL (2)",
         "nccl-layouts",

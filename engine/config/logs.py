@@ -39,6 +39,12 @@ class LoggingConfig:
     log_num_zeros_in_grad: bool = option(
         False, "log how many gradient elements are zero (num_zeros; as Megatron-LM)"
     )
+    log_memory_to_tensorboard: bool = option(
+        False,
+        "add the CUDA allocator's mem-reserved-bytes, mem-allocated-bytes, "
+        "mem-max-allocated-bytes and mem-allocated-count to each log record (as Megatron-LM; "
+        "nothing on a CPU)",
+    )
     log_jsonl: str | None = option(None, "append one JSON object per log line to this file")
     tensorboard_dir: str | None = option(None, "write TensorBoard scalars here")
     wandb_project: str | None = option(

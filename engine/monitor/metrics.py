@@ -74,6 +74,21 @@ def memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # KiB on Linux
 
 
+def cuda_memory_tags(device: torch.device) -> dict[str, int]:
+    """Megatron-LM's --log-memory-to-tensorboard scalars: the CUDA caching allocator's
+    reserved, allocated and peak allocated bytes and its live allocations (none on a CPU,
+    which has no such allocator)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "mem-reserved-bytes": stats["reserved_bytes.all.current"],
+        "mem-allocated-bytes": stats["allocated_bytes.all.current"],
+        "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
+        "mem-allocated-count": stats["allocation.all.current"],
+    }
+
+
 class Throughput:
     """Time between log points and the derived rates."""
 

@@ -10,7 +10,7 @@ import statistics
 import torch
 
 from engine.eval.samples import Decoding, decode
-from engine.monitor.metrics import memory_gb
+from engine.monitor.metrics import cuda_memory_tags, memory_gb
 from engine.train.iteration import IterationResult
 from engine.train.loss import domain_losses
 from engine.train.state import Run
@@ -41,6 +41,8 @@ def log_window(run: Run, window: list[IterationResult], tokens: int) -> None:
     zeros = [r.num_zeros for r in window if r.num_zeros is not None]
     if zeros:
         record["num_zeros"] = zeros[-1]
+    if run.cfg.logging.log_memory_to_tensorboard:
+        record |= cuda_memory_tags(run.state.device)
     finite = [x for x in losses if math.isfinite(x)]
     if len(finite) > 1:  # how much the loss moved between the iterations of the window
         record["lm_loss_var"] = statistics.pvariance(finite)

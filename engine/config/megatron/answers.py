@@ -107,7 +107,8 @@ a memory-release detail:
 already what tripod does:
     --accumulate-allreduce-grads-in-fp32 --apply-query-key-layer-scaling
     --attention-softmax-in-fp32 --calculate-per-token-loss --dist-ckpt-optim-fully-reshardable
-    --log-throughput --tokenizer-hf-use-fast --use-cpu-initialization --verify-integrity
+    --log-throughput --log-timers-to-tensorboard --log-validation-ppl-to-tensorboard
+    --tokenizer-hf-use-fast --use-cpu-initialization --verify-integrity
 background checkpoint writer detail:
     --async-ckpt-cpu-priority --async-ckpt-io-priority --async-ckpt-use-cpu-shm --async-strategy
     --dist-ckpt-workers --use-persistent-ckpt-worker
@@ -244,11 +245,9 @@ learning-rate schedule taken from or reset against the checkpoint:
     --use-checkpoint-opt-param-scheduler --use-checkpoint-opt_param-scheduler
 logging and TensorBoard options:
     --config-logger-dir --disable-log-loss-scale-to-tensorboard --log-device-memory-used
-    --log-energy --log-memory-interval --log-memory-to-tensorboard --log-progress
-    --log-timers-to-tensorboard --log-validation-ppl-to-tensorboard
-    --log-world-size-to-tensorboard --logging-level --no-barrier-with-level-1-timing
-    --no-log-loss-scale-to-tensorboard --tensorboard-log-interval --tensorboard-queue-size
-    --timing-log-option
+    --log-energy --log-memory-interval --log-progress --log-world-size-to-tensorboard
+    --logging-level --no-barrier-with-level-1-timing --no-log-loss-scale-to-tensorboard
+    --tensorboard-log-interval --tensorboard-queue-size --timing-log-option
 loss masking of end-of-document and pad tokens:
     --allow-ambiguous-pad-tokens --eod-mask-loss
 meta-device initialisation (start-up memory under FSDP):
