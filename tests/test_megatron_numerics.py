@@ -32,3 +32,10 @@ def test_squared_relu_is_refused_beside_swiglu():
     prepare(parse(SHAPE + ["--squared-relu"]), 1)
     with pytest.raises(ConfigError, match="--squared-relu replaces GELU: drop --swiglu"):
         prepare(parse(SHAPE + ["--squared-relu", "--swiglu"]), 1)
+
+
+def test_distributed_backend_is_checked_against_the_device():
+    on_cpu = SHAPE + ["--device", "cpu"]
+    prepare(parse(on_cpu + ["--distributed-backend", "gloo"]), 1)
+    with pytest.raises(ConfigError, match="--distributed-backend nccl needs CUDA GPUs"):
+        prepare(parse(on_cpu + ["--distributed-backend", "nccl"]), 1)

@@ -34,6 +34,12 @@ class RuntimeConfig:
         "the update still runs in fp32",
     )
     device: str | None = option(None, "cpu or cuda (default: cuda when available)")
+    distributed_backend: str | None = option(
+        None,
+        "the process groups' backend: nccl (GPUs) or gloo (CPU); default the device's, and "
+        "refused where it contradicts the device",
+        choices=["nccl", "gloo"],
+    )
     use_fused_kernels: bool | None = option(
         None,
         "fused CUDA kernels for norms, RoPE, SwiGLU and cross-entropy (default: on CUDA "

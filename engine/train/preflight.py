@@ -119,6 +119,17 @@ def _check_device(runtime, local_world_size: int | None) -> None:
         local_rank, local_world = local_world_size - 1, local_world_size
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = rank_device(runtime.device, local_rank, local_world, cuda)
+    backend = runtime.distributed_backend
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            "--distributed-backend nccl needs CUDA GPUs and this run is on the CPU: use gloo "
+            "or leave the flag out (the backend follows the device)"
+        )
+    if backend == "gloo" and device.type == "cuda":
+        raise ConfigError(
+            "--distributed-backend gloo: on GPUs this engine's collectives run over NCCL "
+            "(gloo lacks some of them for CUDA tensors): use nccl, or add --device cpu"
+        )
     if runtime.use_fused_kernels and device.type != "cuda":
         raise ConfigError(
             "--use-fused-kernels needs a CUDA device; drop it (the PyTorch ops run on CPU)"

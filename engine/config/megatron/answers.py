@@ -26,6 +26,10 @@ DIFFERENT_DEFAULTS: dict[str, str] = {
         "Megatron-LM's transformer_engine needs Transformer Engine; local (the same "
         "computation in PyTorch) here"
     ),
+    "--distributed-backend": (
+        "Megatron-LM's nccl; here the device's backend (nccl on GPUs, gloo on the CPU), and "
+        "the flag is checked against the device"
+    ),
     "--num-query-groups": (
         "Megatron-LM's 1 is read only with --group-query-attention; unset here means the same"
     ),
@@ -311,7 +315,7 @@ precision-aware optimizer (low-precision master weights and moments):
     --exp-avg-dtype --exp-avg-sq-dtype --main-grads-dtype --main-params-dtype
     --use-precision-aware-optimizer
 process-group setup (backend, rank order, timeout):
-    --distributed-backend --distributed-timeout-seconds-after-init --use-tp-pp-dp-mapping
+    --distributed-timeout-seconds-after-init --use-tp-pp-dp-mapping
 profiling options:
     --memory-snapshot-path --nvtx-ranges --pytorch-profiler-collect-callstack
     --pytorch-profiler-collect-chakra --pytorch-profiler-collect-shapes --record-memory-history
