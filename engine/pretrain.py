@@ -14,9 +14,11 @@ import torch
 import torch.distributed as dist
 
 from engine.cli import run_main
-from engine.config.arguments import given_flags, parse_configs
+from engine.config.arguments import check_aliases, given_flags, other_names, parse_configs
+from engine.config.checks import check_configs
 from engine.config.configs import SECTIONS, Configs, configs_from
 from engine.config.megatron.compat import no_effect_line
+from engine.config.resolve import resolve
 from engine.errors import ConfigError
 from engine.train.loop import NaNLimit, finish, train
 from engine.train.preflight import prepare
@@ -28,13 +30,15 @@ def parse(argv: list[str] | None) -> Configs:
     """The command line as configs (not yet resolved: engine/train/preflight.py's prepare)."""
     argv = sys.argv[1:] if argv is None else argv
     groups = [(cls, title) for _, cls, title in SECTIONS]
+    check_aliases(argv, groups)
     parsed = parse_configs(argv, groups, description=__doc__, enforce_required=True)
-    return configs_from(parsed, given_flags(argv))
+    return configs_from(parsed, given_flags(argv, other_names(groups)))
 
 
 def values_problem(argv: list[str]) -> str | None:
-    """What the parse and checks of a command line refuse (on the fewest ranks its layout
-    takes), as one line; None if nothing."""
+    """What the parse and the configuration checks of a command line refuse (on the fewest
+    ranks its layout takes; not its files, tokenizer or devices, which the machine running the
+    report may lack), as one line; None if nothing."""
     import contextlib
     import io
 
@@ -44,7 +48,8 @@ def values_problem(argv: list[str]) -> str | None:
             cfg = parse(argv)
             p = cfg.parallel
             world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-            prepare(cfg, world * p.context_parallel_size)
+            world *= p.context_parallel_size
+            check_configs(resolve(cfg, world), world)
     except ConfigError as err:
         return str(err)
     except SystemExit:

@@ -161,18 +161,77 @@ def test_the_docs_page_is_the_tables():
 
 
 def test_megatron_lm_older_spellings_set_the_same_options():
+    unsized = list(SHAPE)
+    for flag in ("--num-layers", "--seq-length"):
+        del unsized[unsized.index(flag) : unsized.index(flag) + 2]
+
     def configs(*extra):
-        return parse(SHAPE + list(extra))
+        return parse(unsized + list(extra))
 
     older = configs(
-        *("--encoder-num-layers", "3", "--encoder-seq-length", "64"),
+        *("--encoder-num-layers", "3", "--encoder-seq-length", "32"),
         *("--recompute-activations", "--use-rotary-position-embeddings"),
         *("--persistent-save-interval", "7", "--no-overlap-p2p-communication"),
         *("--tokenizer-hf-include-special-tokens", "--yarn-correction-range-round-to-int"),
     )
-    m, ours = older.model, configs("--overlap-p2p-communication")
-    assert (m.num_layers, m.seq_length, m.recompute_granularity) == (3, 64, "selective")
+    m = older.model
+    assert (m.num_layers, m.seq_length, m.recompute_granularity) == (3, 32, "selective")
     assert m.position_embedding_type == "rope" and m.yarn_correction_range_round_to_int
     assert older.checkpointing.save_interval == 7
-    assert ours.parallel.overlap_p2p_communication and not older.parallel.overlap_p2p_communication
     assert not older.tokenizer.tokenizer_hf_no_include_special_tokens
+    ours = configs("--num-layers", "2", "--seq-length", "32", "--overlap-p2p-communication")
+    assert ours.parallel.overlap_p2p_communication and not older.parallel.overlap_p2p_communication
+    assert {"--seq-length", "--num-layers"} <= older.given  # as if given by their own names
+    # a switch wins whatever the order, as Megatron-LM applies it after parsing
+    for order in (
+        ["--recompute-activations", "--recompute-granularity", "full"],
+        ["--recompute-granularity", "full", "--recompute-activations"],
+    ):
+        assert (
+            configs("--num-layers", "2", "--seq-length", "32", *order).model.recompute_granularity
+            == "selective"
+        )
+    with pytest.raises(ConfigError, match="--num-layers and --encoder-num-layers both given"):
+        configs("--num-layers", "2", "--encoder-num-layers", "3", "--seq-length", "32")
+
+
+MEGATRON_LLAMA3_FP8 = """#!/bin/bash
+# as Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh writes its flags
+MODEL_ARGS=(
+    "--num-layers 32"
+    "--hidden-size 4096"
+    "--use-mcore-models"  # a comment --not-a-flag
+)
+DTYPE_ARGS="--fp8-format hybrid
+    --fp8-amax-history-len 1024"
+python tools/preprocess_data.py --input data.json --workers 8
+torchrun --nproc_per_node 8 pretrain_gpt.py ${MODEL_ARGS[@]} $DTYPE_ARGS --ckpt-format torch
+"""
+
+
+def test_migration_report_reads_scripts_as_the_shell_splits_them(tmp_path):
+    script = tmp_path / "llama.sh"
+    script.write_text(MEGATRON_LLAMA3_FP8)
+    lines = _report(str(script)).stdout.splitlines()
+    assert lines == [
+        "--num-layers: implemented (Megatron-LM's meaning)",
+        "--hidden-size: implemented (Megatron-LM's meaning)",
+        "--use-mcore-models: accepted without effect: chooses megatron-core's models over the "
+        "legacy ones, the only kind here",
+        "--fp8-format: refused: FP8/FP4 training: not available in this engine; drop --fp8-format",
+        "--fp8-amax-history-len: refused: FP8/FP4 training: not available in this engine; drop "
+        "--fp8-amax-history-len",
+        "--ckpt-format: refused: --ckpt-format torch: only torch_dist (and fsdp_dtensor with "
+        "--use-megatron-fsdp) is accepted (this engine writes its own sharded checkpoints); use "
+        "torch_dist or leave it out",
+        "would train: no",
+    ]
+    bert = tmp_path / "bert.sh"
+    bert.write_text("torchrun pretrain_bert.py --num-layers 24\n")
+    done = _report(str(bert))
+    assert done.returncode == 2 and done.stdout.splitlines()[0].startswith(
+        "pretrain_bert.py: not pretraining GPT-style models"
+    )
+    # a refused flag at Megatron-LM's default asks for nothing, a switch included
+    at_default = _report(*SHAPE, "--moe-router-topk", "2", "--dataloader-type", "single")
+    assert at_default.returncode == 0, at_default.stdout

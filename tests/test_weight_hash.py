@@ -1,7 +1,7 @@
 """--check-weight-hash-across-dp-replicas-interval: replicas that hold the same weights pass
-(replicated, with the distributed optimizer, or sharded parameters gathered), and a replica
-whose weight drifted stops the run, through the launcher, with one line naming the parameter
-and the ranks of each version."""
+(replicated, or with the distributed optimizer), a replica whose weight drifted stops the run,
+through the launcher, with one line naming the parameter and the ranks of each version, and
+sharded parameters (no replicas) are refused in one line."""
 
 from __future__ import annotations
 
@@ -35,14 +35,15 @@ def test_replicas_are_compared_and_a_drifted_one_stops_the_run(
         extra[sharding] = True
     args = base_args(dataset_prefix, tokenizer_model, **extra) + ["--device", "cpu"]
     equal = _launch(args)
+    if sharding == "--use-megatron-fsdp":  # sharded parameters: no replicas to compare
+        assert equal.returncode == 2 and "there are no replicas to compare" in equal.stderr
+        return
     assert equal.returncode == 0, equal.stderr
     found = [x for x in equal.stdout.splitlines() if x.startswith("weights equal across")]
     assert found == [
         "weights equal across data-parallel replicas at 2",
         "weights equal across data-parallel replicas at 4",
     ]
-    if sharding == "--use-megatron-fsdp":
-        return  # no replicas of a sharded parameter: each rank holds its own shard
     drifted = _launch(args, {"TRIPOD_FAULT_PERTURB_WEIGHT_AT": "1:4"})
     assert drifted.returncode == 2
     lines = [x for x in drifted.stderr.splitlines() if x.strip()]

@@ -174,7 +174,10 @@ TO_CONFIRM = (
         "each rank draws only its slice of each weight, on its GPU, equal to the CPU's draw (16)",
         "gpu-tests",
     ),
-    ("--torch-compile: one graph for all layers, no graph break (18)", "throughput-125m"),
+    (
+        "--torch-compile's speed with one graph for all layers (18; the count is a CPU test)",
+        "throughput-125m",
+    ),
     ("--log-memory-to-tensorboard reads the CUDA allocator's statistics", "gpu-tests"),
     (
         "pipeline transfers in the planned global order run every schedule over NCCL (2)",

@@ -68,10 +68,10 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, title: str) ->
         kwargs.update(meta)
         kwargs["default"] = argparse.SUPPRESS
         group.add_argument(flag, *aliases, **kwargs)
-        for switch, value in switches.items():
+        for switch, value in switches.items():  # applied after the other flags (build_configs)
             group.add_argument(
                 switch,
-                dest=kwargs["dest"],
+                dest=f"{kwargs['dest']}@{switch}",
                 action="store_const",
                 const=value,
                 default=argparse.SUPPRESS,
@@ -83,10 +83,15 @@ def build_configs(namespace: argparse.Namespace, classes: list[type]) -> dict[ty
     """Instantiate each dataclass from the parsed flags (unset flags keep field defaults); a
     class that adds its own arguments makes itself from the namespace (`from_namespace`)."""
     values: dict[str, dict] = {cls.__name__: {} for cls in classes}
+    switched = []
     for key, value in vars(namespace).items():
         owner, _, name = key.partition(".")
-        if owner in values:
+        if owner in values and "@" in name:  # a switch wins whatever the order, as there
+            switched.append((owner, name.split("@", 1)[0], value))
+        elif owner in values:
             values[owner][name] = value
+    for owner, name, value in switched:
+        values[owner][name] = value
     return {
         cls: cls.from_namespace(namespace)
         if hasattr(cls, "from_namespace")
@@ -153,6 +158,37 @@ def parse_configs(
     return configs
 
 
-def given_flags(argv: list[str]) -> frozenset[str]:
-    """The flags on a command line (`--seq-length 64` and `--seq-length=64` alike)."""
-    return frozenset(a.split("=", 1)[0] for a in argv if a.startswith("--"))
+def other_names(classes: list[tuple[type, str]]) -> dict[str, str]:
+    """{alias or switch: the field's own flag} of the configs' fields."""
+    names = {}
+    for cls, _ in classes:
+        if not dataclasses.is_dataclass(cls):
+            continue
+        for field in dataclasses.fields(cls):
+            for name in flags_of(field)[1:]:
+                names[name] = flag_of(field)
+    return names
+
+
+def given_flags(argv: list[str], aliases: dict[str, str] | None = None) -> frozenset[str]:
+    """The flags on a command line (`--seq-length 64` and `--seq-length=64` alike), with the
+    own flag of each alias given (`aliases`: other_names)."""
+    flags = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    aliases = aliases or {}
+    return frozenset(flags | {aliases[f] for f in flags if f in aliases})
+
+
+def check_aliases(argv: list[str], classes: list[tuple[type, str]]) -> None:
+    """ConfigError when a field is given under two of its names (Megatron-LM refuses
+    --num-layers beside --encoder-num-layers, which name the same value; a switch such as
+    --recompute-activations beside --recompute-granularity is not refused: it wins)."""
+    flags = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    for cls, _ in classes:
+        if not dataclasses.is_dataclass(cls):
+            continue
+        for field in dataclasses.fields(cls):
+            names = [n for n in (flag_of(field), *field.metadata.get("aliases", ())) if n in flags]
+            if len(names) > 1:
+                raise ConfigError(
+                    f"{' and '.join(names)} both given: they set the same value; keep one"
+                )

@@ -29,6 +29,13 @@ def check_configs(cfg: Configs, world_size: int) -> int:
     dp = check_layout_flags(cfg, world_size)
     _check_noise_scale(cfg.logging, par, dp)
     _check_profile_steps(cfg.profiling)
+    weight_check = cfg.exit.check_weight_hash_across_dp_replicas_interval
+    if weight_check and par.sharding_strategy() == "optim_grads_params":
+        raise ConfigError(
+            "--check-weight-hash-across-dp-replicas-interval with sharded parameters "
+            "(--use-megatron-fsdp's optim_grads_params): there are no replicas to compare "
+            "(Megatron-LM refuses the pair too); drop one, or pick another sharding strategy"
+        )
     training = cfg.training
     cfg.optimizer.validate(training.train_iters, training.train_samples, training.global_batch(dp))
     cfg.data.validate()

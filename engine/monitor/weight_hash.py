@@ -36,8 +36,7 @@ def chunk_mismatch(ddp) -> str | None:
     if group is None or group_size(group) == 1:
         return None
     with ddp.gathered_parameters():
-        names = [n for n, p in ddp.module.named_parameters() if p.requires_grad]
-        params = [p for p in ddp.module.parameters() if p.requires_grad]
+        names, params = zip(*ddp.module.named_parameters())
         mine = torch.stack([_digest(p) for p in params]).to(ddp.params[0].device)
     everyone = [torch.empty_like(mine) for _ in range(group_size(group))]
     dist.all_gather(everyone, mine, group=group)

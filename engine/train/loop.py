@@ -69,7 +69,8 @@ def train(run: Run) -> Counters:
             window, tokens_since_log = [], 0
         every = cfg.exit.check_weight_hash_across_dp_replicas_interval
         if every and c.iteration % every == 0:
-            check_replicas(run.chunks, state.world_group, state.device, c.iteration)
+            with times.measure("weight-check"):
+                check_replicas(run.chunks, state.world_group, state.device, c.iteration)
             run.writer.print(f"weights equal across data-parallel replicas at {c.iteration}")
         every = cfg.evaluation.eval_interval
         if every and c.iteration % every == 0 and c.iteration < iterations:

@@ -61,7 +61,9 @@ class _TensorParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, input_mode, fuse_wgrad, times):
         ctx.group, ctx.input_mode = group, input_mode
-        ctx.fuse_wgrad = fuse_wgrad and _fusable(weight)
+        # the parameter itself, whose main_grad and callbacks backward uses (a saved tensor
+        # may come back as another tensor object, e.g. under saved-tensor hooks)
+        ctx.fused_param = weight if fuse_wgrad and _fusable(weight) else None
         ctx.overlap = not torch.compiler.is_compiling()  # a traced graph takes no async_op
         ctx.has_bias, ctx.times = bias is not None, times
         total = x
@@ -98,7 +100,7 @@ class _TensorParallelLinear(torch.autograd.Function):
                     shard, grad_input.contiguous(), group, async_op=overlap
                 )
             grad_input = shard
-        grad_weight = _weight_grad(weight, _as_matrix(grad_output), _as_matrix(total), ctx)
+        grad_weight = _weight_grad(ctx.fused_param, _as_matrix(grad_output), _as_matrix(total))
         grad_bias = _as_matrix(grad_output).sum(0) if ctx.has_bias else None
         if reduce_work is not None:
             with measure(times, TP_COMM):
@@ -106,10 +108,11 @@ class _TensorParallelLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
-def _weight_grad(weight, grad_output_2d, input_2d, ctx):
+def _weight_grad(weight, grad_output_2d, input_2d):
     """dL/dW = grad_output^T input, or None when it went straight into weight.main_grad (or
-    was queued to: parallel/pipeline/weight_grad.py, for zero-bubble schedules)."""
-    if not ctx.fuse_wgrad:
+    was queued to: parallel/pipeline/weight_grad.py, for zero-bubble schedules); `weight`: the
+    parameter when its gradient is fused in, else None."""
+    if weight is None:
         return grad_output_2d.t().matmul(input_2d)
     queue = getattr(weight, QUEUE_ATTRIBUTE, None)
     if queue is not None:

@@ -30,6 +30,10 @@ DIFFERENT_DEFAULTS: dict[str, str] = {
         "Megatron-LM's nccl; here the device's backend (nccl on GPUs, gloo on the CPU), and "
         "the flag is checked against the device"
     ),
+    "--no-overlap-p2p-communication": (
+        "Megatron-LM overlaps the interleaved schedule's transfers unless this flag is given; "
+        "here they overlap only with --overlap-p2p-communication (speed only, same results)"
+    ),
     "--num-query-groups": (
         "Megatron-LM's 1 is read only with --group-query-attention; unset here means the same"
     ),
@@ -112,7 +116,7 @@ already what tripod does:
     --accumulate-allreduce-grads-in-fp32 --apply-query-key-layer-scaling
     --attention-softmax-in-fp32 --calculate-per-token-loss --dist-ckpt-optim-fully-reshardable
     --log-throughput --log-timers-to-tensorboard --log-validation-ppl-to-tensorboard
-    --tokenizer-hf-use-fast --use-cpu-initialization --verify-integrity
+    --no-bias-gelu-fusion --tokenizer-hf-use-fast --use-cpu-initialization --verify-integrity
 background checkpoint writer detail:
     --async-ckpt-cpu-priority --async-ckpt-io-priority --async-ckpt-use-cpu-shm --async-strategy
     --dist-ckpt-workers --use-persistent-ckpt-worker
@@ -156,7 +160,7 @@ Mamba and hybrid models:
     --hybrid-mlp-ratio --hybrid-override-pattern --is-hybrid-model --mamba-head-dim
     --mamba-num-groups --mamba-num-heads --mamba-state-dim --mamba-training-ssm-states-dtype
 Megatron-LM's GELU form (tanh-approximate fused bias-GELU):
-    --no-bias-gelu-fusion --use-te-activation-func
+    --use-te-activation-func
 Megatron-LM's legacy GPT model (megatron.legacy):
     --use-legacy-models
 Multi-Storage Client / object storage:

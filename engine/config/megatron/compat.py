@@ -105,6 +105,21 @@ def _asks_for_something(flag: str, value) -> bool:
     return definition is None or not definition.at_default(value)
 
 
+def value_problem(flag: str, value, megatron_fsdp: bool = True) -> str | None:
+    """Why a flag accepted without effect is refused at this value (None: it is not):
+    --ckpt-format other than torch_dist (and fsdp_dtensor with --use-megatron-fsdp)."""
+    if flag != "--ckpt-format" or value is None:
+        return None
+    accepted = ("torch_dist", "fsdp_dtensor") if megatron_fsdp else ("torch_dist",)
+    if value in accepted:
+        return None
+    return (
+        f"--ckpt-format {value}: only torch_dist (and fsdp_dtensor with --use-megatron-fsdp) "
+        "is accepted (this engine writes its own sharded checkpoints); use torch_dist or leave "
+        "it out"
+    )
+
+
 def check_megatron_flags(
     flags: MegatronFlags, position_embedding_type: str, megatron_fsdp: bool = False
 ) -> None:
@@ -117,13 +132,9 @@ def check_megatron_flags(
         answer = answers[flag]
         if answer.kind in (MISSING_KIND, NOT_APPLICABLE_KIND) and _asks_for_something(flag, value):
             raise ConfigError(refusal(flag, answer))
-    accepted = ("torch_dist", "fsdp_dtensor") if megatron_fsdp else ("torch_dist",)
-    if flags.value("--ckpt-format", "torch_dist") not in accepted:
-        raise ConfigError(
-            f"--ckpt-format {flags.value('--ckpt-format')}: only torch_dist (and fsdp_dtensor "
-            "with --use-megatron-fsdp) is accepted (this engine writes its own sharded "
-            "checkpoints); use torch_dist or leave it out"
-        )
+    problem = value_problem("--ckpt-format", flags.value("--ckpt-format"), megatron_fsdp)
+    if problem:
+        raise ConfigError(problem)
     if (
         flags.value("--no-position-embedding") is False
         and position_embedding_type == "learned_absolute"

@@ -13,7 +13,7 @@ import ast
 import functools
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 FOLDER = os.path.dirname(os.path.abspath(__file__))
 RELEASES = ("core_v0.16.1", "core_v0.19.0")  # oldest first
@@ -37,41 +37,85 @@ class MegatronFlag:
     value_type: str  # int, float, str or an enum's name
     choices: tuple[str, ...] | None
     releases: tuple[str, ...]
+    defaults: tuple[str, ...] = ()  # every release's default (they may differ)
 
-    def default_value(self):
-        """Megatron-LM's default as a Python value, or the source text where it is an
-        expression (an environment lookup, an enum member)."""
+    def default_value(self, text: str | None = None):
+        """Megatron-LM's default (the newest release's, or `text`) as a Python value, or the
+        source text where it is an expression (an environment lookup, an enum member)."""
+        text = self.default if text is None else text
         try:
-            return ast.literal_eval(self.default)
+            return ast.literal_eval(text)
         except (ValueError, SyntaxError):
             pass
-        power = re.fullmatch(r"(\d+) \*\* (\d+)", self.default)  # such as 2 ** 32
-        return int(power.group(1)) ** int(power.group(2)) if power else self.default
+        number = _arithmetic(text)  # such as 2 ** 32 or 1024 * 1024
+        return text if number is None else number
 
     def parsed(self, given):
-        """A value as given on a command line (a string or a list of strings), converted to
-        the flag's type where it has a plain one (strings that do not convert stay strings)."""
+        """A value as given on a command line (a string or a list of strings) as a number
+        where it reads as one (Megatron-LM's custom types included), else the string."""
         if isinstance(given, list):
             return [self.parsed(item) for item in given]
-        if not isinstance(given, str) or self.value_type not in ("int", "float"):
+        if not isinstance(given, str) or self.value_type == "str":
             return given
-        try:
-            return int(given) if self.value_type == "int" else float(given)
-        except ValueError:
-            return given
+        for kind in (int, float):
+            try:
+                return kind(given)
+            except ValueError:
+                pass
+        return given
 
     def at_default(self, given) -> bool:
-        """Whether `given` (a parsed command-line value) is Megatron-LM's default."""
-        default = self.default_value()
+        """Whether `given` (a parsed command-line value) is Megatron-LM's default, in any
+        release that has the flag (or the value it stands for when not given)."""
         value = given if self.switch_value is not None else self.parsed(given)
-        if isinstance(value, list) and not isinstance(default, list):
-            return len(value) == 1 and value[0] == default
-        return value == default
+        texts = (*self.defaults, self.default, *EFFECTIVE_DEFAULTS.get(self.flag, ()))
+        for default in (self.default_value(text) for text in texts):
+            if isinstance(value, list) and not isinstance(default, list):
+                if len(value) == 1 and value[0] == default:
+                    return True
+            elif value == default:
+                return True
+        return False
+
+
+# Defaults Megatron-LM's parser leaves unset and its argument checks then fill in.
+EFFECTIVE_DEFAULTS = {"--dataloader-type": ("'single'",)}
+
+
+def _arithmetic(text: str) -> int | float | None:
+    """The value of a default written as arithmetic on numbers (2 ** 32, 1024 * 1024)."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult | ast.Pow | ast.Add):
+            left, right = value(node.left), value(node.right)
+            if left is None or right is None:
+                return None
+            if isinstance(node.op, ast.Mult):
+                return left * right
+            return left**right if isinstance(node.op, ast.Pow) else left + right
+        return None
+
+    return value(tree)
 
 
 def _field(kind: str, name: str) -> str | None:
     match = re.search(rf"(?:^| ){name}=(\{{[^}}]*\}}|\S+)", kind)
     return match.group(1) if match else None
+
+
+def _choices(text: str | None) -> tuple[str, ...] | None:
+    """The plain choices of a flag (None where the list reads as an expression, such as a
+    list-valued enum's)."""
+    if not text:
+        return None
+    choices = tuple(text.strip("{}").split(","))
+    return choices if all(re.fullmatch(r"[\w.\-]+", c) for c in choices) else None
 
 
 def _parse_row(line: str, release: str) -> MegatronFlag:
@@ -91,7 +135,7 @@ def _parse_row(line: str, release: str) -> MegatronFlag:
         switch_value=switch,
         nargs=nargs.strip("'\"") if nargs else None,
         value_type=value_type.split("[", 1)[0],
-        choices=tuple(choices.strip("{}").split(",")) if choices else None,
+        choices=_choices(choices),
         releases=(release,),
     )
 
@@ -110,6 +154,8 @@ def megatron_flags() -> dict[str, MegatronFlag]:
     merged: dict[str, MegatronFlag] = {}
     for release in RELEASES:
         for flag, row in read_release(release).items():
-            earlier = merged[flag].releases if flag in merged else ()
-            merged[flag] = MegatronFlag(**{**row.__dict__, "releases": earlier + (release,)})
+            earlier = merged.get(flag)
+            releases = (earlier.releases if earlier else ()) + (release,)
+            defaults = (earlier.defaults if earlier else ()) + (row.default,)
+            merged[flag] = replace(row, releases=releases, defaults=defaults)
     return merged

@@ -3,19 +3,20 @@
     python -m engine.pretrain --check-megatron-args --num-layers 32 ... --fp8-format hybrid
     python -m engine.pretrain --check-megatron-args examples/pretrain_gpt.sh
 
-Given flags, or a shell script (its `--flags` are read from the text, torchrun's own are
-skipped), each flag is answered: implemented (same meaning), accepted without effect (and why),
-refused (the missing feature, or what the flag is for when it is not pretraining), or unknown
-to Megatron-LM's training parser. Exit code 0 if the command would train, 2 if not. A command
-line without shell variables is also parsed as the training entry point parses it, so a value
-this engine refuses is reported too.
+Given flags, or a shell script (its flags read from the text by engine/config/megatron/
+script.py; torchrun's own skipped), each flag is answered: implemented (same meaning),
+accepted without effect (and why), refused (the missing feature, or what the flag is for when
+it is not pretraining), or unknown to Megatron-LM's training parser; a script whose entry
+point is not pretrain_gpt.py is refused. Exit code 0 if the command would train, 2 if not. A
+command line without shell variables is also checked as the training entry point checks its
+configuration (not its files or devices, which may be elsewhere), so a value this engine
+refuses is reported too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import shlex
 
 from engine.config.megatron.compat import (
     MISSING_KIND,
@@ -24,8 +25,10 @@ from engine.config.megatron.compat import (
     Answer,
     refusal,
     table_answers,
+    value_problem,
 )
 from engine.config.megatron.releases import megatron_flags
+from engine.config.megatron.script import END, read_script_file
 
 
 def implemented_flags() -> set[str]:
@@ -57,38 +60,21 @@ def launcher_flags() -> set[str]:
     return {s for action in get_args_parser()._actions for s in action.option_strings}
 
 
-END = "\n"  # a script's end of line: the values of a flag end there
-
-
-def flags_of(tokens: list[str]) -> list[tuple[str, list[str]]]:
-    """(flag, the values after it) for each `--flag` among the tokens; a value list ends at
-    the next flag, a line's end or shell punctuation."""
+def flags_of(words) -> list[tuple[str, list[str]]]:
+    """(flag, the values after it) for each `--flag` among the words; a value list ends at
+    the next flag or at END."""
     found: list[tuple[str, list[str]]] = []
     taking = False
-    for token in tokens:
-        if token.startswith("--"):
-            flag, eq, value = token.partition("=")
+    for word in words:
+        if word.startswith("--"):
+            flag, eq, value = word.partition("=")
             found.append((flag, [value] if eq else []))
             taking = True
-        elif token == END or set(token) <= set("();|&"):
+        elif word == END:
             taking = False
         elif taking:
-            found[-1][1].append(token)
+            found[-1][1].append(word)
     return found
-
-
-def script_tokens(path: str) -> list[str]:
-    """A shell script's words, line by line (END between lines), comments and line
-    continuations removed (variables stay as written)."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read().replace("\\\n", " ")
-    tokens = []
-    for line in text.splitlines():
-        lexer = shlex.shlex(line, posix=True, punctuation_chars="();|&")
-        lexer.whitespace_split = True
-        lexer.commenters = "#"
-        tokens += [*lexer, END]
-    return tokens
 
 
 def line_for(flag: str, values: list[str], answer: Answer | None) -> tuple[str, bool]:
@@ -100,12 +86,17 @@ def line_for(flag: str, values: list[str], answer: Answer | None) -> tuple[str, 
     if answer.kind == SAME:
         return f"{flag}: implemented (Megatron-LM's meaning)", False
     if answer.kind == NO_EFFECT_KIND:
+        problem = value_problem(flag, values[0] if values else None)
+        if problem:
+            return f"{flag}: refused: {problem}", True
         return f"{flag}: accepted without effect: {answer.why}", False
     definition = megatron_flags()[flag]
-    if definition.switch_value is None and values:
-        value = values[0] if definition.nargs is None else values
-        if definition.at_default(value):
-            return f"{flag}: accepted without effect: at Megatron-LM's default", False
+    if definition.switch_value is not None:
+        value = definition.switch_value
+    else:
+        value = values[0] if definition.nargs is None and values else values
+    if (values or definition.switch_value is not None) and definition.at_default(value):
+        return f"{flag}: accepted without effect: at Megatron-LM's default", False
     kind = "refused" if answer.kind == MISSING_KIND else "refused (not pretraining)"
     line = f"{flag}: {kind}: {refusal(flag, answer).split(': ', 1)[1]}"
     if any("$" in v for v in values):
@@ -118,10 +109,17 @@ def report(argv: list[str], values_problem, out=print) -> int:
     `values_problem(argv)`: the training entry point's own parse and checks of a command line
     (None, or the one line saying what is wrong)."""
     script = len(argv) == 1 and os.path.isfile(argv[0])
-    tokens = script_tokens(argv[0]) if script else argv
+    tokens = list(read_script_file(argv[0]).words) if script else argv
     skip = launcher_flags() if script else set()
     implemented = implemented_flags()
     stops = 0
+    entry = read_script_file(argv[0]).entry if script else None
+    if entry is not None and entry not in ("pretrain_gpt.py", "engine.pretrain"):
+        out(
+            f"{entry}: not pretraining GPT-style models, which is what this engine does (it "
+            "runs pretrain_gpt.py's jobs)"
+        )
+        stops += 1
     for flag, values in flags_of(tokens):
         if flag in skip:
             continue
