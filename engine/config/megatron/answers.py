@@ -50,6 +50,12 @@ DIFFERENT_DEFAULTS: dict[str, str] = {
     ),
 }
 
+# Values of refused flags that ask for nothing here besides Megatron-LM's default (accepted
+# without effect, as the default is).
+ACCEPTED_VALUES: dict[str, tuple[str, ...]] = {
+    "--rerun-mode": ("disabled",),  # no rerun state machine here: disabled is what runs
+}
+
 
 def _table(text: str) -> dict[str, tuple[str, ...]]:
     """{group: its flags} from lines `<group>:` each followed by indented lines of flags."""

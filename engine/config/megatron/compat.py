@@ -14,7 +14,7 @@ import argparse
 import functools
 from dataclasses import dataclass
 
-from engine.config.megatron.answers import MISSING, NO_EFFECT, NOT_APPLICABLE
+from engine.config.megatron.answers import ACCEPTED_VALUES, MISSING, NO_EFFECT, NOT_APPLICABLE
 from engine.config.megatron.releases import MegatronFlag, megatron_flags
 from engine.errors import ConfigError
 
@@ -98,9 +98,11 @@ def _argparse_kwargs(definition: MegatronFlag) -> dict:
     return kwargs
 
 
-def _asks_for_something(flag: str, value) -> bool:
+def asks_for_something(flag: str, value) -> bool:
     """Whether a refused flag's value differs from Megatron-LM's default (at the default it
-    changes nothing there either)."""
+    changes nothing there either) and from the values that ask for nothing here."""
+    if isinstance(value, str) and value in ACCEPTED_VALUES.get(flag, ()):
+        return False
     definition = megatron_flags().get(flag)
     return definition is None or not definition.at_default(value)
 
@@ -130,7 +132,7 @@ def check_megatron_flags(
     answers = table_answers()
     for flag, value in flags.given:
         answer = answers[flag]
-        if answer.kind in (MISSING_KIND, NOT_APPLICABLE_KIND) and _asks_for_something(flag, value):
+        if answer.kind in (MISSING_KIND, NOT_APPLICABLE_KIND) and asks_for_something(flag, value):
             raise ConfigError(refusal(flag, answer))
     problem = value_problem("--ckpt-format", flags.value("--ckpt-format"), megatron_fsdp)
     if problem:

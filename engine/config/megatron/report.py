@@ -23,6 +23,7 @@ from engine.config.megatron.compat import (
     NO_EFFECT_KIND,
     SAME,
     Answer,
+    asks_for_something,
     refusal,
     table_answers,
     value_problem,
@@ -95,8 +96,8 @@ def line_for(flag: str, values: list[str], answer: Answer | None) -> tuple[str, 
         value = definition.switch_value
     else:
         value = values[0] if definition.nargs is None and values else values
-    if (values or definition.switch_value is not None) and definition.at_default(value):
-        return f"{flag}: accepted without effect: at Megatron-LM's default", False
+    if (values or definition.switch_value is not None) and not asks_for_something(flag, value):
+        return f"{flag}: accepted without effect: at a value that asks for nothing", False
     kind = "refused" if answer.kind == MISSING_KIND else "refused (not pretraining)"
     line = f"{flag}: {kind}: {refusal(flag, answer).split(': ', 1)[1]}"
     if any("$" in v for v in values):
