@@ -578,6 +578,20 @@ def test_keep_last_n(dataset_prefix, tokenizer_model, tmp_path):
     ]
 
 
+def test_save_retain_interval(dataset_prefix, tokenizer_model, tmp_path):
+    """Megatron-LM's meaning: the multiples of the interval and the newest are kept."""
+    ckpt = tmp_path / "ckpt"
+    extra = {"--train-iters": "7", "--save": str(ckpt), "--save-interval": "1"}
+    pretrain(
+        1, base_args(dataset_prefix, tokenizer_model, **extra, **{"--save-retain-interval": "3"})
+    )
+    assert sorted(n for n in os.listdir(ckpt) if n.startswith("iter_")) == [
+        "iter_0000003",
+        "iter_0000006",
+        "iter_0000007",
+    ]
+
+
 def _cli(args, env=None):
     return subprocess.run(
         [sys.executable, "-m", "engine.pretrain", *args],

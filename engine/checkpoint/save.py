@@ -68,10 +68,12 @@ class Checkpointer:
         async_save: bool = False,
         keep_last_n: int | None = None,
         device: torch.device | None = None,
+        retain_interval: int | None = None,
     ):
         self.root, self.group, self.rank = root, group, rank
         self.device = device if device is not None else torch.device("cpu")  # the rank's
         self.async_save, self.keep_last_n = async_save, keep_last_n
+        self.retain_interval = retain_interval
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._staging: HostStaging | None = None  # reused by every async save
@@ -216,10 +218,12 @@ class Checkpointer:
         )
 
     def _prune(self) -> None:
-        """--keep-last-n: remove the oldest committed checkpoints (best effort: one left behind
-        is removed by a later save). Only ours: folders of another writer in the same place
-        (Megatron-LM's, when --save is the --load it resumed from) are left alone."""
-        if not self.keep_last_n:
+        """--keep-last-n: remove the oldest committed checkpoints; --save-retain-interval
+        (Megatron-LM's meaning): remove every one but the newest whose iteration is not a
+        multiple of it. Best effort (one left behind is removed by a later save). Only ours:
+        folders of another writer in the same place (Megatron-LM's, when --save is the --load
+        it resumed from) are left alone."""
+        if not (self.keep_last_n or self.retain_interval):
             return
         try:
             committed = sorted(
@@ -229,7 +233,10 @@ class Checkpointer:
             )
         except OSError:
             return
-        for old_iteration in committed[: -self.keep_last_n]:
+        doomed = set(committed[: -self.keep_last_n]) if self.keep_last_n else set()
+        if self.retain_interval:
+            doomed |= {i for i in committed[:-1] if i % self.retain_interval}
+        for old_iteration in sorted(doomed):
             shutil.rmtree(iteration_dir(self.root, old_iteration), ignore_errors=True)
 
     def wait(self) -> None:

@@ -40,9 +40,16 @@ class CheckpointConfig:
         None, "steps between checkpoints", aliases=("--persistent-save-interval",)
     )
     keep_last_n: int | None = option(None, "keep only the newest N checkpoints")
+    save_retain_interval: int | None = option(
+        None,
+        "keep the checkpoints of iterations that are multiples of this and the newest one; "
+        "the others are removed once a newer one is saved (as Megatron-LM)",
+    )
     async_save: bool = option(False, "write checkpoints in the background")
 
     def validate(self) -> None:
+        if self.save_retain_interval is not None and self.save_retain_interval < 1:
+            raise ConfigError("--save-retain-interval must be at least 1 (or left out)")
         if self.save_interval is not None and self.save_interval < 1:
             raise ConfigError("--save-interval must be at least 1")
         if self.save_interval and not self.save:

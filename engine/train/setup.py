@@ -111,6 +111,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
             saving.async_save,
             saving.keep_last_n,
             device=state.device,
+            retain_interval=saving.save_retain_interval,
         )
     run = Run(
         cfg=cfg,
