@@ -234,6 +234,10 @@ def test_migration_report_reads_scripts_as_the_shell_splits_them(tmp_path):
     assert done.returncode == 2 and done.stdout.splitlines()[0].startswith(
         "pretrain_bert.py: not pretraining GPT-style models"
     )
+    missing = _report(str(tmp_path / "absent.sh"))
+    assert missing.returncode == 2 and missing.stdout.endswith(
+        "absent.sh: no such script; give an existing script or the flags themselves\n"
+    )
     # a refused flag at Megatron-LM's default asks for nothing, a switch included
     at_default = _report(*SHAPE, "--moe-router-topk", "2", "--dataloader-type", "single")
     assert at_default.returncode == 0, at_default.stdout

@@ -109,6 +109,9 @@ def report(argv: list[str], values_problem, out=print) -> int:
     """Print the report of a command line or script; 0 if it would train, else 2.
     `values_problem(argv)`: the training entry point's own parse and checks of a command line
     (None, or the one line saying what is wrong)."""
+    if len(argv) == 1 and argv[0].endswith(".sh") and not os.path.isfile(argv[0]):
+        out(f"{argv[0]}: no such script; give an existing script or the flags themselves")
+        return 2
     script = len(argv) == 1 and os.path.isfile(argv[0])
     tokens = list(read_script_file(argv[0]).words) if script else argv
     skip = launcher_flags() if script else set()
