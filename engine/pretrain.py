@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         return report(argv[1:], values_problem)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = prepare(parse(argv), world_size)
+    if cfg.runtime.deterministic_mode:  # before any cuBLAS handle exists
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     started_here = not dist.is_initialized()
     timeout = cfg.parallel.distributed_timeout_minutes
     _, _, device = init_distributed(cfg.runtime.device, timeout)

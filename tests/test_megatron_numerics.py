@@ -39,3 +39,48 @@ def test_distributed_backend_is_checked_against_the_device():
     prepare(parse(on_cpu + ["--distributed-backend", "gloo"]), 1)
     with pytest.raises(ConfigError, match="--distributed-backend nccl needs CUDA GPUs"):
         prepare(parse(on_cpu + ["--distributed-backend", "nccl"]), 1)
+
+
+def _deterministic_run(rank, world, argv):
+    import os
+
+    from engine.pretrain import main
+
+    code = main(argv)
+    return (
+        code,
+        torch.are_deterministic_algorithms_enabled(),
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
+
+
+def test_deterministic_mode_turns_on_torchs_deterministic_algorithms(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    from tests.distributed import run_ranks
+    from tests.test_training import base_args, losses
+
+    logs = []
+    for name in ("a", "b"):
+        log = str(tmp_path / f"{name}.jsonl")
+        args = base_args(
+            dataset_prefix, tokenizer_model, **{"--train-iters": "3", "--log-jsonl": log}
+        )
+        results = run_ranks(
+            _deterministic_run, 2, args + ["--deterministic-mode", "--device", "cpu"]
+        )
+        assert results == [(0, True, ":4096:8")] * 2
+        logs.append(losses(log))
+    assert logs[0] == logs[1]  # bit for bit
+
+
+def test_deterministic_mode_on_gpus_needs_nccl_algo(monkeypatch):
+    from engine.train.preflight import _check_deterministic_gpu
+
+    monkeypatch.delenv("NCCL_ALGO", raising=False)
+    with pytest.raises(ConfigError, match="--deterministic-mode: set NCCL_ALGO to one of Tree"):
+        _check_deterministic_gpu(parse(SHAPE).runtime)
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    _check_deterministic_gpu(parse(SHAPE).runtime)
+    with pytest.raises(ConfigError, match="with --use-fused-kernels"):
+        _check_deterministic_gpu(parse(SHAPE + ["--use-fused-kernels"]).runtime)

@@ -34,6 +34,12 @@ class RuntimeConfig:
         "the update still runs in fp32",
     )
     device: str | None = option(None, "cpu or cuda (default: cuda when available)")
+    deterministic_mode: bool = option(
+        False,
+        "torch's deterministic algorithms only (an op without one raises); on GPUs NCCL_ALGO "
+        "must name one all-reduce algorithm and the PyTorch ops run instead of the fused "
+        "kernels (as Megatron-LM)",
+    )
     distributed_backend: str | None = option(
         None,
         "the process groups' backend: nccl (GPUs) or gloo (CPU); default the device's, and "

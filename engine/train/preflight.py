@@ -119,6 +119,8 @@ def _check_device(runtime, local_world_size: int | None) -> None:
         local_rank, local_world = local_world_size - 1, local_world_size
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = rank_device(runtime.device, local_rank, local_world, cuda)
+    if runtime.deterministic_mode and device.type == "cuda":
+        _check_deterministic_gpu(runtime)
     backend = runtime.distributed_backend
     if backend == "nccl" and device.type != "cuda":
         raise ConfigError(
@@ -136,6 +138,24 @@ def _check_device(runtime, local_world_size: int | None) -> None:
         )
     if runtime.transformer_impl == "transformer_engine":
         check_transformer_engine()
+
+
+NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")  # Megatron-LM's list
+
+
+def _check_deterministic_gpu(runtime) -> None:
+    """--deterministic-mode on GPUs, as Megatron-LM checks it: NCCL_ALGO names a fixed
+    all-reduce algorithm, and no fused kernel (they are not known to be deterministic)."""
+    if os.environ.get("NCCL_ALGO") not in NCCL_ALGOS:
+        raise ConfigError(
+            f"--deterministic-mode: set NCCL_ALGO to one of {', '.join(NCCL_ALGOS)} (NCCL "
+            "picks an all-reduce algorithm per call otherwise, as Megatron-LM requires too)"
+        )
+    if runtime.use_fused_kernels:
+        raise ConfigError(
+            "--deterministic-mode with --use-fused-kernels: the fused kernels are not known to "
+            "be deterministic; drop --use-fused-kernels (the PyTorch ops run)"
+        )
 
 
 def _check_profiler(profiling, logging) -> None:

@@ -168,7 +168,11 @@ def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
     """This rank's model chunks (one per virtual stage), each in its DDP wrapper."""
     m, par, runtime = cfg.model, cfg.parallel, cfg.runtime
     ops = agree_on_ops(
-        select_ops(state.device, runtime.use_fused_kernels), state.world_group, state.device
+        select_ops(
+            state.device, False if runtime.deterministic_mode else runtime.use_fused_kernels
+        ),
+        state.world_group,
+        state.device,
     )
     if state.rank == 0:
         print(f"ops: {ops.name}", flush=True)

@@ -215,8 +215,6 @@ custom module specs and YAML configs:
     --spec --yaml-cfg
 cyclic data loader:
     --dataloader-type --no-data-sharding
-deterministic execution:
-    --deterministic-mode
 evaluation options:
     --eval-global-batch-size --eval-micro-batch-size --full-validation
     --multiple-validation-sets --skip-train --start-eval-at-iter --validation-set-names
