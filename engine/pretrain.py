@@ -6,6 +6,7 @@ script>` first: what each Megatron-LM flag will do here (engine/config/megatron/
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -66,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         return report(argv[1:], values_problem)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = prepare(parse(argv), world_size)
+    level = cfg.logging.logging_level  # as Megatron-LM: the flag, else its variable
+    if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL"):
+        level = int(os.environ["MEGATRON_LOGGING_LEVEL"])
+    if level is not None:
+        logging.getLogger().setLevel(level)
     if cfg.runtime.deterministic_mode:  # before any cuBLAS handle exists
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)

@@ -42,21 +42,17 @@ def test_distributed_backend_is_checked_against_the_device():
 
 
 def _deterministic_run(rank, world, argv):
+    import logging
     import os
 
     from engine.pretrain import main
 
     code = main(argv)
-    return (
-        code,
-        torch.are_deterministic_algorithms_enabled(),
-        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-    )
+    enabled = torch.are_deterministic_algorithms_enabled()
+    return code, enabled, os.environ.get("CUBLAS_WORKSPACE_CONFIG"), logging.getLogger().level
 
 
-def test_deterministic_mode_turns_on_torchs_deterministic_algorithms(
-    dataset_prefix, tokenizer_model, tmp_path
-):
+def test_deterministic_mode_and_logging_level(dataset_prefix, tokenizer_model, tmp_path):
     from tests.distributed import run_ranks
     from tests.test_training import base_args, losses
 
@@ -66,10 +62,9 @@ def test_deterministic_mode_turns_on_torchs_deterministic_algorithms(
         args = base_args(
             dataset_prefix, tokenizer_model, **{"--train-iters": "3", "--log-jsonl": log}
         )
-        results = run_ranks(
-            _deterministic_run, 2, args + ["--deterministic-mode", "--device", "cpu"]
-        )
-        assert results == [(0, True, ":4096:8")] * 2
+        extra = ["--deterministic-mode", "--device", "cpu", "--logging-level", "15"]
+        results = run_ranks(_deterministic_run, 2, args + extra)
+        assert results == [(0, True, ":4096:8", 15)] * 2  # (and --logging-level's level)
         logs.append(losses(log))
     assert logs[0] == logs[1]  # bit for bit
 

@@ -45,6 +45,11 @@ class LoggingConfig:
         "mem-max-allocated-bytes and mem-allocated-count to each log record (as Megatron-LM; "
         "nothing on a CPU)",
     )
+    logging_level: int | None = option(
+        None,
+        "the Python logging level of every logger (10 debug, 20 info, 30 warning; default: "
+        "the MEGATRON_LOGGING_LEVEL environment variable, else Python's)",
+    )
     log_jsonl: str | None = option(None, "append one JSON object per log line to this file")
     tensorboard_dir: str | None = option(None, "write TensorBoard scalars here")
     wandb_project: str | None = option(

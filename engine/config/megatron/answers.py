@@ -258,7 +258,7 @@ learning-rate schedule taken from or reset against the checkpoint:
 logging and TensorBoard options:
     --config-logger-dir --disable-log-loss-scale-to-tensorboard --log-device-memory-used
     --log-energy --log-memory-interval --log-progress --log-world-size-to-tensorboard
-    --logging-level --no-barrier-with-level-1-timing --no-log-loss-scale-to-tensorboard
+    --no-barrier-with-level-1-timing --no-log-loss-scale-to-tensorboard
     --tensorboard-log-interval --tensorboard-queue-size --timing-log-option
 loss masking of end-of-document and pad tokens:
     --allow-ambiguous-pad-tokens --eod-mask-loss
