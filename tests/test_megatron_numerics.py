@@ -79,3 +79,38 @@ def test_deterministic_mode_on_gpus_needs_nccl_algo(monkeypatch):
     _check_deterministic_gpu(parse(SHAPE).runtime)
     with pytest.raises(ConfigError, match="with --use-fused-kernels"):
         _check_deterministic_gpu(parse(SHAPE + ["--use-fused-kernels"]).runtime)
+
+
+@pytest.mark.parametrize("percent", [1.0, 0.5])
+def test_rotary_interleaved_is_megatron_cores(percent):
+    """--rotary-interleaved: pairs of adjacent channels turn, equal to megatron-core's
+    interleaved table (RotaryEmbedding(rotary_interleaved=True)'s layout) and rotation
+    (_apply_rotary_pos_emb_bshd(rotary_interleaved=True)), also on a partial rotation."""
+    import warnings
+
+    from engine.config.model import ModelConfig
+    from engine.model.attention import SelfAttention
+    from engine.model.rope import RotaryEmbedding
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rope = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils")
+        from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    common = dict(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=64)
+    common |= dict(position_embedding_type="rope", rotary_percent=percent)
+    cfg = ModelConfig(**common, rotary_interleaved=True)
+    cfg.validate()
+    table = rotary_pos_embedding.RotaryEmbedding(
+        kv_channels=16, rotary_percent=percent, rotary_interleaved=True, use_cpu_initialization=True
+    )
+    freqs = table.get_freqs_non_repeated(12)  # get_emb's interleaved layout, on the CPU
+    freqs = torch.stack((freqs, freqs), dim=-1).view(12, -1)[:, None, None, :]
+    x = torch.randn(12, 2, 4, 16, dtype=torch.float64)
+    theirs = rope._apply_rotary_pos_emb_bshd(x, freqs.double(), rotary_interleaved=True)
+    cos, sin = RotaryEmbedding(cfg.rotary_dim, cfg.rotary_base)(torch.arange(12))
+    ours = SelfAttention(BuildContext(cfg), 0)._rotate(x, (cos.double(), sin.double()))
+    assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+    plain = ModelConfig(**common)
+    halves = SelfAttention(BuildContext(plain), 0)._rotate(x, (cos.double(), sin.double()))
+    assert not torch.allclose(halves, theirs)  # the flag changes the rotation

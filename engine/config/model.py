@@ -28,6 +28,7 @@ ARCHITECTURE_FIELDS = (
     "swiglu",
     "openai_gelu",
     "squared_relu",
+    "rotary_interleaved",
     "add_bias_linear",
     "untie_embeddings_and_output_weights",
     "qk_layernorm",
@@ -85,6 +86,11 @@ class ModelConfig:
         switches={"--use-rotary-position-embeddings": "rope"},
     )
     rotary_base: int = option(10000, "RoPE base (theta)")
+    rotary_interleaved: bool = option(
+        False,
+        "RoPE rotates adjacent channel pairs (0, 1), (2, 3), ... instead of channel i with "
+        "i + d/2 (as Megatron-LM)",
+    )
     use_rope_scaling: bool = option(
         False, "Llama 3.x RoPE scaling: low frequencies slowed by --rope-scaling-factor"
     )

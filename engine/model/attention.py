@@ -89,9 +89,21 @@ class SelfAttention(nn.Module):
         --rotary-percent is below 1); the rest pass through unrotated."""
         width = rotary[0].shape[-1]
         if width == x.shape[-1]:
-            return self.ctx.ops.rotary(x, *rotary)
-        turned = self.ctx.ops.rotary(x[..., :width].contiguous(), *rotary)
+            return self._rotate_all(x, rotary)
+        turned = self._rotate_all(x[..., :width].contiguous(), rotary)
         return torch.cat([turned, x[..., width:]], dim=-1)
+
+    def _rotate_all(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
+        """With --rotary-interleaved, pair (2i, 2i+1) turns as the halves' pair (i, i + d/2)
+        does: the channels are reordered into halves, turned by the same op, put back."""
+        if not self.ctx.config.rotary_interleaved:
+            return self.ctx.ops.rotary(x, *rotary)
+        width = x.shape[-1]
+        halves = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1).contiguous()
+        turned = self.ctx.ops.rotary(halves, *rotary)
+        out = torch.empty_like(turned)
+        out[..., 0::2], out[..., 1::2] = turned[..., : width // 2], turned[..., width // 2 :]
+        return out
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None):
         qkv = self.linear_qkv(x)  # [s, b, (heads + 2 groups) * d / tp]

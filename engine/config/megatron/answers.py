@@ -185,7 +185,7 @@ NCCL flight-recorder dumps:
 QK-clip (MuonClip):
     --log-max-attention-logit --qk-clip --qk-clip-alpha --qk-clip-threshold
 RoPE variants:
-    --no-rope-freq --rope-type --rotary-interleaved
+    --no-rope-freq --rope-type
 activation and optimizer CPU offloading:
     --activation-offload-fraction --cpu-offloading-num-layers
     --cpu-offloading-retain-pinned-cpu-buffers --delay-offload-until-cuda-graph

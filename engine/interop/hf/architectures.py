@@ -73,6 +73,7 @@ def style_of(cfg: ModelConfig) -> str:
             (not cfg.add_bias_linear, "linear biases (Llama has none: use --disable-bias-linear)"),
             (not cfg.openai_gelu, "--openai-gelu"),
             (not cfg.squared_relu, "--squared-relu"),
+            (not cfg.rotary_interleaved, "--rotary-interleaved (Llama rotates halves)"),
             (
                 cfg.rotary_percent == 1.0,
                 f"--rotary-percent {cfg.rotary_percent} (Llama rotates every channel of a head)",

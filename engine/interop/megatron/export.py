@@ -103,7 +103,7 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
         use_rotary_position_embeddings=rope,
         rotary_base=cfg.rotary_base,
         rotary_percent=cfg.rotary_percent,
-        rotary_interleaved=False,
+        rotary_interleaved=cfg.rotary_interleaved,
         window_size=None if cfg.attention_window is None else (cfg.attention_window, 0),
         **_rope_scaling_args(cfg),
         normalization=cfg.normalization,

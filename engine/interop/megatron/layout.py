@@ -36,8 +36,6 @@ def model_config_from_args(args) -> ModelConfig:
         )
     unsupported = {
         "window_attn_skip_freq": get("window_attn_skip_freq"),
-        "rotary_interleaved": get("rotary_interleaved"),
-        "squared_relu": get("squared_relu"),
         "apply_residual_connection_post_layernorm": get("apply_residual_connection_post_layernorm"),
     }
     for name, used in unsupported.items():
@@ -78,6 +76,7 @@ def model_config_from_args(args) -> ModelConfig:
         swiglu=swiglu,
         openai_gelu=bool(get("openai_gelu")),
         squared_relu=bool(get("squared_relu")),
+        rotary_interleaved=bool(get("rotary_interleaved")),
         add_bias_linear=bool(get("add_bias_linear", True)),
         add_qkv_bias=bool(get("add_qkv_bias")),
         window_size=str(tuple(get("window_size"))) if get("window_size") else None,
