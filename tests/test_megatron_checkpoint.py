@@ -349,8 +349,6 @@ def test_load_resumes_a_megatron_checkpoint_where_it_stopped(tmp_path):
     [
         ({"num_experts": 8}, "mixture-of-experts"),
         ({"position_embedding_type": "mrope"}, "--position-embedding-type mrope"),
-        ({"rotary_interleaved": True}, "--rotary-interleaved"),
-        ({"squared_relu": True}, "--squared-relu"),
         (
             {"apply_residual_connection_post_layernorm": True},
             "--apply-residual-connection-post-layernorm",
@@ -359,7 +357,8 @@ def test_load_resumes_a_megatron_checkpoint_where_it_stopped(tmp_path):
 )
 def test_saved_models_this_engine_cannot_build_are_refused(change, says):
     """A model the saved arguments describe but this engine would build differently is named in
-    one line rather than loaded as something else; --openai-gelu is kept."""
+    one line rather than loaded as something else; --openai-gelu, --squared-relu and
+    --rotary-interleaved are kept."""
     from engine.interop.megatron.layout import model_config_from_args
 
     args = argparse.Namespace(**{**vars(_plain_args("llama")), **change})
@@ -367,6 +366,9 @@ def test_saved_models_this_engine_cannot_build_are_refused(change, says):
         model_config_from_args(args)
     gelu = argparse.Namespace(**{**vars(_plain_args("gpt")), "openai_gelu": True})
     assert model_config_from_args(gelu).openai_gelu
+    kept = {"squared_relu": True, "rotary_interleaved": True}  # built here now, so carried
+    config = model_config_from_args(argparse.Namespace(**{**vars(_plain_args("llama")), **kept}))
+    assert config.squared_relu and config.rotary_interleaved
 
 
 def _plain_args(style: str) -> argparse.Namespace:
