@@ -263,6 +263,13 @@ def test_exit_signal_handler_and_exit_duration_save_and_exit_cleanly(
     assert "exiting at iteration 3: received SIGTERM (--exit-signal-handler)" in (
         capfd.readouterr().out
     )
+    other = str(tmp_path / "other")
+    usr1 = {"--save": other, "--exit-signal-handler": True, "--exit-signal": "SIGUSR1"}
+    env = {"TRIPOD_FAULT_SIGTERM_AT": "0:2", "TRIPOD_FAULT_SIGNAL": "SIGUSR1"}
+    assert pretrain(2, args("usr1.jsonl", **usr1), env=env) == [0, 0]
+    assert "exiting at iteration 2: received SIGUSR1 (--exit-signal-handler)" in (
+        capfd.readouterr().out
+    )
     pretrain(2, args("resumed.jsonl", **{"--load": ckpt}))
     straight = [r["lm_loss"] for r in records(tmp_path / "straight.jsonl") if "split" not in r]
     stopped = [r["lm_loss"] for r in records(tmp_path / "stopped.jsonl") if "split" not in r]

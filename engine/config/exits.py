@@ -3,6 +3,7 @@ interval, a wall-clock limit, a signal."""
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 from engine.config.fields import option
@@ -30,6 +31,9 @@ class ExitConfig:
         "on SIGTERM (a preempted or time-limited Slurm job): finish the iteration, save, exit "
         "with code 0",
     )
+    exit_signal: str = option(
+        "SIGTERM", "the signal --exit-signal-handler acts on (a name, such as SIGUSR1)"
+    )
     check_weight_hash_across_dp_replicas_interval: int | None = option(
         None,
         "every this many iterations, compare the data-parallel replicas' weights (SHA-256 of "
@@ -37,6 +41,11 @@ class ExitConfig:
     )
 
     def validate(self) -> None:
+        if self.exit_signal not in signal.Signals.__members__:
+            raise ConfigError(
+                f"--exit-signal {self.exit_signal}: not a signal name; give one such as "
+                "SIGTERM or SIGUSR1"
+            )
         every = self.check_weight_hash_across_dp_replicas_interval
         if every is not None and every < 1:
             raise ConfigError(

@@ -6,7 +6,8 @@
     TRIPOD_FAULT_RAISE_AT=1:3         rank 1 raises an exception at iteration 3
     TRIPOD_FAULT_KILL_AT=1:3          rank 1 kills itself (SIGKILL) at iteration 3
     TRIPOD_FAULT_SIGTERM_AT=1:3       rank 1 is sent SIGTERM at iteration 3 (as Slurm sends it
-                                      to a job it preempts or that reaches its time limit)
+                                      to a job it preempts or that reaches its time limit;
+                                      TRIPOD_FAULT_SIGNAL=SIGUSR1 sends that signal instead)
     TRIPOD_FAULT_PERTURB_WEIGHT_AT=1:3  rank 1 changes one of its weights after the update of
                                       iteration 3 (a replica drifting from the others)
 
@@ -36,7 +37,8 @@ def before_iteration(rank: int, iteration: int, batches: list[dict], vocab_size:
     if rank_at("TRIPOD_FAULT_KILL_AT", rank, iteration):
         os.kill(os.getpid(), signal.SIGKILL)
     if rank_at("TRIPOD_FAULT_SIGTERM_AT", rank, iteration):
-        os.kill(os.getpid(), signal.SIGTERM)
+        name = os.environ.get("TRIPOD_FAULT_SIGNAL", "SIGTERM")
+        os.kill(os.getpid(), signal.Signals[name])
     if iteration in _iterations("TRIPOD_FAULT_RANDOM_BATCH_AT"):
         generator = torch.Generator().manual_seed(iteration)
         for batch in (b for b in batches if "tokens" in b):  # a middle stage reads none

@@ -129,7 +129,10 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         throughput=_throughput(cfg, state),
         spikes=SpikeDetector(cfg.exit.spike_window, cfg.exit.spike_zscore),
         exit_conditions=ExitConditions(
-            cfg.exit.exit_duration_in_mins, cfg.exit.exit_signal_handler, started=started
+            cfg.exit.exit_duration_in_mins,
+            cfg.exit.exit_signal_handler,
+            cfg.exit.exit_signal,
+            started=started,
         ),
         profiler=StepProfiler(
             cfg.profiling,

@@ -219,7 +219,7 @@ evaluation options:
     --eval-global-batch-size --eval-micro-batch-size --full-validation
     --multiple-validation-sets --skip-train --start-eval-at-iter --validation-set-names
 exit-signal options:
-    --exit-signal --exit-signal-handler-for-training
+    --exit-signal-handler-for-training
 experimental attention variants (DSA, gated delta net):
     --disable-dsa-indexer-rotate-activation --disable-dsa-indexer-scoring-relu
     --dsa-indexer-head-dim --dsa-indexer-k-norm-epsilon --dsa-indexer-k-norm-fp32

@@ -40,15 +40,19 @@ class MegatronFlag:
     defaults: tuple[str, ...] = ()  # every release's default (they may differ)
 
     def default_value(self, text: str | None = None):
-        """Megatron-LM's default (the newest release's, or `text`) as a Python value, or the
-        source text where it is an expression (an environment lookup, an enum member)."""
+        """Megatron-LM's default (the newest release's, or `text`) as a Python value: a
+        literal, arithmetic on numbers, an enum member's name (signal.SIGTERM -> SIGTERM, as
+        given on a command line), else the source text (an environment lookup)."""
         text = self.default if text is None else text
         try:
             return ast.literal_eval(text)
         except (ValueError, SyntaxError):
             pass
         number = _arithmetic(text)  # such as 2 ** 32 or 1024 * 1024
-        return text if number is None else number
+        if number is not None:
+            return number
+        member = re.fullmatch(r"[A-Za-z_][\w.]*\.([A-Za-z_]\w*)", text)
+        return member.group(1) if member else text  # an enum's member by the name one gives
 
     def parsed(self, given):
         """A value as given on a command line (a string or a list of strings) as a number
