@@ -578,6 +578,19 @@ def test_keep_last_n(dataset_prefix, tokenizer_model, tmp_path):
     ]
 
 
+def test_exit_on_missing_checkpoint(tmp_path):
+    from engine.errors import ConfigError
+    from engine.pretrain import parse
+    from engine.train.preflight import prepare
+    from tests.test_megatron_flags import SHAPE
+
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    prepare(parse(SHAPE + ["--load", empty]), 1)  # starts from scratch
+    with pytest.raises(ConfigError, match="--exit-on-missing-checkpoint: no checkpoint in"):
+        prepare(parse(SHAPE + ["--load", empty, "--exit-on-missing-checkpoint"]), 1)
+
+
 def test_save_retain_interval(dataset_prefix, tokenizer_model, tmp_path):
     """Megatron-LM's meaning: the multiples of the interval and the newest are kept."""
     ckpt = tmp_path / "ckpt"

@@ -40,6 +40,9 @@ class CheckpointConfig:
         None, "steps between checkpoints", aliases=("--persistent-save-interval",)
     )
     keep_last_n: int | None = option(None, "keep only the newest N checkpoints")
+    exit_on_missing_checkpoint: bool = option(
+        False, "with --load: stop, training nothing, when it holds no checkpoint"
+    )
     save_retain_interval: int | None = option(
         None,
         "keep the checkpoints of iterations that are multiples of this and the newest one; "

@@ -109,6 +109,11 @@ def check(cfg: Configs, world_size: int, local_world_size: int | None = None) ->
         iteration = find_latest(load)  # a broken latest file is reported now
         if iteration is not None:  # files present with their sizes; checksums in the ranks
             verify_checkpoint(iteration_dir(load, iteration), digests=False)
+        elif cfg.checkpointing.exit_on_missing_checkpoint:
+            raise ConfigError(
+                f"--exit-on-missing-checkpoint: no checkpoint in {load}; nothing trained "
+                "(leave the flag out to start from scratch there)"
+            )
 
 
 def _check_device(runtime, local_world_size: int | None) -> None:

@@ -207,10 +207,9 @@ batch-size adjustment:
 blended-dataset surplus (data order):
     --mid-level-dataset-surplus
 checkpoint load and save policy:
-    --ckpt-step --disable-use-tokenizer-model-from-checkpoint-args --exit-on-missing-checkpoint
-    --load-main-params-from-ckpt --no-save-optim --no-save-rng
-    --no-use-tokenizer-model-from-checkpoint-args --override-ckpt-iteration
-    --pretrained-checkpoint --use-mp-args-from-checkpoint-args
+    --ckpt-step --disable-use-tokenizer-model-from-checkpoint-args --load-main-params-from-ckpt
+    --no-save-optim --no-save-rng --no-use-tokenizer-model-from-checkpoint-args
+    --override-ckpt-iteration --pretrained-checkpoint --use-mp-args-from-checkpoint-args
 custom module specs and YAML configs:
     --spec --yaml-cfg
 cyclic data loader:
