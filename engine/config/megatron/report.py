@@ -61,7 +61,7 @@ def launcher_flags() -> set[str]:
     return {s for action in get_args_parser()._actions for s in action.option_strings}
 
 
-def flags_of(words) -> list[tuple[str, list[str]]]:
+def flags_with_values(words) -> list[tuple[str, list[str]]]:
     """(flag, the values after it) for each `--flag` among the words; a value list ends at
     the next flag or at END."""
     found: list[tuple[str, list[str]]] = []
@@ -112,19 +112,19 @@ def report(argv: list[str], values_problem, out=print) -> int:
     if len(argv) == 1 and argv[0].endswith(".sh") and not os.path.isfile(argv[0]):
         out(f"{argv[0]}: no such script; give an existing script or the flags themselves")
         return 2
-    script = len(argv) == 1 and os.path.isfile(argv[0])
-    tokens = list(read_script_file(argv[0]).words) if script else argv
+    script = read_script_file(argv[0]) if len(argv) == 1 and os.path.isfile(argv[0]) else None
+    tokens = list(script.words) if script else argv
     skip = launcher_flags() if script else set()
     implemented = implemented_flags()
     stops = 0
-    entry = read_script_file(argv[0]).entry if script else None
+    entry = script.entry if script else None
     if entry is not None and entry not in ("pretrain_gpt.py", "engine.pretrain"):
         out(
             f"{entry}: not pretraining GPT-style models, which is what this engine does (it "
             "runs pretrain_gpt.py's jobs)"
         )
         stops += 1
-    for flag, values in flags_of(tokens):
+    for flag, values in flags_with_values(tokens):
         if flag in skip:
             continue
         line, stop = line_for(flag, values, answer_of(flag, implemented))
