@@ -173,7 +173,9 @@ def _blocks_against_matmuls(device: str, dtype: torch.dtype, tolerance: float):
         assert (fused_lse - lse).abs().max() < tolerance
         delta = (dout * out).sum(-1)
         expected = ring._quarter_backward(q, k, v, dout, lse, delta, quarter, None, scale)
-        grads = kernels.backward(low[3], *low[:3], out.to(dtype), lse, not full, scale)
+        # as ring.py passes them: the row's merged output (not the kernel's own) and slices
+        rows = [torch.cat([t, t], 2)[:, :, 64:] for t in (*low, out.to(dtype))]
+        grads = kernels.backward(rows[3], *rows[:3], rows[4], lse, not full, scale)
         for ours, theirs in zip(grads, expected):
             assert (ours.float() - theirs).abs().max() < tolerance * 4, full
 

@@ -145,40 +145,9 @@ def steps() -> list[Step]:
 
 
 # What was changed for GPUs after the last measurements, tested on the CPU, with the step whose
-# outcome shows it on a GPU (issue 38's items): the report lists each with that outcome.
+# outcome shows it on a GPU: the report lists each with that outcome. Everything listed before the
+# H100 run of 2026-11-26 was confirmed by it (docs/gpu.md) except what needs two GPUs.
 TO_CONFIRM = (
-    (
-        "--async-save copies on the rank's GPU on a side stream into one pinned block (3)",
-        "train-launch",
-    ),
-    (
-        "RoPE's tables are made once per length on the device, no host copy per micro-batch (9)",
-        "throughput-125m",
-    ),
-    (
-        "a step reads the device once (the gradient norm) and the loss after the update (13)",
-        "throughput-125m",
-    ),
-    ("the ranks run with expandable allocator segments (17)", "train-launch"),
-    (
-        "attention kernel chosen per layer: FlexAttention for sliding windows, expanded K/V for "
-        "fp32 grouped-query attention (10)",
-        "attention",
-    ),
-    ("ring attention's blocks on the memory-efficient kernel in bf16 (11)", "gpu-tests"),
-    (
-        "bf16 weight gradients accumulate into the fp32 main_grad by one fp32-output GEMM (14)",
-        "gpu-tests",
-    ),
-    (
-        "each rank draws only its slice of each weight, on its GPU, equal to the CPU's draw (16)",
-        "gpu-tests",
-    ),
-    (
-        "--torch-compile's speed with one graph for all layers (18; the count is a CPU test)",
-        "throughput-125m",
-    ),
-    ("--log-memory-to-tensorboard reads the CUDA allocator's statistics", "gpu-tests"),
     (
         "pipeline transfers in the planned global order run every schedule over NCCL (2)",
         "nccl-layouts",

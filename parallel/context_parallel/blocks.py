@@ -21,6 +21,14 @@ import torch
 aten = torch.ops.aten
 
 
+def _heads_inside_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` [b, heads, s, d] stored as [b, s, heads, d], the layout the kernel's forward writes
+    its output in. Its bf16/fp16 backward reads `out` and `dout` in that layout whatever their
+    strides say (measured on an H100, torch 2.11: a contiguous `out` gave gradients wrong by
+    ~1.7 where the kernel's own output gave 0.01; fp32 was right either way)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 class CudaBlocks:
     """The memory-efficient kernel, whose log-sum-exp rows are padded to a multiple of 32."""
 
@@ -37,6 +45,7 @@ class CudaBlocks:
         padded = lse.new_zeros(*lse.shape[:-1], -(-rows // 32) * 32)
         padded[..., :rows] = lse
         unused = torch.empty(0, device=q.device)  # the dropout seed and offset (no dropout)
+        dout, out = _heads_inside_rows(dout), _heads_inside_rows(out)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, None, out, padded, unused, unused, 0.0, [True, True, True, False],
             causal, scale=scale,
