@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         cp=cfg.parallel.context_parallel_size,
         device=device,
         timeout_minutes=cfg.parallel.distributed_timeout_minutes,
+        pp_inside_dp=cfg.parallel.use_tp_pp_dp_mapping,
     )
     run = setup(cfg, state, started)
     accepted = no_effect_line(cfg.megatron, cfg.model, cfg.runtime, cfg.parallel)

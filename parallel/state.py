@@ -5,6 +5,11 @@ the ranks of a TP group are neighbours and stay inside one node):
 
     rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
 
+or, with `pp_inside_dp` (Megatron-LM's --use-tp-pp-dp-mapping, order tp-cp-pp-dp), a pipeline's
+stages neighbours and DP outermost:
+
+    rank = dp_rank * (pp * cp * tp) + pp_rank * (cp * tp) + cp_rank * tp + tp_rank
+
 The ranks of a CP group hold the same weights and split each sample's sequence; they read the
 same batches (so the data loader sees DP ranks only), and gradients are reduced, and the
 distributed optimizer shards, over DP x CP together (`dp_cp_group`).
@@ -55,6 +60,35 @@ def check_layout(world_size: int, tp: int, pp: int, dp: int | None = None, cp: i
     return derived
 
 
+def layout_groups(
+    tp: int, cp: int, dp: int, pp: int, pp_inside_dp: bool = False
+) -> dict[str, list[list[int]]]:
+    """The global ranks of every group of a layout, by kind: "tp", "cp", "dp", "dp_cp" (DP x
+    CP), "pp" (stage by stage) and "model" (TP x PP), each list in the order the groups are
+    created. Ranks are numbered TP innermost, then CP, then DP, then PP, or PP before DP with
+    `pp_inside_dp` (Megatron-LM's orders tp-cp-ep-dp-pp and tp-cp-ep-pp-dp)."""
+
+    def rank_of(p: int, d: int, c: int, t: int) -> int:
+        outer = d * pp + p if pp_inside_dp else p * dp + d
+        return (outer * cp + c) * tp + t
+
+    def every(*sizes):
+        return itertools.product(*(range(n) for n in sizes))
+
+    return {
+        "tp": [[rank_of(p, d, c, t) for t in range(tp)] for p, d, c in every(pp, dp, cp)],
+        "cp": [[rank_of(p, d, c, t) for c in range(cp)] for p, d, t in every(pp, dp, tp)],
+        "dp": [[rank_of(p, d, c, t) for d in range(dp)] for p, c, t in every(pp, cp, tp)],
+        "dp_cp": [
+            [rank_of(p, d, c, t) for d in range(dp) for c in range(cp)] for p, t in every(pp, tp)
+        ],
+        "pp": [[rank_of(p, d, c, t) for p in range(pp)] for d, c, t in every(dp, cp, tp)],
+        "model": [
+            [rank_of(p, d, c, t) for p in range(pp) for t in range(tp)] for d, c in every(dp, cp)
+        ],
+    }
+
+
 def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -85,6 +119,7 @@ class ParallelState:
     tp_ranks: tuple[int, ...] = (0,)
     dp_ranks: tuple[int, ...] = (0,)
     cp_ranks: tuple[int, ...] = (0,)
+    pp_inside_dp: bool = False  # --use-tp-pp-dp-mapping
 
     @property
     def tp_rank(self) -> int:
@@ -96,7 +131,8 @@ class ParallelState:
 
     @property
     def dp_rank(self) -> int:
-        return (self.rank // (self.tp_size * self.cp_size)) % self.dp_size
+        outer = self.rank // (self.tp_size * self.cp_size)
+        return outer // self.pp_size if self.pp_inside_dp else outer % self.dp_size
 
     @property
     def dp_cp_size(self) -> int:
@@ -104,7 +140,8 @@ class ParallelState:
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp_size * self.cp_size * self.dp_size)
+        outer = self.rank // (self.tp_size * self.cp_size)
+        return outer % self.pp_size if self.pp_inside_dp else outer // self.dp_size
 
     @property
     def world_size(self) -> int:
@@ -142,9 +179,10 @@ class ParallelState:
         device: torch.device | str | None = None,
         backend: str | None = None,
         timeout_minutes: float | None = None,
+        pp_inside_dp: bool = False,
     ) -> ParallelState:
-        """Create every group of the (tp, cp, dp, pp) layout; torch.distributed must be
-        initialised."""
+        """Create every group of the (tp, cp, dp, pp) layout, in the default rank order or
+        with `pp_inside_dp` (the module docstring); torch.distributed must be initialised."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised; call init_process_group first"
@@ -156,6 +194,7 @@ class ParallelState:
         timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
 
         state = cls(tp_size=tp, pp_size=pp, dp_size=dp, cp_size=cp, rank=rank, device=device)
+        state.pp_inside_dp = pp_inside_dp
 
         def new_group(ranks: list[int]) -> dist.ProcessGroup | None:
             """Create the group on every rank; return it where this rank is a member.
@@ -170,41 +209,30 @@ class ParallelState:
             group = dist.new_group(ranks, **options)
             return group if rank in ranks else None
 
-        def rank_of(p: int, d: int, c: int, t: int) -> int:
-            return ((p * dp + d) * cp + c) * tp + t
-
-        def every(*sizes):
-            return itertools.product(*(range(n) for n in sizes))
-
-        for p, d, c in every(pp, dp, cp):
-            ranks = [rank_of(p, d, c, t) for t in range(tp)]
+        groups = layout_groups(tp, cp, dp, pp, pp_inside_dp)
+        for ranks in groups["tp"]:
             group = new_group(ranks)
             if rank in ranks:
                 state.tp_group, state.tp_ranks = group, tuple(ranks)
-        for p, d, t in every(pp, dp, tp):
-            ranks = [rank_of(p, d, c, t) for c in range(cp)]
+        for ranks in groups["cp"]:
             group = new_group(ranks)
             if rank in ranks:
                 state.cp_group, state.cp_ranks = group, tuple(ranks)
-        for p, c, t in every(pp, cp, tp):
-            ranks = [rank_of(p, d, c, t) for d in range(dp)]
+        for ranks in groups["dp"]:
             group = new_group(ranks)
             if rank in ranks:
                 state.dp_group, state.dp_ranks = group, tuple(ranks)
-        for p, t in every(pp, tp):
-            ranks = [rank_of(p, d, c, t) for d in range(dp) for c in range(cp)]
+        for ranks in groups["dp_cp"]:
             group = new_group(ranks) if cp > 1 else None  # the same as the DP group
             if rank in ranks:
                 state.dp_cp_group = group if cp > 1 else state.dp_group
-        for d, c, t in every(dp, cp, tp):
-            ranks = [rank_of(p, d, c, t) for p in range(pp)]
+        for ranks in groups["pp"]:
             group = new_group(ranks)
             embedding = new_group([ranks[0], ranks[-1]]) if pp > 1 else None
             if rank in ranks:
                 state.pp_group, state.pp_ranks = group, tuple(ranks)
                 state.embedding_group = embedding
-        for d, c in every(dp, cp):
-            ranks = [rank_of(p, d, c, t) for p in range(pp) for t in range(tp)]
+        for ranks in groups["model"]:
             group = new_group(ranks)
             if rank in ranks:
                 state.model_parallel_group = group

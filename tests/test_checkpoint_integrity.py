@@ -34,8 +34,10 @@ def train_args(dataset_prefix, tokenizer_model, *extra) -> list[str]:
 
 
 def resume(dataset_prefix, tokenizer_model, ckpt: str, *extra: str):
-    """Three iterations of the fixture's run, resumed from `ckpt`."""
+    """Three iterations of the fixture's run, resumed from `ckpt` (a longer run: its schedule
+    differs from the checkpoint's, which Megatron-LM's flag accepts)."""
     args = train_args(dataset_prefix, tokenizer_model, "--train-iters", "3", "--load", ckpt)
+    args.append("--override-opt_param-scheduler")
     return run_python("-m", "engine.pretrain", *args, *extra)
 
 

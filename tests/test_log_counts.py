@@ -74,6 +74,22 @@ def test_the_log_carries_zeros_and_params_norm(dataset_prefix, tokenizer_model, 
     assert out.count("| num zeros ") == 2 and out.count("| params norm ") == 2
 
 
+def test_tensorboard_log_interval(dataset_prefix, tokenizer_model, tmp_path):
+    """Megatron-LM's meaning: the per-iteration scalars every --tensorboard-log-interval
+    iterations (each iteration's own value); the window's rates with the log line."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    extra = {"--train-iters": "6", "--log-interval": "3", "--tensorboard-dir": str(tb)}
+    args = base_args(dataset_prefix, tokenizer_model, **extra)
+    pretrain(1, args + ["--tensorboard-log-interval", "2", "--tensorboard-queue-size", "5"])
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    for tag in ("lm loss", "learning-rate", "grad-norm", "batch-size"):
+        assert [e.step for e in events.Scalars(tag)] == [2, 4, 6], tag
+    assert [e.step for e in events.Scalars("throughput")] == [3, 6]
+
+
 def test_memory_tags_are_megatron_lms_and_absent_on_a_cpu():
     from engine.monitor.metrics import cuda_memory_tags, tensorboard_scalars
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -114,3 +116,68 @@ def test_rotary_interleaved_is_megatron_cores(percent):
     plain = ModelConfig(**common)
     halves = SelfAttention(BuildContext(plain), 0)._rotate(x, (cos.double(), sin.double()))
     assert not torch.allclose(halves, theirs)  # the flag changes the rotation
+
+
+def _megatron_core_attention(scaling: bool, fp32_softmax: bool, layer: int):
+    """megatron-core's unfused attention softmax (FusedScaleMaskSoftmax, built and fed as its
+    DotProductAttention builds and feeds it: bf16 scores scaled by 1/sqrt(d), divided by the
+    layer number with the layer scaling, which the softmax multiplies back) and tripod's
+    attention kernel on the same bf16 q, k, v; each one's largest error against float64, and
+    the largest difference between them. (DotProductAttention itself needs a CUDA buffer.)"""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    from engine.model.attention_kernel import AttentionKernel, AttentionMasks
+
+    generator = torch.Generator().manual_seed(layer)
+    q, k, v = (torch.randn(2, 4, 48, 32, generator=generator).bfloat16() * 3 for _ in range(3))
+    scale, coeff = 1.0 / math.sqrt(32), None
+    if scaling:
+        coeff = layer
+        scale /= coeff
+    softmax = FusedScaleMaskSoftmax(
+        input_in_fp16=False,
+        input_in_bf16=True,
+        attn_mask_type=AttnMaskType.causal,
+        scaled_masked_softmax_fusion=False,
+        mask_func=attention_mask_func,
+        softmax_in_fp32=fp32_softmax,
+        scale=coeff,
+    )
+    scores = torch.baddbmm(
+        torch.empty(8, 48, 48, dtype=torch.bfloat16),
+        q.reshape(8, 48, 32),
+        k.reshape(8, 48, 32).transpose(1, 2),
+        beta=0.0,
+        alpha=scale,
+    )
+    future = torch.ones(1, 1, 48, 48, dtype=torch.bool).triu(1)  # its mask: True is hidden
+    probs = softmax(scores.view(2, 4, 48, 48), future)
+    theirs = torch.bmm(probs.view(8, 48, 48), v.reshape(8, 48, 32)).view(2, 4, 48, 32).float()
+    ours = AttentionKernel("sdpa-causal", None, False, AttentionMasks())(q, k, v, 0.0).float()
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=True
+    )
+    return (
+        (theirs - exact).abs().max().item(),
+        (ours - exact).abs().max().item(),
+        (theirs - ours).abs().max().item(),
+    )
+
+
+@pytest.mark.parametrize(
+    "scaling, fp32_softmax",
+    # megatron-core's config turns the fp32 softmax on with the layer scaling
+    [(True, True), (False, True), (False, False)],
+)
+def test_attention_softmax_in_fp32_and_query_key_layer_scaling(scaling, fp32_softmax):
+    """--attention-softmax-in-fp32 and --apply-query-key-layer-scaling, "already what tripod
+    does": its attention keeps the scores and the softmax in fp32 inside the kernel, so it is
+    never further from the float64 result than megatron-core's unfused bf16 attention with
+    either flag (which rounds the scores and the probabilities to bf16: ~0.2 off on these
+    inputs, tripod ~0.03); the flags ask for precision tripod always has."""
+    pytest.importorskip("megatron.core")
+    for layer in (1, 3):
+        theirs, ours, _ = _megatron_core_attention(scaling, fp32_softmax, layer)
+        assert ours <= theirs and ours < 0.05, (layer, ours, theirs)

@@ -514,10 +514,15 @@ def test_metrics_tensorboard_plot_and_peak_memory(dataset_prefix, tokenizer_mode
     megatron = {"lm loss", "learning-rate", "grad-norm", "batch-size", "lm loss validation"}
     assert megatron | {f"{t} vs samples" for t in megatron} <= tags, tags
     assert {"tokens_per_sec", "mem_gb", "lm loss validation ppl"} <= tags
+    # as Megatron-LM: each iteration's loss (--tensorboard-log-interval 1), the log line's the
+    # mean of its window's
     loss = [(e.step, e.value) for e in events.Scalars("lm loss")]
     by_samples = [(e.step, e.value) for e in events.Scalars("lm loss vs samples")]
-    assert [s for s, _ in loss] == [2, 4, 6] and [s for s, _ in by_samples] == [16, 32, 48]
-    assert [v for _, v in loss] == pytest.approx([r["lm_loss"] for r in train_records])
+    assert [s for s, _ in loss] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, _ in by_samples] == [8, 16, 24, 32, 40, 48]
+    pairs = [(loss[i][1] + loss[i + 1][1]) / 2 for i in (0, 2, 4)]
+    assert pairs == pytest.approx([r["lm_loss"] for r in train_records], rel=1e-6)
+    assert [e.step for e in events.Scalars("tokens_per_sec")] == [2, 4, 6]
     out = capfd.readouterr().out
     assert "peak memory per rank (GB): " in out
     assert "ops: PyTorch" in out and "attention: layers 0-3: sdpa-causal" in out  # start-up

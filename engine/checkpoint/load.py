@@ -55,10 +55,15 @@ def verify_checkpoint(path: str, group=None, digests: bool = True) -> dict:
     return meta
 
 
-def check_shapes(path: str, stored_metadata, state: dict, group=None) -> None:
+def check_shapes(
+    path: str, stored_metadata, state: dict, group=None, strictness: str = "raise_all"
+) -> tuple[list[str], list[str]]:
     """CheckpointError naming the first tensor whose stored shape differs from this model's,
-    or that only one of them has. `state` holds this rank's part of the model; the names of
-    every rank's tensors are gathered over `group` to see the whole model."""
+    or that only one of them has where `strictness` (megatron-core's StrictHandling values,
+    --dist-ckpt-strictness) says to stop. Returns the model's tensors the checkpoint lacks
+    (to keep their initial values) and the checkpoint's the model lacks. `state` holds this
+    rank's part of the model; the names of every rank's tensors are gathered over `group` to
+    see the whole model."""
     stored = {
         k: v for k, v in stored_metadata.state_dict_metadata.items() if k.startswith("model/")
     }
@@ -68,18 +73,26 @@ def check_shapes(path: str, stored_metadata, state: dict, group=None) -> None:
     ):
         whole.update(part)
     every_rank = is_distributed(group)
+    absent, extra = [], []
     for key in sorted(set(stored) | set(whole)):
         name = key[len("model/") :]
         if key not in stored:
+            if strictness.startswith(("log_", "ignore_")):
+                absent.append(name)
+                continue
             raise CheckpointError(
                 f"{path} was saved from a different model: it has no tensor {name}, which "
-                "this model needs",
+                "this model needs (--dist-ckpt-strictness log_unexpected keeps its initial "
+                "value)",
                 every_rank=every_rank,
             )
         if key not in whole:
+            if strictness != "raise_all":
+                extra.append(name)
+                continue
             raise CheckpointError(
                 f"{path} was saved from a different model: its tensor {name} does not exist "
-                "in this model",
+                "in this model (--dist-ckpt-strictness raise_all)",
                 every_rank=every_rank,
             )
         if tuple(stored[key].size) != whole[key]:
@@ -88,6 +101,7 @@ def check_shapes(path: str, stored_metadata, state: dict, group=None) -> None:
                 f"{list(stored[key].size)} there and {list(whole[key])} here",
                 every_rank=every_rank,
             )
+    return absent, extra
 
 
 def open_checkpoint(path: str, group=None) -> SafeFileSystemReader:
@@ -144,16 +158,22 @@ def load_checkpoint(
     load_optimizer: bool = True,
     verify: bool = True,
     load_rng: bool = True,
+    strictness: str = "assume_ok_unexpected",
 ) -> dict:
     """Load the checkpoint at `path` into this rank's model and optimizer, for any layout,
     after checking its files (checksums too unless `verify` is False). Returns meta.json.
     RNG states are restored only when `layout` equals the saved one (and `load_rng`). Without
-    `load_optimizer` the optimizer starts afresh from the loaded weights."""
+    `load_optimizer` the optimizer starts afresh from the loaded weights. `strictness`:
+    --dist-ckpt-strictness (check_shapes); meta["mismatch"] lists the model's tensors the
+    checkpoint lacks ("unexpected", left as they were) and the checkpoint's the model lacks
+    ("missing", not read), under megatron-core's names for them."""
     meta = verify_checkpoint(path, group, digests=verify)
     reader = open_checkpoint(path, group)
     available = reader.read_metadata()
     state = model_state(chunks, for_save=False)
-    check_shapes(path, available, state, group)
+    absent, extra = check_shapes(path, available, state, group, strictness)
+    for name in absent:
+        state.pop(f"model/{name}", None)
     stored = set(available.state_dict_metadata)
     if load_optimizer:
         prime_optimizer_state(optimizer)
@@ -179,6 +199,7 @@ def load_checkpoint(
         prefix = f"rng/rank{rank}/"
         set_rng_state({k[len(prefix) :]: v for k, v in rng.items()}, tracker)
     meta["rng_restored"] = bool(rng)
+    meta["mismatch"] = {"unexpected": absent, "missing": extra}
     return meta
 
 

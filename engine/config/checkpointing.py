@@ -8,6 +8,18 @@ from dataclasses import dataclass
 from engine.config.fields import option
 from engine.errors import ConfigError
 
+# megatron-core's StrictHandling values, in its order
+STRICTNESS = (
+    "assume_ok_unexpected",
+    "log_unexpected",
+    "log_all",
+    "raise_unexpected",
+    "raise_all",
+    "return_unexpected",
+    "return_all",
+    "ignore_all",
+)
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:
@@ -49,8 +61,21 @@ class CheckpointConfig:
         "the others are removed once a newer one is saved (as Megatron-LM)",
     )
     async_save: bool = option(False, "write checkpoints in the background")
+    dist_ckpt_strictness: str = option(
+        "assume_ok_unexpected",
+        "a resume's answer to tensors the model has and the checkpoint lacks ('unexpected': "
+        "stop, except log_* and ignore_all, which keep their initial values) and to tensors "
+        "only the checkpoint has (skipped; log_all names them, raise_all stops)",
+        choices=list(STRICTNESS),
+    )
 
     def validate(self) -> None:
+        if self.dist_ckpt_strictness.startswith("return_"):
+            raise ConfigError(
+                f"--dist-ckpt-strictness {self.dist_ckpt_strictness} hands the mismatching keys "
+                "to a caller, which a training run does not have (Megatron-LM's training fails "
+                "on it too); use log_unexpected, log_all, raise_unexpected or raise_all"
+            )
         if self.save_retain_interval is not None and self.save_retain_interval < 1:
             raise ConfigError("--save-retain-interval must be at least 1 (or left out)")
         if self.save_interval is not None and self.save_interval < 1:

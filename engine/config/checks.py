@@ -37,9 +37,33 @@ def check_configs(cfg: Configs, world_size: int) -> int:
             "(Megatron-LM refuses the pair too); drop one, or pick another sharding strategy"
         )
     training = cfg.training
+    _check_eval_batches(cfg, dp)
     cfg.optimizer.validate(training.train_iters, training.train_samples, training.global_batch(dp))
     cfg.data.validate()
     return dp
+
+
+def _check_eval_batches(cfg: Configs, dp: int) -> None:
+    """--eval-global-batch-size and --eval-micro-batch-size: whole micro-batches on every
+    data-parallel rank, and a pipeline schedule that runs them."""
+    evaluation, training, par = cfg.evaluation, cfg.training, cfg.parallel
+    if evaluation.eval_global_batch_size is None and evaluation.eval_micro_batch_size is None:
+        return
+    final = training.batch_schedule(dp, cfg.model.seq_length).final
+    batch, micro = evaluation.batch_sizes(final, training.micro_batch_size)
+    if batch % (micro * dp):
+        raise ConfigError(
+            f"--eval-global-batch-size {batch} must be a multiple of --eval-micro-batch-size "
+            f"{micro} x data-parallel size {dp}"
+        )
+    pp, virtual = par.pipeline_model_parallel_size, par.virtual_size(cfg.model.num_layers)
+    if pp > 1:
+        from parallel.pipeline.schedules import checked_table
+
+        name = schedule_name(par.pipeline_schedule, virtual)
+        group = par.microbatch_group_size_per_virtual_pipeline_stage
+        interleaving = virtual > 1 and par.pipeline_schedule not in V_SHAPED
+        checked_table(name, pp, virtual, batch // (micro * dp), group if interleaving else None)
 
 
 def check_layout_flags(cfg: Configs, world_size: int) -> int:
@@ -163,7 +187,9 @@ def _check_pipeline(cfg, dp: int) -> None:
                 f"micro-batches per step ({microbatches} = global batch {batch} / "
                 f"(micro-batch-size x data-parallel size {dp}))"
             )
-        if virtual > 1 and microbatches % pp and par.pipeline_schedule not in V_SHAPED:
+        group = par.microbatch_group_size_per_virtual_pipeline_stage
+        interleaving = virtual > 1 and par.pipeline_schedule not in V_SHAPED
+        if interleaving and group is None and microbatches % pp:
             raise ConfigError(
                 f"interleaved pipelining needs the micro-batches per step ({microbatches} = "
                 f"global batch {batch} / (micro-batch-size x data-parallel size {dp})) to be a "
@@ -172,4 +198,5 @@ def _check_pipeline(cfg, dp: int) -> None:
         if pp > 1:  # every rank's list and transfers, under gloo's and NCCL's rules
             from parallel.pipeline.schedules import checked_table
 
-            checked_table(schedule_name(par.pipeline_schedule, virtual), pp, virtual, microbatches)
+            name = schedule_name(par.pipeline_schedule, virtual)
+            checked_table(name, pp, virtual, microbatches, group if interleaving else None)

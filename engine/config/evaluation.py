@@ -17,6 +17,12 @@ class EvalConfig:
         None, "evaluate on the valid split every this many steps (default: only at the end)"
     )
     eval_iters: int = option(100, "global batches per evaluation")
+    eval_global_batch_size: int | None = option(
+        None, "samples per evaluation batch (default --global-batch-size, the final one)"
+    )
+    eval_micro_batch_size: int | None = option(
+        None, "samples per evaluation micro-batch (default --micro-batch-size)"
+    )
     eval_prompts: str | None = option(
         None,
         "a text file of prompts, one a line: at each evaluation of the valid split, print and "
@@ -35,3 +41,14 @@ class EvalConfig:
             raise ConfigError("--eval-interval must be at least 1")
         if self.eval_iters < 0:
             raise ConfigError("--eval-iters must be non-negative")
+        for name in ("eval_global_batch_size", "eval_micro_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+
+    def batch_sizes(self, global_batch: int, micro_batch: int) -> tuple[int, int]:
+        """(global, micro) batch of an evaluation, given the training's final ones."""
+        return (
+            self.eval_global_batch_size or global_batch,
+            self.eval_micro_batch_size or micro_batch,
+        )

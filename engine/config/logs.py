@@ -42,8 +42,8 @@ class LoggingConfig:
     log_memory_to_tensorboard: bool = option(
         False,
         "add the CUDA allocator's mem-reserved-bytes, mem-allocated-bytes, "
-        "mem-max-allocated-bytes and mem-allocated-count to each log record (as Megatron-LM; "
-        "nothing on a CPU)",
+        "mem-max-allocated-bytes and mem-allocated-count to TensorBoard and each log record "
+        "(as Megatron-LM; nothing on a CPU)",
     )
     logging_level: int | None = option(
         None,
@@ -52,6 +52,15 @@ class LoggingConfig:
     )
     log_jsonl: str | None = option(None, "append one JSON object per log line to this file")
     tensorboard_dir: str | None = option(None, "write TensorBoard scalars here")
+    tensorboard_queue_size: int = option(
+        1000, "TensorBoard events held in memory before they are written to --tensorboard-dir"
+    )
+    tensorboard_log_interval: int = option(
+        1,
+        "write the loss, learning rate, batch size, loss scale, gradient and parameter norms, "
+        "zeros and memory to TensorBoard every this many iterations, each iteration's own "
+        "value (as Megatron-LM); the window's rates and times go with the log line",
+    )
     wandb_project: str | None = option(
         None,
         "log to this Weights & Biases project (needs wandb installed; WANDB_MODE=offline "
@@ -66,3 +75,7 @@ class LoggingConfig:
             raise ConfigError("--log-grad-norms-interval must be positive (or left out)")
         if self.log_interval < 1:
             raise ConfigError("--log-interval must be at least 1")
+        if self.tensorboard_queue_size < 1:
+            raise ConfigError("--tensorboard-queue-size must be at least 1")
+        if self.tensorboard_log_interval < 1:
+            raise ConfigError("--tensorboard-log-interval must be at least 1")

@@ -53,6 +53,18 @@ class OptimizerConfig:
         None, "WSD with --train-samples: samples of the final decay"
     )
     weight_decay: float = option(0.01, "decoupled weight decay (not on biases and norms)")
+    use_checkpoint_opt_param_scheduler: bool = option(
+        False,
+        "on resume, take the warm-up, decay length and style and the weight decay from the "
+        "checkpoint (--lr and --min-lr stay the command line's, as in megatron-core)",
+        aliases=("--use-checkpoint-opt_param-scheduler",),
+    )
+    override_opt_param_scheduler: bool = option(
+        False,
+        "on resume, keep the command line's schedule even where the checkpoint's differs "
+        "(without either flag a difference stops the run)",
+        aliases=("--override-opt_param-scheduler",),
+    )
     adam_beta1: float = option(0.9, "Adam beta1")
     adam_beta2: float = option(0.999, "Adam beta2")
     adam_eps: float = option(1e-8, "Adam epsilon")
@@ -107,6 +119,11 @@ class OptimizerConfig:
                     f"--lr-{name}-{other} goes with --train-{other}, but the run is counted in "
                     f"{unit} (--train-{unit}); use --lr-{name}-{unit}"
                 )
+        if self.use_checkpoint_opt_param_scheduler and self.override_opt_param_scheduler:
+            raise ConfigError(
+                "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler ask for "
+                "the command line's and the checkpoint's schedule; give one"
+            )
         if self.lr_warmup_fraction is not None and (self.lr_warmup_iters or self.lr_warmup_samples):
             raise ConfigError(
                 "--lr-warmup-fraction and --lr-warmup-iters/samples both set the warm-up; give one"

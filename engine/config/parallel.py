@@ -24,6 +24,11 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = option(
         None, "layers on the last pipeline stage (the rest split evenly)"
     )
+    microbatch_group_size_per_virtual_pipeline_stage: int | None = option(
+        None,
+        "interleaved schedule: micro-batches run through each virtual stage in a row "
+        "(default pipeline-model-parallel-size; at most the micro-batches per step)",
+    )
     pipeline_schedule: str | None = option(
         None,
         "force a schedule (default: 1F1B, interleaved with virtual stages): gpipe, 1f1b, "
@@ -74,6 +79,11 @@ class ParallelConfig:
     ddp_bucket_size: int | None = option(None, "elements per gradient bucket")
     distributed_timeout_minutes: float = option(
         10.0, "a collective waiting longer than this fails the run (e.g. a dead rank)"
+    )
+    use_tp_pp_dp_mapping: bool = option(
+        False,
+        "number the ranks TP innermost, then CP, then PP, then DP (Megatron-LM's order "
+        "tp-cp-ep-pp-dp) instead of ... DP, then PP: a pipeline's stages on neighbouring ranks",
     )
 
     def sharding_strategy(self) -> str:

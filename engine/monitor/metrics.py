@@ -131,6 +131,16 @@ MEGATRON_TAGS = {
     "iteration_time_s": "iteration-time",
 }
 EVAL_TAG_NAMES = {"valid": "validation", "test": "test"}
+# What Megatron-LM's training_log writes to TensorBoard every --tensorboard-log-interval
+# iterations, each iteration's own value (`MetricsWriter.log_iteration`); a training record's
+# other scalars (rates, times, a blend's losses) go with its log line, every --log-interval.
+PER_ITERATION_KEYS = frozenset(
+    ("lm_loss", "lr", "grad_norm", "params_norm", "num_zeros", "loss_scale", "batch_size")
+)
+
+
+def _per_iteration(key: str) -> bool:
+    return key in PER_ITERATION_KEYS or key.startswith("mem-")
 
 
 def tensorboard_scalars(record: dict, split: str | None = None) -> list[tuple[str, float, str]]:
@@ -166,7 +176,14 @@ class MetricsWriter:
     a wandb run (`wandb`: a started engine.monitor.wandb.WandbWriter), written by the one rank
     that sees the loss (last pipeline stage, first TP and DP rank)."""
 
-    def __init__(self, enabled: bool, jsonl: str | None, tensorboard_dir: str | None, wandb=None):
+    def __init__(
+        self,
+        enabled: bool,
+        jsonl: str | None,
+        tensorboard_dir: str | None,
+        wandb=None,
+        tensorboard_queue_size: int = 1000,
+    ):
         self.enabled = enabled
         self.jsonl = None
         self.tensorboard = None
@@ -179,7 +196,7 @@ class MetricsWriter:
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(tensorboard_dir)
+            self.tensorboard = SummaryWriter(tensorboard_dir, max_queue=tensorboard_queue_size)
 
     def log(self, record: dict, step: int, split: str | None = None) -> None:
         """One training record, or an evaluation record of `split` (valid, test)."""
@@ -192,11 +209,25 @@ class MetricsWriter:
             }
             self.jsonl.write(json.dumps(clean) + "\n")
         if self.tensorboard is not None:
-            for tag, value, axis in tensorboard_scalars(record, split):
-                x = record["consumed_samples"] if axis == "samples" else step
-                self.tensorboard.add_scalar(tag, value, x)
+            kept = record
+            if split is None:  # the per-iteration scalars were written by log_iteration
+                kept = {k: v for k, v in record.items() if not _per_iteration(k)}
+            self._tensorboard(kept, step, split)
         if self.wandb is not None:
             self.wandb.log(record, step, split)
+
+    def log_iteration(self, record: dict, step: int) -> None:
+        """One iteration's TensorBoard scalars (PER_ITERATION_KEYS and the mem- tags of
+        `record`, which also carries iteration and consumed_samples)."""
+        if self.enabled and self.tensorboard is not None:
+            names = ("iteration", "consumed_samples")
+            kept = {k: v for k, v in record.items() if k in names or _per_iteration(k)}
+            self._tensorboard(kept, step, None)
+
+    def _tensorboard(self, record: dict, step: int, split: str | None) -> None:
+        for tag, value, axis in tensorboard_scalars(record, split):
+            x = record["consumed_samples"] if axis == "samples" else step
+            self.tensorboard.add_scalar(tag, value, x)
 
     def log_samples(self, record: dict, step: int) -> None:
         """Generation samples (engine/eval/samples.py): a JSONL record, TensorBoard text."""

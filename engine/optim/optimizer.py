@@ -71,7 +71,7 @@ def build_optimizer(
             hysteresis=cfg.hysteresis,
         )
     # with and without weight decay, then the same two at --decoupled-lr (empty groups dropped)
-    groups = [{"weight_decay": cfg.weight_decay}, {"weight_decay": 0.0}]
+    groups = [{"weight_decay": cfg.weight_decay, "decays": True}, {"weight_decay": 0.0}]
     groups += [dict(g, decoupled=True) for g in groups]
     split = cfg.decoupled_lr is not None
     return DistributedOptimizer(

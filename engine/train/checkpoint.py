@@ -40,7 +40,9 @@ def resume(run: Run) -> None:
         load_optimizer=load_optimizer,
         verify=checkpointing.verify_checkpoint,
         load_rng=not (checkpointing.finetune or checkpointing.no_load_rng),
+        strictness=checkpointing.dist_ckpt_strictness,
     )
+    _log_mismatch(run, path, meta["mismatch"])
     if checkpointing.finetune:
         run.writer.print(f"fine-tuning from the weights of {path}; starting at iteration 0")
         reseed(run, 0)
@@ -57,7 +59,7 @@ def resume(run: Run) -> None:
         optimizer_step=meta.get("optimizer_step", 0) if load_optimizer else 0,
     )
     if load_optimizer:
-        run.scheduler.load_state_dict(meta["scheduler"])
+        _resume_schedule(run, meta["scheduler"], path)
         if run.optimizer.grad_scaler is not None and meta.get("grad_scaler"):
             run.optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
     run.spikes.load_state_dict(meta.get("spikes", {}))
@@ -101,9 +103,9 @@ def _resume_from_megatron(run: Run, path: str) -> None:
         optimizer_step=step or 0,
     )
     if load_optimizer:
-        run.scheduler.load_state_dict(
-            {"num_steps": saved["iteration"], "num_samples": saved["schedule_samples"]}
-        )
+        schedule = dict(saved["schedule"])  # its num_steps counts samples, as ours num_samples
+        schedule.update(num_steps=saved["iteration"], num_samples=saved["schedule_samples"])
+        _resume_schedule(run, schedule, f"Megatron-LM's {path}")
     if step is not None:
         optim = f"Adam state at step {step}"
     elif load_optimizer:
@@ -116,6 +118,36 @@ def _resume_from_megatron(run: Run, path: str) -> None:
     )
     run.progress.last_saved = saved["iteration"]  # its folder is Megatron-LM's: never re-saved
     reseed(run, saved["iteration"])
+
+
+def _log_mismatch(run: Run, path: str, mismatch: dict) -> None:
+    """--dist-ckpt-strictness log_unexpected / log_all: the tensors that did not match."""
+    strictness = run.cfg.checkpointing.dist_ckpt_strictness
+    told = {"log_unexpected": ("unexpected",), "log_all": ("unexpected", "missing")}
+    meaning = {
+        "unexpected": "this model's, not in the checkpoint (left at their initial values)",
+        "missing": "the checkpoint's, not in this model (not read)",
+    }
+    for kind in told.get(strictness, ()):
+        if mismatch[kind]:
+            names = ", ".join(mismatch[kind])
+            run.writer.print(f"warning: {path}: {kind} tensors, {meaning[kind]}: {names}")
+
+
+def _resume_schedule(run: Run, state: dict, where: str) -> None:
+    """The learning-rate schedule's counts, its shape compared with this run's as
+    megatron-core compares them (--use-checkpoint-opt_param-scheduler,
+    --override-opt_param-scheduler)."""
+    cfg = run.cfg.optimizer
+    taken = run.scheduler.load_state_dict(
+        state,
+        use_checkpoint=cfg.use_checkpoint_opt_param_scheduler,
+        override=cfg.override_opt_param_scheduler,
+        where=where,
+    )
+    if taken:
+        values = ", ".join(f"{key} {state[key]}" for key in taken)
+        run.writer.print(f"--use-checkpoint-opt_param-scheduler: from {where}: {values}")
 
 
 def reseed(run: Run, iteration: int) -> None:

@@ -20,14 +20,16 @@ from parallel.state import ParallelState
 def split_sample_counts(cfg: Configs, global_batch: int) -> tuple[int, int, int]:
     """Samples asked of the train, valid and test splits, as Megatron-LM asks them (the sizes
     decide how many epochs each split spans, and so its order): the whole run; --eval-iters
-    batches for each evaluation of the run and one more; --eval-iters batches."""
+    batches (of --eval-global-batch-size, default the training's) for each evaluation of the
+    run and one more; --eval-iters batches."""
     training, evaluation = cfg.training, cfg.evaluation
     every = evaluation.eval_interval
     evaluations = training.train_iters // every + 1 if every else 1
+    eval_batch, _ = evaluation.batch_sizes(global_batch, training.micro_batch_size)
     return (
         training.train_samples or training.train_iters * global_batch,
-        evaluations * evaluation.eval_iters * global_batch,
-        evaluation.eval_iters * global_batch,
+        evaluations * evaluation.eval_iters * eval_batch,
+        evaluation.eval_iters * eval_batch,
     )
 
 

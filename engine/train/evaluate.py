@@ -9,19 +9,24 @@ from engine.train.step import eval_step
 
 
 def evaluate(run: Run, split: int) -> tuple[float, dict] | None:
-    """Mean loss over --eval-iters global batches of a split (of the run's final global batch,
-    as Megatron-LM evaluates during a ramp-up), and {dataset name: (loss, share)} when the split
-    blends several datasets (engine/train/loss.py's domain_losses). As in Megatron-LM, each
-    evaluation of the valid split reads on from where the last one stopped (the count is in
-    the checkpoint, from which a resumed run reads on where the split seeks by count; a
-    Parquet valid stream starts again); the test split is read from its start."""
+    """Mean loss over --eval-iters global batches of a split (of --eval-global-batch-size in
+    micro-batches of --eval-micro-batch-size; by default the run's final global batch, as
+    Megatron-LM evaluates during a ramp-up, and its micro-batch), and {dataset name: (loss,
+    share)} when the split blends several datasets (engine/train/loss.py's domain_losses).
+    As in Megatron-LM, each evaluation of the valid split reads on from where the last one
+    stopped (the count is in the checkpoint, from which a resumed run reads on where the split
+    seeks by count; a Parquet valid stream starts again); the test split is read from its
+    start."""
     dataset = run.datasets[split]
     eval_iters = run.cfg.evaluation.eval_iters
     if dataset is None or eval_iters == 0:
         return None
     run.optimizer.finish_param_sync()
     state, progress = run.state, run.progress
-    c, final, mbs = progress.counters, run.batches.final, run.cfg.training.micro_batch_size
+    c = progress.counters
+    final, mbs = run.cfg.evaluation.batch_sizes(
+        run.batches.final, run.cfg.training.micro_batch_size
+    )
     if split != 1:
         iterator = data_iterator(state, mbs, dataset, 0, num_workers=0)
     else:
@@ -38,7 +43,7 @@ def evaluate(run: Run, split: int) -> tuple[float, dict] | None:
     total, count = None, micro_batches_per_step(mbs, state, final)
     for _ in range(eval_iters):
         batches = next_batches(iterator, count, state.device)
-        values = eval_step(run.chunks, batches, state, run.schedule, len(names))
+        values = eval_step(run.chunks, batches, state, run.eval_schedule, len(names))
         total = values if total is None else [a + b for a, b in zip(total, values)]
     mean = [value / eval_iters for value in total]
     return mean[0], domain_losses(mean[1:], names) if names else {}

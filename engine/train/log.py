@@ -65,6 +65,25 @@ def log_window(run: Run, window: list[IterationResult], tokens: int) -> None:
         _write(run, record, loss)
 
 
+def log_iteration(run: Run, result: IterationResult) -> None:
+    """Megatron-LM's per-iteration TensorBoard scalars (every --tensorboard-log-interval)."""
+    c = run.progress.counters
+    record = {
+        "iteration": c.iteration,
+        "consumed_samples": c.consumed_samples,
+        "lm_loss": result.lm_loss,
+        "lr": result.lr,
+        "grad_norm": result.grad_norm,
+        "loss_scale": result.loss_scale,
+        "batch_size": result.batch_size,
+        "params_norm": result.params_norm,
+        "num_zeros": result.num_zeros,
+    }
+    if run.cfg.logging.log_memory_to_tensorboard:
+        record |= cuda_memory_tags(run.state.device)
+    run.writer.log_iteration(record, c.iteration)
+
+
 def _write(run: Run, record: dict, loss: float) -> None:
     """The record to the metrics writers, and its console line."""
     c, iterations = run.progress.counters, run.cfg.training.train_iters

@@ -21,7 +21,7 @@ from engine.train.batches import data_iterator, micro_batches_per_step, next_bat
 from engine.train.checkpoint import save
 from engine.train.evaluate import evaluate
 from engine.train.iteration import IterationResult, train_iteration
-from engine.train.log import log_eval, log_samples, log_window
+from engine.train.log import log_eval, log_iteration, log_samples, log_window
 from engine.train.state import Counters, Run
 
 
@@ -64,6 +64,8 @@ def train(run: Run) -> Counters:
                 f"(z = {result.spike_z:.1f}); {action}"
             )
         window.append(result)
+        if c.iteration % cfg.logging.tensorboard_log_interval == 0:
+            log_iteration(run, result)
         if c.iteration % cfg.logging.log_interval == 0 or c.iteration == iterations:
             log_window(run, window, tokens_since_log)
             window, tokens_since_log = [], 0

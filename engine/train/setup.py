@@ -83,14 +83,23 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     seq = m.seq_length // state.cp_size  # the activations a pipeline stage sends on
     if par.sequence_parallel and state.tp_size > 1:
         seq //= state.tp_size
-    schedule = get_schedule(
-        state,
-        virtual_size=par.virtual_size(m.num_layers),
-        kind=par.pipeline_schedule,
-        tensor_shape=(seq, training.micro_batch_size, m.hidden_size),
-        dtype=dtype,
-        overlap_p2p=par.overlap_p2p_communication,
-        times=times,
+
+    def schedule_for(micro_batch: int):
+        return get_schedule(
+            state,
+            virtual_size=par.virtual_size(m.num_layers),
+            kind=par.pipeline_schedule,
+            tensor_shape=(seq, micro_batch, m.hidden_size),
+            dtype=dtype,
+            overlap_p2p=par.overlap_p2p_communication,
+            times=times,
+            microbatch_group=par.microbatch_group_size_per_virtual_pipeline_stage,
+        )
+
+    schedule = schedule_for(training.micro_batch_size)
+    _, eval_micro = cfg.evaluation.batch_sizes(batches.final, training.micro_batch_size)
+    eval_schedule = (
+        schedule if eval_micro == training.micro_batch_size else schedule_for(eval_micro)
     )
     sources = sources_of(cfg.data)
     mix = train_mix(sources.train, cfg.data.data_mix_schedule, training.train_iters, batches)
@@ -120,6 +129,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         optimizer=optimizer,
         scheduler=scheduler,
         schedule=schedule,
+        eval_schedule=eval_schedule,
         datasets=datasets,
         batches=batches,
         dtype=dtype,
@@ -240,7 +250,13 @@ def _writer(cfg: Configs, state: ParallelState) -> MetricsWriter:
     logging, wandb = cfg.logging, None
     if logging.wandb_project and logging_rank(state):
         wandb = WandbWriter(logging, cfg.checkpointing, run_record(cfg, state))
-    return MetricsWriter(logging_rank(state), logging.log_jsonl, logging.tensorboard_dir, wandb)
+    return MetricsWriter(
+        logging_rank(state),
+        logging.log_jsonl,
+        logging.tensorboard_dir,
+        wandb,
+        tensorboard_queue_size=logging.tensorboard_queue_size,
+    )
 
 
 def _throughput(cfg: Configs, state: ParallelState) -> Throughput:

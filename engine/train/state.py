@@ -62,6 +62,7 @@ class Run:
     optimizer: DistributedOptimizer
     scheduler: LRScheduler
     schedule: Callable[..., list[torch.Tensor]]  # parallel/pipeline/schedules.get_schedule's
+    eval_schedule: Callable[..., list[torch.Tensor]]  # the same, or for the eval micro-batch
     datasets: list[TrainingSplit | None]  # [train, valid, test]; None: a split without samples
     batches: BatchSchedule
     dtype: torch.dtype
@@ -92,6 +93,8 @@ def layout_of(state: ParallelState, cfg: Configs) -> dict:
     }
     if state.cp_size > 1:  # absent at 1: layouts recorded before CP existed stay equal
         layout["cp"] = state.cp_size
+    if state.pp_inside_dp:  # another rank order: each global rank's saved RNG is another's
+        layout["rank_order"] = "tp-cp-pp-dp"
     return layout
 
 

@@ -141,6 +141,13 @@ class DistributedOptimizer:
             use_decoupled = group.get("decoupled") and decoupled_lr is not None
             group["lr"] = decoupled_lr if use_decoupled else lr
 
+    def set_weight_decay(self, weight_decay: float) -> None:
+        """Set the weight decay of the groups whose options say "decays" (not biases and
+        norms)."""
+        for group in self.optimizer.param_groups:
+            if group.get("decays"):
+                group["weight_decay"] = weight_decay
+
     def zero_grad(self) -> None:
         for ddp in self.ddps:
             ddp.zero_grad_buffer()

@@ -91,7 +91,9 @@ def forward_backward_no_pipelining(
 # --- pipelined schedules: a table of actions per rank, run by one runtime ------------------
 
 
-def peak_in_flight(kind: str, p: int, rank: int, m: int, v: int = 1) -> int:
+def peak_in_flight(
+    kind: str, p: int, rank: int, m: int, v: int = 1, group: int | None = None
+) -> int:
     """The most chunk-micro-batches whose activations rank `rank` holds at once (forward
     done, backward not yet) under schedule `kind`: the warm-up forwards and the steady
     state's one more (zb-h1 holds back up to `rank` weight gradients: p in all; zb-v's V
@@ -104,15 +106,15 @@ def peak_in_flight(kind: str, p: int, rank: int, m: int, v: int = 1) -> int:
         return min(2 * p, total)
     if kind == "dualpipe-v":  # its steady pairs hold one more
         return min(2 * p + 1, total)
-    warmup = warmup_forwards(kind, p, rank, m, v)
+    warmup = warmup_forwards(kind, p, rank, m, v, group)
     return total if warmup >= total else warmup + 1
 
 
 @functools.lru_cache(maxsize=64)
-def checked_table(kind: str, p: int, v: int, m: int) -> Table:
+def checked_table(kind: str, p: int, v: int, m: int, group: int | None = None) -> Table:
     """The schedule's table, validated once (parallel/pipeline/validate.py: its transfer
     plans included, under gloo's and NCCL's rules)."""
-    table = build_table(kind, p, v, m)
+    table = build_table(kind, p, v, m, group)
     validate(table)
     return table
 
@@ -130,9 +132,11 @@ def forward_backward_pipelined(
     overlap_p2p: bool = False,
     times: StepTimes | None = None,
     trace: bool = False,
+    group: int | None = None,
 ) -> list[torch.Tensor]:
-    """Schedule `kind` over this step's micro-batches: its table run by the runtime."""
-    table = checked_table(kind, p2p.state.pp_size, len(chunks), len(batches))
+    """Schedule `kind` over this step's micro-batches: its table run by the runtime
+    (`group`: interleaved's micro-batch group)."""
+    table = checked_table(kind, p2p.state.pp_size, len(chunks), len(batches), group)
     runtime = TableRuntime(
         table, chunks, batches, forward_step, loss_func, p2p=p2p, forward_only=forward_only,
         stats=stats, times=times, overlap=overlap_p2p, trace=trace,
@@ -151,11 +155,13 @@ def get_schedule(
     overlap_p2p: bool = False,
     times: StepTimes | None = None,
     trace: bool = False,
+    microbatch_group: int | None = None,
 ):
     """The schedule for a layout: no pipelining for PP=1, else 1F1B (interleaved when the
     model has virtual stages), or `kind` (a name of parallel/pipeline/tables.py) explicitly.
     `overlap_p2p` lets transfers run during compute. `times`: gets the seconds of forward
-    and backward compute and of waits for pipeline transfers; `trace`: stats get 'events'."""
+    and backward compute and of waits for pipeline transfers; `trace`: stats get 'events'.
+    `microbatch_group`: the interleaved schedule's micro-batch group (default p)."""
     from parallel.pipeline.p2p import P2P
 
     if state.pp_size == 1 and virtual_size == 1:
@@ -170,5 +176,5 @@ def get_schedule(
     p2p = P2P(state, tuple(tensor_shape), dtype, times)
     return functools.partial(
         forward_backward_pipelined, kind=kind, p2p=p2p, stats=stats, overlap_p2p=overlap_p2p,
-        times=times, trace=trace,
+        times=times, trace=trace, group=microbatch_group,
     )  # fmt: skip

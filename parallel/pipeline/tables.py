@@ -17,7 +17,9 @@ Generators take (p ranks, v chunks per rank, m micro-batches) and return a Table
 - gpipe: every forward, then every backward;
 - 1f1b: p - r - 1 warm-up forwards on rank r, then forward/backward pairs, then the rest of
   the backwards;
-- interleaved: 1F1B over v chunks per rank, micro-batches in groups of p (m a multiple of p);
+- interleaved: 1F1B over v chunks per rank, micro-batches in groups of p (Megatron-LM's
+  --microbatch-group-size-per-virtual-pipeline-stage g: groups of g, p <= g <= m, the last
+  group g or at least p);
 - zb-h1: 1F1B with backward split into I and W, rank r holding back up to r W's and running
   them where it would otherwise wait (the peak activations stay 1F1B's p; Qi et al., "Zero
   Bubble Pipeline Parallelism", 2023, its handcrafted ZB-H1);
@@ -119,16 +121,17 @@ def gpipe(p: int, v: int, m: int) -> Table:
     return _table("gpipe", p, 1, m, "loop", ranks)
 
 
-def warmup_forwards(kind: str, p: int, rank: int, m: int, v: int = 1) -> int:
-    """Forwards (of chunk-micro-batches) rank `rank` runs before its first backward."""
+def warmup_forwards(
+    kind: str, p: int, rank: int, m: int, v: int = 1, group: int | None = None
+) -> int:
+    """Forwards (of chunk-micro-batches) rank `rank` runs before its first backward
+    (`group`: interleaved's micro-batch group, default p)."""
     if kind == "gpipe":
         return m
     if kind in ("1f1b", "zb-h1"):
         return min(p - rank - 1, m)
-    total = m * v
-    if m == p:
-        return total  # all forwards, then all backwards
-    return min((p - rank - 1) * 2 + (v - 1) * p, total)
+    # megatron-core 0.16.1's count (older releases ran every forward first when m == p)
+    return min((p - rank - 1) * 2 + (v - 1) * (group or p), m * v)
 
 
 def one_f_one_b(p: int, v: int, m: int) -> Table:
@@ -144,38 +147,46 @@ def one_f_one_b(p: int, v: int, m: int) -> Table:
     return _table("1f1b", p, 1, m, "loop", ranks)
 
 
-def interleaved(p: int, v: int, m: int) -> Table:
+def interleaved(p: int, v: int, m: int, group: int | None = None) -> Table:
     if v < 2:
         raise ConfigError("the interleaved schedule needs 2 or more model chunks per rank")
-    if m % p:
+    g = p if group is None else group
+    flag = "--microbatch-group-size-per-virtual-pipeline-stage"
+    if not p <= g <= m:
+        what = f"{flag} {g}" if group is not None else f"pipeline-model-parallel-size {p}"
         raise ConfigError(
-            f"interleaved pipelining needs the micro-batches per step ({m}) to be a multiple of "
-            f"pipeline-model-parallel-size {p}"
+            f"interleaved pipelining runs the micro-batches in groups of {what}, which must "
+            f"lie between pipeline-model-parallel-size {p} and the micro-batches per step {m}"
         )
-
-    def chunk_of(k: int, forward: bool) -> int:
-        c = (k % (p * v)) // p
-        return c if forward else v - 1 - c
-
-    def microbatch_of(k: int) -> int:
-        return (k // (p * v)) * p + k % p
+    if 0 < m % g < p:
+        groups = f"pipeline-model-parallel-size {p}" if group is None else f"{flag} {g}"
+        raise ConfigError(
+            f"interleaved pipelining needs the micro-batches per step ({m}) to be a multiple "
+            f"of {groups}, or to leave a last group of at least pipeline-model-parallel-size "
+            f"{p} (not {m % g}; {flag} sets the group)"
+        )
+    # Megatron-LM's schedule table: each group of micro-batches through chunk 0, then 1, ...
+    order = []
+    for first in range(0, m, g):
+        last = m if first + g >= m else first + g
+        order += [(k, c) for c in range(v) for k in range(first, last)]
 
     ranks = []
     total = m * v
     for r in range(p):
-        warmup = warmup_forwards("interleaved", p, r, m, v)
+        warmup = warmup_forwards("interleaved", p, r, m, v, g)
 
         def forward(k: int) -> Action:
-            return Action("F", chunk_of(k, True), microbatch_of(k))
+            return Action("F", order[k][1], order[k][0])
 
-        def backward(k: int) -> Action:
-            return Action("B", chunk_of(k, False), microbatch_of(k))
+        def backward(k: int) -> Action:  # the chunks the other way round
+            return Action("B", v - 1 - order[k][1], order[k][0])
 
-        order = [forward(k) for k in range(warmup)]
+        steps = [forward(k) for k in range(warmup)]
         for k in range(total - warmup):
-            order += [forward(warmup + k), backward(k)]
-        order += [backward(k) for k in range(total - warmup, total)]
-        ranks.append(order)
+            steps += [forward(warmup + k), backward(k)]
+        steps += [backward(k) for k in range(total - warmup, total)]
+        ranks.append(steps)
     return _table("interleaved", p, v, m, "loop", ranks)
 
 
@@ -344,9 +355,12 @@ def schedule_name(kind: str | None, v: int) -> str:
     return kind or ("interleaved" if v > 1 else "1f1b")
 
 
-def build_table(name: str, p: int, v: int, m: int) -> Table:
+def build_table(name: str, p: int, v: int, m: int, group: int | None = None) -> Table:
+    """Schedule `name`'s table (`group`: interleaved's micro-batch group, default p)."""
     if name not in GENERATORS:
         raise ConfigError(f"pipeline schedule {name!r} is not one of {', '.join(GENERATORS)}")
     if p < 2:
         raise ConfigError(f"the {name} schedule needs 2 or more pipeline stages")
+    if name == "interleaved":
+        return interleaved(p, v, m, group)
     return GENERATORS[name](p, v, m)

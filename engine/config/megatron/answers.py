@@ -215,7 +215,7 @@ custom module specs and YAML configs:
 cyclic data loader:
     --dataloader-type --no-data-sharding
 evaluation options:
-    --eval-global-batch-size --eval-micro-batch-size --full-validation
+    --full-validation
     --multiple-validation-sets --skip-train --start-eval-at-iter --validation-set-names
 exit-signal options:
     --exit-signal-handler-for-training
@@ -251,14 +251,11 @@ initialisation variants:
     --data-parallel-random-init --embedding-init-method-std --init-method-xavier-uniform
 layer freezing:
     --freeze-all-layers
-learning-rate schedule taken from or reset against the checkpoint:
-    --override-opt-param-scheduler --override-opt_param-scheduler
-    --use-checkpoint-opt-param-scheduler --use-checkpoint-opt_param-scheduler
 logging and TensorBoard options:
     --config-logger-dir --disable-log-loss-scale-to-tensorboard --log-device-memory-used
     --log-energy --log-memory-interval --log-progress --log-world-size-to-tensorboard
     --no-barrier-with-level-1-timing --no-log-loss-scale-to-tensorboard
-    --tensorboard-log-interval --tensorboard-queue-size --timing-log-option
+    --timing-log-option
 loss masking of end-of-document and pad tokens:
     --allow-ambiguous-pad-tokens --eod-mask-loss
 meta-device initialisation (start-up memory under FSDP):
@@ -306,7 +303,7 @@ non-persistent and local checkpoints:
     --non-persistent-local-ckpt-dir --non-persistent-save-interval --replication
     --replication-factor --replication-jump
 non-strict (partial) checkpoint loading:
-    --disable-strict-fsdp-dtensor-load --dist-ckpt-strictness --no-strict-fsdp-dtensor-load
+    --disable-strict-fsdp-dtensor-load --no-strict-fsdp-dtensor-load
 packed documents (per-document attention and positions):
     --dataloader-inter-document-masking --hybrid-context-parallel --max-seqlen-per-dp-cp-rank
     --reset-attention-mask --reset-position-ids
@@ -314,15 +311,15 @@ parameter groups from a file:
     --dump-param-to-param-group-map
 pipeline layout options:
     --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
-    --microbatch-group-size-per-virtual-pipeline-stage --num-virtual-stages-per-pipeline-rank
+    --num-virtual-stages-per-pipeline-rank
     --pipeline-model-parallel-layout
 precision switches:
     --disable-bf16-reduced-precision-matmul --fp16-lm-cross-entropy
 precision-aware optimizer (low-precision master weights and moments):
     --exp-avg-dtype --exp-avg-sq-dtype --main-grads-dtype --main-params-dtype
     --use-precision-aware-optimizer
-process-group setup (backend, rank order, timeout):
-    --distributed-timeout-seconds-after-init --use-tp-pp-dp-mapping
+process-group timeout after start-up:
+    --distributed-timeout-seconds-after-init
 profiling options:
     --memory-snapshot-path --nvtx-ranges --pytorch-profiler-collect-callstack
     --pytorch-profiler-collect-chakra --pytorch-profiler-collect-shapes --record-memory-history

@@ -153,8 +153,10 @@ def import_from_megatron(
             "model": dataclasses.asdict(cfg),
             "dtype": dtypes.pop() if len(dtypes) == 1 else "float32",
             "tokenizer": None,
-            # Megatron-LM's schedule counts samples; its updates are the iterations
+            # Megatron-LM's schedule counts samples; its updates are the iterations; its shape
+            # (max_lr, lr_decay_steps, ...) has the names ours has, compared on resume
             "scheduler": {
+                **{key: value for key, value in schedule.items() if key != "num_steps"},
                 "num_steps": iteration,
                 "num_samples": int(schedule.get("num_steps", consumed)),
             },
@@ -193,8 +195,9 @@ def megatron_latest(root: str | None) -> str | None:
 
 
 def megatron_progress(path: str) -> dict:
-    """Iteration, consumed samples and the learning-rate schedule's samples of a Megatron-LM
-    checkpoint (from common.pt; zeros where it holds none)."""
+    """Iteration, consumed samples, the learning-rate schedule's samples and its state (its
+    shape under megatron-core's names) of a Megatron-LM checkpoint (from common.pt; zeros and
+    an empty state where it holds none)."""
     common = read_common(path)
     args = common.get("args")
     consumed = int(getattr(args, "consumed_train_samples", 0) or 0) if args is not None else 0
@@ -203,6 +206,7 @@ def megatron_progress(path: str) -> dict:
         "iteration": int(common.get("iteration", 0) or 0),
         "consumed_samples": consumed,
         "schedule_samples": int(schedule.get("num_steps", consumed) or 0),
+        "schedule": schedule,
         "args": args,
     }
 
