@@ -73,11 +73,35 @@ def _train_save_and_step(rank, world, path):
     args = _args("llama")
     args.consumed_train_samples = 4
     state.update({"args": args, "iteration": 2, "checkpoint_version": 3.0})
-    state["opt_param_scheduler"] = {"num_steps": 4}
+    state["opt_param_scheduler"] = _megatron_schedule_state()
     os.makedirs(path, exist_ok=True)
     dist_checkpointing.save(state, path)
     step()
     return {k: v.detach().clone() for k, v in model.state_dict().items() if "extra" not in k}
+
+
+def _megatron_schedule_state() -> dict:
+    """megatron-core's OptimizerParamScheduler state after the 2 steps of 2 samples, for the
+    schedule the resume below runs (tests.harness.engine_steps: --train-iters 4, and the flags
+    of `_ours_after_one_step`), built as Megatron-LM's training.py builds it."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    group = {"params": [torch.nn.Parameter(torch.zeros(1))], "max_lr": LR, "min_lr": 0.0}
+    scheduler = OptimizerParamScheduler(
+        torch.optim.SGD([group], lr=LR),
+        init_lr=0.0,
+        max_lr=LR,
+        min_lr=0.0,
+        lr_warmup_steps=0,
+        lr_decay_steps=4 * 2,
+        lr_decay_style="constant",
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=4 * 2,
+        wd_incr_style="constant",
+    )
+    scheduler.step(2 * 2)
+    return scheduler.state_dict()
 
 
 def _ours_after_one_step(rank, world, load, extra):
@@ -121,6 +145,13 @@ def test_adam_state_from_megatron_core_continues_its_training(tmp_path):
     assert error(results["converted"]) < 1e-5
     # a fresh Adam's first step differs: the test sees the loaded state
     assert error(results["fresh"]) > 1e-3
+    # its schedule state compared as megatron-core compares it: another --lr is refused
+    try:
+        run_ranks(_ours_after_one_step, 1, str(root), ["--lr", "2e-3"])
+        refused = ""
+    except AssertionError as err:
+        refused = str(err)
+    assert "--lr: the schedule's max_lr is 0.002 here and 0.001 in Megatron-LM's" in refused
 
 
 def test_optimizer_state_in_an_older_bucket_layout_is_refused(tmp_path):
