@@ -11,11 +11,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from engine.config.optimizer import OptimizerConfig
 from engine.errors import ConfigError
 from engine.optim.lr_schedule import LRScheduler
+from tests import test_optim as optim_tests
 from tests.cli import CPU_ONLY
 from tests.test_training import ROOT, base_args, pretrain, records
 
@@ -39,30 +39,11 @@ POLICIES = {"neither": {}, "use_checkpoint": {"use": True}, "override": {"overri
 
 def megatron_scheduler(cfg: OptimizerConfig, train_iters: int, use=False, override=False):
     """megatron-core's scheduler built as Megatron-LM's training.py builds it for a run by
-    iterations, over a parameter group carrying max_lr and min_lr as its optimizer's do."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    param = torch.nn.Parameter(torch.zeros(1))
-    group = {"params": [param], "max_lr": cfg.lr, "min_lr": cfg.min_lr}
-    optimizer = torch.optim.SGD([group], lr=cfg.lr)
-    decay = (cfg.lr_decay_iters or train_iters) * BATCH
-    warmup = (
-        cfg.lr_warmup_fraction * decay
-        if cfg.lr_warmup_fraction is not None
-        else cfg.lr_warmup_iters * BATCH
-    )
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=cfg.lr_warmup_init,
-        max_lr=cfg.lr,
-        min_lr=cfg.min_lr,
-        lr_warmup_steps=warmup,
-        lr_decay_steps=decay,
-        lr_decay_style=cfg.lr_decay_style,
-        start_wd=cfg.weight_decay,
-        end_wd=cfg.weight_decay,
-        wd_incr_steps=train_iters * BATCH,
-        wd_incr_style="constant",
+    iterations (tests/test_optim.py)."""
+    return optim_tests.megatron_scheduler(
+        cfg,
+        train_iters,
+        BATCH,
         use_checkpoint_opt_param_scheduler=use,
         override_opt_param_scheduler=override,
     )

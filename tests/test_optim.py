@@ -25,19 +25,21 @@ TRAIN_ITERS = 24
 GLOBAL_BATCH = 8  # Megatron-LM counts samples; a batch > 1 checks that we count the same way
 
 
-def megatron_lrs(
-    cfg: OptimizerConfig, train_iters: int, global_batch: int, updates: int, train_samples=None
+def megatron_scheduler(
+    cfg: OptimizerConfig, train_iters: int, global_batch: int, train_samples=None, **flags
 ):
-    """The LR of updates 0..updates-1 as Megatron-LM's training gets them: the scheduler counts
-    samples and steps by a global batch after each successful update. Its lengths are derived
-    here as Megatron-LM's get_optimizer_param_scheduler derives them (that function needs
-    megatron.training, which is not installed), by iterations or by --train-samples."""
+    """megatron-core's scheduler for `cfg`, its lengths derived as Megatron-LM's
+    get_optimizer_param_scheduler derives them (that function needs megatron.training, which
+    is not installed), by iterations or by --train-samples, over one parameter group carrying
+    max_lr and min_lr as its optimizer's groups do; `flags`: use_checkpoint_opt_param_scheduler,
+    override_opt_param_scheduler."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.SGD([param], lr=cfg.lr)
+    group = {"params": [param], "max_lr": cfg.lr, "min_lr": cfg.min_lr}
+    optimizer = torch.optim.SGD([group], lr=cfg.lr)
     if train_samples:
         decay = cfg.lr_decay_samples if cfg.lr_decay_samples is not None else train_samples
         wsd = cfg.lr_wsd_decay_samples
@@ -51,7 +53,7 @@ def megatron_lrs(
         wd_steps = train_iters * global_batch
     if cfg.lr_warmup_fraction is not None:
         warmup = cfg.lr_warmup_fraction * decay
-    scheduler = OptimizerParamScheduler(
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=cfg.lr_warmup_init,
         max_lr=cfg.lr,
@@ -65,10 +67,19 @@ def megatron_lrs(
         wd_incr_style="constant",
         wsd_decay_steps=wsd,
         lr_wsd_decay_style=cfg.lr_wsd_decay_style,
+        **flags,
     )
+
+
+def megatron_lrs(
+    cfg: OptimizerConfig, train_iters: int, global_batch: int, updates: int, train_samples=None
+):
+    """The LR of updates 0..updates-1 as Megatron-LM's training gets them: the scheduler counts
+    samples and steps by a global batch after each successful update."""
+    scheduler = megatron_scheduler(cfg, train_iters, global_batch, train_samples)
     lrs = []
     for _ in range(updates):
-        lrs.append(optimizer.param_groups[0]["lr"])
+        lrs.append(scheduler.optimizer.param_groups[0]["lr"])
         scheduler.step(increment=global_batch)
     return lrs
 
