@@ -57,6 +57,8 @@ STYLES = {
         num_query_groups=None,
         ffn_hidden_size=64,
         swiglu=False,
+        # their megatron-core model below runs the exact GELU (bias_activation_fusion off)
+        bias_gelu_fusion=False,
         normalization="LayerNorm",
         add_bias_linear=True,
         position_embedding_type="learned_absolute",
@@ -366,6 +368,9 @@ def test_saved_models_this_engine_cannot_build_are_refused(change, says):
         model_config_from_args(args)
     gelu = argparse.Namespace(**{**vars(_plain_args("gpt")), "openai_gelu": True})
     assert model_config_from_args(gelu).openai_gelu
+    fused = argparse.Namespace(**{**vars(_plain_args("gpt")), "bias_gelu_fusion": True})
+    assert model_config_from_args(fused).gelu_tanh  # Megatron-LM's default: the tanh GELU
+    assert not model_config_from_args(_plain_args("gpt")).gelu_tanh
     kept = {"squared_relu": True, "rotary_interleaved": True}  # built here now, so carried
     config = model_config_from_args(argparse.Namespace(**{**vars(_plain_args("llama")), **kept}))
     assert config.squared_relu and config.rotary_interleaved

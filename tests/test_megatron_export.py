@@ -33,7 +33,8 @@ STYLE_FLAGS = {
         "--disable-bias-linear", "--position-embedding-type", "rope", "--rotary-base", "500",
         "--untie-embeddings-and-output-weights",
     ],
-    "gpt": ["--num-layers", "2", "--ffn-hidden-size", "64"],
+    # the exact GELU of their megatron-core model (bias_activation_fusion off)
+    "gpt": ["--num-layers", "2", "--ffn-hidden-size", "64", "--no-bias-gelu-fusion"],
 }  # fmt: skip
 
 

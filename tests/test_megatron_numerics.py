@@ -1,5 +1,6 @@
 """Megatron-LM flags that change the model's function, checked against megatron-core's own:
---squared-relu (megatron.core.activations.squared_relu)."""
+--squared-relu (megatron.core.activations.squared_relu), the fused bias-GELU and
+--no-bias-gelu-fusion, the attention softmax flags."""
 
 from __future__ import annotations
 
@@ -28,6 +29,37 @@ def test_squared_relu_is_megatron_cores():
     plain = tiny_config("gpt2")
     gelu = GPTModel(plain, BuildContext(plain)).layers["0"].mlp
     assert not torch.equal(gelu(x), expected)  # the flag changes the function
+
+
+@pytest.mark.parametrize(
+    "changes, fused",
+    [({}, True), ({"bias_gelu_fusion": False}, False), ({"add_bias_linear": False}, False)],
+    ids=["default", "no-bias-gelu-fusion", "disable-bias-linear"],
+)
+def test_gelu_with_biases_is_megatron_cores_fused_bias_gelu(changes, fused):
+    """Megatron-LM's default GELU MLP with biases runs megatron-core's fused bias-GELU, GELU's
+    tanh approximation; --no-bias-gelu-fusion or --disable-bias-linear the exact GELU."""
+    pytest.importorskip("megatron.core")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+
+    cfg = tiny_config("gpt2", **changes)
+    mlp = GPTModel(cfg, BuildContext(cfg)).layers["0"].mlp
+    x = torch.randn(5, 2, cfg.hidden_size)
+    fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+    hidden = torch.nn.functional.linear(x, fc1.weight)
+    bias = fc1.bias if fc1.bias is not None else torch.zeros(hidden.shape[-1])
+    if fused:
+        active = bias_gelu_impl(hidden, bias)
+    else:
+        active = torch.nn.functional.gelu(hidden + bias)
+    expected = torch.nn.functional.linear(active, fc2.weight, fc2.bias)
+    assert (mlp(x) - expected).abs().max() < 1e-5
+    exact = torch.nn.functional.gelu(hidden + bias)
+    assert fused == bool((active - exact).abs().max() > 1e-5)  # the two GELUs differ
 
 
 def test_squared_relu_is_refused_beside_swiglu():

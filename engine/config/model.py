@@ -27,6 +27,7 @@ ARCHITECTURE_FIELDS = (
     "apply_layernorm_1p",
     "swiglu",
     "openai_gelu",
+    "bias_gelu_fusion",
     "squared_relu",
     "rotary_interleaved",
     "add_bias_linear",
@@ -144,6 +145,13 @@ class ModelConfig:
     )
     swiglu: bool = option(False, "SwiGLU MLP instead of GELU")
     openai_gelu: bool = option(False, "GELU's tanh approximation, as OpenAI's GPT-2 uses")
+    bias_gelu_fusion: bool = option(
+        True,
+        "the exact GELU where Megatron-LM's fused bias-GELU (its default with GELU and linear "
+        "biases) computes GELU's tanh approximation",
+        flag="--no-bias-gelu-fusion",
+        action="store_false",
+    )
     squared_relu: bool = option(False, "squared ReLU, relu(x)^2, instead of GELU in the MLP")
     add_bias_linear: bool = option(
         True, "no biases in linear layers", flag="--disable-bias-linear", action="store_false"
@@ -199,7 +207,16 @@ class ModelConfig:
         --group-query-attention existed applied --num-query-groups alone)."""
         record = dict(record)
         record.setdefault("group_query_attention", record.get("num_query_groups") is not None)
+        # written before the fused bias-GELU's tanh approximation: the exact GELU
+        record.setdefault("bias_gelu_fusion", False)
         return cls(**record)
+
+    @property
+    def gelu_tanh(self) -> bool:
+        """A GELU MLP computes GELU's tanh approximation: with --openai-gelu, or as
+        Megatron-LM's fused bias-GELU does by default (linear biases, no
+        --no-bias-gelu-fusion); otherwise the exact GELU."""
+        return self.openai_gelu or (self.bias_gelu_fusion and self.add_bias_linear)
 
     @property
     def head_dim(self) -> int:

@@ -51,7 +51,7 @@ def _from_checkpoint(path: str, override: TokenizerConfig | None, shown: str):
     from engine.model import BuildContext, GPTModel
 
     meta = read_meta(path)
-    cfg = ModelConfig(**meta["model"])
+    cfg = ModelConfig.from_record(meta["model"])
     model = GPTModel(cfg, BuildContext(cfg))
     load_model_weights(path, model)
     model.eval()

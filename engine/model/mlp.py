@@ -17,7 +17,7 @@ class MLP(nn.Module):
         f = cfg.ffn_size
         self.swiglu, self.squared_relu = cfg.swiglu, cfg.squared_relu
         self.ops = ctx.ops
-        self.gelu_approximation = "tanh" if cfg.openai_gelu else "none"
+        self.gelu_approximation = "tanh" if cfg.gelu_tanh else "none"
         prefix = f"layers.{layer_number}.mlp"
         self.linear_fc1 = ctx.column_linear(
             f"{prefix}.linear_fc1",

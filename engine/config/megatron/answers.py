@@ -122,7 +122,7 @@ already what tripod does:
     --accumulate-allreduce-grads-in-fp32 --apply-query-key-layer-scaling
     --attention-softmax-in-fp32 --calculate-per-token-loss --dist-ckpt-optim-fully-reshardable
     --log-throughput --log-timers-to-tensorboard --log-validation-ppl-to-tensorboard
-    --no-bias-gelu-fusion --tokenizer-hf-use-fast --use-cpu-initialization --verify-integrity
+    --tokenizer-hf-use-fast --use-cpu-initialization --verify-integrity
 background checkpoint writer detail:
     --async-ckpt-cpu-priority --async-ckpt-io-priority --async-ckpt-use-cpu-shm --async-strategy
     --dist-ckpt-workers --use-persistent-ckpt-worker

@@ -111,6 +111,7 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
         apply_layernorm_1p=cfg.apply_layernorm_1p,
         swiglu=cfg.swiglu,
         openai_gelu=cfg.openai_gelu,
+        bias_gelu_fusion=cfg.bias_gelu_fusion and cfg.add_bias_linear,
         squared_relu=cfg.squared_relu,
         add_bias_linear=cfg.add_bias_linear,
         add_qkv_bias=cfg.add_bias_linear or cfg.add_qkv_bias,

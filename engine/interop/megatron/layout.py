@@ -75,6 +75,7 @@ def model_config_from_args(args) -> ModelConfig:
         apply_layernorm_1p=bool(get("apply_layernorm_1p")),
         swiglu=swiglu,
         openai_gelu=bool(get("openai_gelu")),
+        bias_gelu_fusion=bool(get("bias_gelu_fusion", True)),
         squared_relu=bool(get("squared_relu")),
         rotary_interleaved=bool(get("rotary_interleaved")),
         add_bias_linear=bool(get("add_bias_linear", True)),
