@@ -62,6 +62,17 @@ def test_gelu_with_biases_is_megatron_cores_fused_bias_gelu(changes, fused):
     assert fused == bool((active - exact).abs().max() > 1e-5)  # the two GELUs differ
 
 
+def test_the_gelu_goes_to_megatron_lm_as_it_computes_it():
+    from engine.interop.megatron.export import _gelu_args
+
+    assert _gelu_args(tiny_config("gpt2")) == {"openai_gelu": False, "bias_gelu_fusion": True}
+    exact = tiny_config("gpt2", bias_gelu_fusion=False)
+    assert _gelu_args(exact) == {"openai_gelu": False, "bias_gelu_fusion": False}
+    assert not _gelu_args(tiny_config("llama"))["bias_gelu_fusion"]  # SwiGLU, no biases
+    with pytest.raises(ConfigError, match="no Megatron-LM equivalent"):
+        _gelu_args(tiny_config("gpt2", openai_gelu=True, add_bias_linear=False))
+
+
 def test_squared_relu_is_refused_beside_swiglu():
     prepare(parse(SHAPE + ["--squared-relu"]), 1)
     with pytest.raises(ConfigError, match="--squared-relu replaces GELU: drop --swiglu"):

@@ -53,6 +53,21 @@ _GLOBAL_KEYS = {
 _PADDED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
+def _gelu_args(cfg: ModelConfig) -> dict:
+    """Megatron-LM's arguments for our GELU: its models compute GELU's tanh approximation only
+    through the fused bias-GELU, with linear biases (its --openai-gelu reaches only its legacy
+    models)."""
+    gelu = not (cfg.swiglu or cfg.squared_relu)
+    fused = cfg.bias_gelu_fusion and cfg.add_bias_linear
+    if gelu and cfg.gelu_tanh and not fused:
+        raise ConfigError(
+            "--openai-gelu without linear biases (or with --no-bias-gelu-fusion) has no "
+            "Megatron-LM equivalent: its models compute GELU's tanh approximation only through "
+            "the fused bias-GELU; export to Hugging Face instead (gelu_new)"
+        )
+    return {"openai_gelu": cfg.openai_gelu, "bias_gelu_fusion": fused}
+
+
 def _rope_scaling_args(cfg: ModelConfig) -> dict:
     """Megatron-LM's arguments for our RoPE scaling (whichever flags asked for it)."""
     scaling = rope_scaling_of(cfg) or {"rope_type": None}
@@ -110,8 +125,7 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
         norm_epsilon=cfg.norm_epsilon,
         apply_layernorm_1p=cfg.apply_layernorm_1p,
         swiglu=cfg.swiglu,
-        openai_gelu=cfg.openai_gelu,
-        bias_gelu_fusion=cfg.bias_gelu_fusion and cfg.add_bias_linear,
+        **_gelu_args(cfg),
         squared_relu=cfg.squared_relu,
         add_bias_linear=cfg.add_bias_linear,
         add_qkv_bias=cfg.add_bias_linear or cfg.add_qkv_bias,
