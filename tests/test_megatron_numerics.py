@@ -48,7 +48,8 @@ def test_gelu_with_biases_is_megatron_cores_fused_bias_gelu(changes, fused):
 
     cfg = tiny_config("gpt2", **changes)
     mlp = GPTModel(cfg, BuildContext(cfg)).layers["0"].mlp
-    x = torch.randn(5, 2, cfg.hidden_size)
+    # inputs large enough (pre-activations of order 1) that the two GELUs part
+    x = torch.randn(5, 2, cfg.hidden_size, generator=torch.Generator().manual_seed(0)) * 20
     fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
     hidden = torch.nn.functional.linear(x, fc1.weight)
     bias = fc1.bias if fc1.bias is not None else torch.zeros(hidden.shape[-1])
@@ -59,7 +60,7 @@ def test_gelu_with_biases_is_megatron_cores_fused_bias_gelu(changes, fused):
     expected = torch.nn.functional.linear(active, fc2.weight, fc2.bias)
     assert (mlp(x) - expected).abs().max() < 1e-5
     exact = torch.nn.functional.gelu(hidden + bias)
-    assert fused == bool((active - exact).abs().max() > 1e-5)  # the two GELUs differ
+    assert fused == bool((active - exact).abs().max() > 1e-4)  # the two GELUs differ
 
 
 def test_the_gelu_goes_to_megatron_lm_as_it_computes_it():
