@@ -7,6 +7,7 @@ script>` first: what each Megatron-LM flag will do here (engine/config/megatron/
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -50,6 +51,8 @@ def values_problem(argv: list[str]) -> str | None:
             p = cfg.parallel
             world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
             world *= p.context_parallel_size
+            instances = max(p.num_distributed_optimizer_instances, 1)  # DP x CP divides into
+            world *= instances // math.gcd(instances, p.context_parallel_size)
             check_configs(resolve(cfg, world), world)
     except ConfigError as err:
         return str(err)
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         timeout_minutes=cfg.parallel.distributed_timeout_minutes,
         pp_inside_dp=cfg.parallel.use_tp_pp_dp_mapping,
+        optimizer_instances=cfg.parallel.num_distributed_optimizer_instances,
     )
     run = setup(cfg, state, started)
     accepted = no_effect_line(cfg.megatron, cfg.model, cfg.runtime, cfg.parallel)

@@ -14,6 +14,12 @@ The ranks of a CP group hold the same weights and split each sample's sequence; 
 same batches (so the data loader sees DP ranks only), and gradients are reduced, and the
 distributed optimizer shards, over DP x CP together (`dp_cp_group`).
 
+With several distributed-optimizer instances (Megatron-LM's --num-distributed-optimizer-instances
+N) each DP x CP group is cut into N blocks of contiguous members: the optimizer shards inside a
+block (`dp_cp_shard_group`) and the blocks hold the same shards (`dp_cp_replica_group`: the
+members at the same place of each block). `optimizer_instance_group` is one instance: every
+rank (all TP, PP) whose DP x CP place lies in its block.
+
 Every group is created by every rank in the same order (torch.distributed requires it). A
 `ParallelState` is a plain object passed to whatever needs it: several can live in one process,
 and `ParallelState.local()` describes a single process with no groups at all.
@@ -60,13 +66,27 @@ def check_layout(world_size: int, tp: int, pp: int, dp: int | None = None, cp: i
     return derived
 
 
+def check_optimizer_instances(instances: int, dp_cp: int) -> int:
+    """Validate --num-distributed-optimizer-instances against the DP x CP size; the ranks
+    of one instance's DP x CP block."""
+    if instances < 1:
+        raise ConfigError("--num-distributed-optimizer-instances must be at least 1")
+    if dp_cp % instances:
+        raise ConfigError(
+            f"--num-distributed-optimizer-instances {instances} must divide data-parallel x "
+            f"context-parallel size {dp_cp}"
+        )
+    return dp_cp // instances
+
+
 def layout_groups(
-    tp: int, cp: int, dp: int, pp: int, pp_inside_dp: bool = False
+    tp: int, cp: int, dp: int, pp: int, pp_inside_dp: bool = False, instances: int = 1
 ) -> dict[str, list[list[int]]]:
     """The global ranks of every group of a layout, by kind: "tp", "cp", "dp", "dp_cp" (DP x
     CP), "pp" (stage by stage) and "model" (TP x PP), each list in the order the groups are
-    created. Ranks are numbered TP innermost, then CP, then DP, then PP, or PP before DP with
-    `pp_inside_dp` (Megatron-LM's orders tp-cp-ep-dp-pp and tp-cp-ep-pp-dp)."""
+    created; with `instances` > 1 also "dp_cp_shard", "dp_cp_replica" and "instance" (the
+    module docstring). Ranks are numbered TP innermost, then CP, then DP, then PP, or PP
+    before DP with `pp_inside_dp` (Megatron-LM's orders tp-cp-ep-dp-pp and tp-cp-ep-pp-dp)."""
 
     def rank_of(p: int, d: int, c: int, t: int) -> int:
         outer = d * pp + p if pp_inside_dp else p * dp + d
@@ -75,7 +95,7 @@ def layout_groups(
     def every(*sizes):
         return itertools.product(*(range(n) for n in sizes))
 
-    return {
+    groups = {
         "tp": [[rank_of(p, d, c, t) for t in range(tp)] for p, d, c in every(pp, dp, cp)],
         "cp": [[rank_of(p, d, c, t) for c in range(cp)] for p, d, t in every(pp, dp, tp)],
         "dp": [[rank_of(p, d, c, t) for d in range(dp)] for p, c, t in every(pp, cp, tp)],
@@ -87,6 +107,18 @@ def layout_groups(
             [rank_of(p, d, c, t) for p in range(pp) for t in range(tp)] for d, c in every(dp, cp)
         ],
     }
+    if instances > 1:
+        block = check_optimizer_instances(instances, dp * cp)
+        dp_cp = groups["dp_cp"]
+        groups["dp_cp_shard"] = [
+            g[i * block : (i + 1) * block] for g in dp_cp for i in range(instances)
+        ]
+        groups["dp_cp_replica"] = [g[j::block] for g in dp_cp for j in range(block)]
+        groups["instance"] = [
+            sorted(r for g in dp_cp for r in g[i * block : (i + 1) * block])
+            for i in range(instances)
+        ]
+    return groups
 
 
 def default_backend(device: torch.device) -> str:
@@ -112,6 +144,12 @@ class ParallelState:
     dp_group: dist.ProcessGroup | None = None  # the ranks that read different batches
     cp_group: dist.ProcessGroup | None = None
     dp_cp_group: dist.ProcessGroup | None = None  # DP x CP: gradients and optimizer shards
+    # --num-distributed-optimizer-instances (module docstring); with one instance: dp_cp_group,
+    # None and world_group
+    dp_cp_shard_group: dist.ProcessGroup | None = None
+    dp_cp_replica_group: dist.ProcessGroup | None = None
+    optimizer_instance_group: dist.ProcessGroup | None = None
+    optimizer_instances: int = 1
     model_parallel_group: dist.ProcessGroup | None = None  # TP x PP: one model replica
     embedding_group: dist.ProcessGroup | None = None  # first and last PP stage (tied embeddings)
     world_group: dist.ProcessGroup | None = None
@@ -180,21 +218,25 @@ class ParallelState:
         backend: str | None = None,
         timeout_minutes: float | None = None,
         pp_inside_dp: bool = False,
+        optimizer_instances: int = 1,
     ) -> ParallelState:
         """Create every group of the (tp, cp, dp, pp) layout, in the default rank order or
-        with `pp_inside_dp` (the module docstring); torch.distributed must be initialised."""
+        with `pp_inside_dp`, and with `optimizer_instances` distributed-optimizer instances
+        (the module docstring); torch.distributed must be initialised."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised; call init_process_group first"
             )
         world, rank = dist.get_world_size(), dist.get_rank()
         dp = check_layout(world, tp, pp, dp, cp)
+        check_optimizer_instances(optimizer_instances, dp * cp)
         device = torch.device(device) if device is not None else torch.device("cpu")
         backend = backend or default_backend(device)
         timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
 
         state = cls(tp_size=tp, pp_size=pp, dp_size=dp, cp_size=cp, rank=rank, device=device)
         state.pp_inside_dp = pp_inside_dp
+        state.optimizer_instances = optimizer_instances
 
         def new_group(ranks: list[int]) -> dist.ProcessGroup | None:
             """Create the group on every rank; return it where this rank is a member.
@@ -209,7 +251,7 @@ class ParallelState:
             group = dist.new_group(ranks, **options)
             return group if rank in ranks else None
 
-        groups = layout_groups(tp, cp, dp, pp, pp_inside_dp)
+        groups = layout_groups(tp, cp, dp, pp, pp_inside_dp, optimizer_instances)
         for ranks in groups["tp"]:
             group = new_group(ranks)
             if rank in ranks:
@@ -237,6 +279,18 @@ class ParallelState:
             if rank in ranks:
                 state.model_parallel_group = group
         state.world_group = new_group(list(range(world)))
+        state.dp_cp_shard_group = state.dp_cp_group
+        state.optimizer_instance_group = state.world_group
+        if optimizer_instances > 1:
+            for kind, attribute in (
+                ("dp_cp_shard", "dp_cp_shard_group"),
+                ("dp_cp_replica", "dp_cp_replica_group"),
+                ("instance", "optimizer_instance_group"),
+            ):
+                for ranks in groups[kind]:
+                    group = new_group(ranks)
+                    if rank in ranks:
+                        setattr(state, attribute, group)
         return state
 
     def describe(self) -> str:

@@ -160,7 +160,8 @@ def engine_run(
     ddps = [
         DistributedDataParallel(
             c,
-            state.dp_cp_group,
+            state.dp_cp_shard_group,
+            replica_group=state.dp_cp_replica_group,
             bucket_size=bucket_size,
             overlap_grad_reduce=overlap,
             use_distributed_optimizer=zero,
@@ -176,7 +177,7 @@ def engine_run(
         fp16=fp16,
         tp_rank=state.tp_rank,
         model_parallel_group=state.model_parallel_group,
-        world_group=state.world_group,
+        instance_group=state.optimizer_instance_group,
         device=state.device,
     )
     scheduler = LRScheduler(ocfg, steps, gbs)

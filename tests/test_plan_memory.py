@@ -71,7 +71,7 @@ def _state(rank, world, cfg, layout):
     optimizer = build_optimizer(
         ddps, ocfg, use_distributed_optimizer=layout.strategy != "no_shard", fp16=False,
         tp_rank=state.tp_rank, model_parallel_group=state.model_parallel_group,
-        world_group=state.world_group, device=state.device,
+        instance_group=state.optimizer_instance_group, device=state.device,
     )  # fmt: skip
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1))
     batches = [{"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}]

@@ -52,3 +52,30 @@ def test_replicas_are_compared_and_a_drifted_one_stops_the_run(
         "embedding.word_embeddings.weight differs between data-parallel replicas: one on rank 0;"
         " one on rank 1"
     ], drifted.stderr
+
+
+def test_test_mode_compares_the_qk_norms_across_tensor_parallel_ranks(
+    dataset_prefix, tokenizer_model
+):
+    """--test-mode (Megatron-LM's real-time test): TP 2 ranks hold the same QK layernorm
+    weights; one drifted on rank 1 after iteration 2's update stops the run before iteration
+    3 with one line. Without --qk-layernorm there is nothing to compare, as in Megatron-LM."""
+    extra = {"--train-iters": "4", "--tensor-model-parallel-size": "2", "--test-mode": True}
+    args = base_args(dataset_prefix, tokenizer_model, **extra) + ["--device", "cpu"]
+    plain = _launch(args)
+    assert plain.returncode == 0, plain.stderr
+    assert "--test-mode: no QK layernorm to compare (as in Megatron-LM)" in plain.stdout
+    args += ["--qk-layernorm"]
+    equal = _launch(args)
+    assert equal.returncode == 0, equal.stderr
+    drifted = _launch(
+        args,
+        {"TRIPOD_FAULT_PERTURB_WEIGHT_AT": "1:2", "TRIPOD_FAULT_PERTURB_WEIGHT": "k_layernorm"},
+    )
+    assert drifted.returncode == 2
+    lines = [x for x in drifted.stderr.splitlines() if x.strip()]
+    assert lines == [
+        "error: QK layernorm weights checked before iteration 3 (--test-mode): "
+        "layers.0.self_attention.k_layernorm.weight differs between the data- and "
+        "tensor-parallel ranks holding it: one on rank 0; one on rank 1"
+    ], drifted.stderr

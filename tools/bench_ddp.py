@@ -56,7 +56,7 @@ def _bench(rank, world, args, overlap, sharding="no_shard"):
         fp16=False,
         tp_rank=0,
         model_parallel_group=None,
-        world_group=state.world_group,
+        instance_group=state.optimizer_instance_group,
         device=state.device,
     )
     scheduler = LRScheduler(ocfg, 10**6)

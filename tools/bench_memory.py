@@ -159,7 +159,7 @@ def _measure_states(rank, world, args):
             fp16=False,
             tp_rank=0,
             model_parallel_group=state.model_parallel_group,
-            world_group=state.world_group,
+            instance_group=state.optimizer_instance_group,
             device=state.device,
         )
         train_step(ddps, optimizer, LRScheduler(ocfg, 10), batches, state)

@@ -113,12 +113,13 @@ COMMANDS = (
     ),
     Command(
         "gpt3-distopt-overlap",
-        "distributed optimizer with overlapped reduce and gather",
+        "distributed optimizer (2 instances) with overlapped reduce and gather",
         4,
         (
             *GPT,
             *("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"),
             *("--ddp-average-in-collective", "--ddp-bucket-size", "200000"),
+            *("--num-distributed-optimizer-instances", "2"),
         ),
         "train",
     ),

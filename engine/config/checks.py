@@ -19,7 +19,7 @@ from parallel.pipeline.tables import (
     min_microbatches,
     schedule_name,
 )
-from parallel.state import check_layout
+from parallel.state import check_layout, check_optimizer_instances
 
 
 def check_configs(cfg: Configs, world_size: int) -> int:
@@ -74,6 +74,9 @@ def check_layout_flags(cfg: Configs, world_size: int) -> int:
     m, par = cfg.model, cfg.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     dp = check_layout(world_size, tp, pp, cp=par.context_parallel_size)
+    check_optimizer_instances(
+        par.num_distributed_optimizer_instances, dp * par.context_parallel_size
+    )
     _check_context_parallel(m, par)  # (the model's own shape: checked by resolve)
     par.validate(m.num_layers)
     for section in (cfg.runtime, cfg.logging, cfg.evaluation, cfg.checkpointing, cfg.exit):

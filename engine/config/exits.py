@@ -39,6 +39,12 @@ class ExitConfig:
         "every this many iterations, compare the data-parallel replicas' weights (SHA-256 of "
         "each parameter) and stop, naming the parameter and ranks, if any differ",
     )
+    test_mode: bool = option(
+        False,
+        "Megatron-LM's real-time test: before every iteration, compare the QK layernorm "
+        "weights across the data- and tensor-parallel ranks (SHA-256) and stop, naming the "
+        "parameter and ranks, if any differ (nothing to compare without --qk-layernorm)",
+    )
 
     def validate(self) -> None:
         if self.exit_signal not in signal.Signals.__members__:

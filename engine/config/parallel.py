@@ -72,6 +72,12 @@ class ParallelConfig:
         "it no effect (as in Megatron-LM)",
         choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
     )
+    num_distributed_optimizer_instances: int = option(
+        1,
+        "copies of the distributed optimizer across data parallelism: each shards over "
+        "DP x CP / this many ranks, its shards all-reduced with the other copies' "
+        "(hybrid sharding; needs --use-distributed-optimizer)",
+    )
     overlap_grad_reduce: bool = option(False, "reduce gradient buckets during backward")
     overlap_param_gather: bool = option(
         False, "with the distributed optimizer: gather parameters during the next forward"
@@ -145,6 +151,12 @@ class ParallelConfig:
             raise ConfigError(
                 "--overlap-param-gather needs --use-distributed-optimizer (with "
                 "--use-megatron-fsdp: a --data-parallel-sharding-strategy other than no_shard)"
+            )
+        instances = self.num_distributed_optimizer_instances
+        if instances > 1 and not self.shards_optimizer():
+            raise ConfigError(
+                f"--num-distributed-optimizer-instances {instances} needs "
+                "--use-distributed-optimizer (or --use-megatron-fsdp with a sharding strategy)"
             )
         if (
             self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers

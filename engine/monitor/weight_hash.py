@@ -1,17 +1,24 @@
-"""--check-weight-hash-across-dp-replicas-interval (Megatron-LM's meaning): every N iterations,
-every data-parallel replica's parameters are hashed (SHA-256 of each parameter's bytes) and
-compared; a replica whose weights drifted from the others (a silent data corruption, a rank
-that skipped an update) stops the run with one line naming the parameter and the ranks of each
-version.
+"""Weights that several ranks hold, compared by hash (SHA-256 of each parameter's bytes):
 
-Each rank compares within the data-parallel group of each of its model chunks (the ranks that
-hold the same parameters); the ranks then agree on the first mismatch found anywhere (the one
-seen by the lowest rank), so every rank stops with the same line.
+- --check-weight-hash-across-dp-replicas-interval (Megatron-LM's meaning): every N iterations,
+  every data-parallel replica's parameters;
+- --test-mode (Megatron-LM's real-time test): before every iteration, the QK layernorm
+  weights, which every data- and tensor-parallel rank of a pipeline stage holds alike.
+
+A copy that drifted from the others (a silent data corruption, a rank that skipped an update)
+stops the run with one line naming the parameter and the ranks of each version.
+
+Each rank compares within the groups of each of its model chunks that hold the same
+parameters (the data-parallel group; with several distributed-optimizer instances, its
+instance's part of DP and then across the instances, which together join every replica; for
+the QK norms also the tensor-parallel group); the ranks then agree on the first mismatch found
+anywhere (the one seen by the lowest rank), so every rank stops with the same line.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,15 +36,34 @@ def _digest(param: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(hashlib.sha256(data.tobytes()).digest()), dtype=torch.int64)
 
 
-def chunk_mismatch(ddp) -> str | None:
-    """Whether the replicas of one DDP-wrapped chunk hold the same parameters: None, or a
-    line naming the first parameter that differs and the ranks holding each version."""
-    group = ddp.dp_group
-    if group is None or group_size(group) == 1:
+def is_qk_norm(name: str) -> bool:
+    return ".q_layernorm." in name or ".k_layernorm." in name
+
+
+def chunk_mismatch(
+    ddp,
+    tp_group=None,
+    which: Callable[[str], bool] | None = None,
+    holders: str = "data-parallel replicas",
+) -> str | None:
+    """Whether the ranks holding one DDP-wrapped chunk's parameters (those `which` picks, every
+    one by default) hold the same values: None, or a line naming the first parameter that
+    differs and the ranks holding each version. `tp_group`: compare over it too."""
+    candidates = (ddp.dp_group, ddp.replica_group, tp_group)
+    groups = [g for g in candidates if group_size(g) > 1]
+    if not groups:
         return None
     with ddp.gathered_parameters():
-        names, params = zip(*ddp.module.named_parameters())
-        mine = torch.stack([_digest(p) for p in params]).to(ddp.params[0].device)
+        named = [(n, p) for n, p in ddp.module.named_parameters() if which is None or which(n)]
+        if not named:
+            return None
+        mine = torch.stack([_digest(p) for _, p in named]).to(ddp.params[0].device)
+    names = [n for n, _ in named]
+    found = [_group_mismatch(names, mine, g, holders) for g in groups]  # every gather runs
+    return next((line for line in found if line), None)
+
+
+def _group_mismatch(names, mine: torch.Tensor, group, holders: str) -> str | None:
     everyone = [torch.empty_like(mine) for _ in range(group_size(group))]
     dist.all_gather(everyone, mine, group=group)
     ranks = dist.get_process_group_ranks(group)
@@ -50,7 +76,7 @@ def chunk_mismatch(ddp) -> str | None:
                 f"one on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
                 for r in sorted(versions.values())
             )
-            return f"{name} differs between data-parallel replicas: {held}"
+            return f"{name} differs between {holders}: {held}"
     return None
 
 
@@ -58,6 +84,30 @@ def check_replicas(chunks, world_group, device: torch.device, iteration: int) ->
     """Compare every chunk's replicas; UserError (the same line on every rank) on a
     mismatch. Collective on every rank."""
     found = next((m for m in (chunk_mismatch(c) for c in chunks) if m), None)
+    _stop_on(
+        found,
+        world_group,
+        device,
+        f"weights checked at iteration {iteration} "
+        "(--check-weight-hash-across-dp-replicas-interval)",
+    )
+
+
+def check_qk_norms(chunks, tp_group, world_group, device: torch.device, iteration: int) -> None:
+    """--test-mode: compare the QK layernorm weights over DP and TP; UserError (the same
+    line on every rank) on a mismatch. Collective on every rank."""
+    holders = "the data- and tensor-parallel ranks holding it"
+    found = [chunk_mismatch(c, tp_group, is_qk_norm, holders) for c in chunks]
+    _stop_on(
+        next((m for m in found if m), None),
+        world_group,
+        device,
+        f"QK layernorm weights checked before iteration {iteration} (--test-mode)",
+    )
+
+
+def _stop_on(found: str | None, world_group, device: torch.device, what: str) -> None:
+    """Every rank learns the lowest rank's finding; UserError on every rank with it."""
     me = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     reporter = torch.tensor([me if found else world], dtype=torch.int64, device=device)
@@ -71,8 +121,4 @@ def check_replicas(chunks, world_group, device: torch.device, iteration: int) ->
     if world_group is not None:
         dist.broadcast(line, int(reporter.item()), group=world_group)
     text = bytes(line.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
-    raise UserError(
-        f"weights checked at iteration {iteration} (--check-weight-hash-across-dp-replicas-"
-        f"interval): {text}",
-        every_rank=True,
-    )
+    raise UserError(f"{what}: {text}", every_rank=True)

@@ -57,11 +57,13 @@ def build_optimizer(
     fp16: bool,
     tp_rank: int,
     model_parallel_group,
-    world_group,
+    instance_group,
     device: torch.device,
     dp_group=None,
 ) -> DistributedOptimizer:
-    """The training optimizer over the DDP-wrapped model chunks."""
+    """The training optimizer over the DDP-wrapped model chunks. `instance_group`: the ranks
+    of one distributed-optimizer instance (the world unless
+    --num-distributed-optimizer-instances), over which a sharded optimizer's norms are summed."""
     scaler = None
     if fp16:
         scaler = DynamicGradScaler(
@@ -84,6 +86,6 @@ def build_optimizer(
         grad_scaler=scaler,
         tp_rank=tp_rank,
         model_parallel_group=model_parallel_group,
-        world_group=world_group,
+        instance_group=instance_group,
         dp_group=dp_group,
     )

@@ -9,7 +9,9 @@
                                       to a job it preempts or that reaches its time limit;
                                       TRIPOD_FAULT_SIGNAL=SIGUSR1 sends that signal instead)
     TRIPOD_FAULT_PERTURB_WEIGHT_AT=1:3  rank 1 changes one of its weights after the update of
-                                      iteration 3 (a replica drifting from the others)
+                                      iteration 3 (a replica drifting from the others): the
+                                      first, or with TRIPOD_FAULT_PERTURB_WEIGHT=NAME the first
+                                      whose name holds NAME
 
 (A kill in the middle of a save is engine/checkpoint/faults.py's.)
 
@@ -50,8 +52,10 @@ def before_iteration(rank: int, iteration: int, batches: list[dict], vocab_size:
 def after_update(rank: int, iteration: int, chunks) -> None:
     if rank_at("TRIPOD_FAULT_PERTURB_WEIGHT_AT", rank, iteration):
         ddp = chunks[0]
+        part = os.environ.get("TRIPOD_FAULT_PERTURB_WEIGHT", "")
+        param = next(p for n, p in ddp.module.named_parameters() if part in n)
         with ddp.gathered_parameters(), torch.no_grad():
-            ddp.params[0].view(-1)[0] += 1.0
+            param.view(-1)[0] += 1.0
 
 
 def after_backward(rank: int, iteration: int, chunks) -> None:

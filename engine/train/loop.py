@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from engine.monitor.metrics import memory_gb
-from engine.monitor.weight_hash import check_replicas
+from engine.monitor.weight_hash import check_qk_norms, check_replicas
 from engine.train.batches import data_iterator, micro_batches_per_step, next_batches
 from engine.train.checkpoint import save
 from engine.train.evaluate import evaluate
@@ -46,8 +46,16 @@ def train(run: Run) -> Counters:
     tokens_since_log = 0
     run.throughput.reset()
     times.take()  # the time breakdown starts with the window
+    test_mode = cfg.exit.test_mode and cfg.model.qk_layernorm
+    if cfg.exit.test_mode and not test_mode:
+        run.writer.print("--test-mode: no QK layernorm to compare (as in Megatron-LM)")
     while c.iteration < iterations:
         run.profiler.before_iteration(c.iteration)
+        if test_mode:
+            with times.measure("weight-check"):
+                check_qk_norms(
+                    run.chunks, state.tp_group, state.world_group, state.device, c.iteration + 1
+                )
         _announce_mix_phase(run)
         global_batch = run.batches.at(c.consumed_samples)
         count = micro_batches_per_step(cfg.training.micro_batch_size, state, global_batch)

@@ -72,7 +72,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         fp16=cfg.runtime.fp16,
         tp_rank=state.tp_rank,
         model_parallel_group=state.model_parallel_group,
-        world_group=state.world_group,
+        instance_group=state.optimizer_instance_group,
         device=state.device,
         dp_group=state.dp_cp_group,  # replicas agree on a non-finite gradient norm
     )
@@ -213,7 +213,9 @@ def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
     return [
         DistributedDataParallel(
             c,
-            state.dp_cp_group,  # CP ranks hold the same weights: reduce and shard over both
+            # CP ranks hold the same weights: reduce and shard over both (the instance's part)
+            state.dp_cp_shard_group,
+            replica_group=state.dp_cp_replica_group,
             bucket_size=par.ddp_bucket_size,
             overlap_grad_reduce=par.overlap_grad_reduce,
             sharding=par.sharding_strategy(),

@@ -34,6 +34,12 @@ rank keeps depends on the strategy:
   layer, the embedding, ...), whose parameters are all-gathered just before their forward and again
   before their backward, and released after. 18 / DP bytes per parameter.
 
+With several distributed-optimizer instances (Megatron-LM's --num-distributed-optimizer-instances,
+`replica_group`), `dp_group` is one instance's part of DP and the shards are cut over it; each
+reduced shard is then all-reduced over `replica_group` (the ranks holding the same shard in the
+other instances), the gradients pre-scaled by 1/(DP x instances): every instance keeps the
+whole DP average, and updates it alike.
+
 With `overlap_grad_reduce` a bucket's reduction starts inside backward as soon as its last
 gradient is ready (always so with sharded gradients); `finish_grad_sync()` waits for all.
 A bucket holding a weight shared between pipeline stages (a tied embedding) is reduced only
@@ -87,6 +93,7 @@ class DistributedDataParallel(nn.Module):
         grad_dtype: torch.dtype = torch.float32,
         sharding: str | None = None,
         units: list[nn.Module] | None = None,
+        replica_group=None,
     ):
         super().__init__()
         sharding = sharding or ("optim" if use_distributed_optimizer else "no_shard")
@@ -98,8 +105,13 @@ class DistributedDataParallel(nn.Module):
         self.before_reduce: Callable[[Bucket], None] | None = None
         self.dp_size = group_size(dp_group)
         self.dp_rank = group_rank(dp_group)
+        self.replica_group = replica_group
+        self.replicas = group_size(replica_group)
         self.sharding = sharding
         self.use_distributed_optimizer = sharding != "no_shard"
+        if self.replicas > 1 and not self.use_distributed_optimizer:
+            raise ValueError("optimizer instances (a replica group) need a sharding strategy")
+        self.alone = dp_group is None and replica_group is None  # nothing to reduce
         self.shard_grads = sharding in ("optim_grads", "optim_grads_params")
         self.shard_params = sharding == "optim_grads_params"
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -261,7 +273,7 @@ class DistributedDataParallel(nn.Module):
                     self._complete_earlier_reduces(bucket)
                 if self.gathering is not None:
                     self.gathering.release(bucket)
-        elif self.overlap_grad_reduce and self.is_last_microbatch and self.dp_group is not None:
+        elif self.overlap_grad_reduce and self.is_last_microbatch and not self.alone:
             bucket.pending.discard(param)
             if not bucket.pending and bucket.grad_work is None and not bucket.delayed:
                 self._start_bucket_reduce(bucket, async_op=True)
@@ -269,7 +281,7 @@ class DistributedDataParallel(nn.Module):
     def _start_bucket_reduce(self, bucket: Bucket, async_op: bool) -> None:
         if self.before_reduce is not None:  # sees this rank's own gradient of the bucket
             self.before_reduce(bucket)
-        bucket.grad.mul_(1.0 / self.dp_size)
+        bucket.grad.mul_(1.0 / (self.dp_size * self.replicas))
         if self.use_distributed_optimizer:
             bucket.grad_shard_tmp = torch.empty(
                 bucket.numel // self.dp_size, dtype=bucket.grad.dtype, device=bucket.grad.device
@@ -300,6 +312,8 @@ class DistributedDataParallel(nn.Module):
     def _complete_bucket_reduce(self, bucket: Bucket) -> None:
         if bucket.grad_work not in (None, True):
             bucket.grad_work.wait()
+        if bucket.grad_shard_tmp is not None and self.replica_group is not None:
+            dist.all_reduce(bucket.grad_shard_tmp, group=self.replica_group)  # other instances
         if bucket.grad_shard_tmp is not None:
             if self.shard_grads:
                 bucket.grad_shard.add_(bucket.grad_shard_tmp)
@@ -330,7 +344,7 @@ class DistributedDataParallel(nn.Module):
 
     def start_grad_sync(self) -> None:
         """Launch the reduction of every bucket not launched yet (non-overlapped path)."""
-        if self.dp_group is None and not self.shard_grads:
+        if self.alone and not self.shard_grads:
             return
         for bucket in self.buckets:
             if bucket.grad_work is None and (bucket.delayed or not self.shard_grads):
@@ -339,7 +353,7 @@ class DistributedDataParallel(nn.Module):
     def finish_grad_sync(self) -> None:
         """After the last micro-batch's backward: every bucket reduced over DP."""
         self.end_backward()
-        if self.dp_group is None and not self.shard_grads:
+        if self.alone and not self.shard_grads:
             return
         self.start_grad_sync()
         for bucket in self.buckets:

@@ -17,6 +17,10 @@ the fp32 main-grad buffer (or of the reduced shard). Memory per parameter with b
 parameters and Adam, by strategy: no_shard 18, optim 2 + 4 + 12/DP, optim_grads 2 + 16/DP,
 optim_grads_params 18/DP bytes.
 
+With several distributed-optimizer instances (Megatron-LM's --num-distributed-optimizer-instances),
+each instance holds every element once: the norm is summed over the instance (`instance_group`),
+as megatron-core's grad_stats_parallel_group.
+
 step(): unscale (fp16), global gradient norm across TP, PP and DP (each element counted once),
 skip the step if the norm is not finite (the loss scaler backs off), clip, update, copy back,
 all-gather.
@@ -89,7 +93,7 @@ class DistributedOptimizer:
         grad_scaler: DynamicGradScaler | None = None,
         tp_rank: int = 0,
         model_parallel_group=None,
-        world_group=None,
+        instance_group=None,
         dp_group=None,
     ):
         self.ddps = ddps
@@ -102,8 +106,9 @@ class DistributedOptimizer:
             if shard != ddp.use_distributed_optimizer:
                 raise ValueError("DDP and optimizer disagree about the distributed optimizer")
         # Norm group: every element counted once. Sharded: pieces partition DP, so sum over
-        # DP x TP x PP (the world). Replicated: every DP rank holds the same, sum over TP x PP.
-        self.norm_group = world_group if shard else model_parallel_group
+        # DP x TP x PP (the world, or one optimizer instance's part of it). Replicated: every
+        # DP rank holds the same, sum over TP x PP.
+        self.norm_group = instance_group if shard else model_parallel_group
         self.consensus_group = None if shard else dp_group
         self.pieces = [piece for ddp in ddps for piece in self._pieces_of(ddp, group_of)]
         groups = [dict(options, params=[]) for options in group_options]

@@ -244,9 +244,8 @@ heterogeneous layer configs:
     --heterogeneous-layers-config-encoded-json --heterogeneous-layers-config-path
 hierarchical context parallelism:
     --hierarchical-context-parallel-sizes
-hybrid sharded data parallelism (HSDP):
-    --enable-full-sharding-in-hsdp --num-distributed-optimizer-instances
-    --outer-dp-sharding-strategy
+hybrid sharded data parallelism (HSDP) beyond replicated optimizer instances:
+    --enable-full-sharding-in-hsdp --outer-dp-sharding-strategy
 initialisation variants:
     --data-parallel-random-init --embedding-init-method-std --init-method-xavier-uniform
 layer freezing:
@@ -376,8 +375,6 @@ BERT and T5 models:
     --bert-embedder-type --bert-load --bert-no-binary-head --decoder-num-layers
     --decoder-seq-length --mask-prob --output-bert-embeddings --relative-attention-max-distance
     --relative-attention-num-buckets --sample-rate --short-seq-prob
-Megatron-LM's own test mode:
-    --test-mode
 ModelOpt (export, quantization, distillation):
     --enable-gpt-oss --export-default-te-spec --export-force-local-attention --export-kd-cfg
     --export-kd-teacher-ckpt-format --export-kd-teacher-load --export-kd-teacher-model-config
