@@ -56,6 +56,8 @@ def test_every_megatron_flag_has_exactly_one_answer():
     assert unanswered == [], unanswered
     stray = sorted(set(listed) - set(megatron_flags()))
     assert stray == [], stray  # the table names only Megatron-LM's flags
+    empty = [reason for table in groups for reason, flags in table.items() if not flags]
+    assert empty == [], empty  # a reason wrapped onto a second line makes one without flags
 
 
 def test_implemented_flags_keep_megatron_lm_defaults():

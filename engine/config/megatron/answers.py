@@ -102,12 +102,11 @@ a communication backend or NCCL setting:
     --nccl-communicator-config-path --pipeline-model-parallel-comm-backend --sharp-enabled-group
     --symmetric-ar-type --use-nccl-ub --use-sharp
 a communication bucket, stream or overlap habit:
-    --create-all-gather-group --ddp-average-in-collective --ddp-num-buckets
-    --ddp-pad-buckets-for-high-nccl-busbw --defer-embedding-wgrad-compute
+    --create-all-gather-group --ddp-num-buckets --ddp-pad-buckets-for-high-nccl-busbw
     --disable-align-grad-reduce --high-priority-stream-groups --no-align-grad-reduce
     --no-align-param-gather --no-gradient-reduce-div-fusion
     --no-scatter-gather-tensors-in-pipeline --overlap-p2p-communication-warmup-flush
-    --overlap-param-gather-with-optimizer-step --use-ring-exchange-p2p --wgrad-deferral-limit
+    --overlap-param-gather-with-optimizer-step --use-ring-exchange-p2p
 a data loader detail (no attention mask is ever made by the loader here):
     --no-create-attention-mask-in-dataloader
 a data loader detail (the .bin files are always memory-mapped here):
@@ -133,8 +132,12 @@ dataset index loading speed:
     --per-dataset-sequences-path
 gate for Megatron-LM's experimental code (no effect alone):
     --enable-experimental
+gradient scaling inside the collective (NCCL's average scales each input by 1/DP as here):
+    --ddp-average-in-collective
 launcher plumbing:
     --local-rank
+moves the output layer's weight-gradient GEMMs to the pipeline flush (the same gradients):
+    --defer-embedding-wgrad-compute --wgrad-deferral-limit
 picks a kernel or fusion:
     --attention-backend --cross-entropy-loss-fusion --disable-jit-fuser --no-bias-dropout-fusion
     --no-bias-swiglu-fusion --no-masked-softmax-fusion --no-persist-layer-norm --no-rope-fusion
