@@ -1,4 +1,4 @@
-"""The 21 Megatron-LM commands of tools/megatron_commands.py: each one's migration report
+"""The 22 Megatron-LM commands of tools/megatron_commands.py: each one's migration report
 says it would train or names the missing feature another issue brings, and two of them (one
 of each) go the whole way through examples/pretrain_gpt.sh. `python tools/megatron_commands.py`
 trains all of them (docs/megatron_flags.md has its table)."""

@@ -1,4 +1,4 @@
-"""21 Megatron-LM training commands, moved over as a Megatron-LM user would move them.
+"""22 Megatron-LM training commands, moved over as a Megatron-LM user would move them.
 
 Each is a command of the kind Megatron-LM's documentation and examples/ give (dense GPT and
 Llama; tensor, sequence, pipeline with and without virtual stages, context and data
@@ -258,14 +258,26 @@ COMMANDS = (
     ),
     Command(
         "mixtral-moe",
-        "a Mixtral-style mixture of experts (examples/mixtral)",
+        "a Mixtral-style mixture of experts (examples/mixtral) on 2 expert-parallel ranks",
         4,
         (
             *LLAMA,
             *("--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type"),
             *("aux_loss", "--moe-aux-loss-coeff", "1e-2", "--expert-model-parallel-size", "2"),
         ),
-        "mixture-of-experts",
+        "expert parallelism",
+    ),
+    Command(
+        "mixtral-moe-ep1",
+        "the same mixture of experts, grouped GEMM, without expert parallelism",
+        2,
+        (
+            *LLAMA,
+            *("--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type"),
+            *("aux_loss", "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm"),
+            *("--moe-token-dispatcher-type", "alltoall", "--use-distributed-optimizer"),
+        ),
+        "train",
     ),
     Command(
         "llama-fp8",

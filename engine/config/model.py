@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from engine.config.fields import FROM_CHECKPOINT, option
+from engine.config.moe import MoEOptions
 from engine.config.rope_scaling import rope_scaling_of
 from engine.errors import ConfigError
 
@@ -33,12 +34,25 @@ ARCHITECTURE_FIELDS = (
     "add_bias_linear",
     "untie_embeddings_and_output_weights",
     "qk_layernorm",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_layer_freq",
+    "moe_router_topk",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_enable_expert_bias",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
 )
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """The decoder's shape and style (GPT-2 or Llama-like are combinations of these)."""
+class ModelConfig(MoEOptions):
+    """The decoder's shape and style (GPT-2 or Llama-like are combinations of these; the
+    mixture-of-experts fields come from MoEOptions)."""
 
     num_layers: int = option(
         2,
@@ -349,3 +363,4 @@ class ModelConfig:
             raise ConfigError("--recompute-method needs --recompute-granularity full")
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError("--make-vocab-size-divisible-by must be at least 1")
+        self.validate_moe(self.num_layers, tp)

@@ -47,6 +47,7 @@ def build_model_chunks(
         cp_size=state.cp_size,
         cp_rank=state.cp_rank,
         cp_comm_type=tuple(cp_comm_type),
+        dp_cp_group=state.dp_cp_group,
         gradient_accumulation_fusion=gradient_accumulation_fusion,
         tracker=tracker,
         params_dtype=params_dtype,

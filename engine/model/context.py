@@ -10,6 +10,7 @@ import torch
 
 from engine.config.model import ModelConfig
 from engine.model.attention_kernel import AttentionMasks
+from engine.model.moe.aux_loss import AuxLossScale
 from engine.ops.torch_ops import TorchOps
 from parallel.context_parallel.attention import rank_positions
 from parallel.random import RNGStatesTracker
@@ -33,6 +34,7 @@ class BuildContext:
     cp_size: int = 1
     cp_rank: int = 0
     cp_comm_type: tuple[str, ...] = ("p2p",)  # one for every layer, or one per layer
+    dp_cp_group: object = None  # DP x CP (MoE: global_aux_loss counts tokens over it)
     gradient_accumulation_fusion: bool = True  # weight gradients straight into main_grad
     tracker: RNGStatesTracker | None = None
     params_dtype: torch.dtype = torch.float32
@@ -41,6 +43,7 @@ class BuildContext:
     ops: object = field(default_factory=TorchOps)  # TorchOps or engine.ops.fused.FusedOps
     times: object = None  # parallel.timing.StepTimes: TP communication counted as "tp-comm"
     attention_masks: AttentionMasks = field(default_factory=AttentionMasks)  # shared by layers
+    moe_loss_scale: AuxLossScale = field(default_factory=AuxLossScale)  # set by each step
 
     def param_seed(self, name: str) -> int:
         """Initialisation seed of the parameter with this global name: the same on every rank

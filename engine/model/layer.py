@@ -1,4 +1,5 @@
-"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a
+mixture of experts (engine/model/moe/layer.py) where --moe-layer-freq says so."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import nn
 from engine.model.attention import SelfAttention
 from engine.model.context import BuildContext
 from engine.model.mlp import MLP
+from engine.model.moe.layer import MoELayer
 from engine.model.norm import Norm
 
 
@@ -28,7 +30,8 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, **norm)
         self.self_attention = SelfAttention(ctx, layer_number)
         self.pre_mlp_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, **norm)
-        self.mlp = MLP(ctx, layer_number)
+        is_moe = cfg.moe_layer_pattern(cfg.num_layers)[layer_number]
+        self.mlp = MoELayer(ctx, layer_number) if is_moe else MLP(ctx, layer_number)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         p = self.ctx.config.hidden_dropout

@@ -17,8 +17,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from engine.model.moe.router import routers_of
 from engine.monitor.noise_scale import LocalGradSquares, NoiseScale
 from engine.train.loss import make_loss_func
+from parallel.comm import group_size
 from parallel.context_parallel.chunks import context_parallel_batches
 from parallel.data_parallel.optimizer import NormParts
 from parallel.grads import finalize_model_grads
@@ -101,6 +103,9 @@ def run_schedule(
     cp_group = None
     if state is not None:
         batches, cp_group = context_parallel_batches(batches, state), state.cp_group
+    for chunk in chunks:  # the MoE losses are differentiated as the main loss is
+        module = chunk.module if hasattr(chunk, "module") else chunk
+        module.ctx.moe_loss_scale.value = loss_scale * group_size(cp_group) / len(batches)
     loss_func = make_loss_func(len(batches), loss_scale, cp_group, num_domains)
     schedule = schedule or forward_backward_no_pipelining
     return schedule(chunks, batches, forward_step, loss_func, forward_only=forward_only)
@@ -175,6 +180,8 @@ def train_step(
     shared = [w for c in chunks if (w := c.module.shared_embedding_weight()) is not None]
     with measure(times, "grads-sync"):
         finalize_model_grads(chunks, state.tp_group, state.embedding_group, shared)
+        for router in routers_of(chunks):  # the expert bias moves (megatron-core: here too)
+            router.end_step(state.tp_group, state.dp_cp_group)
     with measure(times, "grads-sync"):  # (the noise scale's reductions of the local norms)
         own = local_squares.detach(state, scale) if local_squares is not None else None
     with measure(times, "loss-sync"):

@@ -167,7 +167,9 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """`bias_scale` [tokens, 1]: the bias is added times it (an MoE expert's output is
+        scaled by the token's router probability, its bias too)."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group, self.times)
         y = tensor_parallel_linear(
@@ -177,7 +179,9 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group, self.times)
         else:
             y = reduce_from_tensor_parallel_region(y, self.tp_group, self.times)
-        if self.bias is not None:
+        if self.bias is not None and bias_scale is not None:
+            y = (y + self.bias * bias_scale).to(y.dtype)
+        elif self.bias is not None:
             y = y + self.bias
         return y
 

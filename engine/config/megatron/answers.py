@@ -139,9 +139,11 @@ launcher plumbing:
 moves the output layer's weight-gradient GEMMs to the pipeline flush (the same gradients):
     --defer-embedding-wgrad-compute --wgrad-deferral-limit
 picks a kernel or fusion:
-    --attention-backend --cross-entropy-loss-fusion --disable-jit-fuser --no-bias-dropout-fusion
-    --no-bias-swiglu-fusion --no-masked-softmax-fusion --no-persist-layer-norm --no-rope-fusion
-    --use-flash-attn
+    --attention-backend --cross-entropy-loss-fusion --disable-jit-fuser --moe-deepep-num-sms
+    --moe-enable-deepep --moe-flex-dispatcher-backend --moe-hybridep-num-sms
+    --moe-permute-fusion --moe-router-fusion --moe-use-legacy-grouped-gemm
+    --no-bias-dropout-fusion --no-bias-swiglu-fusion --no-masked-softmax-fusion
+    --no-persist-layer-norm --no-rope-fusion --use-flash-attn
 retired Megatron-LM flag it ignores itself:
     --ckpt-fully-parallel-save --disable-async-tensor-model-parallel-allreduce --disable-msc
     --no-async-tensor-model-parallel-allreduce
@@ -262,33 +264,23 @@ loss masking of end-of-document and pad tokens:
     --allow-ambiguous-pad-tokens --eod-mask-loss
 meta-device initialisation (start-up memory under FSDP):
     --init-model-with-meta-device
-mixture-of-experts (MoE) layers:
+expert parallelism and the rest of mixture of experts (issue 40):
     --ep-overlap-early-attn-memory-release --expert-model-parallel-size
     --expert-tensor-parallel-num-weight-shards --expert-tensor-parallel-size
-    --high-priority-a2a-comm-stream --moe-apply-probs-on-input --moe-aux-loss-coeff
-    --moe-deepep-num-sms --moe-enable-deepep --moe-enable-routing-replay
-    --moe-expert-capacity-factor --moe-expert-rank-capacity-factor --moe-extended-tp
-    --moe-ffn-hidden-size --moe-flex-dispatcher-backend --moe-flex-dispatcher-num-sms
-    --moe-grouped-gemm --moe-hybridep-num-blocks-permute --moe-hybridep-num-blocks-unpermute
-    --moe-hybridep-num-sms --moe-hybridep-num-sms-preprocessing
-    --moe-hybridep-pad-uneven-dispatch-inputs --moe-input-jitter-eps --moe-latent-size
-    --moe-layer-freq --moe-layer-recompute --moe-mlp-glu-interleave-size
-    --moe-ncclep-static-shape --moe-ncclep-zero-copy --moe-pad-expert-input-to-capacity
-    --moe-paged-stash --moe-paged-stash-buffer-size-factor-cpu
-    --moe-paged-stash-buffer-size-factor-cuda --moe-paged-stash-page-size
-    --moe-per-layer-logging --moe-permute-fusion --moe-permute-fusion-into-hybridep
-    --moe-router-bias-update-rate --moe-router-dtype --moe-router-enable-expert-bias
-    --moe-router-force-biased --moe-router-force-load-balancing --moe-router-fusion
-    --moe-router-group-topk --moe-router-load-balancing-type --moe-router-num-groups
-    --moe-router-padding-for-fp8 --moe-router-padding-for-quantization --moe-router-pre-softmax
-    --moe-router-quantile-balancing-ema --moe-router-score-function --moe-router-topk
-    --moe-router-topk-scaling-factor --moe-routing-trace-capture-hidden-states
-    --moe-routing-trace-capture-logits --moe-routing-trace-dump-weights
-    --moe-routing-trace-max-training-iters --moe-routing-trace-path --moe-shared-expert-gate
-    --moe-shared-expert-glu-interleave-size --moe-shared-expert-intermediate-size
-    --moe-shared-expert-overlap --moe-single-grouped-bias --moe-single-grouped-weight
-    --moe-token-dispatcher-type --moe-token-drop-policy --moe-upcycling-granularity
-    --moe-use-legacy-grouped-gemm --moe-use-upcycling --moe-z-loss-coeff --num-experts
+    --high-priority-a2a-comm-stream --moe-enable-routing-replay
+    --moe-expert-rank-capacity-factor --moe-extended-tp --moe-flex-dispatcher-num-sms
+    --moe-hybridep-num-blocks-permute --moe-hybridep-num-blocks-unpermute
+    --moe-hybridep-num-sms-preprocessing --moe-hybridep-pad-uneven-dispatch-inputs
+    --moe-latent-size --moe-layer-recompute --moe-mlp-glu-interleave-size
+    --moe-ncclep-static-shape --moe-ncclep-zero-copy --moe-paged-stash
+    --moe-paged-stash-buffer-size-factor-cpu --moe-paged-stash-buffer-size-factor-cuda
+    --moe-paged-stash-page-size --moe-per-layer-logging --moe-permute-fusion-into-hybridep
+    --moe-router-force-biased --moe-router-force-load-balancing --moe-router-padding-for-fp8
+    --moe-router-padding-for-quantization --moe-router-quantile-balancing-ema
+    --moe-routing-trace-capture-hidden-states --moe-routing-trace-capture-logits
+    --moe-routing-trace-dump-weights --moe-routing-trace-max-training-iters
+    --moe-routing-trace-path --moe-shared-expert-glu-interleave-size --moe-single-grouped-bias
+    --moe-single-grouped-weight --moe-upcycling-granularity --moe-use-upcycling
     --overlap-dispatch-backward-with-experts-wgrad --overlap-moe-expert-parallel-comm
     --use-fused-weighted-squared-relu --use-grouped-gemm-for-shared-expert
 muP parametrization:

@@ -1,0 +1,75 @@
+"""The routed experts of one MoE layer: expert e is an MLP (engine/model/mlp.py) whose weights
+are the global parameters layers.N.mlp.experts.local_experts.<e>.linear_fc1/2 (megatron-core's
+names, by the expert's global index), so a checkpoint keeps each expert by its index.
+
+`forward` takes the tokens grouped by expert (expert 0's first, `counts` per expert) with their
+router probabilities and returns each token's expert output scaled by its probability. Each
+expert runs on its own tokens; with --moe-grouped-gemm, where torch has a grouped GEMM for the
+device and shapes (`torch._grouped_mm`: 16-byte aligned rows, no biases, the GELU or SwiGLU
+of the dense MLP), the experts' up and down projections each run as one grouped GEMM instead,
+on the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.context import BuildContext
+from engine.model.mlp import MLP
+
+
+class Experts(nn.Module):
+    def __init__(self, ctx: BuildContext, layer_number: int, expert_indices: range):
+        super().__init__()
+        cfg = ctx.config
+        self.cfg = cfg
+        self.expert_indices = expert_indices
+        prefix = f"layers.{layer_number}.mlp.experts.local_experts"
+        self.local_experts = nn.ModuleList(
+            MLP(ctx, layer_number, f"{prefix}.{e}", cfg.expert_ffn_size) for e in expert_indices
+        )
+        for expert, index in zip(self.local_experts, expert_indices):
+            for name, param in expert.named_parameters():
+                param.checkpoint_name = f"{prefix}.{index}.{name}"  # the global index
+
+    def forward(self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
+        if self.cfg.moe_grouped_gemm and grouped_gemm_fits(self, tokens):
+            return self._grouped(tokens, counts, probs)
+        outputs = []
+        for expert, part, p in zip(self.local_experts, tokens.split(counts), probs.split(counts)):
+            outputs.append(expert(part, p))
+        return torch.cat(outputs) if outputs else tokens.new_zeros(0, tokens.shape[-1])
+
+    def _grouped(self, tokens, counts, probs) -> torch.Tensor:
+        ends = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+        fc1 = torch.stack([e.linear_fc1.weight.t() for e in self.local_experts])
+        h = torch._grouped_mm(tokens, fc1, offs=ends)
+        first = self.local_experts[0]
+        if first.swiglu:
+            h = first.ops.swiglu(h)
+        else:
+            h = F.gelu(h, approximate=first.gelu_approximation)
+        h = (h * probs.unsqueeze(-1)).to(h.dtype)
+        fc2 = torch.stack([e.linear_fc2.weight.t() for e in self.local_experts])
+        return torch._grouped_mm(h, fc2, offs=ends)
+
+
+def grouped_gemm_fits(experts: Experts, tokens: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM runs these experts on this device: CUDA in bf16 or the
+    CPU in fp32/bf16, rows of 16-byte multiples, no biases, GELU or SwiGLU."""
+    if not hasattr(torch, "_grouped_mm") or not tokens.is_contiguous():
+        return False
+    allowed = (torch.bfloat16,) if tokens.device.type == "cuda" else (torch.float32, torch.bfloat16)
+    if tokens.dtype not in allowed or tokens.device.type not in ("cuda", "cpu"):
+        return False
+    first = experts.local_experts[0]
+    if first.squared_relu or first.linear_fc1.bias is not None:
+        return False
+    size = tokens.element_size()
+    widths = (first.linear_fc1.weight.shape[0], first.linear_fc2.weight.shape[0], tokens.shape[1])
+    return (
+        all(width * size % 16 == 0 for width in widths)
+        and first.linear_fc2.weight.shape[1] * size % 16 == 0
+    )

@@ -1,0 +1,65 @@
+"""One mixture-of-experts MLP (megatron-core's MoELayer): the shared experts (if any) on every
+token, the router's choice of experts, the tokens grouped by expert, the experts, and the
+outputs added back onto their tokens, plus the shared experts' output."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.context import BuildContext
+from engine.model.mlp import MLP
+from engine.model.moe.dispatch import permute, unpermute
+from engine.model.moe.experts import Experts
+from engine.model.moe.router import Router
+from parallel.tensor_parallel.init import draw_full
+from parallel.tensor_parallel.sharding import mark_tp_partial_grad
+
+
+class SharedExperts(MLP):
+    """The shared experts (one MLP of --moe-shared-expert-intermediate-size), with
+    --moe-shared-expert-gate a sigmoid gate per token (gate_weight [1, h])."""
+
+    def __init__(self, ctx: BuildContext, layer_number: int):
+        cfg = ctx.config
+        prefix = f"layers.{layer_number}.mlp.shared_experts"
+        super().__init__(ctx, layer_number, prefix, cfg.moe_shared_expert_intermediate_size)
+        self.gate_weight = None
+        if cfg.moe_shared_expert_gate:
+            seed = ctx.param_seed(f"{prefix}.gate_weight")
+            gate = draw_full((1, cfg.hidden_size), ctx.init_method, seed)
+            self.gate_weight = nn.Parameter(gate.to(ctx.device, ctx.params_dtype))
+            if ctx.sequence_parallel:
+                mark_tp_partial_grad(self.gate_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(F.linear(x, self.gate_weight))
+        return out
+
+
+class MoELayer(nn.Module):
+    def __init__(self, ctx: BuildContext, layer_number: int):
+        super().__init__()
+        cfg = ctx.config
+        self.cfg = cfg
+        self.router = Router(ctx, f"layers.{layer_number}.mlp.router")
+        self.experts = Experts(ctx, layer_number, range(cfg.num_experts))
+        self.shared_experts = None
+        if cfg.moe_shared_expert_intermediate_size:
+            self.shared_experts = SharedExperts(ctx, layer_number)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s, b, h] -> [s, b, h]."""
+        seq, batch, hidden = x.shape
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        probs, routing_map = self.router(x)
+        rows, row_probs, permutation = permute(x.reshape(-1, hidden), routing_map, probs)
+        if self.cfg.moe_apply_probs_on_input:
+            rows = (row_probs.unsqueeze(-1) * rows).to(rows.dtype)
+            row_probs = torch.ones_like(row_probs)
+        out = self.experts(rows, permutation.counts, row_probs)
+        out = unpermute(out, permutation, seq * batch).to(x.dtype).reshape(seq, batch, hidden)
+        return out if shared is None else out + shared

@@ -1,0 +1,52 @@
+"""The MoE layer's own pieces: its output against the dense formula (every expert on every
+token, weighted by the router's probabilities; GELU experts with biases, whose down-projection
+bias is scaled by the probability too), and --moe-grouped-gemm's grouped GEMM against the
+loop over experts (output and every gradient)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config.model import ModelConfig
+from engine.model.context import BuildContext
+from engine.model.moe.experts import grouped_gemm_fits
+from engine.model.moe.layer import MoELayer
+
+
+def _layer(**options) -> MoELayer:
+    cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, **options)
+    cfg.validate()
+    return MoELayer(BuildContext(cfg, seed=5), 0).train()
+
+
+def test_output_is_the_probability_weighted_sum_of_the_experts():
+    layer = _layer(num_experts=4, moe_ffn_hidden_size=24, bias_gelu_fusion=False)
+    assert layer.experts.local_experts[0].linear_fc2.bias is not None  # GELU with biases
+    x = torch.randn(8, 3, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        probs, _ = layer.router(x)
+        tokens = x.reshape(-1, 16)
+        expected = sum(
+            probs[:, e : e + 1] * expert(tokens)
+            for e, expert in enumerate(layer.experts.local_experts)
+        )
+        got = layer(x).reshape(-1, 16)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_gemm_equals_the_loop_over_experts():
+    options = dict(num_experts=4, moe_ffn_hidden_size=32, swiglu=True, add_bias_linear=False)
+    loop, grouped = _layer(**options), _layer(moe_grouped_gemm=True, **options)
+    x = torch.randn(8, 4, 16, generator=torch.Generator().manual_seed(2))
+    assert grouped_gemm_fits(grouped.experts, x.reshape(-1, 16))  # the grouped kernel runs
+    upstream = torch.randn(8, 4, 16, generator=torch.Generator().manual_seed(3))
+    outputs, grads = [], []
+    for layer in (loop, grouped):
+        inputs = x.clone().requires_grad_()
+        out = layer(inputs)
+        out.backward(upstream)
+        outputs.append(out.detach())
+        grads.append([inputs.grad] + [p.grad for p in layer.parameters()])
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,88 @@
+"""Mixture-of-experts runs through the training entry point: a sigmoid router with expert bias
+on 2 data-parallel ranks resumes bit-exactly from its checkpoint (the expert bias saved with
+it), and bad MoE flags are refused in one line naming the flag and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.errors import ConfigError
+from engine.pretrain import parse
+from engine.train.preflight import prepare
+from tests.test_training import base_args, latest, losses, pretrain
+
+MOE = {
+    "--num-experts": "4",
+    "--moe-router-topk": "2",
+    "--moe-router-score-function": "sigmoid",
+    "--moe-router-enable-expert-bias": True,
+    "--moe-router-bias-update-rate": "0.01",
+    "--moe-aux-loss-coeff": "0.01",
+    "--moe-z-loss-coeff": "0.001",
+    "--moe-ffn-hidden-size": "48",
+    "--moe-layer-freq": "2",
+    "--moe-grouped-gemm": True,
+    "--use-distributed-optimizer": True,
+}
+
+
+def test_moe_run_resumes_bit_exactly(dataset_prefix, tokenizer_model, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    found = {}
+    for name, extra in (
+        ("whole", {}),
+        ("first", {"--save": ckpt, "--save-interval": "2", "--exit-interval": "2"}),
+        ("resumed", {"--load": ckpt}),
+    ):
+        log = str(tmp_path / f"{name}.jsonl")
+        args = base_args(
+            dataset_prefix,
+            tokenizer_model,
+            **MOE,
+            **{"--train-iters": "4", "--log-jsonl": log},
+            **extra,
+        )
+        pretrain(2, args)
+        found[name] = losses(log)
+    assert latest(ckpt) == "2"
+    assert sorted(found["resumed"]) == [3, 4]
+    for step in (3, 4):
+        assert found["resumed"][step] == found["whole"][step], (step, found)
+    assert found["first"][2] == found["whole"][2]
+
+
+@pytest.mark.parametrize(
+    "extra, problem",
+    [
+        (["--moe-router-topk", "4"], "--moe-router-topk is a mixture-of-experts flag: add"),
+        (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be between"),
+        (
+            ["--num-experts", "4", "--moe-layer-freq", "([0]*3+[1]*2)"],
+            "gives 5 layers, the model has --num-layers 4",
+        ),
+        (["--num-experts", "4", "--moe-layer-freq", "([0]*2+[2]*2)"], "must be 0 (dense) or 1"),
+        (
+            ["--num-experts", "4", "--moe-layer-freq", "[1]*2+__import__('os')"],
+            "only list literals",
+        ),
+        (["--num-experts", "4", "--moe-expert-capacity-factor", "0"], "must be positive"),
+        (
+            ["--num-experts", "8", "--moe-router-num-groups", "4", "--moe-router-group-topk", "1"]
+            + ["--moe-router-topk", "3"],
+            "--moe-router-topk 3 is more than the 2 experts",
+        ),
+        (
+            ["--num-experts", "4", "--moe-router-topk", "1"],
+            "needs --moe-router-pre-softmax",
+        ),
+        (
+            ["--num-experts", "4", "--tensor-model-parallel-size", "2"],
+            "expert tensor parallelism is not built yet",
+        ),
+    ],
+)
+def test_bad_moe_flags_are_refused_in_one_line(dataset_prefix, tokenizer_model, extra, problem):
+    args = base_args(dataset_prefix, tokenizer_model) + extra
+    with pytest.raises(ConfigError, match=problem.replace("(", r"\(").replace(")", r"\)")) as err:
+        prepare(parse(args), 2)
+    assert "\n" not in str(err.value)
