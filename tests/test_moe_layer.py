@@ -50,3 +50,20 @@ def test_grouped_gemm_equals_the_loop_over_experts():
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(grads[1], grads[0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_model_flops_count_the_active_experts():
+    from engine.monitor.metrics import model_flops_per_token
+
+    shape = dict(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8, swiglu=True)
+    dense = ModelConfig(ffn_hidden_size=24, **shape)
+    moe = ModelConfig(
+        num_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=12,  # 2 active experts of 12: the dense model's 24
+        moe_layer_freq="2",  # layers 0 and 2
+        ffn_hidden_size=24,
+        **shape,
+    )
+    router = 3 * 2 * 2 * 16 * 8  # training x forward's 2 FLOPs x 2 MoE layers x h x E
+    assert model_flops_per_token(moe, 64) - model_flops_per_token(dense, 64) == router

@@ -113,6 +113,11 @@ def _model(args, rest: list[str]):
     saved = saved_architecture(cfg)  # with --use-checkpoint-args: the model of --load
     if saved is not None:
         cfg = with_saved_architecture(cfg, saved)
+    if cfg.model.is_moe:
+        raise ConfigError(
+            "--num-experts: the planner does not count mixture-of-experts layers yet (their "
+            "experts' memory and all-to-all); plan the dense model of the same shape"
+        )
     if cfg.model.vocab_size is None:
         raise ConfigError("the vocabulary size is unknown: give --vocab-size")
     if not cfg.training.global_batch_size or cfg.training.global_batch_size < 1:

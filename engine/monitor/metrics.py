@@ -10,6 +10,10 @@ groups, FFN size f, sequence s, padded vocabulary V; a multiply-add is 2 FLOPs):
                          for the causal mask, as Megatron-LM does)
     training per token = 3 * forward (recomputation is not model FLOPs)
 
+A mixture-of-experts layer's MLP term counts what a token computes: the router (h*E), its
+top-k experts (k * g*h*f_expert; not the E experts a layer holds), the shared experts
+(g*h*f_shared) and their gate (h).
+
 MFU = achieved model FLOP/s per device / the device's dense peak for the training dtype
 (datasheet numbers below; None where the device is unknown, e.g. a CPU).
 """
@@ -50,8 +54,15 @@ def model_flops_per_token(cfg: ModelConfig, padded_vocab: int) -> float:
     h, n, k = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups
     d = cfg.head_dim
     attention = 2 * h * n * d + 2 * h * k * d  # Q, O and K, V (= 2h^2 + 2h^2 k/n when d = h/n)
-    mlp = (3 if cfg.swiglu else 2) * h * cfg.ffn_size
-    forward = 2 * (cfg.num_layers * (attention + mlp) + h * padded_vocab)
+    g = 3 if cfg.swiglu else 2
+    moe_layers = sum(cfg.moe_layer_pattern(cfg.num_layers))
+    mlp = (cfg.num_layers - moe_layers) * g * h * cfg.ffn_size
+    if moe_layers:
+        shared = cfg.moe_shared_expert_intermediate_size or 0
+        active = h * cfg.num_experts + cfg.moe_router_topk * g * h * cfg.expert_ffn_size
+        active += g * h * shared + (h if cfg.moe_shared_expert_gate else 0)
+        mlp += moe_layers * active
+    forward = 2 * (cfg.num_layers * attention + mlp + h * padded_vocab)
     forward += 4 * cfg.num_layers * cfg.seq_length * n * d
     return 3.0 * forward
 

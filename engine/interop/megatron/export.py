@@ -229,6 +229,11 @@ def export_to_megatron(
     path = checkpoint_path(load, iteration)
     meta = verify_checkpoint(path, digests=verify)
     cfg = ModelConfig.from_record(meta["model"])
+    if cfg.is_moe:
+        raise InputError(
+            f"{path}: a mixture-of-experts model (--num-experts); its export to Megatron-LM is "
+            "not built yet"
+        )
     scaling = (
         cfg.rope_scaling_low_freq_factor,
         cfg.rope_scaling_high_freq_factor,

@@ -46,8 +46,8 @@ def model_config_from_args(args) -> ModelConfig:
             )
     if get("num_experts"):
         raise InputError(
-            "the checkpoint's model has mixture-of-experts layers (--num-experts), which are "
-            "not available in this engine yet"
+            "the checkpoint's model has mixture-of-experts layers (--num-experts); reading "
+            "Megatron-LM's MoE checkpoints is not built yet"
         )
     return ModelConfig(
         num_layers=get("num_layers"),
