@@ -10,7 +10,7 @@ import pytest
 from engine.errors import ConfigError, InputError
 from engine.pretrain import parse
 from engine.train.preflight import prepare
-from tests.test_training import base_args, latest, losses, pretrain
+from tests.test_training import base_args, latest, losses, pretrain, records
 
 MOE = {
     "--num-experts": "4",
@@ -96,3 +96,55 @@ def test_bad_moe_flags_are_refused_in_one_line(dataset_prefix, tokenizer_model, 
     with pytest.raises(ConfigError, match=problem.replace("(", r"\(").replace(")", r"\)")) as err:
         prepare(parse(args), 2)
     assert "\n" not in str(err.value)
+
+
+def test_moe_losses_and_loads_are_logged_the_same_under_any_layout(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    """The logged MoE losses (megatron-core's names), the expert load and the dropped fraction
+    of one process equal those of DP 2 and PP 2 on the same batches (each reduced over the
+    ranks that hold their parts)."""
+    moe = {
+        "--num-experts": "4",
+        "--moe-router-topk": "2",
+        "--moe-router-load-balancing-type": ["aux_loss", "seq_aux_loss"],
+        "--moe-aux-loss-coeff": ["0.01", "0.001"],
+        "--moe-z-loss-coeff": "0.001",
+        "--moe-expert-capacity-factor": "1.0",
+        "--moe-layer-freq": "([1]*2+[0]+[1])",
+        "--moe-per-layer-logging": True,
+        "--hidden-dropout": "0.0",
+        "--attention-dropout": "0.0",
+    }
+    found = {}
+    for name, world, extra in (
+        ("one", 1, {}),
+        ("dp2", 2, {}),
+        ("pp2", 2, {"--pipeline-model-parallel-size": "2"}),
+    ):
+        log = tmp_path / f"{name}.jsonl"
+        args = base_args(
+            dataset_prefix,
+            tokenizer_model,
+            **moe,
+            **extra,
+            **{"--train-iters": "3", "--log-jsonl": str(log)},
+        )
+        pretrain(world, args)
+        found[name] = [r for r in records(log) if "split" not in r]
+    keys = ["load_balancing_loss", "seq_load_balancing_loss", "z_loss", "moe_load_imbalance"]
+    keys += ["moe_dropped_fraction", "moe/load_balancing_loss_layer_3"]
+    keys += ["moe/load_imbalance_layer_0", "moe/z_loss_layer_1"]
+    first = found["one"][0]
+    assert 0.5 < first["load_balancing_loss"] < 2.0 and first["moe_load_imbalance"] >= 1.0
+    assert 0.0 < first["moe_dropped_fraction"] < 0.5
+    assert "moe/z_loss_layer_2" not in first  # layer 2 is dense
+    for layout in ("dp2", "pp2"):
+        for mine, reference in zip(found[layout], found["one"]):
+            for key in keys:
+                assert abs(mine[key] - reference[key]) <= 1e-5 * abs(reference[key]), (
+                    layout,
+                    key,
+                    mine[key],
+                    reference[key],
+                )

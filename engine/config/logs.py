@@ -39,6 +39,11 @@ class LoggingConfig:
     log_num_zeros_in_grad: bool = option(
         False, "log how many gradient elements are zero (num_zeros; as Megatron-LM)"
     )
+    moe_per_layer_logging: bool = option(
+        False,
+        "a mixture of experts: also log each MoE layer's losses (moe/<loss>_layer_<n>, as "
+        "Megatron-LM) and load imbalance (moe/load_imbalance_layer_<n>)",
+    )
     log_memory_to_tensorboard: bool = option(
         False,
         "add the CUDA allocator's mem-reserved-bytes, mem-allocated-bytes, "

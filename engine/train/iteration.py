@@ -33,6 +33,7 @@ class IterationResult:
     domain_parts: list[float] | None = None  # a blend's losses by dataset (loss.py)
     num_zeros: int | None = None  # --log-num-zeros-in-grad
     params_norm: float | None = None  # --log-params-norm
+    moe: object = None  # an MoE model's engine.monitor.moe_metrics.MoEStepMetrics
 
 
 def train_iteration(run: Run, batches: list[dict], global_batch: int | None = None):
@@ -99,4 +100,5 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         domain_parts=out.domain_parts,
         num_zeros=out.num_zeros,
         params_norm=out.params_norm,
+        moe=out.moe,
     )

@@ -10,7 +10,9 @@ import statistics
 import torch
 
 from engine.eval.samples import Decoding, decode
+from engine.model.moe.router import LOSS_NAMES
 from engine.monitor.metrics import cuda_memory_tags, memory_gb
+from engine.monitor.moe_metrics import log_keys as moe_log_keys
 from engine.train.iteration import IterationResult
 from engine.train.loss import domain_losses
 from engine.train.state import Run
@@ -50,6 +52,8 @@ def log_window(run: Run, window: list[IterationResult], tokens: int) -> None:
     if scales:  # the smoothed estimate after the window's last measured step
         record["gradient_noise_scale"] = scales[-1]
     record |= _window_domain_losses(updated or window, run.features.domain_names)
+    per_layer = run.cfg.logging.moe_per_layer_logging
+    record |= moe_log_keys([r.moe for r in window if r.moe is not None], per_layer)
     record |= _mix_keys(run)
     parts = [r.part_norms for r in window if r.part_norms]
     if parts:  # the latest breakdown in the window (--log-grad-norms-interval)
@@ -81,6 +85,8 @@ def log_iteration(run: Run, result: IterationResult) -> None:
     }
     if run.cfg.logging.log_memory_to_tensorboard:
         record |= cuda_memory_tags(run.state.device)
+    if result.moe is not None:  # Megatron-LM writes its MoE losses every iteration
+        record |= result.moe.losses
     run.writer.log_iteration(record, c.iteration)
 
 
@@ -99,8 +105,19 @@ def _write(run: Run, record: dict, loss: float) -> None:
         f"lm loss {loss:.4f} | lr {record['lr']:.3e} | grad norm {grad} | "
         f"{record['tokens_per_sec']:,.0f} tokens/s | {record['tflops_per_device']:.3f} "
         f"TFLOP/s/device{mfu} | skipped {c.skipped_iters} | mem {record['mem_gb']:.2f} GB"
+        + _moe_text(record)
         + _domains_text(record)
     )
+
+
+def _moe_text(record: dict) -> str:
+    """A mixture of experts' losses and load on the console line."""
+    parts = [f"{name} {record[name]:.4f}" for name in LOSS_NAMES if name in record]
+    if "moe_load_imbalance" in record:
+        parts.append(f"expert load max/mean {record['moe_load_imbalance']:.2f}")
+    if "moe_dropped_fraction" in record:
+        parts.append(f"dropped {record['moe_dropped_fraction']:.1%}")
+    return "".join(f" | {part}" for part in parts)
 
 
 def _mix_keys(run: Run) -> dict:

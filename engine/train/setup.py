@@ -5,6 +5,7 @@ checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import time
 
@@ -27,6 +28,7 @@ from engine.monitor.metrics import (
     device_peak_tflops,
     model_flops_per_token,
 )
+from engine.monitor.moe_metrics import step_metrics
 from engine.monitor.noise_scale import LocalGradSquares, NoiseScale
 from engine.monitor.profiler import StepProfiler
 from engine.monitor.wandb import WandbWriter
@@ -244,6 +246,17 @@ def _features(cfg: Configs, state: ParallelState, chunks, times, names) -> StepF
         domain_names=names,
         num_zeros=logging.log_num_zeros_in_grad,
         params_norm=logging.log_params_norm,
+        moe_metrics=_moe_metrics(cfg, state),
+    )
+
+
+def _moe_metrics(cfg: Configs, state: ParallelState):
+    """A mixture of experts' per-step measurements (engine/monitor/moe_metrics.py)."""
+    if not cfg.model.is_moe:
+        return None
+    sequence_parallel = cfg.parallel.sequence_parallel and state.tp_size > 1
+    return functools.partial(
+        step_metrics, cfg=cfg.model, state=state, sequence_parallel=sequence_parallel
     )
 
 

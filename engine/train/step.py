@@ -46,6 +46,8 @@ class StepFeatures:
     domain_names: tuple[str, ...] = ()
     num_zeros: bool = False  # --log-num-zeros-in-grad
     params_norm: bool = False  # --log-params-norm
+    # an MoE model's measurements: chunks -> engine.monitor.moe_metrics.MoEStepMetrics
+    moe_metrics: Callable | None = None
 
     @property
     def num_domains(self) -> int:
@@ -85,6 +87,7 @@ class StepResult:
     domain_parts: list[float] | None = None  # with domains: [s_0 .., w_0 ..] (loss.py)
     num_zeros: int | None = None  # with num_zeros, of an update taken
     params_norm: float | None = None  # with params_norm
+    moe: object = None  # with moe_metrics: its MoEStepMetrics
 
 
 def forward_step(chunk, batch: dict, input_tensor: torch.Tensor | None) -> torch.Tensor:
@@ -180,6 +183,7 @@ def train_step(
     shared = [w for c in chunks if (w := c.module.shared_embedding_weight()) is not None]
     with measure(times, "grads-sync"):
         finalize_model_grads(chunks, state.tp_group, state.embedding_group, shared)
+        moe = features.moe_metrics(chunks) if features.moe_metrics is not None else None
         for router in routers_of(chunks):  # the expert bias moves (megatron-core: here too)
             router.end_step(state.tp_group, state.dp_cp_group)
     with measure(times, "grads-sync"):  # (the noise scale's reductions of the local norms)
@@ -193,7 +197,9 @@ def train_step(
         lr = scheduler.apply(optimizer)
     loss_scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else None
     if early is not None and not hooks.should_step(early[0]):
-        return StepResult(early[0], None, lr, False, loss_scale, None, own, early[1:] or None)
+        return StepResult(
+            early[0], None, lr, False, loss_scale, None, own, early[1:] or None, moe=moe
+        )
     if hooks.before_update is not None:
         with measure(times, "save-checkpoint"):  # an asynchronous save's copy still running
             hooks.before_update()
@@ -217,4 +223,5 @@ def train_step(
         parts or None,
         result.num_zeros,
         params_norm,
+        moe,
     )

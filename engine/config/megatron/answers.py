@@ -274,7 +274,7 @@ expert parallelism and the rest of mixture of experts (issue 40):
     --moe-latent-size --moe-layer-recompute --moe-mlp-glu-interleave-size
     --moe-ncclep-static-shape --moe-ncclep-zero-copy --moe-paged-stash
     --moe-paged-stash-buffer-size-factor-cpu --moe-paged-stash-buffer-size-factor-cuda
-    --moe-paged-stash-page-size --moe-per-layer-logging --moe-permute-fusion-into-hybridep
+    --moe-paged-stash-page-size --moe-permute-fusion-into-hybridep
     --moe-router-force-biased --moe-router-force-load-balancing --moe-router-padding-for-fp8
     --moe-router-padding-for-quantization --moe-router-quantile-balancing-ema
     --moe-routing-trace-capture-hidden-states --moe-routing-trace-capture-logits

@@ -45,7 +45,7 @@ class MoELayer(nn.Module):
         super().__init__()
         cfg = ctx.config
         self.cfg = cfg
-        self.router = Router(ctx, f"layers.{layer_number}.mlp.router")
+        self.router = Router(ctx, layer_number)
         self.experts = Experts(ctx, layer_number, range(cfg.num_experts))
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:

@@ -33,13 +33,42 @@ from parallel.tensor_parallel.init import draw_full
 from parallel.tensor_parallel.sharding import mark_tp_partial_grad
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+LOSS_NAMES = (
+    "load_balancing_loss",
+    "seq_load_balancing_loss",
+    "global_load_balancing_loss",
+    "z_loss",
+)
+
+
+class RouterStepStats:
+    """What a router saw in a step's training forwards: the sum of each loss (over its
+    coefficient; LOSS_NAMES), the tokens each expert received, the (token, expert) choices
+    dropped over capacity and all choices made, and the forwards counted."""
+
+    def __init__(self, experts: int, topk: int, device):
+        self.topk = topk
+        self.losses = torch.zeros(len(LOSS_NAMES), dtype=torch.float64, device=device)
+        self.counts = torch.zeros(experts, dtype=torch.float64, device=device)
+        self.dropped = torch.zeros(2, dtype=torch.float64, device=device)  # dropped, all
+        self.forwards = 0
+
+    def add(self, recorded: dict, routing_map: torch.Tensor, dropped: torch.Tensor) -> None:
+        for index, name in enumerate(LOSS_NAMES):
+            if name in recorded:
+                self.losses[index] += recorded[name].double()
+        self.counts += routing_map.sum(dim=0).double()
+        self.dropped[0] += dropped.double()
+        self.dropped[1] += routing_map.shape[0] * self.topk
+        self.forwards += 1
 
 
 class Router(nn.Module):
-    def __init__(self, ctx: BuildContext, prefix: str):
+    def __init__(self, ctx: BuildContext, layer_number: int):
         super().__init__()
         cfg = ctx.config
-        self.ctx, self.cfg = ctx, cfg
+        self.ctx, self.cfg, self.layer_number = ctx, cfg, layer_number
+        prefix = f"layers.{layer_number}.mlp.router"
         experts, h = cfg.num_experts, cfg.hidden_size
         weight = draw_full((experts, h), ctx.init_method, ctx.param_seed(f"{prefix}.weight"))
         self.weight = nn.Parameter(weight.to(ctx.device, ctx.params_dtype))
@@ -59,6 +88,8 @@ class Router(nn.Module):
         self.global_forwards = 0
         # the last training forward's losses over their coefficients (megatron-core's names)
         self.recorded: dict[str, torch.Tensor] = {}
+        # what this step's training forwards saw (engine/monitor/moe_metrics.py)
+        self.step = RouterStepStats(experts, cfg.moe_router_topk, ctx.device)
 
     # --- the token sets -----------------------------------------------------------------
 
@@ -92,6 +123,8 @@ class Router(nn.Module):
         cfg = self.cfg
         seq, batch = x.shape[:2]
         learning = self.training and torch.is_grad_enabled()
+        if learning:
+            self.recorded = {}
         if cfg.moe_input_jitter_eps is not None and self.training:
             eps = cfg.moe_input_jitter_eps
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
@@ -116,6 +149,7 @@ class Router(nn.Module):
                 scaling_factor=cfg.moe_router_topk_scaling_factor,
                 expert_bias=self.expert_bias,
             )
+        chosen = routing_map
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = drop_over_capacity(
                 probs,
@@ -131,6 +165,8 @@ class Router(nn.Module):
             probs = self._global_loss(probs, logits)
         if learning and self.expert_bias is not None:
             self.tokens_seen += routing_map.sum(dim=0)
+        if learning:
+            self.step.add(self.recorded, routing_map, (chosen & ~routing_map).sum())
         return probs, routing_map
 
     def _balancing_losses(self, probs, logits, seq: int, batch: int) -> torch.Tensor:
@@ -188,6 +224,9 @@ class Router(nn.Module):
         over every rank holding this layer (TP x DP x CP; the same new bias on each) and start
         the next step's counts. Collective over those ranks."""
         self.global_counts, self.global_forwards = None, 0
+        self.step = RouterStepStats(
+            self.cfg.num_experts, self.cfg.moe_router_topk, self.step.counts.device
+        )
         if self.expert_bias is None:
             return
         counts = self.tokens_seen
