@@ -5,6 +5,7 @@ checked against the vocabulary at start."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -45,7 +46,9 @@ def data_folder(dataset_prefix, tokenizer_model, tmp_path_factory) -> str:
     return str(folder)
 
 
-def launch(data_folder: str, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def launch(
+    data_folder: str, *args: str, timeout: int = 240, script: str = "pretrain_gpt.sh"
+) -> subprocess.CompletedProcess:
     env = dict(
         os.environ,
         **CPU_ONLY,
@@ -55,13 +58,26 @@ def launch(data_folder: str, *args: str, timeout: int = 240) -> subprocess.Compl
         PYTHON=sys.executable,
     )
     return subprocess.run(
-        ["bash", "examples/pretrain_gpt.sh", *SMALL, *args],
+        ["bash", f"examples/{script}", *SMALL, *args],
         capture_output=True,
         text=True,
         env=env,
         cwd=ROOT,
         timeout=timeout,
     )
+
+
+def test_the_mixtral_example_trains_a_mixture_of_experts(data_folder, tmp_path):
+    log = tmp_path / "log.jsonl"
+    result = launch(
+        data_folder, "--log-jsonl", str(log), "--log-interval", "1", script="pretrain_mixtral.sh"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = [json.loads(line) for line in log.read_text().splitlines()]
+    found = [r for r in found if "split" not in r]
+    assert [r["iteration"] for r in found] == [1, 2, 3]
+    assert all(0.5 < r["load_balancing_loss"] < 2.0 for r in found)
+    assert "load_balancing_loss" in result.stdout  # on the console line
 
 
 def test_configuration_errors_are_one_line_before_any_rank(data_folder, tmp_path):
