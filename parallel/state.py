@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.errors import ConfigError
+from parallel.expert_parallel.groups import expert_layout_groups
 
 
 def check_layout(world_size: int, tp: int, pp: int, dp: int | None = None, cp: int = 1) -> int:
@@ -150,6 +151,14 @@ class ParallelState:
     dp_cp_replica_group: dist.ProcessGroup | None = None
     optimizer_instance_group: dist.ProcessGroup | None = None
     optimizer_instances: int = 1
+    # expert parallelism (parallel/expert_parallel/groups.py); with EP 1 and ETP = TP the
+    # expert groups are the dense ones (None, dp_cp_group, tp_group)
+    ep_size: int = 1
+    etp_size: int = 1
+    ep_group: dist.ProcessGroup | None = None
+    ep_ranks: tuple[int, ...] = (0,)
+    expert_dp_group: dist.ProcessGroup | None = None
+    expert_tp_group: dist.ProcessGroup | None = None
     model_parallel_group: dist.ProcessGroup | None = None  # TP x PP: one model replica
     embedding_group: dist.ProcessGroup | None = None  # first and last PP stage (tied embeddings)
     world_group: dist.ProcessGroup | None = None
@@ -219,10 +228,13 @@ class ParallelState:
         timeout_minutes: float | None = None,
         pp_inside_dp: bool = False,
         optimizer_instances: int = 1,
+        ep: int = 1,
+        etp: int | None = None,
     ) -> ParallelState:
         """Create every group of the (tp, cp, dp, pp) layout, in the default rank order or
-        with `pp_inside_dp`, and with `optimizer_instances` distributed-optimizer instances
-        (the module docstring); torch.distributed must be initialised."""
+        with `pp_inside_dp`, with `optimizer_instances` distributed-optimizer instances
+        (the module docstring) and the expert groups of `ep` x `etp` (default TP);
+        torch.distributed must be initialised."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised; call init_process_group first"
@@ -281,6 +293,7 @@ class ParallelState:
         state.world_group = new_group(list(range(world)))
         state.dp_cp_shard_group = state.dp_cp_group
         state.optimizer_instance_group = state.world_group
+        _build_expert_groups(state, new_group, pp_inside_dp, ep, tp if etp is None else etp)
         if optimizer_instances > 1:
             for kind, attribute in (
                 ("dp_cp_shard", "dp_cp_shard_group"),
@@ -293,11 +306,35 @@ class ParallelState:
                         setattr(state, attribute, group)
         return state
 
+    @property
+    def ep_rank(self) -> int:
+        return self.ep_ranks.index(self.rank) if self.ep_size > 1 else 0
+
     def describe(self) -> str:
         return (
             f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size} cp {self.cp_rank}/{self.cp_size} "
             f"pp {self.pp_rank}/{self.pp_size} dp {self.dp_rank}/{self.dp_size} on {self.device}"
         )
+
+
+def _build_expert_groups(state: ParallelState, new_group, pp_inside_dp: bool, ep: int, etp: int):
+    """The expert groups (parallel/expert_parallel/groups.py), created on every rank."""
+    state.ep_size, state.etp_size = ep, etp
+    state.expert_dp_group, state.expert_tp_group = state.dp_cp_group, state.tp_group
+    if ep == 1 and etp == state.tp_size:
+        return
+    groups = expert_layout_groups(
+        state.tp_size, state.cp_size, state.dp_size, state.pp_size, ep, etp, pp_inside_dp
+    )
+    for ranks in groups["ep"]:
+        group = new_group(ranks)
+        if state.rank in ranks:
+            state.ep_group, state.ep_ranks = group, tuple(ranks)
+    for kind, attribute in (("expert_dp", "expert_dp_group"), ("expert_tp", "expert_tp_group")):
+        for ranks in groups[kind]:
+            group = new_group(ranks)
+            if state.rank in ranks:
+                setattr(state, attribute, group)
 
 
 def rank_device(

@@ -1,0 +1,2 @@
+"""Expert parallelism (a mixture of experts' experts spread over ranks): its process groups
+(groups.py)."""
