@@ -35,6 +35,9 @@ class BuildContext:
     cp_rank: int = 0
     cp_comm_type: tuple[str, ...] = ("p2p",)  # one for every layer, or one per layer
     dp_cp_group: object = None  # DP x CP (MoE: global_aux_loss counts tokens over it)
+    ep_group: object = None  # expert parallel: the ranks an MoE layer's experts are spread over
+    ep_size: int = 1
+    ep_rank: int = 0
     gradient_accumulation_fusion: bool = True  # weight gradients straight into main_grad
     tracker: RNGStatesTracker | None = None
     params_dtype: torch.dtype = torch.float32

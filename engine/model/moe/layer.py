@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.model.context import BuildContext
 from engine.model.mlp import MLP
-from engine.model.moe.dispatch import permute, unpermute
+from engine.model.moe.dispatch import exchange, exchange_back, permute, unpermute
 from engine.model.moe.experts import Experts
 from engine.model.moe.router import Router
 from parallel.tensor_parallel.init import draw_full
@@ -45,8 +45,11 @@ class MoELayer(nn.Module):
         super().__init__()
         cfg = ctx.config
         self.cfg = cfg
+        self.ctx = ctx
         self.router = Router(ctx, layer_number)
-        self.experts = Experts(ctx, layer_number, range(cfg.num_experts))
+        local = cfg.num_experts // ctx.ep_size  # this rank's experts, by global index
+        first = ctx.ep_rank * local
+        self.experts = Experts(ctx, layer_number, range(first, first + local))
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExperts(ctx, layer_number)
@@ -57,9 +60,15 @@ class MoELayer(nn.Module):
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         probs, routing_map = self.router(x)
         rows, row_probs, permutation = permute(x.reshape(-1, hidden), routing_map, probs)
+        counts, ep = permutation.counts, self.ctx.ep_size
+        if ep > 1:  # each row to the rank holding its expert
+            rows, row_probs, moved = exchange(rows, row_probs, counts, self.ctx.ep_group, ep)
+            counts = moved.counts
         if self.cfg.moe_apply_probs_on_input:
             rows = (row_probs.unsqueeze(-1) * rows).to(rows.dtype)
             row_probs = torch.ones_like(row_probs)
-        out = self.experts(rows, permutation.counts, row_probs)
+        out = self.experts(rows, counts, row_probs)
+        if ep > 1:
+            out = exchange_back(out, moved, self.ctx.ep_group)
         out = unpermute(out, permutation, seq * batch).to(x.dtype).reshape(seq, batch, hidden)
         return out if shared is None else out + shared
