@@ -11,6 +11,7 @@ from engine.config.model import ModelConfig
 from engine.model.context import BuildContext
 from engine.model.moe.experts import grouped_gemm_fits
 from engine.model.moe.layer import MoELayer
+from tests.distributed import run_ranks
 
 
 def _layer(**options) -> MoELayer:
@@ -67,3 +68,32 @@ def test_model_flops_count_the_active_experts():
     )
     router = 3 * 2 * 2 * 16 * 8  # training x forward's 2 FLOPs x 2 MoE layers x h x E
     assert model_flops_per_token(moe, 64) - model_flops_per_token(dense, 64) == router
+
+
+def _gathers_waited(rank, world):
+    from parallel.data_parallel.ddp import DistributedDataParallel
+    from parallel.state import ParallelState
+
+    state = ParallelState.build(tp=1)
+    layer = _layer(num_experts=4, moe_ffn_hidden_size=32, swiglu=True, add_bias_linear=False)
+    ddp = DistributedDataParallel(
+        layer,
+        state.dp_cp_group,
+        bucket_size=600,  # an expert's weights fill buckets of their own
+        sharding="optim",
+        overlap_param_gather=True,
+    )
+    ddp.start_param_sync()
+    experts = layer.experts
+    expert_buckets = {ddp.bucket_of[p] for p in experts.parameters()}
+    in_flight = sum(b.param_work is not None for b in expert_buckets)
+    for hook in experts._forward_pre_hooks.values():  # what runs before the grouped GEMM
+        hook(experts, ())
+    return in_flight, sum(b.param_work is not None for b in expert_buckets), len(expert_buckets)
+
+
+def test_the_grouped_gemm_waits_for_its_weights_gathers():
+    """--overlap-param-gather: the experts' own forward (the grouped GEMM reads their weights
+    without calling them) waits for the gathers of every bucket holding them."""
+    for in_flight, after, buckets in run_ranks(_gathers_waited, 2):
+        assert buckets > 1 and in_flight == buckets and after == 0

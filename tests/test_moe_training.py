@@ -148,3 +148,31 @@ def test_moe_losses_and_loads_are_logged_the_same_under_any_layout(
                     mine[key],
                     reference[key],
                 )
+
+
+def test_global_aux_loss_is_the_loss_over_every_data_parallel_rank(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    """global_aux_loss counts the tokens of all data-parallel ranks: DP 2 with micro-batches
+    of 2 logs (and trains on: the losses after the updates) the loss one process computes over
+    micro-batches of 4."""
+    moe = {
+        "--num-experts": "4",
+        "--moe-router-load-balancing-type": "global_aux_loss",
+        "--moe-aux-loss-coeff": "0.01",
+        "--hidden-dropout": "0.0",
+        "--attention-dropout": "0.0",
+        "--global-batch-size": "4",
+        "--train-iters": "3",
+        "--lr-warmup-iters": "1",  # (the first update's rate is 0: two updates, one at 3e-3)
+    }
+    found = {}
+    for name, world, micro in (("one", 1, "4"), ("dp2", 2, "2")):
+        log = tmp_path / f"{name}.jsonl"
+        extra = {"--micro-batch-size": micro, "--log-jsonl": str(log)}
+        pretrain(world, base_args(dataset_prefix, tokenizer_model, **moe, **extra))
+        found[name] = [r for r in records(log) if "split" not in r]
+    for mine, reference in zip(found["dp2"], found["one"], strict=True):
+        for key in ("global_load_balancing_loss", "lm_loss"):
+            assert abs(mine[key] - reference[key]) <= 1e-5 * reference[key], (key, mine, reference)
+    assert 0.7 < found["one"][0]["global_load_balancing_loss"] < 1.5

@@ -133,7 +133,8 @@ class MoEOptions:
 
     @property
     def expert_ffn_size(self) -> int:
-        return self.moe_ffn_hidden_size or self.ffn_size  # (ModelConfig.ffn_size)
+        """Each routed expert's hidden size (default ModelConfig.ffn_size, the dense MLP's)."""
+        return self.moe_ffn_hidden_size or self.ffn_size
 
     def aux_loss_coeff(self, kind: str) -> float:
         """The coefficient of one load-balancing loss (0.0 where it is not chosen)."""
@@ -171,7 +172,11 @@ class MoEOptions:
             )
         if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size < 1:
             raise ConfigError("--moe-ffn-hidden-size must be at least 1")
-        self.moe_layer_pattern(num_layers)  # parses, one 0/1 per layer
+        if not any(self.moe_layer_pattern(num_layers)):  # (parses, one 0/1 per layer)
+            raise ConfigError(
+                f"--moe-layer-freq {self.moe_layer_freq} makes no layer a mixture of experts: "
+                "mark one, or drop --num-experts"
+            )
         self._validate_router(experts, topk)
         self._validate_balancing()
         capacity = self.moe_expert_capacity_factor
@@ -216,12 +221,7 @@ class MoEOptions:
                 "--moe-router-enable-expert-bias works with --moe-router-score-function sigmoid"
             )
         groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
-        if group_topk is None:
-            if groups is not None:
-                raise ConfigError(
-                    "--moe-router-num-groups needs --moe-router-group-topk (the groups each "
-                    "token may use)"
-                )
+        if group_topk is None:  # (--moe-router-num-groups alone: no effect, as there)
             return
         if not groups:
             raise ConfigError(

@@ -7,7 +7,8 @@ fraction of (token, expert) choices dropped.
 
 Reductions: a rank's losses are its share over the ranks of its sequences (CP, and TP under
 sequence parallelism): summed over those, averaged over data parallelism (as megatron-core's
-tracker), summed over pipeline stages (each holds its own layers). Token counts are summed over
+tracker; global_load_balancing_loss, whose shares are over the data-parallel ranks too, is
+summed), summed over pipeline stages (each holds its own layers). Token counts are summed over
 every rank. Collective on every rank of an MoE model.
 """
 
@@ -19,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from engine.config.model import ModelConfig
-from engine.model.moe.router import LOSS_NAMES, routers_of
+from engine.model.moe.router import routers_of
+from engine.model.moe.stats import LOSS_NAMES
 from parallel.comm import all_reduce
 
 
@@ -62,7 +64,7 @@ def step_metrics(chunks, cfg: ModelConfig, state, sequence_parallel: bool) -> Mo
     counts = torch.zeros(len(moe_layers), experts, dtype=torch.float64, device=device)
     dropped = torch.zeros(2, dtype=torch.float64, device=device)  # dropped, all choices
     for router in routers_of(chunks):
-        step = router.step
+        step = router.step_stats
         row = position[router.layer_number]
         if step.forwards:
             losses[row] = step.losses / step.forwards
@@ -73,7 +75,8 @@ def step_metrics(chunks, cfg: ModelConfig, state, sequence_parallel: bool) -> Mo
         all_reduce(losses, group)
     if state.dp_group is not None:
         all_reduce(losses, state.dp_group)
-        losses /= state.dp_size
+        averaged = [i for i, name in enumerate(names) if name != "global_load_balancing_loss"]
+        losses[:, averaged] /= state.dp_size  # global_aux_loss: DP ranks' shares, summed
     if sequence_parallel:
         all_reduce(counts, state.tp_group)
         all_reduce(dropped, state.tp_group)

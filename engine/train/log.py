@@ -10,7 +10,7 @@ import statistics
 import torch
 
 from engine.eval.samples import Decoding, decode
-from engine.model.moe.router import LOSS_NAMES
+from engine.model.moe.stats import LOSS_NAMES
 from engine.monitor.metrics import cuda_memory_tags, memory_gb
 from engine.monitor.moe_metrics import log_keys as moe_log_keys
 from engine.train.iteration import IterationResult

@@ -149,7 +149,7 @@ class DistributedDataParallel(nn.Module):
             self.gathering = UnitGathering(self, list(reversed(self.buckets)))
         elif self.overlap_param_gather:
             for submodule in module.modules():
-                if any(p in self.bucket_of for p in submodule.parameters(recurse=False)):
+                if any(p in self.bucket_of for p in _read_parameters(submodule)):
                     self._hooks.append(submodule.register_forward_pre_hook(self._wait_params))
 
     # --- layout ---------------------------------------------------------------------------
@@ -479,7 +479,7 @@ class DistributedDataParallel(nn.Module):
                 bucket.param_work = None
 
     def _wait_params(self, module: nn.Module, args) -> None:
-        for param in module.parameters(recurse=False):
+        for param in _read_parameters(module):
             bucket = self.bucket_of.get(param)
             if bucket is not None and bucket.param_work is not None:
                 bucket.param_work.wait()
@@ -488,3 +488,10 @@ class DistributedDataParallel(nn.Module):
     def padding(self) -> int:
         """Buffer elements that belong to no parameter (bucket padding)."""
         return self.numel - sum(p.numel() for p in self.params)
+
+
+def _read_parameters(module: nn.Module):
+    """The parameters a module's forward reads itself: its own, or with
+    `reads_child_parameters` (a module that reads its children's weights without calling
+    them, e.g. the MoE experts' grouped GEMM) its descendants' too."""
+    return module.parameters(recurse=getattr(module, "reads_child_parameters", False))

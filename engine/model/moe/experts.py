@@ -30,6 +30,9 @@ class Experts(nn.Module):
         self.local_experts = nn.ModuleList(
             MLP(ctx, layer_number, f"{prefix}.{e}", cfg.expert_ffn_size) for e in expert_indices
         )
+        # the grouped GEMM reads the experts' weights without calling them: data parallelism
+        # waits for their gathers before this module's forward (parallel/data_parallel/ddp.py)
+        self.reads_child_parameters = True
         for expert, index in zip(self.local_experts, expert_indices):
             for name, param in expert.named_parameters():
                 param.checkpoint_name = f"{prefix}.{index}.{name}"  # the global index

@@ -9,7 +9,8 @@ share of the loss over the whole set and the shares add up in the gradient reduc
 
 The expert bias (--moe-router-enable-expert-bias) is a parameter without gradient (saved with
 the model); `tokens_seen` counts the tokens each expert received in this step's training
-forwards, from which `update_expert_bias` moves the bias after the step.
+forwards, from which `end_step` moves the bias after the step. `step_stats` keeps what the
+step's training forwards saw for the logs (engine/model/moe/stats.py).
 """
 
 from __future__ import annotations
@@ -28,39 +29,37 @@ from engine.model.moe.routing import (
     topk_routing,
     z_loss,
 )
+from engine.model.moe.stats import RouterStepStats
 from parallel.comm import all_reduce, group_size
 from parallel.tensor_parallel.init import draw_full
 from parallel.tensor_parallel.sharding import mark_tp_partial_grad
 
-ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-LOSS_NAMES = (
-    "load_balancing_loss",
-    "seq_load_balancing_loss",
-    "global_load_balancing_loss",
-    "z_loss",
-)
+
+def router_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
+    """--moe-router-dtype's dtype (the input's without it)."""
+    return {"fp32": torch.float32, "fp64": torch.float64}.get(name, default)
 
 
-class RouterStepStats:
-    """What a router saw in a step's training forwards: the sum of each loss (over its
-    coefficient; LOSS_NAMES), the tokens each expert received, the (token, expert) choices
-    dropped over capacity and all choices made, and the forwards counted."""
+class _Gate(torch.autograd.Function):
+    """x @ W^T (+ b) computed in `dtype`, keeping x and W as they are for backward (not their
+    fp32/fp64 copies), the gradients returned in their dtypes: megatron-core's
+    router_gating_linear."""
 
-    def __init__(self, experts: int, topk: int, device):
-        self.topk = topk
-        self.losses = torch.zeros(len(LOSS_NAMES), dtype=torch.float64, device=device)
-        self.counts = torch.zeros(experts, dtype=torch.float64, device=device)
-        self.dropped = torch.zeros(2, dtype=torch.float64, device=device)  # dropped, all
-        self.forwards = 0
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype):
+        ctx.save_for_backward(x, weight)
+        ctx.dtype, ctx.has_bias = dtype, bias is not None
+        logits = x.to(dtype) @ weight.to(dtype).t()
+        return logits + bias.to(dtype) if bias is not None else logits
 
-    def add(self, recorded: dict, routing_map: torch.Tensor, dropped: torch.Tensor) -> None:
-        for index, name in enumerate(LOSS_NAMES):
-            if name in recorded:
-                self.losses[index] += recorded[name].double()
-        self.counts += routing_map.sum(dim=0).double()
-        self.dropped[0] += dropped.double()
-        self.dropped[1] += routing_map.shape[0] * self.topk
-        self.forwards += 1
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_x = (grad @ weight.to(ctx.dtype)).to(x.dtype)
+        grad_w = (flat.t() @ x.reshape(-1, x.shape[-1]).to(ctx.dtype)).to(weight.dtype)
+        grad_b = flat.sum(dim=0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
 
 
 class Router(nn.Module):
@@ -89,7 +88,7 @@ class Router(nn.Module):
         # the last training forward's losses over their coefficients (megatron-core's names)
         self.recorded: dict[str, torch.Tensor] = {}
         # what this step's training forwards saw (engine/monitor/moe_metrics.py)
-        self.step = RouterStepStats(experts, cfg.moe_router_topk, ctx.device)
+        self.step_stats = RouterStepStats(experts, cfg.moe_router_topk, ctx.device)
 
     # --- the token sets -----------------------------------------------------------------
 
@@ -112,11 +111,8 @@ class Router(nn.Module):
     # --- forward --------------------------------------------------------------------------
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = ROUTER_DTYPES.get(self.cfg.moe_router_dtype, x.dtype)
-        logits = x.to(dtype) @ self.weight.to(dtype).t()
-        if self.bias is not None:
-            logits = logits + self.bias.to(dtype)
-        return logits
+        dtype = router_dtype(self.cfg.moe_router_dtype, x.dtype)
+        return _Gate.apply(x, self.weight, self.bias, dtype)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [s, b, h] -> (probs [s*b, E], routing map [s*b, E]); tokens in [s, b] order."""
@@ -125,7 +121,7 @@ class Router(nn.Module):
         learning = self.training and torch.is_grad_enabled()
         if learning:
             self.recorded = {}
-        if cfg.moe_input_jitter_eps is not None and self.training:
+        if cfg.moe_input_jitter_eps is not None:  # (in evaluation too, as megatron-core)
             eps = cfg.moe_input_jitter_eps
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
         logits = self.gating(x).reshape(seq * batch, cfg.num_experts)
@@ -166,7 +162,7 @@ class Router(nn.Module):
         if learning and self.expert_bias is not None:
             self.tokens_seen += routing_map.sum(dim=0)
         if learning:
-            self.step.add(self.recorded, routing_map, (chosen & ~routing_map).sum())
+            self.step_stats.add(self.recorded, routing_map, (chosen & ~routing_map).sum())
         return probs, routing_map
 
     def _balancing_losses(self, probs, logits, seq: int, batch: int) -> torch.Tensor:
@@ -193,7 +189,11 @@ class Router(nn.Module):
 
     def _global_loss(self, probs, logits) -> torch.Tensor:
         """global_aux_loss: the tokens per expert of every micro-batch of the step so far over
-        all data-parallel ranks too, averaged over the micro-batches."""
+        all data-parallel ranks too, averaged over the micro-batches. Each DP rank's loss is
+        its share of the loss over all of them; the data-parallel reduction averages the
+        gradients, so the share is differentiated DP times over, and the loss reaches the
+        gradient once, as it would in one process (megatron-core averages the shares: its
+        loss's gradient is 1/DP of that)."""
         cfg, topk = self.cfg, self.cfg.moe_router_topk
         aux_map, scores = aux_loss_scores(logits, topk, cfg.moe_router_score_function)
         groups = self._sequence_groups() + [g for g in [self.ctx.dp_cp_group] if g is not None]
@@ -214,7 +214,8 @@ class Router(nn.Module):
             coeff,
         )
         self.recorded["global_load_balancing_loss"] = loss.detach() / coeff
-        return attach_loss(probs, loss, self.ctx.moe_loss_scale)
+        data_parallel = group_size(self.ctx.dp_cp_group) // self.ctx.cp_size
+        return attach_loss(probs, loss * data_parallel, self.ctx.moe_loss_scale)
 
     # --- after the step ---------------------------------------------------------------------
 
@@ -224,13 +225,13 @@ class Router(nn.Module):
         over every rank holding this layer (TP x DP x CP; the same new bias on each) and start
         the next step's counts. Collective over those ranks."""
         self.global_counts, self.global_forwards = None, 0
-        self.step = RouterStepStats(
-            self.cfg.num_experts, self.cfg.moe_router_topk, self.step.counts.device
+        self.step_stats = RouterStepStats(
+            self.cfg.num_experts, self.cfg.moe_router_topk, self.step_stats.counts.device
         )
         if self.expert_bias is None:
             return
         counts = self.tokens_seen
-        for group in (tp_group if self.ctx.sequence_parallel else None, dp_cp_group):
+        for group in (tp_group, dp_cp_group):  # TP x DP x CP, as megatron-core
             if group is not None:
                 dist.all_reduce(counts, group=group)
         offset = counts.mean() - counts

@@ -1,5 +1,5 @@
 """The router's arithmetic, as functions of tensors (megatron-core 0.16.1's semantics, held to its
-own functions in tests/test_moe_routing.py): scores and the top-k choice, Sinkhorn, capacity
+own layer in tests/test_moe_megatron.py): scores and the top-k choice, Sinkhorn, capacity
 dropping and the load-balancing and z losses.
 
 Shapes: logits and scores [T, E] (T tokens, E experts); a routing map is a boolean [T, E] with
