@@ -27,7 +27,11 @@ MOE = {
 }
 
 
-def test_moe_run_resumes_bit_exactly(dataset_prefix, tokenizer_model, tmp_path):
+@pytest.mark.parametrize("sharding", ["--use-distributed-optimizer", "--use-megatron-fsdp"])
+def test_moe_run_resumes_bit_exactly(dataset_prefix, tokenizer_model, tmp_path, sharding):
+    """Under the distributed optimizer and under sharded parameters (the expert bias, a
+    parameter without gradient, held whole on every rank and saved once)."""
+    moe = {k: v for k, v in MOE.items() if k != "--use-distributed-optimizer"} | {sharding: True}
     ckpt = str(tmp_path / "ckpt")
     found = {}
     for name, extra in (
@@ -39,7 +43,7 @@ def test_moe_run_resumes_bit_exactly(dataset_prefix, tokenizer_model, tmp_path):
         args = base_args(
             dataset_prefix,
             tokenizer_model,
-            **MOE,
+            **moe,
             **{"--train-iters": "4", "--log-jsonl": log},
             **extra,
         )
