@@ -41,17 +41,19 @@ class MLP(nn.Module):
             f"{prefix}.linear_fc2", f, cfg.hidden_size, bias=cfg.add_bias_linear
         )
 
+    def activate(self, h: torch.Tensor) -> torch.Tensor:
+        """The activation between the projections: SwiGLU, squared ReLU or GELU."""
+        if self.swiglu:
+            return self.ops.swiglu(h)
+        if self.squared_relu:
+            return F.relu(h).square()
+        return F.gelu(h, approximate=self.gelu_approximation)
+
     def forward(self, x: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
         """`probs` [tokens] (an expert's): each token's output is scaled by its router
         probability, applied after the activation (and to the down projection's bias), as
         megatron-core's experts apply it."""
-        h = self.linear_fc1(x)
-        if self.swiglu:
-            h = self.ops.swiglu(h)
-        elif self.squared_relu:
-            h = F.relu(h).square()
-        else:
-            h = F.gelu(h, approximate=self.gelu_approximation)
+        h = self.activate(self.linear_fc1(x))
         if probs is None:
             return self.linear_fc2(h)
         scale = probs.unsqueeze(-1)

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from engine.config.model import ModelConfig
 from engine.model.moe.router import routers_of
@@ -77,14 +76,11 @@ def step_metrics(chunks, cfg: ModelConfig, state, sequence_parallel: bool) -> Mo
         all_reduce(losses, state.dp_group)
         averaged = [i for i, name in enumerate(names) if name != "global_load_balancing_loss"]
         losses[:, averaged] /= state.dp_size  # global_aux_loss: DP ranks' shares, summed
-    if sequence_parallel:
-        all_reduce(counts, state.tp_group)
-        all_reduce(dropped, state.tp_group)
-    for group in (state.dp_cp_group, state.pp_group):
-        all_reduce(counts, group)
-        all_reduce(dropped, group)
-    if state.pp_group is not None:
-        dist.all_reduce(losses, group=state.pp_group)
+    all_reduce(losses, state.pp_group)
+    tallies = torch.cat([counts.reshape(-1), dropped])  # one reduction for both
+    for group in (state.tp_group if sequence_parallel else None, state.dp_cp_group, state.pp_group):
+        all_reduce(tallies, group)
+    counts, dropped = tallies[:-2].view_as(counts), tallies[-2:]
     chosen = chosen_losses(cfg)
     per_layer = {name: losses[:, names.index(name)].tolist() for name in chosen}
     lost, choices = dropped.tolist()

@@ -53,10 +53,10 @@ def chunk_mismatch(
     groups = [g for g in candidates if group_size(g) > 1]
     if not groups:
         return None
+    named = [(n, p) for n, p in ddp.module.named_parameters() if which is None or which(n)]
+    if not named:  # (the same on every rank of the groups: they hold the same modules)
+        return None
     with ddp.gathered_parameters():
-        named = [(n, p) for n, p in ddp.module.named_parameters() if which is None or which(n)]
-        if not named:
-            return None
         mine = torch.stack([_digest(p) for _, p in named]).to(ddp.params[0].device)
     names = [n for n, _ in named]
     found = [_group_mismatch(names, mine, g, holders) for g in groups]  # every gather runs

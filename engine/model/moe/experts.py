@@ -13,7 +13,6 @@ on the same weights.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model.context import BuildContext
@@ -48,12 +47,7 @@ class Experts(nn.Module):
     def _grouped(self, tokens, counts, probs) -> torch.Tensor:
         ends = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
         fc1 = torch.stack([e.linear_fc1.weight.t() for e in self.local_experts])
-        h = torch._grouped_mm(tokens, fc1, offs=ends)
-        first = self.local_experts[0]
-        if first.swiglu:
-            h = first.ops.swiglu(h)
-        else:
-            h = F.gelu(h, approximate=first.gelu_approximation)
+        h = self.local_experts[0].activate(torch._grouped_mm(tokens, fc1, offs=ends))
         h = (h * probs.unsqueeze(-1)).to(h.dtype)
         fc2 = torch.stack([e.linear_fc2.weight.t() for e in self.local_experts])
         return torch._grouped_mm(h, fc2, offs=ends)

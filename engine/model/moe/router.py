@@ -102,11 +102,9 @@ class Router(nn.Module):
     def _summed(self, counts: torch.Tensor, groups: list) -> tuple[torch.Tensor, int]:
         """(counts summed over the groups, how many ranks' token sets that joins)."""
         counts = counts.clone()
-        ranks = 1
         for group in groups:
             all_reduce(counts, group)
-            ranks *= group_size(group)
-        return counts, ranks
+        return counts, _ranks(groups)
 
     # --- forward --------------------------------------------------------------------------
 
@@ -126,9 +124,7 @@ class Router(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
         logits = self.gating(x).reshape(seq * batch, cfg.num_experts)
         if learning and cfg.moe_z_loss_coeff:
-            ranks = 1
-            for group in self._sequence_groups():
-                ranks *= group_size(group)
+            ranks = _ranks(self._sequence_groups())
             loss = z_loss(logits, cfg.moe_z_loss_coeff / ranks)  # its share of the mean
             self.recorded["z_loss"] = loss.detach() / cfg.moe_z_loss_coeff
             logits = attach_loss(logits, loss, self.ctx.moe_loss_scale)
@@ -196,9 +192,8 @@ class Router(nn.Module):
         loss's gradient is 1/DP of that)."""
         cfg, topk = self.cfg, self.cfg.moe_router_topk
         aux_map, scores = aux_loss_scores(logits, topk, cfg.moe_router_score_function)
-        groups = self._sequence_groups() + [g for g in [self.ctx.dp_cp_group] if g is not None]
-        if self.ctx.cp_group is not None and self.ctx.dp_cp_group is not None:
-            groups.remove(self.ctx.cp_group)  # DP x CP holds the CP ranks already
+        tp = self.ctx.tp_group if self.ctx.sequence_parallel else None
+        groups = [g for g in (self.ctx.dp_cp_group, tp) if g is not None]  # DP x CP (x TP)
         counts, ranks = self._summed(aux_map.sum(dim=0).float(), groups)
         if self.global_counts is None:
             self.global_counts = torch.zeros_like(counts)
@@ -237,6 +232,14 @@ class Router(nn.Module):
         offset = counts.mean() - counts
         self.expert_bias += torch.sign(offset) * self.cfg.moe_router_bias_update_rate
         counts.zero_()
+
+
+def _ranks(groups: list) -> int:
+    """How many ranks the groups join (each rank in one group of each)."""
+    ranks = 1
+    for group in groups:
+        ranks *= group_size(group)
+    return ranks
 
 
 def routers_of(chunks) -> list[Router]:
