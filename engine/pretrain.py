@@ -37,6 +37,17 @@ def parse(argv: list[str] | None) -> Configs:
     return configs_from(parsed, given_flags(argv, other_names(groups)))
 
 
+def _fewest_data_parallel(p) -> int:
+    """The smallest DP that the optimizer instances divide DP x CP into and expert tensor x
+    expert parallelism divides TP x CP x DP into."""
+    instances = max(p.num_distributed_optimizer_instances, 1)
+    dense = instances // math.gcd(instances, p.context_parallel_size)
+    experts = max(p.expert_model_parallel_size, 1) * max(p.expert_tp_size, 1)
+    stage = p.tensor_model_parallel_size * p.context_parallel_size
+    folded = experts // math.gcd(experts, stage)
+    return dense * folded // math.gcd(dense, folded)
+
+
 def values_problem(argv: list[str]) -> str | None:
     """What the parse and the configuration checks of a command line refuse (on the fewest
     ranks its layout takes; not its files, tokenizer or devices, which the machine running the
@@ -50,9 +61,7 @@ def values_problem(argv: list[str]) -> str | None:
             cfg = parse(argv)
             p = cfg.parallel
             world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-            world *= p.context_parallel_size
-            instances = max(p.num_distributed_optimizer_instances, 1)  # DP x CP divides into
-            world *= instances // math.gcd(instances, p.context_parallel_size)
+            world *= p.context_parallel_size * _fewest_data_parallel(p)
             check_configs(resolve(cfg, world), world)
     except ConfigError as err:
         return str(err)
@@ -92,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         timeout_minutes=cfg.parallel.distributed_timeout_minutes,
         pp_inside_dp=cfg.parallel.use_tp_pp_dp_mapping,
         optimizer_instances=cfg.parallel.num_distributed_optimizer_instances,
+        ep=cfg.parallel.expert_model_parallel_size,
+        etp=cfg.parallel.expert_tp_size,
     )
     run = setup(cfg, state, started)
     accepted = no_effect_line(cfg.megatron, cfg.model, cfg.runtime, cfg.parallel)

@@ -63,18 +63,14 @@ def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tenso
     return total
 
 
-def global_grad_norm(
-    grads_counted: list[torch.Tensor], norm_group, consensus_group=None, *, device: torch.device
-) -> float:
-    """sqrt of the sum of squares of the given gradients, summed over norm_group (which must
-    make every element counted exactly once). inf/NaN anywhere gives a non-finite norm.
-    device: where the groups' collectives run (the rank's device).
+def agreed_norm(squares: torch.Tensor, consensus_group=None) -> float:
+    """sqrt of a sum of squares already summed so that every element counts once (inf/NaN
+    anywhere gives a non-finite norm).
 
     consensus_group: ranks that hold the same gradients (DP replicas without the distributed
     optimizer) take the maximum, so whether a step is skipped is decided identically on every
     rank even if one replica's gradient went bad on its own."""
-    total = squared_norm(grads_counted, device)
-    all_reduce(total, norm_group)
+    total = squares
     if consensus_group is not None:
         total = torch.where(torch.isfinite(total), total, torch.full_like(total, float("inf")))
         all_reduce(total, consensus_group, op=torch.distributed.ReduceOp.MAX)

@@ -159,6 +159,7 @@ class ParallelState:
     ep_ranks: tuple[int, ...] = (0,)
     expert_dp_group: dist.ProcessGroup | None = None
     expert_tp_group: dist.ProcessGroup | None = None
+    expert_tp_ep_pp_group: dist.ProcessGroup | None = None  # the experts' gradient norm
     model_parallel_group: dist.ProcessGroup | None = None  # TP x PP: one model replica
     embedding_group: dist.ProcessGroup | None = None  # first and last PP stage (tied embeddings)
     world_group: dist.ProcessGroup | None = None
@@ -321,6 +322,7 @@ def _build_expert_groups(state: ParallelState, new_group, pp_inside_dp: bool, ep
     """The expert groups (parallel/expert_parallel/groups.py), created on every rank."""
     state.ep_size, state.etp_size = ep, etp
     state.expert_dp_group, state.expert_tp_group = state.dp_cp_group, state.tp_group
+    state.expert_tp_ep_pp_group = state.model_parallel_group
     if ep == 1 and etp == state.tp_size:
         return
     groups = expert_layout_groups(
@@ -330,7 +332,11 @@ def _build_expert_groups(state: ParallelState, new_group, pp_inside_dp: bool, ep
         group = new_group(ranks)
         if state.rank in ranks:
             state.ep_group, state.ep_ranks = group, tuple(ranks)
-    for kind, attribute in (("expert_dp", "expert_dp_group"), ("expert_tp", "expert_tp_group")):
+    for kind, attribute in (
+        ("expert_dp", "expert_dp_group"),
+        ("expert_tp", "expert_tp_group"),
+        ("expert_tp_ep_pp", "expert_tp_ep_pp_group"),
+    ):
         for ranks in groups[kind]:
             group = new_group(ranks)
             if state.rank in ranks:

@@ -157,6 +157,8 @@ def engine_run(
         cp_comm_type=cp_comm_type,
         placement=PLACEMENT.get(schedule_kind, "loop"),
     )
+    experts_apart = state.ep_size > 1  # the experts' buffers over the expert DP group
+    experts = {"expert_dp_group": state.expert_dp_group} if experts_apart else {}
     ddps = [
         DistributedDataParallel(
             c,
@@ -167,6 +169,7 @@ def engine_run(
             use_distributed_optimizer=zero,
             sharding=sharding,
             overlap_param_gather=overlap_param_gather,
+            **experts,
         )
         for c in chunks
     ]
@@ -179,6 +182,8 @@ def engine_run(
         model_parallel_group=state.model_parallel_group,
         instance_group=state.optimizer_instance_group,
         device=state.device,
+        experts_apart=experts_apart,
+        expert_norm_group=state.expert_tp_ep_pp_group,
     )
     scheduler = LRScheduler(ocfg, steps, gbs)
     schedule = make_schedule(state, cfg, mbs, sequence_parallel, dtype, virtual_size, schedule_kind)

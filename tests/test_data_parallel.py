@@ -95,8 +95,10 @@ def _memory(rank, world):
             "params": params,
             "padding": ddp.padding(),
             "state_bytes": optimizer.state_bytes(),
-            "buffer_bytes": ddp.param_buffer.numel() * ddp.param_buffer.element_size()
-            + ddp.grad_buffer.numel() * ddp.grad_buffer.element_size(),
+            "buffer_bytes": sum(
+                t.numel() * t.element_size()
+                for t in (ddp.buffers[0].param_buffer, ddp.buffers[0].grad_buffer)
+            ),
         }
     return out
 
@@ -321,7 +323,7 @@ class _ParamReads(TorchDispatchMode):
 
     def _bucket(self, tensor):
         for chunk, ddp in enumerate(self.ddps):
-            buffer = ddp.param_buffer.untyped_storage()
+            buffer = ddp.buffers[0].param_buffer.untyped_storage()
             if tensor.untyped_storage().data_ptr() == buffer.data_ptr():
                 offset = tensor.storage_offset()
                 return chunk, next(b for b in ddp.buckets if b.start <= offset < b.end)

@@ -15,7 +15,13 @@ from parallel.expert_parallel.groups import expert_data_parallel_size, expert_la
 from parallel.state import ParallelState
 from tests.distributed import run_ranks
 
-MEGATRON_KINDS = {"ep": "ep", "expert_dp": "dp", "expert_tp": "tp", "expert_tp_ep": "tp-ep"}
+MEGATRON_KINDS = {
+    "ep": "ep",
+    "expert_dp": "dp",
+    "expert_tp": "tp",
+    "expert_tp_ep": "tp-ep",
+    "expert_tp_ep_pp": "tp-ep-pp",
+}
 
 
 def _layouts():
@@ -45,7 +51,7 @@ def test_groups_equal_megatron_cores(pp_inside_dp):
         for kind, name in MEGATRON_KINDS.items():
             assert sorted(ours[kind]) == sorted(theirs.get_ranks(name)), (tp, cp, dp, pp, ep, etp)
             compared += 1
-    assert compared > 150
+    assert compared > 190
 
 
 def test_a_layout_the_experts_do_not_divide_is_refused():
@@ -61,6 +67,7 @@ def _built(rank, world, layout):
         ("ep", state.ep_group),
         ("expert_dp", state.expert_dp_group),
         ("expert_tp", state.expert_tp_group),
+        ("expert_tp_ep_pp", state.expert_tp_ep_pp_group),
     ):
         found[name] = dist.get_process_group_ranks(group) if group is not None else [rank]
     return found, state.ep_rank
@@ -72,7 +79,7 @@ def test_built_groups_are_the_layouts(layout):
     dp = 8 // (tp * pp)
     expected = expert_layout_groups(tp, 1, dp, pp, ep, etp)
     for rank, (found, ep_rank) in enumerate(run_ranks(_built, 8, layout)):
-        for kind in ("ep", "expert_dp", "expert_tp"):
+        for kind in ("ep", "expert_dp", "expert_tp", "expert_tp_ep_pp"):
             (mine,) = [g for g in expected[kind] if rank in g]
             assert found[kind] == mine, (rank, kind)
         assert found["ep"].index(rank) == ep_rank

@@ -37,7 +37,6 @@ NO_EFFECT = [
     *("--empty-unused-memory-level", "1"),
     "--log-throughput",
     *("--ckpt-format", "torch_dist"),
-    *("--expert-model-parallel-size", "1"),
     *("--position-embedding-type", "rope", "--no-position-embedding"),
     # as Megatron-LM's FSDP examples pass them
     "--fsdp-double-buffer",
@@ -64,7 +63,6 @@ def test_flags_without_effect_are_accepted_and_named_in_one_line():
         (["--fp8-format", "hybrid"], "--fp8-format: FP8/FP4 training: not available"),
         (["--fp8-param-gather"], "--fp8-param-gather: FP8/FP4 training: not available"),
         (["--moe-latent-size", "8"], "--moe-latent-size: expert parallelism and the rest"),
-        (["--expert-model-parallel-size", "8"], "--expert-model-parallel-size: expert parall"),
         (["--ckpt-format", "torch"], "--ckpt-format torch: only torch_dist"),
         (["--no-position-embedding"], "--no-position-embedding goes with --position-embedding"),
     ],
@@ -97,7 +95,8 @@ def test_fsdp_flags_follow_megatron_lm():
 
 
 def test_expert_parallel_flags_are_one_line_exit_2_through_the_launcher(tmp_path):
-    moe = ["--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"]
+    moe = ["--num-experts", "8", "--expert-model-parallel-size", "2"]
+    moe += ["--expert-tensor-parallel-size", "2"]
     result = subprocess.run(
         [sys.executable, "-m", "engine.launch", "--nproc-per-node", "2", "-m", "engine.pretrain"]
         + SHAPE
@@ -108,7 +107,7 @@ def test_expert_parallel_flags_are_one_line_exit_2_through_the_launcher(tmp_path
     )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "expert parallelism and the rest" in lines[0], result.stderr
+    assert len(lines) == 1 and "expert tensor parallelism is not built" in lines[0], result.stderr
 
 
 def test_required_flags_are_named_in_one_line():

@@ -96,10 +96,10 @@ def test_each_kind_of_answer_on_a_command_line():
     assert dict(cfg.megatron.given)["--attention-backend"] == "flash"
     assert answers["--attention-backend"].kind == "accepted without effect"
     # missing: one line naming the feature and the flag to drop
-    line = _refused(["--expert-model-parallel-size", "2"])
+    line = _refused(["--moe-latent-size", "8"])
     assert line == (
-        "--expert-model-parallel-size: expert parallelism and the rest of mixture of experts "
-        "(issue 40): not available in this engine; drop --expert-model-parallel-size"
+        "--moe-latent-size: expert parallelism and the rest of mixture of experts "
+        "(issue 40): not available in this engine; drop --moe-latent-size"
     )
     # ... but at Megatron-LM's default it asks for nothing
     prepare(parse(SHAPE + ["--expert-model-parallel-size", "1", "--moe-router-topk", "2"]), 1)
@@ -127,13 +127,13 @@ def _report(*args):
 
 
 def test_migration_report_of_flags_and_of_a_script(tmp_path):
-    done = _report(*SHAPE, "--attention-backend", "flash", "--expert-model-parallel-size", "8")
+    done = _report(*SHAPE, "--attention-backend", "flash", "--moe-latent-size", "8")
     lines = done.stdout.splitlines()
     assert done.returncode == 2, done.stdout + done.stderr
     assert "--num-layers: implemented (Megatron-LM's meaning)" in lines
     assert "--attention-backend: accepted without effect: picks a kernel or fusion" in lines
     assert lines[-1] == "would train: no"
-    refused = "--expert-model-parallel-size: refused: expert parallelism"
+    refused = "--moe-latent-size: refused: expert parallelism"
     assert any(line.startswith(refused) for line in lines)
     assert _report(*SHAPE).stdout.splitlines()[-1] == "would train: yes"
     own = _report(*SHAPE, "--log-jsonl", "m.jsonl").stdout.splitlines()

@@ -112,7 +112,7 @@ def _instances_parity(rank, world, instances):
                     "held": held,
                     "params": sum(p.numel() for d in ddps for p in d.params),
                     "padding": sum(d.padding() for d in ddps),
-                    "shard_size": ddps[0].dp_size,
+                    "shard_size": ddps[0].buffers[0].dp_size,
                 }
             )
     return results

@@ -265,7 +265,7 @@ COMMANDS = (
             *("--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type"),
             *("aux_loss", "--moe-aux-loss-coeff", "1e-2", "--expert-model-parallel-size", "2"),
         ),
-        "expert parallelism",
+        "train",
     ),
     Command(
         "mixtral-moe-ep1",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from engine.config.configs import Configs
 from engine.config.megatron.compat import check_megatron_flags
 from engine.errors import ConfigError
+from parallel.expert_parallel.groups import expert_layout_groups
 from parallel.pipeline.layout import stage_layers
 from parallel.pipeline.tables import (
     PLACEMENT,
@@ -78,6 +79,7 @@ def check_layout_flags(cfg: Configs, world_size: int) -> int:
         par.num_distributed_optimizer_instances, dp * par.context_parallel_size
     )
     _check_context_parallel(m, par)  # (the model's own shape: checked by resolve)
+    _check_expert_parallel(m, par, dp)
     par.validate(m.num_layers)
     for section in (cfg.runtime, cfg.logging, cfg.evaluation, cfg.checkpointing, cfg.exit):
         section.validate()
@@ -107,10 +109,47 @@ def _check_noise_scale(logging, par, dp: int) -> None:
         )
     if par.context_parallel_size > 1:
         raise ConfigError(f"{flag} is not available with --context-parallel-size above 1")
+    if par.experts_apart:  # an expert's gradient on a rank holds other DP ranks' tokens too
+        raise ConfigError(f"{flag} is not available with --expert-model-parallel-size above 1")
     if par.sharding_strategy() in ("optim_grads", "optim_grads_params"):
         raise ConfigError(
             f"{flag} is not available with --data-parallel-sharding-strategy "
             f"{par.sharding_strategy()} (gradients are reduced every micro-batch); use optim"
+        )
+
+
+def _check_expert_parallel(m, par, dp: int) -> None:
+    """Expert parallelism needs experts it divides and a layout it folds into (Megatron-LM's
+    checks); what is not built is refused."""
+    ep, etp = par.expert_model_parallel_size, par.expert_tp_size
+    if ep < 1 or etp < 1:
+        raise ConfigError(
+            "--expert-model-parallel-size and --expert-tensor-parallel-size must be at least 1"
+        )
+    if not par.experts_apart:
+        return
+    if not m.is_moe:
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp} need a "
+            "mixture of experts: add --num-experts N, or drop them"
+        )
+    if etp != 1:
+        raise ConfigError(
+            f"--expert-tensor-parallel-size {etp}: expert tensor parallelism is not built yet "
+            "(issue 40); use 1"
+        )
+    if m.num_experts % ep:
+        raise ConfigError(
+            f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size "
+            f"{ep}; each expert-parallel rank holds the same number of experts"
+        )
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    cp = par.context_parallel_size
+    expert_layout_groups(tp, cp, dp, pp, ep, etp, par.use_tp_pp_dp_mapping)  # folds, or refused
+    if par.num_distributed_optimizer_instances > 1:
+        raise ConfigError(
+            "--num-distributed-optimizer-instances with --expert-model-parallel-size: not "
+            "built yet (issue 40); use one instance"
         )
 
 

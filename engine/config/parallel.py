@@ -78,6 +78,16 @@ class ParallelConfig:
         "DP x CP / this many ranks, its shards all-reduced with the other copies' "
         "(hybrid sharding; needs --use-distributed-optimizer)",
     )
+    expert_model_parallel_size: int = option(
+        1,
+        "expert-parallel size (EP): each MoE layer's experts spread over this many ranks, "
+        "folded out of tensor x context x data parallel; tokens reach them by all-to-all",
+    )
+    expert_tensor_parallel_size: int | None = option(
+        None,
+        "tensor-parallel size of each expert (default --tensor-model-parallel-size); only "
+        "1 is built",
+    )
     overlap_grad_reduce: bool = option(False, "reduce gradient buckets during backward")
     overlap_param_gather: bool = option(
         False, "with the distributed optimizer: gather parameters during the next forward"
@@ -91,6 +101,21 @@ class ParallelConfig:
         "number the ranks TP innermost, then CP, then PP, then DP (Megatron-LM's order "
         "tp-cp-ep-pp-dp) instead of ... DP, then PP: a pipeline's stages on neighbouring ranks",
     )
+
+    @property
+    def expert_tp_size(self) -> int:
+        """--expert-tensor-parallel-size, by default the tensor-parallel size (Megatron-LM)."""
+        if self.expert_tensor_parallel_size is None:
+            return self.tensor_model_parallel_size
+        return self.expert_tensor_parallel_size
+
+    @property
+    def experts_apart(self) -> bool:
+        """Whether the experts have process groups of their own (expert parallelism, or an
+        expert tensor-parallel size other than the tensor-parallel size)."""
+        return self.expert_model_parallel_size > 1 or self.expert_tp_size != (
+            self.tensor_model_parallel_size
+        )
 
     def sharding_strategy(self) -> str:
         """What DP ranks shard (parallel/data_parallel/ddp.py): Megatron-LM's strategy names."""

@@ -10,8 +10,9 @@ stops the run with one line naming the parameter and the ranks of each version.
 
 Each rank compares within the groups of each of its model chunks that hold the same
 parameters (the data-parallel group; with several distributed-optimizer instances, its
-instance's part of DP and then across the instances, which together join every replica; for
-the QK norms also the tensor-parallel group); the ranks then agree on the first mismatch found
+instance's part of DP and then across the instances, which together join every replica; with
+expert parallelism the experts over the expert data-parallel group; for the QK norms also the
+tensor-parallel group); the ranks then agree on the first mismatch found
 anywhere (the one seen by the lowest rank), so every rank stops with the same line.
 """
 
@@ -48,18 +49,29 @@ def chunk_mismatch(
 ) -> str | None:
     """Whether the ranks holding one DDP-wrapped chunk's parameters (those `which` picks, every
     one by default) hold the same values: None, or a line naming the first parameter that
-    differs and the ranks holding each version. `tp_group`: compare over it too."""
-    candidates = (ddp.dp_group, ddp.replica_group, tp_group)
-    groups = [g for g in candidates if group_size(g) > 1]
-    if not groups:
-        return None
+    differs and the ranks holding each version. Each parameter is compared over the
+    data-parallel group of its buffer (the experts' over the expert data-parallel group) and
+    `tp_group`, when given."""
     named = [(n, p) for n, p in ddp.module.named_parameters() if which is None or which(n)]
     if not named:  # (the same on every rank of the groups: they hold the same modules)
+        return None
+    dense = next((b for b in ddp.buffers if not b.is_expert), None)
+    comparisons = [  # (parameters' indices, group), the same order on every rank
+        ([i for i, (_, p) in enumerate(named) if ddp.buffer_of.get(p, dense) is b], group)
+        for b in ddp.buffers
+        for group in (b.dp_group, b.replica_group)
+    ]
+    comparisons.append((list(range(len(named))), tp_group))
+    comparisons = [(picked, g) for picked, g in comparisons if picked and group_size(g) > 1]
+    if not comparisons:
         return None
     with ddp.gathered_parameters():
         mine = torch.stack([_digest(p) for _, p in named]).to(ddp.params[0].device)
     names = [n for n, _ in named]
-    found = [_group_mismatch(names, mine, g, holders) for g in groups]  # every gather runs
+    found = [  # every gather runs
+        _group_mismatch([names[i] for i in picked], mine[picked], group, holders)
+        for picked, group in comparisons
+    ]
     return next((line for line in found if line), None)
 
 

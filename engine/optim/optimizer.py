@@ -60,10 +60,14 @@ def build_optimizer(
     instance_group,
     device: torch.device,
     dp_group=None,
+    experts_apart: bool = False,
+    expert_norm_group=None,
 ) -> DistributedOptimizer:
     """The training optimizer over the DDP-wrapped model chunks. `instance_group`: the ranks
     of one distributed-optimizer instance (the world unless
-    --num-distributed-optimizer-instances), over which a sharded optimizer's norms are summed."""
+    --num-distributed-optimizer-instances), over which a sharded optimizer's norms are summed.
+    `experts_apart`: expert parallelism, the experts' norm summed over `expert_norm_group`
+    without sharding (parallel/data_parallel/optimizer.py)."""
     scaler = None
     if fp16:
         scaler = DynamicGradScaler(
@@ -88,4 +92,6 @@ def build_optimizer(
         model_parallel_group=model_parallel_group,
         instance_group=instance_group,
         dp_group=dp_group,
+        experts_apart=experts_apart,
+        expert_norm_group=expert_norm_group,
     )

@@ -29,8 +29,9 @@ def _tensors_by_kind(ddps, optimizer) -> dict[str, list[torch.Tensor]]:
     for ddp in ddps:
         params += list(ddp.params)
         grads += [p.main_grad for p in ddp.params] + [p.grad for p in ddp.params]
-        params += [b.data for b in ddp.buckets] + [getattr(ddp, "param_shard_buffer", None)]
-        grads += [b.grad for b in ddp.buckets] + [getattr(ddp, "grad_shard_buffer", None)]
+        for buffer in ddp.buffers:
+            params += [b.data for b in buffer.buckets] + [buffer.param_shard_buffer]
+            grads += [b.grad for b in buffer.buckets] + [buffer.grad_shard_buffer]
     state = [p.master for p in optimizer.pieces]
     for entry in optimizer.optimizer.state.values():
         state += [v for v in entry.values() if torch.is_tensor(v)]

@@ -77,6 +77,8 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         instance_group=state.optimizer_instance_group,
         device=state.device,
         dp_group=state.dp_cp_group,  # replicas agree on a non-finite gradient norm
+        experts_apart=par.experts_apart,
+        expert_norm_group=state.expert_tp_ep_pp_group,
     )
     batches = training.batch_schedule(state.dp_size, m.seq_length)
     scheduler = LRScheduler(
@@ -212,6 +214,8 @@ def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
         stage = f" (pipeline rank {state.pp_rank})" if state.pp_size > 1 else ""
         print(f"attention{stage}: {_attention_kernels(chunks)}", flush=True)
     grad_dtype = torch.bfloat16 if runtime.bf16 and runtime.grad_reduce_in_bf16 else torch.float32
+    # expert parallelism: the experts' buffers reduced over the expert data-parallel group
+    experts = {"expert_dp_group": state.expert_dp_group} if par.experts_apart else {}
     return [
         DistributedDataParallel(
             c,
@@ -223,6 +227,7 @@ def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
             sharding=par.sharding_strategy(),
             overlap_param_gather=par.overlap_param_gather,
             grad_dtype=grad_dtype,
+            **experts,
         )
         for c in chunks
     ]

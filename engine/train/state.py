@@ -93,6 +93,8 @@ def layout_of(state: ParallelState, cfg: Configs) -> dict:
     }
     if state.cp_size > 1:  # absent at 1: layouts recorded before CP existed stay equal
         layout["cp"] = state.cp_size
+    if state.ep_size > 1:  # (as CP)
+        layout["ep"] = state.ep_size
     if state.pp_inside_dp:  # another rank order: each global rank's saved RNG is another's
         layout["rank_order"] = "tp-cp-pp-dp"
     return layout

@@ -1,7 +1,7 @@
 """Sharded parameters (--data-parallel-sharding-strategy optim_grads_params, ZeRO-3): each
 DP rank keeps 1/DP of every parameter; a sharding unit's parameters (one bucket of
-parallel/data_parallel/ddp.py: a transformer layer, the embedding, the final norm, the output layer)
-exist whole only while the unit computes.
+parallel/data_parallel/param_and_grad_buffer.py: a transformer layer, the embedding, the final
+norm, the output layer) exist whole only while the unit computes.
 
 - Forward: a pre-hook on the unit gathers its bucket (all-gather of the DP shards into the
   bucket's full storage) and starts gathering the next unit's; a post-hook releases it and
@@ -38,11 +38,11 @@ def _in_backward() -> bool:
 
 
 class UnitGathering:
-    """Gathers and releases the buckets of `ddp` (given in forward order) around their
-    units' forward and backward."""
+    """Gathers and releases the buckets of `buffer` (a ParamAndGradBuffer; given in forward
+    order) over its data-parallel group around their units' forward and backward."""
 
-    def __init__(self, ddp, forward_order: list):
-        self.ddp = ddp
+    def __init__(self, buffer, forward_order: list):
+        self.buffer = buffer
         self.order = forward_order
         self.position = {bucket: i for i, bucket in enumerate(forward_order)}
         self.pass_units: list = []  # units called in the current forward pass, in call order
@@ -60,12 +60,12 @@ class UnitGathering:
         if bucket.gathered or bucket.param_work is not None:
             return
         allocate(bucket.data)
-        if self.ddp.dp_group is None:
+        if self.buffer.dp_group is None:
             bucket.data.copy_(bucket.data_shard)
             bucket.gathered = True
             return
         bucket.param_work = all_gather_into(
-            bucket.data, bucket.data_shard, self.ddp.dp_group, async_op=True
+            bucket.data, bucket.data_shard, self.buffer.dp_group, async_op=True
         )
 
     def wait_gather(self, bucket) -> None:

@@ -21,6 +21,12 @@ With several distributed-optimizer instances (Megatron-LM's --num-distributed-op
 each instance holds every element once: the norm is summed over the instance (`instance_group`),
 as megatron-core's grad_stats_parallel_group.
 
+With expert parallelism the experts' pieces come from their own buffer (sharded, when sharding,
+over the expert data-parallel group). Sharded, every element is still held once over the world
+(or instance); without sharding the dense parameters' squares are summed over TP x PP
+(`model_parallel_group`) and the experts' over the ranks holding different experts
+(`expert_norm_group`: expert TP x EP x PP), as megatron-core sums them apart.
+
 step(): unscale (fp16), global gradient norm across TP, PP and DP (each element counted once),
 skip the step if the norm is not finite (the loss scaler backs off), clip, update, copy back,
 all-gather.
@@ -38,7 +44,7 @@ from torch import nn
 from parallel.comm import all_reduce
 from parallel.data_parallel.ddp import DistributedDataParallel
 from parallel.data_parallel.grad_scaler import DynamicGradScaler
-from parallel.grads import clip_coefficient, counts_toward_norm, global_grad_norm
+from parallel.grads import agreed_norm, clip_coefficient, counts_toward_norm, squared_norm
 
 
 @dataclass(eq=False)
@@ -53,6 +59,7 @@ class Piece:
     grad: torch.Tensor  # view of the reduced main grad (its shard with sharded gradients)
     data: torch.Tensor  # view of the parameter (its dtype)
     group: int
+    expert: bool = False  # from the experts' own buffer (expert parallelism)
 
 
 @dataclass
@@ -95,6 +102,8 @@ class DistributedOptimizer:
         model_parallel_group=None,
         instance_group=None,
         dp_group=None,
+        experts_apart: bool = False,
+        expert_norm_group=None,
     ):
         self.ddps = ddps
         self.device = ddps[0].params[0].device  # where this rank's collectives run
@@ -110,6 +119,11 @@ class DistributedOptimizer:
         # DP rank holds the same, sum over TP x PP.
         self.norm_group = instance_group if shard else model_parallel_group
         self.consensus_group = None if shard else dp_group
+        # without sharding, experts in their own buffers: their squares summed apart (module
+        # docstring); decided by the layout, the same on every rank (a pipeline stage without
+        # MoE layers joins the experts' sum with nothing)
+        self.experts_apart = experts_apart and not shard
+        self.expert_norm_group = expert_norm_group
         self.pieces = [piece for ddp in ddps for piece in self._pieces_of(ddp, group_of)]
         groups = [dict(options, params=[]) for options in group_options]
         for piece in self.pieces:
@@ -119,23 +133,35 @@ class DistributedOptimizer:
 
     def _pieces_of(self, ddp: DistributedDataParallel, group_of) -> list[Piece]:
         pieces = []
-        for bucket in ddp.buckets:
-            if self.shard:
-                lo, hi = ddp.shard_range(bucket)
-            else:
-                lo, hi = bucket.start, bucket.end
-            for param in bucket.params:
-                start, end = ddp.param_range[param]
-                a, b = max(start, lo), min(end, hi)
-                if a >= b:
-                    continue
-                data = ddp.data_of(bucket, a, b)
-                master = data if data.dtype == torch.float32 else data.float().clone()
-                grad = ddp.grad_of(bucket, a, b)
-                pieces.append(
-                    Piece(param, ddp, a - start, b - a, master, grad, data, group_of(param))
-                )
+        for buffer in ddp.buffers:
+            for bucket in buffer.buckets:
+                if self.shard:
+                    lo, hi = buffer.shard_range(bucket)
+                else:
+                    lo, hi = bucket.start, bucket.end
+                for param in bucket.params:
+                    start, end = buffer.param_range[param]
+                    a, b = max(start, lo), min(end, hi)
+                    if a >= b:
+                        continue
+                    data = buffer.data_of(bucket, a, b)
+                    master = data if data.dtype == torch.float32 else data.float().clone()
+                    grad = buffer.grad_of(bucket, a, b)
+                    piece = Piece(param, ddp, a - start, b - a, master, grad, data, group_of(param))
+                    piece.expert = buffer.is_expert
+                    pieces.append(piece)
         return pieces
+
+    def _summed(self, dense: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """This rank's sums over its dense and its expert pieces, summed over the ranks so
+        that every element counts once (module docstring)."""
+        if not self.experts_apart:
+            total = dense + expert
+            all_reduce(total, self.norm_group)
+            return total
+        all_reduce(dense, self.norm_group)
+        all_reduce(expert, self.expert_norm_group)
+        return dense + expert
 
     # --- the step -------------------------------------------------------------------------
 
@@ -171,8 +197,12 @@ class DistributedOptimizer:
         grads = [p.grad if p.grad.dtype == p.master.dtype else p.grad.float() for p in self.pieces]
         if self.grad_scaler is not None:
             torch._foreach_mul_(grads, self.grad_scaler.inv_scale)
-        counted = [g for g, counts in zip(grads, self._counts) if counts]
-        norm = global_grad_norm(counted, self.norm_group, self.consensus_group, device=self.device)
+        counted = [(g, p.expert) for g, p, c in zip(grads, self.pieces, self._counts) if c]
+        squares = [
+            squared_norm([g for g, expert in counted if expert == part], self.device)
+            for part in (False, True)
+        ]
+        norm = agreed_norm(self._summed(*squares), self.consensus_group)
         part_norms = self._part_norms(grads, parts) if parts is not None else None
         finite = norm == norm and norm != float("inf")
         scale = self.grad_scaler.scale if self.grad_scaler is not None else None
@@ -184,7 +214,7 @@ class DistributedOptimizer:
         if coefficient < 1.0:
             torch._foreach_mul_(grads, coefficient)
         num_zeros = (
-            self._count(counted, lambda g: g.numel() - g.count_nonzero()) if count_zeros else None
+            self._count(grads, lambda g: g.numel() - g.count_nonzero()) if count_zeros else None
         )
         for piece, grad in zip(self.pieces, grads):
             piece.master.grad = grad
@@ -199,19 +229,19 @@ class DistributedOptimizer:
         )
 
     def _count(self, tensors: list[torch.Tensor], count) -> float:
-        """sum(count(t)) over this rank's tensors, summed over the norm's group (every
-        element counted once), in float64 on the group's device."""
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for tensor in tensors:
-            total += count(tensor)
-        all_reduce(total, self.norm_group)
-        return total.item()
+        """sum(count(t)) over this rank's counted pieces' tensors (one per piece), summed so
+        that every element counts once, in float64 on the group's device."""
+        totals = [torch.zeros(1, dtype=torch.float64, device=self.device) for _ in range(2)]
+        for tensor, piece, counts in zip(tensors, self.pieces, self._counts):
+            if counts:
+                totals[piece.expert] += count(tensor)
+        return self._summed(*totals).item()
 
     def params_norm(self) -> float:
         """The L2 norm of the parameters (their fp32 masters), every element counted once
         under any layout, as the gradient norm (--log-params-norm; Megatron-LM's
         calc_params_l2_norm)."""
-        masters = [p.master for p, counts in zip(self.pieces, self._counts) if counts]
+        masters = [p.master for p in self.pieces]
         return math.sqrt(
             self._count(
                 masters, lambda m: torch.linalg.vector_norm(m, dtype=torch.float64).square()
@@ -221,13 +251,13 @@ class DistributedOptimizer:
     def _part_norms(self, grads: list[torch.Tensor], parts: NormParts) -> dict[str, float]:
         """Sum of squares per label over this rank's counted pieces, summed over the same
         group as the global norm."""
-        sums = torch.zeros(len(parts.labels), dtype=torch.float64, device=self.device)
+        sums = torch.zeros(2, len(parts.labels), dtype=torch.float64, device=self.device)
         for piece, grad, counts in zip(self.pieces, grads, self._counts):
             if counts:
                 square = torch.linalg.vector_norm(grad, dtype=torch.float64).square()
                 for index in parts.labels_of(piece):
-                    sums[index] += square
-        all_reduce(sums, self.norm_group)
+                    sums[int(piece.expert), index] += square
+        sums = self._summed(sums[0], sums[1])
         return {label: math.sqrt(v) for label, v in zip(parts.labels, sums.tolist())}
 
     def finish_param_sync(self) -> None:

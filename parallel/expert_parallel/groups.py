@@ -34,8 +34,10 @@ def expert_data_parallel_size(tp: int, cp: int, dp: int, ep: int, etp: int) -> i
 def expert_layout_groups(
     tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, pp_inside_dp: bool = False
 ) -> dict[str, list[list[int]]]:
-    """The global ranks of every expert group, by kind: "ep", "expert_dp", "expert_tp" and
-    "expert_tp_ep" (ETP x EP), each list in the order the groups are created."""
+    """The global ranks of every expert group, by kind: "ep", "expert_dp", "expert_tp",
+    "expert_tp_ep" (ETP x EP) and "expert_tp_ep_pp" (ETP x EP x PP: the ranks holding
+    different experts, over which their gradient norm is summed), each list in the order the
+    groups are created."""
     edp = expert_data_parallel_size(tp, cp, dp, ep, etp)
     if pp_inside_dp and pp > 1 and edp != dp:
         raise ConfigError(
@@ -56,5 +58,9 @@ def expert_layout_groups(
         "expert_tp": [[rank_of(p, x, e, t) for t in range(etp)] for p, x, e in every(pp, edp, ep)],
         "expert_tp_ep": [
             [rank_of(p, x, e, t) for e in range(ep) for t in range(etp)] for p, x in every(pp, edp)
+        ],
+        "expert_tp_ep_pp": [
+            [rank_of(p, x, e, t) for p in range(pp) for e in range(ep) for t in range(etp)]
+            for x in range(edp)
         ],
     }

@@ -265,8 +265,7 @@ loss masking of end-of-document and pad tokens:
 meta-device initialisation (start-up memory under FSDP):
     --init-model-with-meta-device
 expert parallelism and the rest of mixture of experts (issue 40):
-    --ep-overlap-early-attn-memory-release --expert-model-parallel-size
-    --expert-tensor-parallel-num-weight-shards --expert-tensor-parallel-size
+    --ep-overlap-early-attn-memory-release --expert-tensor-parallel-num-weight-shards
     --high-priority-a2a-comm-stream --moe-enable-routing-replay
     --moe-expert-rank-capacity-factor --moe-extended-tp --moe-flex-dispatcher-num-sms
     --moe-hybridep-num-blocks-permute --moe-hybridep-num-blocks-unpermute

@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.model.context import BuildContext
 from engine.model.mlp import MLP
+from parallel.expert_parallel.params import mark_expert_parallel
 
 
 class Experts(nn.Module):
@@ -35,6 +36,7 @@ class Experts(nn.Module):
         for expert, index in zip(self.local_experts, expert_indices):
             for name, param in expert.named_parameters():
                 param.checkpoint_name = f"{prefix}.{index}.{name}"  # the global index
+                mark_expert_parallel(param)  # reduced over the expert data-parallel group
 
     def forward(self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         if self.cfg.moe_grouped_gemm and grouped_gemm_fits(self, tokens):
