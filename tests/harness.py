@@ -157,7 +157,8 @@ def engine_run(
         cp_comm_type=cp_comm_type,
         placement=PLACEMENT.get(schedule_kind, "loop"),
     )
-    experts_apart = state.ep_size > 1  # the experts' buffers over the expert DP group
+    # the experts' buffers over the expert DP group
+    experts_apart = state.ep_size > 1 or state.etp_size != state.tp_size
     experts = {"expert_dp_group": state.expert_dp_group} if experts_apart else {}
     ddps = [
         DistributedDataParallel(

@@ -4,8 +4,11 @@ every parameter within 1e-6, with the experts spread over 2 or 4 ranks folded ou
 context and pipeline parallelism: DP 2 x EP 2 under every sharding strategy (the experts'
 buffers reduced and sharded over their own data-parallel group), DP 4 x EP 2 (an expert
 data-parallel group of 2) with overlapped reductions and gathers, DP 4 x EP 4, PP 2 x DP 2 x
-EP 2 (1F1B) and CP 2 x EP 2. A mutation test: reducing the experts' gradients over DP x CP
-(the dense group) instead of their own group fails the comparison."""
+EP 2 (1F1B), CP 2 x EP 2, and under TP 2 with sequence parallelism (whole experts, EP 1 and
+EP 2 folded over TP, and TP 2 x DP 2 x EP 2; GELU experts with biases too). Mutation tests:
+reducing the experts' gradients over DP x CP (the dense group) instead of their own group fails
+the comparison (below); so does counting a whole expert's bias toward the norm on one
+tensor-parallel rank only (the GELU case; tried by hand)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,16 @@ from tests.harness import engine_run, full_params, model_error, opt_config, tiny
 from tests.test_moe_parallel import ROUTERS
 
 STEPS, GBS, MBS = 3, 8, 2
+# (model style, MoE options): the two routers, and GELU experts with biases (a replicated
+# bias of a whole expert counts toward the norm on every tensor-parallel rank)
+CASES = {
+    "softmax": ("llama", ROUTERS["softmax"]),
+    "sigmoid": ("llama", ROUTERS["sigmoid"]),
+    "gelu-biases": (
+        "gpt2",
+        dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=[0.01]),
+    ),
+}
 
 # (name, world, ParallelState.build options, the runs: engine_run options)
 LAYOUTS = {
@@ -37,12 +50,29 @@ LAYOUTS = {
     "dp4-ep4": (4, dict(ep=4), [dict(sharding="optim")]),
     "pp2-dp2-ep2": (4, dict(pp=2, ep=2), [dict(sharding="no_shard"), dict(sharding="optim")]),
     "cp2-ep2": (2, dict(cp=2, ep=2), [dict(sharding="optim")]),
+    # tensor and sequence parallelism: each TP rank routes its part of the sequence to whole
+    # experts (expert tensor-parallel size 1), folded over TP too
+    "tp2-ep1": (
+        2,
+        dict(tp=2, ep=1, etp=1),
+        [dict(sharding=s, sequence_parallel=True) for s in ("no_shard", "optim")],
+    ),
+    "tp2-ep2": (
+        2,
+        dict(tp=2, ep=2, etp=1),
+        [dict(sharding="optim_grads_params", sequence_parallel=True)],
+    ),
+    "tp2-dp2-ep2": (
+        4,
+        dict(tp=2, ep=2, etp=1),
+        [dict(sharding="optim", sequence_parallel=True, overlap=True)],
+    ),
 }
 
 
 def _parity(rank, world, layout: str, routers: tuple[str, ...], mutate: bool = False):
     _, build, runs = LAYOUTS[layout]
-    state = ParallelState.build(tp=1, **build)
+    state = ParallelState.build(**{"tp": 1} | build)
     if mutate:  # the experts' gradients reduced over DP x CP: other experts' added in
         state.expert_dp_group = state.dp_cp_group
         runs = runs[:1]
@@ -50,7 +80,8 @@ def _parity(rank, world, layout: str, routers: tuple[str, ...], mutate: bool = F
     local = ParallelState.local()
     results = []
     for router in routers:
-        cfg = tiny_config("llama", **ROUTERS[router])
+        style, options = CASES[router]
+        cfg = tiny_config(style, **options)
         reference, ref_ddps, _ = engine_run(local, cfg, ocfg, STEPS, GBS, MBS)
         ref_params = full_params(ref_ddps, local)
         initial = full_params(engine_run(local, cfg, ocfg, 0, GBS, MBS)[1], local)
@@ -85,6 +116,9 @@ def _parity(rank, world, layout: str, routers: tuple[str, ...], mutate: bool = F
         ("dp4-ep4", ("sigmoid",)),
         ("pp2-dp2-ep2", ("softmax",)),
         ("cp2-ep2", ("softmax",)),
+        ("tp2-ep1", ("softmax", "gelu-biases")),
+        ("tp2-ep2", ("softmax",)),
+        ("tp2-dp2-ep2", ("softmax",)),
     ],
 )
 def test_expert_parallel_training_matches_one_process(layout, routers):

@@ -68,9 +68,10 @@ def test_moe_run_resumes_bit_exactly(dataset_prefix, tokenizer_model, tmp_path, 
 def test_expert_parallel_run_resumes_and_reshards(dataset_prefix, tokenizer_model, tmp_path):
     """The experts over 2 expert-parallel ranks (DP 2): a run stopped at its checkpoint and
     resumed gives the same losses, bit for bit; the same checkpoint resumed with every expert
-    on each rank (EP 1) and with one expert per rank (EP 4 over DP 4) gives the losses of the
-    uninterrupted run within 1e-5 (another reduction order; no dropout, so no random state
-    is needed across the change of layout)."""
+    on each rank (EP 1, under TP 2 with sequence parallelism, each expert whole) and with one
+    expert per rank (EP 4 over DP 4) gives the losses of the uninterrupted run within 1e-5
+    (another reduction order; no dropout, so no random state is needed across the change of
+    layout)."""
     ckpt = str(tmp_path / "ckpt")
     moe = MOE | {"--hidden-dropout": "0", "--attention-dropout": "0", "--train-iters": "4"}
     found = {}
@@ -83,7 +84,12 @@ def test_expert_parallel_run_resumes_and_reshards(dataset_prefix, tokenizer_mode
             | {"--exit-interval": "2"},
         ),
         ("resumed", 2, {"--expert-model-parallel-size": "2", "--load": ckpt}),
-        ("ep1", 2, {"--load": ckpt}),
+        (
+            "tp2-ep1",
+            2,
+            {"--load": ckpt, "--tensor-model-parallel-size": "2"}
+            | {"--sequence-parallel": True, "--expert-tensor-parallel-size": "1"},
+        ),
         ("ep4", 4, {"--expert-model-parallel-size": "4", "--load": ckpt}),
     ):
         log = str(tmp_path / f"{name}.jsonl")
@@ -93,7 +99,7 @@ def test_expert_parallel_run_resumes_and_reshards(dataset_prefix, tokenizer_mode
     assert latest(ckpt) == "2"
     assert found["first"][2] == found["whole"][2]
     assert found["resumed"] == {step: found["whole"][step] for step in (3, 4)}, found
-    for layout in ("ep1", "ep4"):
+    for layout in ("tp2-ep1", "ep4"):
         assert sorted(found[layout]) == [3, 4], found
         for step in (3, 4):
             assert abs(found[layout][step] - found["whole"][step]) < 1e-5 * found["whole"][step]
@@ -125,8 +131,22 @@ def test_expert_parallel_run_resumes_and_reshards(dataset_prefix, tokenizer_mode
         ),
         (
             ["--num-experts", "4", "--tensor-model-parallel-size", "2"],
-            "expert tensor parallelism is not built yet",
+            "--tensor-model-parallel-size 2 needs --sequence-parallel",
         ),
+        (
+            ["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            "--expert-tensor-parallel-size 2 (the default: the TP size): expert tensor "
+            "parallelism is not built yet (issue 40); give --expert-tensor-parallel-size 1",
+        ),
+        (
+            ["--num-experts", "6", "--expert-model-parallel-size", "4"],
+            "--num-experts 6 is not divisible by --expert-model-parallel-size 4",
+        ),
+        (
+            ["--num-experts", "4", "--expert-model-parallel-size", "4"],
+            "expert-model-parallel-size 4 does not divide the 2 ranks of a pipeline stage",
+        ),
+        (["--expert-model-parallel-size", "2"], "need a mixture of experts: add --num-experts"),
     ],
 )
 def test_bad_moe_flags_are_refused_in_one_line(dataset_prefix, tokenizer_model, extra, problem):

@@ -122,33 +122,40 @@ def _check_expert_parallel(m, par, dp: int) -> None:
     """Expert parallelism needs experts it divides and a layout it folds into (Megatron-LM's
     checks); what is not built is refused."""
     ep, etp = par.expert_model_parallel_size, par.expert_tp_size
+    tp = par.tensor_model_parallel_size
     if ep < 1 or etp < 1:
         raise ConfigError(
             "--expert-model-parallel-size and --expert-tensor-parallel-size must be at least 1"
         )
-    if not par.experts_apart:
-        return
-    if not m.is_moe:
+    if m.is_moe and tp > 1 and not par.sequence_parallel:
         raise ConfigError(
-            f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp} need a "
-            "mixture of experts: add --num-experts N, or drop them"
+            f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
+            "(as Megatron-LM: each tensor-parallel rank routes its part of the sequence)"
         )
+    if not m.is_moe:
+        if par.experts_apart:
+            raise ConfigError(
+                f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp} need "
+                "a mixture of experts: add --num-experts N, or drop them"
+            )
+        return
     if etp != 1:
+        given = "" if par.expert_tensor_parallel_size else " (the default: the TP size)"
         raise ConfigError(
-            f"--expert-tensor-parallel-size {etp}: expert tensor parallelism is not built yet "
-            "(issue 40); use 1"
+            f"--expert-tensor-parallel-size {etp}{given}: expert tensor parallelism is not "
+            "built yet (issue 40); give --expert-tensor-parallel-size 1"
         )
     if m.num_experts % ep:
         raise ConfigError(
             f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size "
             f"{ep}; each expert-parallel rank holds the same number of experts"
         )
-    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    cp = par.context_parallel_size
+    pp, cp = par.pipeline_model_parallel_size, par.context_parallel_size
     expert_layout_groups(tp, cp, dp, pp, ep, etp, par.use_tp_pp_dp_mapping)  # folds, or refused
-    if par.num_distributed_optimizer_instances > 1:
+    if par.experts_apart and par.num_distributed_optimizer_instances > 1:
         raise ConfigError(
-            "--num-distributed-optimizer-instances with --expert-model-parallel-size: not "
+            "--num-distributed-optimizer-instances with --expert-model-parallel-size (or "
+            "tensor parallelism) and --num-experts: not "
             "built yet (issue 40); use one instance"
         )
 

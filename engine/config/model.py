@@ -363,4 +363,4 @@ class ModelConfig(MoEOptions):
             raise ConfigError("--recompute-method needs --recompute-granularity full")
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError("--make-vocab-size-divisible-by must be at least 1")
-        self.validate_moe(self.num_layers, tp)
+        self.validate_moe(self.num_layers)

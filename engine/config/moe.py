@@ -149,7 +149,7 @@ class MoEOptions:
 
     # --- checks -----------------------------------------------------------------------------
 
-    def validate_moe(self, num_layers: int, tp: int) -> None:
+    def validate_moe(self, num_layers: int) -> None:
         """ConfigError (one line naming the flag and the fix) for MoE settings that cannot
         be, checked as megatron-core checks them, and MoE flags without --num-experts."""
         if self.num_experts is not None and self.num_experts < 0:
@@ -161,11 +161,6 @@ class MoEOptions:
                     raise ConfigError(f"{flag} is a mixture-of-experts flag: add --num-experts N")
             return
         experts, topk = self.num_experts, self.moe_router_topk
-        if tp > 1:
-            raise ConfigError(
-                f"--num-experts with --tensor-model-parallel-size {tp}: expert tensor "
-                "parallelism is not built yet (issue 40); use --tensor-model-parallel-size 1"
-            )
         if not 1 <= topk <= experts:
             raise ConfigError(
                 f"--moe-router-topk {topk} must be between 1 and --num-experts {experts}"

@@ -129,7 +129,11 @@ class DistributedOptimizer:
         for piece in self.pieces:
             groups[piece.group]["params"].append(piece.master)
         self.optimizer = make_optimizer([g for g in groups if g["params"]])
-        self._counts = [counts_toward_norm(p.param, tp_rank) for p in self.pieces]
+        # an expert (expert tensor-parallel size 1) is whole on its rank, its biases too:
+        # every piece of it counts
+        self._counts = [
+            counts_toward_norm(p.param, 0 if p.expert else tp_rank) for p in self.pieces
+        ]
 
     def _pieces_of(self, ddp: DistributedDataParallel, group_of) -> list[Piece]:
         pieces = []

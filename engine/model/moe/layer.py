@@ -4,6 +4,8 @@ outputs added back onto their tokens, plus the shared experts' output."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,7 +51,10 @@ class MoELayer(nn.Module):
         self.router = Router(ctx, layer_number)
         local = cfg.num_experts // ctx.ep_size  # this rank's experts, by global index
         first = ctx.ep_rank * local
-        self.experts = Experts(ctx, layer_number, range(first, first + local))
+        # each expert whole on its rank (expert tensor-parallel size 1): under tensor and
+        # sequence parallelism a rank's experts compute the tokens routed to them, whole
+        whole = dataclasses.replace(ctx, tp_group=None, tp_size=1, sequence_parallel=False)
+        self.experts = Experts(whole, layer_number, range(first, first + local))
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExperts(ctx, layer_number)
