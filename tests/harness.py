@@ -15,6 +15,7 @@ from engine.optim.lr_schedule import LRScheduler
 from engine.optim.optimizer import build_optimizer, no_weight_decay
 from engine.train.step import StepFeatures, run_schedule, train_step
 from parallel.data_parallel.ddp import DistributedDataParallel
+from parallel.expert_parallel.params import is_expert_parallel
 from parallel.grads import finalize_model_grads
 from parallel.pipeline.schedules import get_schedule
 from parallel.pipeline.tables import PLACEMENT
@@ -307,7 +308,8 @@ def full_params(ddps, state) -> dict[str, torch.Tensor]:
             for name, param in ddp.module.named_parameters():
                 name = getattr(param, "checkpoint_name", name)
                 local = param.data.clone()
-                out[name] = full_from_local(local, tp_sharding_of(param), state.tp_group)
+                group = state.expert_tp_group if is_expert_parallel(param) else state.tp_group
+                out[name] = full_from_local(local, tp_sharding_of(param), group)
     return out
 
 

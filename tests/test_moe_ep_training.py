@@ -5,7 +5,9 @@ context and pipeline parallelism: DP 2 x EP 2 under every sharding strategy (the
 buffers reduced and sharded over their own data-parallel group), DP 4 x EP 2 (an expert
 data-parallel group of 2) with overlapped reductions and gathers, DP 4 x EP 4, PP 2 x DP 2 x
 EP 2 (1F1B), CP 2 x EP 2, and under TP 2 with sequence parallelism (whole experts, EP 1 and
-EP 2 folded over TP, and TP 2 x DP 2 x EP 2; GELU experts with biases too). Mutation tests:
+EP 2 folded over TP, and TP 2 x DP 2 x EP 2; GELU experts with biases too), and with each
+expert split over 2 ranks (expert tensor parallelism: TP 2 with ETP 2, Megatron-LM's default;
+ETP 2 over DP 2; TP 2 x DP 2 x EP 2 x ETP 2 with sharded parameters). Mutation tests:
 reducing the experts' gradients over DP x CP (the dense group) instead of their own group fails
 the comparison (below); so does counting a whole expert's bias toward the norm on one
 tensor-parallel rank only (the GELU case; tried by hand)."""
@@ -67,6 +69,18 @@ LAYOUTS = {
         dict(tp=2, ep=2, etp=1),
         [dict(sharding="optim", sequence_parallel=True, overlap=True)],
     ),
+    # expert tensor parallelism: each expert split over 2 ranks, which gather its rows
+    "tp2-etp2": (  # Megatron-LM's default: the experts split as the dense layers
+        2,
+        dict(tp=2, ep=1),
+        [dict(sharding=s, sequence_parallel=True) for s in ("no_shard", "optim")],
+    ),
+    "dp2-etp2": (2, dict(ep=1, etp=2), [dict(sharding="optim_grads")]),
+    "tp2-dp2-ep2-etp2": (
+        4,
+        dict(tp=2, ep=2, etp=2),
+        [dict(sharding="optim_grads_params", sequence_parallel=True)],
+    ),
 }
 
 
@@ -119,6 +133,9 @@ def _parity(rank, world, layout: str, routers: tuple[str, ...], mutate: bool = F
         ("tp2-ep1", ("softmax", "gelu-biases")),
         ("tp2-ep2", ("softmax",)),
         ("tp2-dp2-ep2", ("softmax",)),
+        ("tp2-etp2", ("softmax",)),
+        ("dp2-etp2", ("softmax",)),
+        ("tp2-dp2-ep2-etp2", ("softmax",)),
     ],
 )
 def test_expert_parallel_training_matches_one_process(layout, routers):
@@ -130,7 +147,10 @@ def test_expert_parallel_training_matches_one_process(layout, routers):
             assert r["model"] < 1e-6 and r["worst_tensor"] < 1e-5, r
             assert r["loss_err"] < 1e-6 and r["norm_err"] < 1e-6, r
             assert len(r["experts"]) == 4 // ep, r  # only this rank's experts
-            assert r["expert_buffers"] >= 1, r
+            # experts apart from the dense parameters unless each is split as they are
+            tp = build.get("tp", 1)
+            apart = ep > 1 or build.get("etp", tp) != tp
+            assert (r["expert_buffers"] >= 1) == apart, r
 
 
 def test_experts_reduced_over_the_dense_group_fail_the_comparison():

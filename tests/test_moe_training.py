@@ -105,6 +105,29 @@ def test_expert_parallel_run_resumes_and_reshards(dataset_prefix, tokenizer_mode
             assert abs(found[layout][step] - found["whole"][step]) < 1e-5 * found["whole"][step]
 
 
+def test_experts_split_over_tensor_parallel_ranks_train_as_whole_ones(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    """Megatron-LM's default under TP 2: each expert split over the 2 ranks as the dense
+    layers (expert tensor parallelism, the grouped GEMM on the shards), the sequence split over
+    them; the losses of DP 2 with whole experts within 1e-5."""
+    moe = MOE | {"--hidden-dropout": "0", "--attention-dropout": "0", "--train-iters": "3"}
+    moe |= {"--disable-bias-linear": True}
+    found = {}
+    for name, extra in (
+        ("dp2", {}),
+        ("tp2-etp2", {"--tensor-model-parallel-size": "2", "--sequence-parallel": True}),
+    ):
+        log = str(tmp_path / f"{name}.jsonl")
+        pretrain(
+            2, base_args(dataset_prefix, tokenizer_model, **moe, **extra, **{"--log-jsonl": log})
+        )
+        found[name] = losses(log)
+    assert sorted(found["tp2-etp2"]) == [1, 2, 3], found
+    for step in (1, 2, 3):
+        assert abs(found["tp2-etp2"][step] - found["dp2"][step]) < 1e-5 * found["dp2"][step]
+
+
 @pytest.mark.parametrize(
     "extra, problem",
     [
@@ -135,8 +158,14 @@ def test_expert_parallel_run_resumes_and_reshards(dataset_prefix, tokenizer_mode
         ),
         (
             ["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-            "--expert-tensor-parallel-size 2 (the default: the TP size): expert tensor "
-            "parallelism is not built yet (issue 40); give --expert-tensor-parallel-size 1",
+            "--expert-tensor-parallel-size 2 (the default: the TP size) with biases: an expert "
+            "split over ranks takes no biases here; add --disable-bias-linear",
+        ),
+        (
+            ["--num-experts", "4", "--expert-tensor-parallel-size", "2"]
+            + ["--disable-bias-linear", "--moe-ffn-hidden-size", "9"],
+            "the experts' hidden size 9 (--moe-ffn-hidden-size) is not divisible by "
+            "--expert-tensor-parallel-size 2",
         ),
         (
             ["--num-experts", "6", "--expert-model-parallel-size", "4"],

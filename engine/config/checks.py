@@ -139,11 +139,17 @@ def _check_expert_parallel(m, par, dp: int) -> None:
                 "a mixture of experts: add --num-experts N, or drop them"
             )
         return
-    if etp != 1:
-        given = "" if par.expert_tensor_parallel_size else " (the default: the TP size)"
+    given = "" if par.expert_tensor_parallel_size else " (the default: the TP size)"
+    if etp > 1 and m.add_bias_linear:
         raise ConfigError(
-            f"--expert-tensor-parallel-size {etp}{given}: expert tensor parallelism is not "
-            "built yet (issue 40); give --expert-tensor-parallel-size 1"
+            f"--expert-tensor-parallel-size {etp}{given} with biases: an expert split over "
+            "ranks takes no biases here; add --disable-bias-linear, or give "
+            "--expert-tensor-parallel-size 1"
+        )
+    if m.expert_ffn_size % etp:
+        raise ConfigError(
+            f"the experts' hidden size {m.expert_ffn_size} (--moe-ffn-hidden-size) is not "
+            f"divisible by --expert-tensor-parallel-size {etp}{given}"
         )
     if m.num_experts % ep:
         raise ConfigError(

@@ -85,8 +85,8 @@ class ParallelConfig:
     )
     expert_tensor_parallel_size: int | None = option(
         None,
-        "tensor-parallel size of each expert (default --tensor-model-parallel-size); only "
-        "1 is built",
+        "ranks each expert is split over, as a tensor-parallel linear (default "
+        "--tensor-model-parallel-size): they gather the rows routed to it and sum its outputs",
     )
     overlap_grad_reduce: bool = option(False, "reduce gradient buckets during backward")
     overlap_param_gather: bool = option(

@@ -51,6 +51,8 @@ def build_model_chunks(
         ep_group=state.ep_group,
         ep_size=state.ep_size,
         ep_rank=state.ep_rank,
+        expert_tp_group=state.expert_tp_group,
+        expert_tp_size=state.etp_size,
         gradient_accumulation_fusion=gradient_accumulation_fusion,
         tracker=tracker,
         params_dtype=params_dtype,

@@ -38,6 +38,9 @@ class BuildContext:
     ep_group: object = None  # expert parallel: the ranks an MoE layer's experts are spread over
     ep_size: int = 1
     ep_rank: int = 0
+    expert_tp_group: object = None  # expert tensor parallel: the ranks sharing each expert
+    expert_tp_size: int = 1
+    tp_communication: bool = True  # False: linears only multiply, their caller communicates
     gradient_accumulation_fusion: bool = True  # weight gradients straight into main_grad
     tracker: RNGStatesTracker | None = None
     params_dtype: torch.dtype = torch.float32
@@ -90,6 +93,7 @@ class BuildContext:
             params_dtype=self.params_dtype,
             device=self.device,
             times=self.times,
+            communicate=self.tp_communication,
         )
 
     def row_linear(
@@ -110,6 +114,7 @@ class BuildContext:
             params_dtype=self.params_dtype,
             device=self.device,
             times=self.times,
+            communicate=self.tp_communication,
         )
 
     def vocab_embedding(self, name: str, *, scatter: bool = True) -> VocabParallelEmbedding:

@@ -129,8 +129,8 @@ class DistributedOptimizer:
         for piece in self.pieces:
             groups[piece.group]["params"].append(piece.master)
         self.optimizer = make_optimizer([g for g in groups if g["params"]])
-        # an expert (expert tensor-parallel size 1) is whole on its rank, its biases too:
-        # every piece of it counts
+        # an expert in its own buffer is whole on its rank (biases too) or split over the
+        # expert tensor-parallel group (no biases then), never replicated: every piece counts
         self._counts = [
             counts_toward_norm(p.param, 0 if p.expert else tp_rank) for p in self.pieces
         ]

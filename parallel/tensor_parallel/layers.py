@@ -57,7 +57,9 @@ class ColumnParallelLinear(nn.Module):
     the [s/tp, b, h] input is all-gathered along the sequence first (and only the shard is kept
     for backward). The input-gradient communication overlaps the weight-gradient GEMM, and with
     gradient_accumulation_fusion the weight gradient goes straight into `main_grad` (see
-    parallel/tensor_parallel/linear_function.py).
+    parallel/tensor_parallel/linear_function.py). With `communicate=False` the layer only
+    multiplies by its shard: its caller gathers the input and sums the input gradient (an MoE
+    expert under expert tensor parallelism).
     """
 
     def __init__(
@@ -78,11 +80,12 @@ class ColumnParallelLinear(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         times: StepTimes | None = None,
+        communicate: bool = True,
     ):
         """initialized_rows: only the first rows are drawn, the rest start at zero (an output
         layer over a padded vocabulary, whose padding must not depend on the TP size)."""
         super().__init__()
-        self.tp_group, self.times = tp_group, times
+        self.tp_group, self.times, self.communicate = tp_group, times, communicate
         tp, rank = group_size(tp_group), group_rank(tp_group)
         sizes = list(partition_sizes or [output_size])
         if sum(sizes) != output_size:
@@ -115,7 +118,7 @@ class ColumnParallelLinear(nn.Module):
             self.weight,
             self.bias,
             self.tp_group,
-            "gather" if self.sequence_parallel else "copy",
+            "none" if not self.communicate else "gather" if self.sequence_parallel else "copy",
             self.gradient_accumulation_fusion,
             self.times,
         )
@@ -127,7 +130,9 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Y = X A^T + b with A split by input columns; the partial products are summed over the
     TP group (all-reduce, or reduce-scatter along the sequence with sequence_parallel). The
-    bias is added once, after the reduction."""
+    bias is added once, after the reduction. With `communicate=False` the partial products are
+    returned unsummed, for the caller to sum (an MoE expert under expert tensor parallelism;
+    no bias then)."""
 
     def __init__(
         self,
@@ -144,10 +149,13 @@ class RowParallelLinear(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         times: StepTimes | None = None,
+        communicate: bool = True,
     ):
         super().__init__()
-        self.tp_group, self.times = tp_group, times
+        self.tp_group, self.times, self.communicate = tp_group, times, communicate
         tp, rank = group_size(tp_group), group_rank(tp_group)
+        if not communicate and bias and tp > 1:
+            raise ValueError("a row-parallel linear summed by its caller takes no bias")
         if input_size % tp:
             raise ConfigError(f"input size {input_size} is not divisible by TP size {tp}")
         if sequence_parallel and not input_is_parallel:
@@ -175,7 +183,9 @@ class RowParallelLinear(nn.Module):
         y = tensor_parallel_linear(
             x, self.weight, None, self.tp_group, "none", self.gradient_accumulation_fusion
         )
-        if self.sequence_parallel:
+        if not self.communicate:
+            pass  # partial products: the caller sums them
+        elif self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group, self.times)
         else:
             y = reduce_from_tensor_parallel_region(y, self.tp_group, self.times)

@@ -5,7 +5,9 @@ expert's in token order (megatron-core's order), by masked selection on the expe
 map: no loop over tokens. `unpermute` adds each pair's expert output back onto its token. With
 expert parallelism, `exchange` sends each row (and its probability) to the rank holding its
 expert, by all-to-all, and regroups what arrives by local expert; `exchange_back` returns the
-experts' outputs the same way (megatron-core's all-to-all dispatcher).
+experts' outputs the same way (megatron-core's all-to-all dispatcher). With expert tensor
+parallelism `gather_expert_tp` then gives every rank sharing an expert all of its rows and
+`scatter_expert_tp` sums their partial outputs back onto the rows' own rank.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallel.comm import all_gather_into
 from parallel.expert_parallel.all_to_all import all_to_all
 
 
@@ -75,16 +78,22 @@ def exchange(
     received = theirs.sum(dim=1).tolist()
     rows = all_to_all(rows, received, sent, ep_group)
     row_probs = all_to_all(row_probs, received, sent, ep_group)
-    # regroup [src][expert] -> [expert][src], by whole chunks (no loop over rows)
-    sizes = theirs.reshape(-1)
-    starts = torch.cumsum(sizes, 0) - sizes
-    chunks = torch.arange(ep_size * local, device=rows.device).view(ep_size, local).t().reshape(-1)
-    order = torch.cat(
-        [torch.arange(int(sizes[c]), device=rows.device) + int(starts[c]) for c in chunks.tolist()]
-        or [torch.zeros(0, dtype=torch.int64, device=rows.device)]
-    )
+    order = _by_expert(theirs, rows.device)
     moved = Exchange(sent, received, order, theirs.sum(dim=0).tolist())
     return rows.index_select(0, order), row_probs.index_select(0, order), moved
+
+
+def _by_expert(sizes: torch.Tensor, device) -> torch.Tensor:
+    """The positions that regroup rows arranged [source rank][expert] (`sizes` [ranks,
+    experts] of them) as [expert][source rank], by whole chunks (no loop over rows)."""
+    ranks, experts = sizes.shape
+    flat = sizes.reshape(-1)
+    starts = torch.cumsum(flat, 0) - flat
+    chunks = torch.arange(ranks * experts).view(ranks, experts).t().reshape(-1)
+    return torch.cat(
+        [torch.arange(int(flat[c]), device=device) + int(starts[c]) for c in chunks.tolist()]
+        or [torch.zeros(0, dtype=torch.int64, device=device)]
+    )
 
 
 def exchange_back(rows: torch.Tensor, moved: Exchange, ep_group) -> torch.Tensor:
@@ -92,3 +101,31 @@ def exchange_back(rows: torch.Tensor, moved: Exchange, ep_group) -> torch.Tensor
     in the order `exchange` received them from `permute`."""
     by_source = torch.empty_like(rows).index_copy(0, moved.order, rows)
     return all_to_all(by_source, moved.sent, moved.received, ep_group)
+
+
+def gather_expert_tp(
+    rows: torch.Tensor, row_probs: torch.Tensor, counts: list[int], group, size: int
+) -> tuple[torch.Tensor, torch.Tensor, Exchange]:
+    """Expert tensor parallelism: every rank of the expert tensor-parallel `group` (which
+    share each expert, each holding a shard) gets the rows of all of them, grouped by local
+    expert (`counts` rows per expert here), with their probabilities; megatron-core's
+    all-gather of the tokens. An all-to-all sending this rank's rows to each rank, so its
+    backward sums each row's gradient over the shards. Collective over `group`."""
+    mine = torch.tensor(counts, dtype=torch.int64, device=rows.device)
+    theirs = torch.empty(size * len(counts), dtype=torch.int64, device=rows.device)
+    all_gather_into(theirs, mine, group)
+    theirs = theirs.view(size, len(counts))  # theirs[src, e]: rank src's rows of expert e
+    sent, received = [rows.shape[0]] * size, theirs.sum(dim=1).tolist()
+    rows = all_to_all(rows.repeat(size, *([1] * (rows.dim() - 1))), received, sent, group)
+    row_probs = all_to_all(row_probs.repeat(size), received, sent, group)
+    order = _by_expert(theirs, rows.device)
+    gathered = Exchange(sent, received, order, theirs.sum(dim=0).tolist())
+    return rows.index_select(0, order), row_probs.index_select(0, order), gathered
+
+
+def scatter_expert_tp(partial: torch.Tensor, gathered: Exchange, group) -> torch.Tensor:
+    """The experts' partial outputs of every row (each shard's part) back to the rank the row
+    came from, summed over the shards: megatron-core's reduce-scatter."""
+    by_source = torch.empty_like(partial).index_copy(0, gathered.order, partial)
+    parts = all_to_all(by_source, gathered.sent, gathered.received, group)
+    return parts.view(len(gathered.sent), -1, *parts.shape[1:]).sum(dim=0)

@@ -12,7 +12,14 @@ from torch import nn
 
 from engine.model.context import BuildContext
 from engine.model.mlp import MLP
-from engine.model.moe.dispatch import exchange, exchange_back, permute, unpermute
+from engine.model.moe.dispatch import (
+    exchange,
+    exchange_back,
+    gather_expert_tp,
+    permute,
+    scatter_expert_tp,
+    unpermute,
+)
 from engine.model.moe.experts import Experts
 from engine.model.moe.router import Router
 from parallel.tensor_parallel.init import draw_full
@@ -51,10 +58,16 @@ class MoELayer(nn.Module):
         self.router = Router(ctx, layer_number)
         local = cfg.num_experts // ctx.ep_size  # this rank's experts, by global index
         first = ctx.ep_rank * local
-        # each expert whole on its rank (expert tensor-parallel size 1): under tensor and
-        # sequence parallelism a rank's experts compute the tokens routed to them, whole
-        whole = dataclasses.replace(ctx, tp_group=None, tp_size=1, sequence_parallel=False)
-        self.experts = Experts(whole, layer_number, range(first, first + local))
+        # each expert split over the expert tensor-parallel group (whole at size 1), its
+        # linears only multiplying: the layer gathers their rows and sums their outputs
+        sharded = dataclasses.replace(
+            ctx,
+            tp_group=ctx.expert_tp_group,
+            tp_size=ctx.expert_tp_size,
+            sequence_parallel=False,
+            tp_communication=False,
+        )
+        self.experts = Experts(sharded, layer_number, range(first, first + local))
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExperts(ctx, layer_number)
@@ -69,10 +82,16 @@ class MoELayer(nn.Module):
         if ep > 1:  # each row to the rank holding its expert
             rows, row_probs, moved = exchange(rows, row_probs, counts, self.ctx.ep_group, ep)
             counts = moved.counts
+        etp, etp_group = self.ctx.expert_tp_size, self.ctx.expert_tp_group
+        if etp > 1:  # the rows of every rank sharing these experts
+            rows, row_probs, gathered = gather_expert_tp(rows, row_probs, counts, etp_group, etp)
+            counts = gathered.counts
         if self.cfg.moe_apply_probs_on_input:
             rows = (row_probs.unsqueeze(-1) * rows).to(rows.dtype)
             row_probs = torch.ones_like(row_probs)
         out = self.experts(rows, counts, row_probs)
+        if etp > 1:
+            out = scatter_expert_tp(out, gathered, etp_group)
         if ep > 1:
             out = exchange_back(out, moved, self.ctx.ep_group)
         out = unpermute(out, permutation, seq * batch).to(x.dtype).reshape(seq, batch, hidden)
