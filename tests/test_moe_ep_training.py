@@ -1,16 +1,21 @@
 """Expert-parallel training against the same model on one process (the engine without
 parallelism, the same micro-batches): three optimizer steps, the losses, gradient norms and
 every parameter within 1e-6, with the experts spread over 2 or 4 ranks folded out of data,
-context and pipeline parallelism: DP 2 x EP 2 under every sharding strategy (the experts'
-buffers reduced and sharded over their own data-parallel group), DP 4 x EP 2 (an expert
-data-parallel group of 2) with overlapped reductions and gathers, DP 4 x EP 4, PP 2 x DP 2 x
-EP 2 (1F1B), CP 2 x EP 2, and under TP 2 with sequence parallelism (whole experts, EP 1 and
-EP 2 folded over TP, and TP 2 x DP 2 x EP 2; GELU experts with biases too), and with each
-expert split over 2 ranks (expert tensor parallelism: TP 2 with ETP 2, Megatron-LM's default;
-ETP 2 over DP 2; TP 2 x DP 2 x EP 2 x ETP 2 with sharded parameters). Mutation tests:
-reducing the experts' gradients over DP x CP (the dense group) instead of their own group fails
-the comparison (below); so does counting a whole expert's bias toward the norm on one
-tensor-parallel rank only (the GELU case; tried by hand)."""
+context, tensor and pipeline parallelism, the experts' buffers reduced and sharded over their own
+data-parallel group:
+
+- DP 2 x EP 2 under every sharding strategy (softmax top-2 with shared experts, sigmoid with
+  expert bias and capacity, Sinkhorn top-1 with full recomputation); DP 4 x EP 2 (an expert
+  data-parallel group of 2) with overlapped reductions and gathers; DP 4 x EP 4;
+- PP 2 x DP 2 x EP 2 (1F1B, and interleaved with 2 virtual stages); CP 2 x EP 2;
+- TP 2 with sequence parallelism and whole experts (EP 1, EP 2 folded over TP, TP 2 x DP 2 x
+  EP 2; GELU experts with biases too);
+- each expert split over 2 ranks (expert tensor parallelism: TP 2 with ETP 2, Megatron-LM's
+  default; ETP 2 over DP 2; TP 2 x DP 2 x EP 2 x ETP 2 with sharded parameters).
+
+Mutation tests: reducing the experts' gradients over DP x CP (the dense group) instead of their
+own group fails the comparison (below); so does counting a whole expert's bias toward the norm
+on one tensor-parallel rank only (the GELU case; tried by hand)."""
 
 from __future__ import annotations
 
@@ -30,6 +35,19 @@ CASES = {
     "gelu-biases": (
         "gpt2",
         dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=[0.01]),
+    ),
+    # top-1 by Sinkhorn, every layer recomputed in backward (the exchanges run again there)
+    "sinkhorn-top1-recompute": (
+        "llama",
+        dict(
+            num_experts=4,
+            moe_router_topk=1,
+            moe_router_load_balancing_type=["sinkhorn"],
+            moe_ffn_hidden_size=48,
+            recompute_granularity="full",
+            recompute_method="uniform",
+            recompute_num_layers=1,
+        ),
     ),
 }
 
@@ -51,6 +69,11 @@ LAYOUTS = {
     ),
     "dp4-ep4": (4, dict(ep=4), [dict(sharding="optim")]),
     "pp2-dp2-ep2": (4, dict(pp=2, ep=2), [dict(sharding="no_shard"), dict(sharding="optim")]),
+    "pp2-virtual-ep2": (  # interleaved 1F1B, 2 chunks per stage
+        4,
+        dict(pp=2, ep=2),
+        [dict(sharding="optim", schedule_kind="interleaved", virtual_size=2)],
+    ),
     "cp2-ep2": (2, dict(cp=2, ep=2), [dict(sharding="optim")]),
     # tensor and sequence parallelism: each TP rank routes its part of the sequence to whole
     # experts (expert tensor-parallel size 1), folded over TP too
@@ -125,10 +148,11 @@ def _parity(rank, world, layout: str, routers: tuple[str, ...], mutate: bool = F
 @pytest.mark.parametrize(
     "layout, routers",
     [
-        ("dp2-ep2", ("softmax", "sigmoid")),
+        ("dp2-ep2", ("softmax", "sigmoid", "sinkhorn-top1-recompute")),
         ("dp4-ep2", ("softmax",)),
         ("dp4-ep4", ("sigmoid",)),
         ("pp2-dp2-ep2", ("softmax",)),
+        ("pp2-virtual-ep2", ("sigmoid",)),
         ("cp2-ep2", ("softmax",)),
         ("tp2-ep1", ("softmax", "gelu-biases")),
         ("tp2-ep2", ("softmax",)),
