@@ -1,5 +1,6 @@
 """How our model maps onto Hugging Face's LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM and GPT2LMHeadModel.
+Qwen2ForCausalLM, Qwen3ForCausalLM and GPT2LMHeadModel, and with mixtures of experts onto
+MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM (engine/interop/hf/moe.py).
 
 The Llama family (RoPE, RMSNorm, SwiGLU, no biases on the MLP and the output projection)
 shares its tensor names; a model is exported as Qwen2 when it has biases on q, k and v only
@@ -17,11 +18,21 @@ transposed for GPT-2's Conv1D layers, which store weights as [in, out].
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from engine.config.model import ModelConfig
-from engine.config.rope_scaling import YarnScaling, rope_scaling_of
 from engine.errors import ConfigError
+from engine.interop.hf.hf_tensor import HFTensor
+from engine.interop.hf.moe import (
+    MOE_ARCHITECTURES,
+    QWEN2_MOE,
+    QWEN3_MOE,
+    moe_config_fields,
+    moe_layer_tensors,
+    moe_options_from_hf,
+    moe_style_of,
+)
+from engine.interop.hf.rope import rope_options, rope_parameters
 
 LLAMA, MISTRAL, QWEN2, QWEN3, GPT2 = "llama", "mistral", "qwen2", "qwen3", "gpt2"
 ARCHITECTURES = {
@@ -30,16 +41,8 @@ ARCHITECTURES = {
     QWEN2: "Qwen2ForCausalLM",
     QWEN3: "Qwen3ForCausalLM",
     GPT2: "GPT2LMHeadModel",
-}
-LLAMA_FAMILY = (LLAMA, MISTRAL, QWEN2, QWEN3)
-
-
-@dataclass(frozen=True)
-class HFTensor:
-    name: str
-    parts: tuple[str, ...]
-    transpose: bool = False
-    shift: float = 0.0  # HF value = ours + shift (norm weights stored centred on zero)
+} | MOE_ARCHITECTURES
+LLAMA_FAMILY = (LLAMA, MISTRAL, QWEN2, QWEN3, *MOE_ARCHITECTURES)  # (engine/interop/hf/moe.py)
 
 
 def _llama_family_member(cfg: ModelConfig) -> str:
@@ -63,13 +66,16 @@ def _llama_family_member(cfg: ModelConfig) -> str:
 def style_of(cfg: ModelConfig) -> str:
     """'llama', 'qwen2', 'qwen3' or 'gpt2', or ConfigError naming the first option the
     target cannot express."""
-    if cfg.is_moe:  # (Mixtral, Qwen-MoE, OLMoE: issue 40's interop, not built yet)
-        raise ConfigError(
-            "a mixture-of-experts model (--num-experts): its Hugging Face export and import "
-            "are not built yet"
-        )
     llama_like = cfg.uses_rope
-    style = _llama_family_member(cfg) if llama_like else GPT2
+    if cfg.is_moe and not llama_like:
+        raise ConfigError(
+            "a mixture of experts without RoPE has no equivalent in Mixtral, Qwen2-MoE or "
+            "Qwen3-MoE; cannot export this model"
+        )
+    if cfg.is_moe:
+        style = moe_style_of(cfg)
+    else:
+        style = _llama_family_member(cfg) if llama_like else GPT2
     target = ARCHITECTURES[style]
     if llama_like:
         checks = [
@@ -130,6 +136,7 @@ def hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
 def _hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
     out = []
     if style in LLAMA_FAMILY:
+        moe_layers = cfg.moe_layer_pattern(cfg.num_layers)
         out.append(HFTensor("model.embed_tokens.weight", ("embedding.word_embeddings.weight",)))
         for i in range(cfg.num_layers):
             ours, hf = f"layers.{i}", f"model.layers.{i}"
@@ -143,13 +150,13 @@ def _hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
                         f"{hf}.self_attn.{name}_proj.weight", (f"{attn}.linear_qkv.weight.{name}",)
                     )
                 )
-                if style == QWEN2:
+                if style == QWEN2 or (style == QWEN2_MOE and cfg.add_qkv_bias):
                     out.append(
                         HFTensor(
                             f"{hf}.self_attn.{name}_proj.bias", (f"{attn}.linear_qkv.bias.{name}",)
                         )
                     )
-            if style == QWEN3:
+            if style in (QWEN3, QWEN3_MOE):
                 out += [
                     HFTensor(f"{hf}.self_attn.q_norm.weight", (f"{attn}.q_layernorm.weight",)),
                     HFTensor(f"{hf}.self_attn.k_norm.weight", (f"{attn}.k_layernorm.weight",)),
@@ -159,6 +166,11 @@ def _hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
                 HFTensor(
                     f"{hf}.post_attention_layernorm.weight", (f"{ours}.pre_mlp_layernorm.weight",)
                 ),
+            ]
+            if moe_layers[i]:
+                out += moe_layer_tensors(cfg, style, i)
+                continue
+            out += [
                 HFTensor(f"{hf}.mlp.gate_proj.weight", (f"{mlp}.linear_fc1.weight.gate",)),
                 HFTensor(f"{hf}.mlp.up_proj.weight", (f"{mlp}.linear_fc1.weight.up",)),
                 HFTensor(f"{hf}.mlp.down_proj.weight", (f"{mlp}.linear_fc2.weight",)),
@@ -233,6 +245,8 @@ def hf_config_dict(cfg: ModelConfig, style: str, special_ids: dict, dtype: str) 
             out |= {"sliding_window": cfg.attention_window + 1}  # itself and `window` before
         elif style == QWEN3:
             out |= {"attention_bias": False, "use_sliding_window": False}
+        elif style in MOE_ARCHITECTURES:
+            out |= moe_config_fields(cfg, style)
         else:
             out |= {"use_sliding_window": False}
         return out
@@ -253,83 +267,15 @@ def hf_config_dict(cfg: ModelConfig, style: str, special_ids: dict, dtype: str) 
     }
 
 
-def rope_parameters(cfg: ModelConfig) -> dict:
-    """config.json's rope_parameters for our RoPE settings."""
-    return {"rope_theta": float(cfg.rotary_base), "rope_type": "default"} | (
-        rope_scaling_of(cfg) or {}
-    )
-
-
-def _rope_options(hf: dict) -> dict:
-    """Our RoPE options for config.json's rope_parameters (or the older rope_scaling and
-    rope_theta keys)."""
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    out = {"rotary_base": int(theta)}
-    if kind == "default":
-        return out
-    if kind == "llama3":
-        return out | {
-            "use_rope_scaling": True,
-            "rope_scaling_factor": float(rope["factor"]),
-            "rope_scaling_low_freq_factor": float(rope.get("low_freq_factor", 1.0)),
-            "rope_scaling_high_freq_factor": float(rope.get("high_freq_factor", 4.0)),
-            "rope_scaling_original_max_position_embeddings": int(
-                rope.get("original_max_position_embeddings", 8192)
-            ),
-        }
-    if kind == "linear":
-        return out | {"rotary_seq_len_interpolation_factor": float(rope["factor"])}
-    if kind == "dynamic":
-        return out | {"rope_scaling_type": "dynamic", "rope_scaling_factor": float(rope["factor"])}
-    if kind == "yarn":
-        return out | _yarn_options(rope, hf)
-    raise ConfigError(
-        f"rope_type {kind!r} is not supported; default, llama3, linear, dynamic and yarn are"
-    )
-
-
-def _yarn_options(rope: dict, hf: dict) -> dict:
-    """Our YaRN flags (Megatron-LM's) for a yarn rope_parameters; ConfigError for an
-    attention_factor other than the one its mscales give (we have no flag for it)."""
-    factor = rope.get("factor")
-    original = rope["original_max_position_embeddings"]
-    if factor is None:  # transformers then takes the ratio of the two lengths
-        factor = hf["max_position_embeddings"] / original
-    options = {
-        "position_embedding_type": "yarn",
-        "rotary_scaling_factor": float(factor),
-        "yarn_original_max_position_embeddings": int(original),
-        "yarn_beta_fast": float(rope.get("beta_fast") or 32.0),
-        "yarn_beta_slow": float(rope.get("beta_slow") or 1.0),
-        "yarn_correction_range_round_to_int": bool(rope.get("truncate", True)),
-    }
-    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    if mscale and mscale_all_dim:  # transformers reads the two only together
-        options |= {"mscale": float(mscale), "mscale_all_dim": float(mscale_all_dim)}
-    implied = YarnScaling(
-        options["rotary_scaling_factor"],
-        mscale=options.get("mscale", 1.0),
-        mscale_all_dim=options.get("mscale_all_dim", 0.0),
-    ).attention_factor()
-    given = rope.get("attention_factor")
-    if given is not None and abs(float(given) - implied) > 1e-6 * implied:
-        raise ConfigError(
-            f"rope_parameters' attention_factor {given} differs from the {implied:.6g} its "
-            "factor and mscales give; only the derived attention factor is available here"
-        )
-    return options
-
-
 def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
-    """Our ModelConfig for a Hugging Face config.json (Llama or GPT-2), and the style."""
+    """Our ModelConfig for a Hugging Face config.json (the Llama family, its MoE members, or
+    GPT-2), and the style."""
     kind = hf.get("model_type")
     if kind in LLAMA_FAMILY:
         if kind == LLAMA and (hf.get("attention_bias") or hf.get("mlp_bias")):
             raise ConfigError("Llama checkpoints with attention_bias/mlp_bias are not supported")
-        if kind == QWEN3 and hf.get("attention_bias"):
-            raise ConfigError("Qwen3 checkpoints with attention_bias are not supported")
+        if kind in (QWEN3, QWEN3_MOE) and hf.get("attention_bias"):
+            raise ConfigError(f"{kind} checkpoints with attention_bias are not supported")
         if kind != LLAMA and hf.get("use_sliding_window"):
             raise ConfigError(
                 f"{kind} with use_sliding_window (sliding-window attention) is not supported"
@@ -338,7 +284,9 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
             raise ConfigError(f"{kind} hidden_act {hf['hidden_act']!r} is not supported (silu)")
         window = hf.get("sliding_window") if kind == MISTRAL else None
         heads = hf["num_attention_heads"]
-        cfg = ModelConfig(
+        moe = moe_options_from_hf(hf, kind) if kind in MOE_ARCHITECTURES else {}
+        qkv_bias = kind == QWEN2 or (kind == QWEN2_MOE and hf.get("qkv_bias", True))
+        options = dict(
             num_layers=hf["num_hidden_layers"],
             hidden_size=hf["hidden_size"],
             num_attention_heads=heads,
@@ -349,20 +297,20 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
             seq_length=hf.get("max_position_embeddings", 2048),
             max_position_embeddings=hf.get("max_position_embeddings"),
             vocab_size=hf["vocab_size"],
-            **{"position_embedding_type": "rope"} | _rope_options(hf),
+            **{"position_embedding_type": "rope"} | rope_options(hf),
             normalization="RMSNorm",
             norm_epsilon=hf.get("rms_norm_eps", 1e-6),
             swiglu=True,
             add_bias_linear=False,
-            add_qkv_bias=kind == QWEN2,
-            qk_layernorm=kind == QWEN3,
+            add_qkv_bias=qkv_bias,
+            qk_layernorm=kind in (QWEN3, QWEN3_MOE),
             window_size=f"({window - 1}, 0)" if window else None,
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
             hidden_dropout=0.0,
             attention_dropout=hf.get("attention_dropout", 0.0),
             init_method_std=hf.get("initializer_range", 0.02),
         )
-        return cfg, kind
+        return ModelConfig(**options | moe), kind
     if kind == "gpt2":
         activation = hf.get("activation_function", "gelu_new")
         if activation not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
@@ -391,7 +339,14 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
             init_method_std=hf.get("initializer_range", 0.02),
         )
         return cfg, GPT2
+    if kind == "olmoe":
+        raise ConfigError(
+            "OLMoE normalises queries and keys over the whole projection (q_norm over "
+            "hidden_size), which this engine has no option for; import Mixtral, Qwen2-MoE or "
+            "Qwen3-MoE"
+        )
     raise ConfigError(
         f"model_type {kind!r} is not supported; import LlamaForCausalLM, MistralForCausalLM, "
-        "Qwen2ForCausalLM, Qwen3ForCausalLM or GPT2LMHeadModel"
+        "Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
+        "Qwen3MoeForCausalLM or GPT2LMHeadModel"
     )

@@ -37,7 +37,7 @@ class SharedExperts(MLP):
         self.gate_weight = None
         if cfg.moe_shared_expert_gate:
             seed = ctx.param_seed(f"{prefix}.gate_weight")
-            gate = draw_full((1, cfg.hidden_size), ctx.init_method, seed)
+            gate = draw_full((1, cfg.hidden_size), ctx.init_method, seed, ctx.device)
             self.gate_weight = nn.Parameter(gate.to(ctx.device, ctx.params_dtype))
             if ctx.sequence_parallel:
                 mark_tp_partial_grad(self.gate_weight)

@@ -69,11 +69,15 @@ class Router(nn.Module):
         self.ctx, self.cfg, self.layer_number = ctx, cfg, layer_number
         prefix = f"layers.{layer_number}.mlp.router"
         experts, h = cfg.num_experts, cfg.hidden_size
-        weight = draw_full((experts, h), ctx.init_method, ctx.param_seed(f"{prefix}.weight"))
+        weight = draw_full(
+            (experts, h), ctx.init_method, ctx.param_seed(f"{prefix}.weight"), ctx.device
+        )
         self.weight = nn.Parameter(weight.to(ctx.device, ctx.params_dtype))
         self.bias = None
         if cfg.add_bias_linear:  # megatron-core draws it with the weights' initialisation
-            bias = draw_full((1, experts), ctx.init_method, ctx.param_seed(f"{prefix}.bias"))
+            bias = draw_full(
+                (1, experts), ctx.init_method, ctx.param_seed(f"{prefix}.bias"), ctx.device
+            )
             self.bias = nn.Parameter(bias.reshape(experts).to(ctx.device, ctx.params_dtype))
         for param in (self.weight, self.bias):
             if param is not None and ctx.sequence_parallel:
