@@ -1,4 +1,4 @@
-"""The pipeline, data-parallel, streaming, planner and scaling benchmarks run end to end on
+"""The pipeline, data-parallel, MoE, streaming, planner and scaling benchmarks run end to end on
 tiny inputs and write the tables their closing-note numbers come from (timings are not
 checked: numbers, not asserts)."""
 
@@ -8,7 +8,7 @@ import json
 
 from engine.monitor.metrics import PEAK_TFLOPS
 from tests.tokenizer_files import make_hf_folder
-from tools import bench_ddp, bench_pipeline, bench_plan, bench_scaling, bench_streaming
+from tools import bench_ddp, bench_moe, bench_pipeline, bench_plan, bench_scaling, bench_streaming
 
 TINY = ["--hidden-size", "64", "--seq-length", "16", "--warmup", "0", "--steps", "1"]
 
@@ -49,6 +49,20 @@ def test_bench_ddp_rows(tmp_path):
     ]
     assert rows[0]["efficiency"] == 1.0
     assert all(r["seconds_per_step"] > 0 and len(r["each_launch"]) == 1 for r in rows)
+
+
+def test_bench_moe_rows(tmp_path):
+    out = tmp_path / "moe.json"
+    argv = ["--num-layers", "1", "--vocab-size", "128", "--repeats", "1", "--expert-ffn", "32"]
+    argv += ["--num-experts", "4", "--ep", "2", "--micro-batch-size", "1", *TINY]
+    assert bench_moe.main([*argv, "--json", str(out)]) == 0
+    found = json.loads(out.read_text())
+    assert list(found["steps"]) == ["dense", "MoE EP 1"]
+    assert list(found["scaling"]) == ["2 x EP 1 side by side", "EP 2 (DP 2)"]
+    assert {"layer (grouped)", "experts (loop)", "router (grouped)"} <= set(found["layer"])
+    # the experts of EP 2 are split over the ranks: less state per rank than EP 1's
+    assert found["state_bytes"]["EP 2 (DP 2)"] < found["state_bytes"]["MoE EP 1"]
+    assert all(t > 0 for times in found["steps"].values() for t in times)
 
 
 def test_bench_streaming_rows(tmp_path, corpus, tokenizer_model):

@@ -1,0 +1,241 @@
+"""Mixture-of-experts speed on CPU gloo, all measured in one run, one thread per rank:
+
+1. MoE against dense: a model whose MLPs are E experts with top-k routing (EP 1, one rank)
+   against the same model with dense MLPs of k x the expert size (the same active parameters):
+   seconds per step, tokens/s and model-state bytes per rank (parameters, gradients, Adam);
+   the goal is MoE within 1.3x dense's step time.
+2. Expert-parallel weak scaling: the per-rank batch fixed, EP N (folded over DP N, the experts
+   E / N per rank, tokens exchanged by all-to-all) against N one-rank EP 1 runs side by side
+   (what sharing the machine costs without any exchange); efficiency = side by side / EP N,
+   the goal >= 85%.
+3. One MoE layer, forward and backward: the router, the dispatch (grouping rows by expert and
+   adding the outputs back) and the experts, each timed alone on the same tokens: the
+   dispatch's share of the layer; and the experts as one grouped GEMM (--moe-grouped-gemm,
+   `torch._grouped_mm`) against the loop over experts.
+
+Each configuration is launched --repeats times, interleaved, and the median taken. Prints the
+tables and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from engine.cli import run_main as run
+from engine.config.optimizer import OptimizerConfig
+from engine.model.builder import build_model_chunks
+from engine.optim.lr_schedule import LRScheduler
+from engine.optim.optimizer import build_optimizer
+from engine.planning.bench_setup import bench_model_config
+from engine.planning.state_memory import held_state_bytes
+from engine.train.step import train_step
+from parallel.data_parallel.ddp import DistributedDataParallel
+from parallel.local_ranks import run_local
+from parallel.state import ParallelState
+
+
+def _config(args, moe: bool, grouped: bool = True):
+    extra = dict(swiglu=True, add_bias_linear=False)
+    if moe:
+        extra |= dict(
+            num_experts=args.num_experts,
+            moe_router_topk=args.topk,
+            moe_ffn_hidden_size=args.expert_ffn,
+            moe_aux_loss_coeff=[0.01],
+            moe_grouped_gemm=grouped,
+        )
+    else:
+        extra |= dict(ffn_hidden_size=args.topk * args.expert_ffn)
+    return bench_model_config(args, **extra)
+
+
+def _train(rank, world, args, moe: bool, ep: int):
+    """Median seconds per step and model-state bytes of this rank."""
+    state = ParallelState.build(tp=1, ep=ep)
+    cfg = _config(args, moe)
+    chunks = build_model_chunks(cfg, state)
+    experts = {"expert_dp_group": state.expert_dp_group} if ep > 1 else {}
+    ddps = [DistributedDataParallel(c, state.dp_group, **experts) for c in chunks]
+    ocfg = OptimizerConfig(lr=1e-4, lr_decay_style="constant")
+    optimizer = build_optimizer(
+        ddps,
+        ocfg,
+        use_distributed_optimizer=False,
+        fp16=False,
+        tp_rank=0,
+        model_parallel_group=None,
+        instance_group=state.optimizer_instance_group,
+        device=state.device,
+        experts_apart=ep > 1,
+        expert_norm_group=state.expert_tp_ep_pp_group,
+    )
+    scheduler = LRScheduler(ocfg, 10**6)
+    generator = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(args.warmup + args.steps):
+        tokens = torch.randint(
+            0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=generator
+        )
+        batches = [{"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}]
+        if world > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        train_step(ddps, optimizer, scheduler, batches, state)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times), sum(held_state_bytes(ddps, optimizer).values())
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of fn() over repeats (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _layer(rank, world, args, grouped: bool):
+    """Seconds of one MoE layer's forward and backward, and of its router and experts alone."""
+    from engine.model.context import BuildContext
+    from engine.model.moe.dispatch import permute
+    from engine.model.moe.layer import MoELayer
+
+    cfg = _config(args, True, grouped)
+    layer = MoELayer(BuildContext(cfg, seed=1), 0).train()
+    generator = torch.Generator().manual_seed(0)
+    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
+    x = torch.randn(shape, generator=generator).requires_grad_()
+    flat = x.detach().reshape(-1, args.hidden_size)
+    with torch.no_grad():
+        probs, routing_map = layer.router(x.detach())
+    rows, row_probs, permutation = permute(flat, routing_map, probs)
+    rows.requires_grad_()
+    grad_out = torch.randn(shape, generator=generator)  # dense gradients, as in training
+    grad_rows = torch.randn(rows.shape, generator=generator)
+
+    def whole():
+        layer(x).backward(grad_out)
+
+    def router():
+        scores, _ = layer.router(x)
+        scores.backward(torch.ones_like(scores))
+
+    def experts():
+        layer.experts(rows, permutation.counts, row_probs).backward(grad_rows)
+
+    return {
+        "layer": _timed(whole, args.steps),
+        "router": _timed(router, args.steps),
+        "experts": _timed(experts, args.steps),
+    }
+
+
+def _median_rows(runs: dict[str, list]) -> dict[str, float]:
+    return {name: statistics.median(values) for name, values in runs.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--num-experts", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--expert-ffn", type=int, default=256, help="each expert's hidden size")
+    parser.add_argument("--ep", default="2,4", help="expert-parallel sizes to scale to")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=3, help="launches of each configuration")
+    parser.add_argument("--json", default="bench_moe.json")
+    args = parser.parse_args(argv)
+    sizes = [int(n) for n in args.ep.split(",") if n]
+
+    steps: dict[str, list] = {"dense": [], "MoE EP 1": []}
+    state_bytes: dict[str, int] = {}
+    scaling: dict[str, list] = {}
+    layer: dict[str, list] = {}
+    for _ in range(args.repeats):
+        for name, moe in (("dense", False), ("MoE EP 1", True)):
+            seconds, held = run_local(_train, 1, args, moe, 1, timeout=1800)[0]
+            steps[name].append(seconds)
+            state_bytes[name] = held
+        for ep in sizes:
+            with ThreadPoolExecutor(ep) as pool:
+                alone = [pool.submit(run_local, _train, 1, args, True, 1) for _ in range(ep)]
+                side = max(f.result()[0][0] for f in alone)
+            scaling.setdefault(f"{ep} x EP 1 side by side", []).append(side)
+            results = run_local(_train, ep, args, True, ep, timeout=1800)
+            scaling.setdefault(f"EP {ep} (DP {ep})", []).append(max(t for t, _ in results))
+            state_bytes[f"EP {ep} (DP {ep})"] = results[0][1]
+        for grouped in (True, False):
+            times = run_local(_layer, 1, args, grouped, timeout=1800)[0]
+            for part, seconds in times.items():
+                layer.setdefault(f"{part} ({'grouped' if grouped else 'loop'})", []).append(seconds)
+
+    tokens = args.micro_batch_size * args.seq_length
+    step = _median_rows(steps)
+    print(
+        f"model: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_experts} experts "
+        f"of {args.expert_ffn}, top-{args.topk} (dense MLP {args.topk * args.expert_ffn}); "
+        f"{tokens} tokens per rank and step; gloo, one thread per rank"
+    )
+    print(f"\n{'run':28s} {'s/step':>8s} {'tokens/s':>9s} {'state MB/rank':>14s} {'vs dense':>9s}")
+    for name, seconds in step.items():
+        print(
+            f"{name:28s} {seconds:8.3f} {tokens / seconds:9.0f} "
+            f"{state_bytes[name] / 1e6:14.1f} {seconds / step['dense']:8.2f}x"
+        )
+    scale = _median_rows(scaling)
+    print(f"\n{'run':28s} {'s/step':>8s} {'efficiency':>10s} {'state MB/rank':>14s}")
+    for ep in sizes:
+        side, mine = scale[f"{ep} x EP 1 side by side"], scale[f"EP {ep} (DP {ep})"]
+        print(f"{f'{ep} x EP 1 side by side':28s} {side:8.3f} {'(anchor)':>10s}")
+        held = state_bytes[f"EP {ep} (DP {ep})"] / 1e6
+        print(f"{f'EP {ep} (DP {ep})':28s} {mine:8.3f} {side / mine:10.1%} {held:14.1f}")
+    parts = _median_rows(layer)
+    print(f"\n{'MoE layer, fwd + bwd':28s} {'ms':>8s} {'share':>8s}")
+    for kind in ("grouped", "loop"):
+        whole = parts[f"layer ({kind})"]
+        router, experts = parts[f"router ({kind})"], parts[f"experts ({kind})"]
+        dispatch = max(0.0, whole - router - experts)
+        for label, seconds in (
+            (f"layer ({kind})", whole),
+            ("  router", router),
+            ("  experts", experts),
+            ("  dispatch (the rest)", dispatch),
+        ):
+            print(f"{label:28s} {seconds * 1e3:8.2f} {seconds / whole:8.1%}")
+    grouped, loop = parts["experts (grouped)"], parts["experts (loop)"]
+    print(
+        f"\nexperts: grouped GEMM {grouped * 1e3:.2f} ms, loop {loop * 1e3:.2f} ms, "
+        f"loop / grouped {loop / grouped:.2f}x"
+    )
+    with open(args.json, "w") as f:
+        json.dump(
+            {
+                "args": vars(args),
+                "steps": steps,
+                "state_bytes": state_bytes,
+                "scaling": scaling,
+                "layer": layer,
+            },
+            f,
+            indent=1,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
