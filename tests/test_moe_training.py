@@ -5,12 +5,15 @@ not built yet), and bad MoE flags are refused in one line naming the flag and th
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from engine.errors import ConfigError, InputError
 from engine.pretrain import parse
 from engine.train.preflight import prepare
-from tests.test_training import base_args, latest, losses, pretrain, records
+from tests.test_training import ROOT, base_args, latest, losses, pretrain, records
 
 MOE = {
     "--num-experts": "4",
@@ -236,6 +239,18 @@ def test_moe_losses_and_loads_are_logged_the_same_under_any_layout(
                     mine[key],
                     reference[key],
                 )
+            load, expected = mine["moe_expert_load"], reference["moe_expert_load"]
+            assert load.keys() == expected.keys() == {"0", "1", "3"}, load  # the MoE layers
+            for layer, shares in expected.items():
+                assert abs(sum(shares) / len(shares) - 1.0) < 1e-2  # over the mean
+                assert max(abs(a - b) for a, b in zip(load[layer], shares)) <= 1e-3
+    # the dashboard draws each MoE layer's expert load (and the imbalance over the run)
+    png = tmp_path / "dashboard.png"
+    command = [sys.executable, "tools/plot_metrics.py", "--log-jsonl", str(tmp_path / "dp2.jsonl")]
+    result = subprocess.run(
+        command + ["--output", str(png)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert result.returncode == 0 and png.stat().st_size > 10_000, result.stderr
 
 
 def test_global_aux_loss_is_the_loss_over_every_data_parallel_rank(

@@ -2,8 +2,9 @@
 (training, each evaluation split, and each dataset of a blend), the learning rate, the gradient
 norm, the gradient norm of each layer as a heat map (--log-grad-norms-interval), tokens/s and
 MFU, the time breakdown of the steps as stacked bars, memory, and the loss variance and gradient
-noise scale. Several files are overlaid, one colour per run (the heat map and the time
-breakdown show the first):
+noise scale; for a mixture of experts also each MoE layer's expert load as a heat map (the last
+logged step) and the load imbalance over the run. Several files are overlaid, one colour per run
+(the heat maps and the time breakdown show the first):
 
   python tools/plot_metrics.py --log-jsonl a/metrics.jsonl b/metrics.jsonl --output runs.png
 """
@@ -76,6 +77,8 @@ def _draw_run(axes: dict, train: list[dict], evals: list[dict], label: str, colo
     if mfu[0]:
         axes["mfu"].plot(mfu[0], [100 * v for v in mfu[1]], ":", color=color, label=f"{label} MFU")
     axes["memory"].plot(*_series(train, "mem_gb"), color=color, label=label)
+    if "imbalance" in axes:
+        axes["imbalance"].plot(*_series(train, "moe_load_imbalance"), color=color, label=label)
     axes["noise"].plot(*_series(train, "lm_loss_var"), color=color, label=f"{label} loss variance")
     scale = _series(train, "gradient_noise_scale")
     if scale[0]:
@@ -133,6 +136,21 @@ def _draw_layer_heat_map(ax, train: list[dict], label: str) -> None:
     ax.set_title(f"gradient norm per layer ({label})")
 
 
+def _draw_expert_load(ax, train: list[dict], label: str) -> None:
+    """Each MoE layer's tokens per expert over the mean (rows: layers, columns: experts), as
+    the last record that logged them holds them."""
+    last = next(r["moe_expert_load"] for r in reversed(train) if r.get("moe_expert_load"))
+    layers = sorted(last, key=int)
+    values = [last[layer] for layer in layers]
+    image = ax.imshow(values, aspect="auto", origin="lower", interpolation="nearest", cmap="magma")
+    ax.figure.colorbar(image, ax=ax, label="tokens / mean")
+    ax.set_yticks(range(len(layers)), layers)
+    ax.set_ylabel("MoE layer")
+    ax.set_xlabel("expert")
+    iteration = next(r["iteration"] for r in reversed(train) if r.get("moe_expert_load"))
+    ax.set_title(f"expert load at iteration {iteration} ({label})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -148,11 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, grid = plt.subplots(4, 2, figsize=(13, 14))
+    moe = any(r.get("moe_expert_load") for r in runs[0][1])
+    rows = 5 if moe else 4
+    fig, grid = plt.subplots(rows, 2, figsize=(13, 3.5 * rows))
     axes = {
         "loss": grid[0, 0], "lr": grid[0, 1], "grad": grid[1, 0], "layers": grid[1, 1],
         "speed": grid[2, 0], "time": grid[2, 1], "memory": grid[3, 0], "noise": grid[3, 1],
     }  # fmt: skip
+    if moe:
+        axes["imbalance"] = grid[4, 1]
+        _draw_expert_load(grid[4, 0], runs[0][1], _label(runs[0][0], args.log_jsonl))
     axes["mfu"] = axes["speed"].twinx()
     axes["noise_scale"] = axes["noise"].twinx()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -169,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         "memory": ("GB", "memory (the rank that logs)"),
         "noise": ("loss variance", "loss variance over the window, gradient noise scale"),
     }
+    if "imbalance" in axes:
+        titles["imbalance"] = ("max / mean", "expert load imbalance (the busiest expert)")
     for name, (ylabel, title) in titles.items():
         axes[name].set_ylabel(ylabel)
         if title:

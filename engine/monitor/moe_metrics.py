@@ -94,10 +94,21 @@ def step_metrics(chunks, cfg: ModelConfig, state, sequence_parallel: bool) -> Mo
     )
 
 
-def log_keys(found: list[MoEStepMetrics], per_layer: bool) -> dict[str, float]:
+def expert_load(metrics: MoEStepMetrics) -> dict[str, list[float]]:
+    """Per MoE layer ("<n>"), each expert's tokens over the mean (1.0: its even share), to 3
+    decimals: the dashboard's heat map (JSONL only: not a scalar, TensorBoard skips it)."""
+    out = {}
+    for layer, counts in zip(metrics.layers, metrics.tokens_per_expert):
+        mean = sum(counts) / len(counts)
+        out[str(layer)] = [round(c / mean, 3) if mean else 0.0 for c in counts]
+    return out
+
+
+def log_keys(found: list[MoEStepMetrics], per_layer: bool) -> dict:
     """A log window's record keys from its steps' measurements: each loss averaged over the
     steps (megatron-core's names), the latest step's largest load imbalance
-    (`moe_load_imbalance`) and the mean dropped fraction (`moe_dropped_fraction`); with
+    (`moe_load_imbalance`) and each expert's load (`moe_expert_load`, see expert_load) and
+    the mean dropped fraction (`moe_dropped_fraction`); with
     `per_layer` (--moe-per-layer-logging), the latest step's `moe/<loss>_layer_<n>` (Megatron-LM's
     tags) and `moe/load_imbalance_layer_<n>` for each MoE layer n."""
     if not found:
@@ -105,6 +116,7 @@ def log_keys(found: list[MoEStepMetrics], per_layer: bool) -> dict[str, float]:
     last = found[-1]
     keys = {name: sum(m.losses[name] for m in found) / len(found) for name in last.losses}
     keys["moe_load_imbalance"] = max(last.load_imbalance)
+    keys["moe_expert_load"] = expert_load(last)
     dropped = [m.dropped_fraction for m in found if m.dropped_fraction is not None]
     if dropped:
         keys["moe_dropped_fraction"] = sum(dropped) / len(dropped)

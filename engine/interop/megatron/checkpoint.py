@@ -105,9 +105,9 @@ def import_from_megatron(
     source = MegatronCheckpoint(path)
     expected = expected_shapes(cfg)
     state = {}
-    for ours, (key, layer, part) in source.tensor_plan(cfg).items():
+    for ours, (key, index, part) in source.tensor_plan(cfg).items():
         entry = source.stored[key]
-        whole = tuple(entry.size)[1:] if layer is not None else tuple(entry.size)
+        whole = tuple(entry.size)[len(index) :]
         probe = split_part(torch.empty(whole, device="meta"), part, cfg)
         if tuple(probe.shape) != expected[ours]:
             raise InputError(
@@ -116,7 +116,7 @@ def import_from_megatron(
                 "do not belong to this model"
             )
 
-        def load(entry=(key, layer, part)):
+        def load(entry=(key, index, part)):
             return source.logical(entry, cfg)
 
         state[ours] = LazyTensor(torch.Size(expected[ours]), entry.properties.dtype, load)
@@ -125,11 +125,11 @@ def import_from_megatron(
     if reader is not None:
         step = reader.step
         kinds = ("exp_avg", "exp_avg_sq") + (("master",) if reader.has_master else ())
-        for ours, (key, layer, part) in source.tensor_plan(cfg).items():
+        for ours, (key, index, part) in source.tensor_plan(cfg).items():
             name = ours.removeprefix("model/")
             for kind in kinds:
 
-                def load_state(entry=(kind, key, layer), part=part):
+                def load_state(entry=(kind, key, index), part=part):
                     full = reader.read(*entry)
                     if full is None:  # a tensor without a master: it starts from the weights
                         full = source.read(*entry[1:]).float()
@@ -252,8 +252,8 @@ def load_weights(path: str, chunks, cfg: ModelConfig, optimizer=None) -> int | N
     check_state_kinds(path, {key.rsplit("/", 1)[1] for key in wanted})
     for key, boxes in wanted.items():
         name, kind = key.removeprefix("optim/").rsplit("/", 1)
-        model_key, layer, part = plan[f"model/{name}"]
-        full = reader.read(kind, model_key, layer)
+        model_key, index, part = plan[f"model/{name}"]
+        full = reader.read(kind, model_key, index)
         if full is None:
             continue  # the master starts from the weights, as Megatron-LM's fp32 runs have it
         _fill(split_part(full, part, cfg).contiguous(), key, boxes, path)

@@ -14,6 +14,7 @@ import torch
 
 from engine.config.model import ModelConfig
 from engine.errors import InputError
+from engine.interop.megatron.moe_layout import moe_layer_sources, moe_options_from_args
 from parallel.checkpoint.dcp import SafeFileSystemReader
 from parallel.errors import CheckpointError
 
@@ -44,11 +45,6 @@ def model_config_from_args(args) -> ModelConfig:
                 f"the checkpoint's model uses --{name.replace('_', '-')}, which this engine's "
                 "model does not have yet; it cannot be loaded as the same model"
             )
-    if get("num_experts"):
-        raise InputError(
-            "the checkpoint's model has mixture-of-experts layers (--num-experts); reading "
-            "Megatron-LM's MoE checkpoints is not built yet"
-        )
     return ModelConfig(
         num_layers=get("num_layers"),
         hidden_size=get("hidden_size"),
@@ -86,6 +82,7 @@ def model_config_from_args(args) -> ModelConfig:
         hidden_dropout=float(get("hidden_dropout") or 0.0),
         attention_dropout=float(get("attention_dropout") or 0.0),
         init_method_std=float(get("init_method_std") or 0.02),
+        **moe_options_from_args(get),
     )
 
 
@@ -101,6 +98,28 @@ def _yarn_options(get) -> dict:
         "mscale_all_dim": float(get("mscale_all_dim") or 0.0),
         "yarn_correction_range_round_to_int": True if round_to_int is None else round_to_int,
     }
+
+
+def layer_sources(cfg: ModelConfig, moe: bool = False) -> dict[str, list[tuple]]:
+    """Our tensor (within one layer, an MoE one with `moe`) -> [(megatron-core's
+    layer-stacked key, part, expert or None)], first present wins."""
+    sources = {
+        ours: [(key, part, None) for key, part in found]
+        for ours, found in _layer_sources(cfg).items()
+    }
+    if not moe:
+        return sources
+    dense_mlp = [ours for ours in sources if ours.startswith("mlp.")]
+    for ours in dense_mlp:
+        del sources[ours]
+    return sources | moe_layer_sources(cfg)
+
+
+def as_index(index: int | tuple[int, ...] | None) -> tuple[int, ...]:
+    """A leading-axes index: () for none, (layer,) for an int."""
+    if index is None:
+        return ()
+    return (index,) if isinstance(index, int) else tuple(index)
 
 
 def _layer_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, str]]]:
@@ -217,31 +236,36 @@ class MegatronCheckpoint:
             raise InputError(str(err)) from None
         self.stored = self.metadata.state_dict_metadata
 
-    def read(self, key: str, layer: int | None = None) -> torch.Tensor:
-        """The whole tensor `key`, or one layer of a layer-stacked one (only that layer's
-        bytes are read)."""
+    def read(self, key: str, index: int | tuple[int, ...] | None = None) -> torch.Tensor:
+        """The whole tensor `key`, or the slice at `index` of its leading axes (a layer of a
+        layer-stacked tensor, or (layer, expert) of stacked experts): only its bytes are
+        read."""
         from engine.checkpoint.load import read_tensors
         from parallel.checkpoint.dcp import BoxTensor
 
+        index = as_index(index)
         entry = self.stored[key]
         shape, dtype = tuple(entry.size), entry.properties.dtype
-        if layer is None:
+        if not index:
             value = torch.empty(shape, dtype=dtype)
             read_tensors(self.path, {key: value}, reader=self.reader, local=True)
             return value
-        value = torch.empty((1, *shape[1:]), dtype=dtype)
-        offset = (layer,) + (0,) * (len(shape) - 1)
+        lead = len(index)
+        value = torch.empty((1,) * lead + shape[lead:], dtype=dtype)
+        offset = index + (0,) * (len(shape) - lead)
         box = BoxTensor(torch.Size(shape), dtype, [(offset, value)])
         read_tensors(self.path, {key: box}, reader=self.reader, local=True)
-        return value[0]
+        return value.reshape(shape[lead:])
 
-    def logical(self, plan_entry: tuple[str, int | None, str], cfg: ModelConfig) -> torch.Tensor:
+    def logical(self, plan_entry: tuple[str, tuple[int, ...], str], cfg: ModelConfig):
         """One of our tensors, whole, from its plan entry (see tensor_plan)."""
-        key, layer, part = plan_entry
-        return split_part(self.read(key, layer), part, cfg).contiguous()
+        key, index, part = plan_entry
+        return split_part(self.read(key, index), part, cfg).contiguous()
 
-    def tensor_plan(self, cfg: ModelConfig) -> dict[str, tuple[str, int | None, str]]:
-        """Our checkpoint key -> (megatron-core key, layer or None, part), checked present."""
+    def tensor_plan(self, cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], str]]:
+        """Our checkpoint key -> (megatron-core key, index into its leading axes (layer,
+        expert), part), checked present. The layers' tensors are read from layer-stacked keys,
+        or from per-layer ones (`decoder.layers.<i>.`) where the checkpoint has those."""
         plan = {}
         names = ["embedding.word_embeddings.weight", "final_layernorm.weight"]
         if cfg.position_embedding_type == "learned_absolute":
@@ -251,14 +275,24 @@ class MegatronCheckpoint:
         if cfg.untie_embeddings_and_output_weights:
             names.append("output_layer.weight")
         for name in names:
-            plan[f"model/{name}"] = (self._present(_GLOBAL_SOURCES[name]), None, "")
-        for ours, sources in _layer_sources(cfg).items():
-            key = next((k for k, _ in sources if k in self.stored), None)
-            if key is None:
-                self._present(sources[0][0])
-            part = dict(sources)[key]
-            for layer in range(cfg.num_layers):
-                plan[f"model/layers.{layer}.{ours}"] = (key, layer, part)
+            plan[f"model/{name}"] = (self._present(_GLOBAL_SOURCES[name]), (), "")
+        per_layer = any(k.startswith("decoder.layers.0.") for k in self.stored)
+        pattern = cfg.moe_layer_pattern(cfg.num_layers)
+        kinds = {is_moe: layer_sources(cfg, bool(is_moe)) for is_moe in set(pattern)}
+        for layer, is_moe in enumerate(pattern):
+            for ours, sources in kinds[is_moe].items():
+                found = [
+                    (key, part, expert)
+                    for stacked, part, expert in sources
+                    for key in [stacked.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)]
+                    if per_layer
+                ] or sources
+                key, part, expert = next(
+                    (source for source in found if source[0] in self.stored), found[0]
+                )
+                self._present(key)
+                index = () if per_layer else (layer,)
+                plan[f"model/layers.{layer}.{ours}"] = (key, index + as_index(expert), part)
         return plan
 
     def _present(self, key: str) -> str:

@@ -13,8 +13,9 @@ megatron-core saves the optimizer state in one of these layouts, all read here:
 The older bucket layouts (dp_zero_gather_scatter, fully_sharded_bucket_space) are refused in
 one line naming the fix.
 
-`optimizer_state(...)` returns a reader: `read(kind, key, layer)` gives our state kind (exp_avg,
-exp_avg_sq, master) of the checkpoint's tensor `key` (one layer of it) in that tensor's stored
+`optimizer_state(...)` returns a reader: `read(kind, key, index)` gives our state kind (exp_avg,
+exp_avg_sq, master) of the checkpoint's tensor `key` (at `index` of its leading axes: a layer) in
+that tensor's stored
 layout, in fp32, or None for a master the checkpoint does not keep (fp32 runs: the master is
 the weights); `has_master` says whether it keeps masters, `step` is Adam's step.
 """
@@ -65,11 +66,11 @@ class _ModelSpaceState:
         masters = tuple(f"optimizer.state.{name}." for name in _KINDS["master"])
         self.has_master = any(k.startswith(masters) for k in source.stored)
 
-    def read(self, kind: str, key: str, layer: int | None) -> torch.Tensor | None:
+    def read(self, kind: str, key: str, index: tuple[int, ...]) -> torch.Tensor | None:
         for name in _KINDS[kind]:
             stored = f"optimizer.state.{name}.{key}"
             if stored in self.source.stored:
-                return self.source.read(stored, layer).float()
+                return self.source.read(stored, index).float()
         if kind == "master":
             return None  # the master starts from the weights
         raise InputError(f"{self.source.path}: its optimizer state has no {kind} for {key}")
@@ -87,7 +88,8 @@ class _BucketState:
         self.buckets = DistributedOptimizerBuckets(source, cfg, args)
         self.step = self.buckets.step()
 
-    def read(self, kind: str, key: str, layer: int | None) -> torch.Tensor:
+    def read(self, kind: str, key: str, index: tuple[int, ...]) -> torch.Tensor:
+        layer = index[0] if index else None  # (dense models: a layer of a stacked tensor)
         return self.buckets.read(self._NAMES[kind], key, layer)
 
 
@@ -97,6 +99,11 @@ def optimizer_state(source: MegatronCheckpoint, common: dict, cfg: ModelConfig):
     saved = common.get("optimizer")
     if not isinstance(saved, dict):
         return None
+    if cfg.is_moe:
+        raise InputError(
+            f"{source.path}: the Adam state of a mixture-of-experts checkpoint is not read yet "
+            "(issue 40); load it with --no-load-optim (weights, iteration and samples only)"
+        )
     chained = any(k.startswith("chained_") for k in source.stored)
     if chained or any(isinstance(k, int) for k in saved):
         raise InputError(

@@ -1,0 +1,196 @@
+"""Megatron-LM mixture-of-experts checkpoints in: megatron-core 0.16.1 builds Llama-style MoE GPT
+models on CPU gloo ranks (its local spec), saves them in `torch_dist` under expert and tensor
+parallelism, and runs them again on one rank; tools/convert_checkpoint.py --from-megatron reads
+them into our checkpoint, whose model gives megatron-core's logits within 1e-5: every layer an
+MoE with gated shared experts (layer-stacked keys, the experts as an axis of them, saved under
+TP 2 x EP 2 x ETP 2), dense layers among MoE ones (per-layer keys, EP 2), and a sigmoid router
+with an expert bias. Its Adam state is refused in one line naming --no-load-optim."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from engine.checkpoint.files import find_latest, iteration_dir, read_meta
+from engine.checkpoint.load import load_model_weights
+from engine.config.model import ModelConfig
+from engine.interop.megatron.layout import MegatronCheckpoint
+from engine.model import BuildContext, GPTModel
+from tests.distributed import rel_err, run_ranks
+from tests.test_megatron_checkpoint import SEQ, VOCAB, _args, _cpu_stand_ins
+from tests.test_training import ROOT
+
+MOE = dict(num_experts=4, moe_ffn_hidden_size=24, moe_router_topk=2)
+CASES = {
+    "shared-gated": dict(MOE, moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True),
+    "dense-first": dict(MOE, moe_layer_freq=[0, 1, 1, 1]),
+    "sigmoid-bias": dict(
+        MOE,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=2.0,
+    ),
+}
+
+
+def _megatron_moe(case: str, tp: int, ep: int, etp: int | None):
+    warnings.simplefilter("ignore")
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel as MegatronGPT
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    _cpu_stand_ins()
+    moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
+    parallel_state.initialize_model_parallel(
+        tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+    )
+    model_parallel_cuda_manual_seed(1234)
+    options = dict(CASES[case])
+    config = TransformerConfig(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=48,
+        num_moe_experts=options.pop("num_experts"),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        moe_token_dispatcher_type="allgather",
+        init_method_std=0.2,
+        **options,
+    )
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    return MegatronGPT(
+        config,
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type="rope",
+        rotary_base=500,
+        share_embeddings_and_output_weights=False,
+    )
+
+
+def _moe_args(case: str) -> argparse.Namespace:
+    args = _args("llama")
+    for name, value in CASES[case].items():
+        setattr(args, name, value)
+    return args
+
+
+def _save(rank, world, case, tp, ep, etp, path, with_optimizer=False):
+    from megatron.core import dist_checkpointing
+
+    torch.manual_seed(100 + rank)
+    model = _megatron_moe(case, tp, ep, etp)
+    with torch.no_grad():  # norms and the expert bias away from their initial values
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_bias"):
+                buffer.add_(torch.randn(buffer.shape, generator=torch.Generator()) * 0.1)
+    state = model.sharded_state_dict(metadata={"singleton_local_shards": False})
+    state |= {"args": _moe_args(case), "iteration": 7, "checkpoint_version": 3.0}
+    state["opt_param_scheduler"] = {"num_steps": 56}
+    if with_optimizer:
+        state["optimizer"] = {"param_state_sharding_type": "fully_reshardable"}
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save(state, path)
+
+
+def _megatron_logits(rank, world, case, path, tokens):
+    from megatron.core import dist_checkpointing
+
+    model = _megatron_moe(case, 1, 1, None)
+    state = model.sharded_state_dict(metadata={"singleton_local_shards": False})
+    model.load_state_dict(dist_checkpointing.load(state, path), strict=False)
+    model.eval()
+    mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
+    positions = torch.arange(SEQ)[None].expand(tokens.shape[0], SEQ)
+    with torch.no_grad():
+        return model(tokens, positions, attention_mask=mask)
+
+
+def _convert(source: str, output: str, extra=()) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "tools/convert_checkpoint.py", "--from-megatron", source]
+        + ["--output", output, *extra],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    "case, tp, ep, etp",
+    [("shared-gated", 2, 2, 2), ("dense-first", 1, 2, None), ("sigmoid-bias", 1, 2, None)],
+)
+def test_a_megatron_core_moe_checkpoint_converts_to_the_same_logits(case, tp, ep, etp, tmp_path):
+    root = tmp_path / "megatron"
+    folder = str(root / "iter_0000007")
+    world = tp * ep if etp is None else max(tp, ep * etp)
+    run_ranks(_save, world, case, tp, ep, etp, folder)
+    (root / "latest_checkpointed_iteration.txt").write_text("7")
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    [theirs] = run_ranks(_megatron_logits, 1, case, folder, tokens)
+    stored = MegatronCheckpoint(folder).stored
+    per_layer = "decoder.layers.0.mlp.linear_fc1.weight" in stored  # dense layers among MoE
+    assert per_layer == (case == "dense-first")
+    experts = (
+        "decoder.layers.1.mlp.experts.experts.linear_fc1.weight"
+        if per_layer
+        else ("decoder.layers.mlp.experts.experts.linear_fc1.weight")
+    )
+    assert tuple(stored[experts].size)[-3] == 4  # the experts' axis
+    ours_root = str(tmp_path / "ours")
+    result = _convert(str(root), ours_root)
+    assert result.returncode == 0, result.stderr
+    path = iteration_dir(ours_root, find_latest(ours_root))
+    cfg = ModelConfig(**read_meta(path)["model"])
+    assert cfg.num_experts == 4 and cfg.moe_router_topk == 2
+    model = GPTModel(cfg, BuildContext(cfg))
+    load_model_weights(path, model)
+    with torch.no_grad():
+        ours = model.full_logits(model.eval()(tokens=tokens))
+    assert ours.shape == theirs.shape == (2, SEQ, VOCAB)
+    assert rel_err(ours, theirs) < 1e-5
+
+
+def test_an_moe_checkpoints_adam_state_is_refused_in_one_line(tmp_path):
+    folder = str(tmp_path / "megatron" / "iter_0000007")
+    run_ranks(_save, 1, "shared-gated", 1, 1, None, folder, True)
+    result = _convert(folder, str(tmp_path / "ours"))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--no-load-optim" in lines[0], lines
+    assert not (tmp_path / "ours").exists()
+    result = _convert(folder, str(tmp_path / "ours"), ["--no-load-optim"])
+    assert result.returncode == 0, result.stderr
