@@ -326,6 +326,17 @@ def compare_params(got: dict, expected: dict) -> dict[str, float]:
     return {name: rel_err(*_aligned(value, expected[name])) for name, value in got.items()}
 
 
+def step_errors(outputs, reference) -> dict[str, float]:
+    """The largest relative difference of the steps' losses and gradient norms from the
+    reference run's (StepResults of the same steps)."""
+    return {
+        "loss_err": max(abs(o.loss - r.loss) / r.loss for o, r in zip(outputs, reference)),
+        "norm_err": max(
+            abs(o.grad_norm - r.grad_norm) / r.grad_norm for o, r in zip(outputs, reference)
+        ),
+    }
+
+
 def model_error(got: dict, expected: dict, initial: dict) -> dict[str, float]:
     """Over the parameters in `got` (a stage's, or all): the relative error of the parameter
     vector, the worst single tensor, and how far training moved the reference (so a match

@@ -206,6 +206,11 @@ def _megatron_logits(rank, world, style, path, tokens):
     model = _megatron_model(style, 1, 1)
     state = model.sharded_state_dict()
     model.load_state_dict(dist_checkpointing.load(state, path), strict=False)
+    return megatron_forward(model, tokens)
+
+
+def megatron_forward(model, tokens: torch.Tensor) -> torch.Tensor:
+    """A megatron-core GPT model's logits of `tokens` [b, SEQ] (causal, in evaluation)."""
     model.eval()
     mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
     positions = torch.arange(SEQ)[None].expand(tokens.shape[0], SEQ)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -23,8 +21,14 @@ from engine.config.model import ModelConfig
 from engine.interop.megatron.layout import MegatronCheckpoint
 from engine.model import BuildContext, GPTModel
 from tests.distributed import rel_err, run_ranks
-from tests.test_megatron_checkpoint import SEQ, VOCAB, _args, _cpu_stand_ins
-from tests.test_training import ROOT
+from tests.test_megatron_checkpoint import (
+    SEQ,
+    VOCAB,
+    _args,
+    _convert,
+    _cpu_stand_ins,
+    megatron_forward,
+)
 
 MOE = dict(num_experts=4, moe_ffn_hidden_size=24, moe_router_topk=2)
 CASES = {
@@ -130,23 +134,7 @@ def _megatron_logits(rank, world, case, path, tokens):
     model = _megatron_moe(case, 1, 1, None)
     state = model.sharded_state_dict(metadata={"singleton_local_shards": False})
     model.load_state_dict(dist_checkpointing.load(state, path), strict=False)
-    model.eval()
-    mask = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
-    positions = torch.arange(SEQ)[None].expand(tokens.shape[0], SEQ)
-    with torch.no_grad():
-        return model(tokens, positions, attention_mask=mask)
-
-
-def _convert(source: str, output: str, extra=()) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "tools/convert_checkpoint.py", "--from-megatron", source]
-        + ["--output", output, *extra],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT),
-        timeout=300,
-    )
+    return megatron_forward(model, tokens)
 
 
 @pytest.mark.parametrize(

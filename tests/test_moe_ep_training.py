@@ -23,7 +23,14 @@ import pytest
 
 from parallel.state import ParallelState
 from tests.distributed import run_ranks
-from tests.harness import engine_run, full_params, model_error, opt_config, tiny_config
+from tests.harness import (
+    engine_run,
+    full_params,
+    model_error,
+    opt_config,
+    step_errors,
+    tiny_config,
+)
 from tests.test_moe_parallel import ROUTERS
 
 STEPS, GBS, MBS = 3, 8, 2
@@ -133,13 +140,7 @@ def _parity(rank, world, layout: str, routers: tuple[str, ...], mutate: bool = F
                     **errors,
                     "experts": sorted({n.split(".local_experts.")[1][0] for n in experts}),
                     "expert_buffers": sum(b.is_expert for d in ddps for b in d.buffers),
-                    "loss_err": max(
-                        abs(o.loss - r.loss) / r.loss for o, r in zip(outputs, reference)
-                    ),
-                    "norm_err": max(
-                        abs(o.grad_norm - r.grad_norm) / r.grad_norm
-                        for o, r in zip(outputs, reference)
-                    ),
+                    **step_errors(outputs, reference),
                 }
             )
     return results

@@ -11,7 +11,14 @@ import pytest
 
 from parallel.state import ParallelState
 from tests.distributed import run_ranks
-from tests.harness import engine_run, full_params, model_error, opt_config, tiny_config
+from tests.harness import (
+    engine_run,
+    full_params,
+    model_error,
+    opt_config,
+    step_errors,
+    tiny_config,
+)
 
 STEPS, GBS, MBS = 3, 8, 2
 
@@ -61,13 +68,7 @@ def _parity(rank, world, layout: str):
                 {
                     "case": (layout, router, sharding),
                     **errors,
-                    "loss_err": max(
-                        abs(o.loss - r.loss) / r.loss for o, r in zip(outputs, reference)
-                    ),
-                    "norm_err": max(
-                        abs(o.grad_norm - r.grad_norm) / r.grad_norm
-                        for o, r in zip(outputs, reference)
-                    ),
+                    **step_errors(outputs, reference),
                 }
             )
     return results

@@ -34,6 +34,7 @@ from engine.model.builder import build_model_chunks
 from engine.optim.lr_schedule import LRScheduler
 from engine.optim.optimizer import build_optimizer
 from engine.planning.bench_setup import bench_model_config
+from engine.planning.calibrate import median_seconds
 from engine.planning.state_memory import held_state_bytes
 from engine.train.step import train_step
 from parallel.data_parallel.ddp import DistributedDataParallel
@@ -93,17 +94,6 @@ def _train(rank, world, args, moe: bool, ep: int):
     return statistics.median(times), sum(held_state_bytes(ddps, optimizer).values())
 
 
-def _timed(fn, repeats: int) -> float:
-    """Median seconds of fn() over repeats (after one warm-up call)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _layer(rank, world, args, grouped: bool):
     """Seconds of one MoE layer's forward and backward, and of its router and experts alone."""
     from engine.model.context import BuildContext
@@ -134,9 +124,9 @@ def _layer(rank, world, args, grouped: bool):
         layer.experts(rows, permutation.counts, row_probs).backward(grad_rows)
 
     return {
-        "layer": _timed(whole, args.steps),
-        "router": _timed(router, args.steps),
-        "experts": _timed(experts, args.steps),
+        "layer": median_seconds(whole, args.steps, warmup=1),
+        "router": median_seconds(router, args.steps, warmup=1),
+        "experts": median_seconds(experts, args.steps, warmup=1),
     }
 
 

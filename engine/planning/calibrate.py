@@ -30,7 +30,8 @@ GEMM_ROWS = 2048
 MESSAGE_BYTES = (4096, 65536, 1 << 20, 4 << 20, 16 << 20)
 
 
-def _median_seconds(fn, repeats: int = 7, warmup: int = 2) -> float:
+def median_seconds(fn, repeats: int = 7, warmup: int = 2) -> float:
+    """Median wall seconds of fn() over `repeats` calls, after `warmup` calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -45,7 +46,7 @@ def gemm_rates() -> tuple[tuple[float, float], ...]:
     out = []
     for size in GEMM_SIZES:
         a, b = torch.randn(GEMM_ROWS, size), torch.randn(size, size)
-        seconds = _median_seconds(lambda a=a, b=b: a @ b)
+        seconds = median_seconds(lambda a=a, b=b: a @ b)
         out.append((float(size), 2 * GEMM_ROWS * size * size / seconds))
     return tuple(out)
 
@@ -57,7 +58,7 @@ def attention_rate(seq: int = 256, heads: int = 4, head_dim: int = 64, batch: in
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.sum().backward()
 
-    return 3 * 4 * batch * seq * seq * heads * head_dim / _median_seconds(step)
+    return 3 * 4 * batch * seq * seq * heads * head_dim / median_seconds(step)
 
 
 def memory_rate(gemm, attention: float, hidden: int = 256, seq: int = 256, batch: int = 2):
@@ -75,7 +76,7 @@ def memory_rate(gemm, attention: float, hidden: int = 256, seq: int = 256, batch
     )  # fmt: skip
     layer = TransformerLayer(BuildContext(cfg), 0).train()
     x = torch.randn(seq, batch, hidden, requires_grad=True)
-    seconds = _median_seconds(lambda: layer(x).sum().backward())
+    seconds = median_seconds(lambda: layer(x).sum().backward())
     machine = Machine("probe", 0, gemm, attention, 1.0, Link(0, 1), Link(0, 1), 1)
     tokens, f = seq * batch, cfg.ffn_size
     products = ((tokens, 3 * hidden, hidden), (tokens, hidden, hidden), (tokens, f, hidden),
@@ -96,7 +97,7 @@ def _link_times(rank: int, world: int) -> list[tuple[int, float]]:
         def reduce(tensor=tensor):
             dist.all_reduce(tensor)
 
-        out.append((nbytes, _median_seconds(reduce, repeats=9)))
+        out.append((nbytes, median_seconds(reduce, repeats=9)))
     return out
 
 
