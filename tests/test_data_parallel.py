@@ -383,3 +383,31 @@ def test_param_gathers_go_in_forward_order_and_every_read_waits_for_its_gather()
         expected = list(reversed(range(r["buckets"]))) * steps
         assert per_step == expected, (per_step, expected)
         assert r["model"] < 1e-6 and r["worst_tensor"] < 1e-5, r
+
+
+@pytest.mark.parametrize("sharding", ["no_shard", "optim"])
+def test_a_buffer_without_a_group_scales_its_gradient_once_under_overlap(sharding):
+    """An experts' buffer whose expert data-parallel group is this rank alone still scales by
+    1/(DP x CP); with --overlap-grad-reduce its bucket must not be scaled again at the end."""
+    from parallel.data_parallel.param_and_grad_buffer import ParamAndGradBuffer
+
+    layer = torch.nn.Linear(4, 4, bias=False)
+    params = list(layer.parameters())
+    buffer = ParamAndGradBuffer(
+        layer,
+        params,
+        None,
+        sharding=sharding,
+        bucket_size=1000,
+        grad_dtype=torch.float32,
+        grad_scale=0.5,
+        overlap_grad_reduce=True,
+        overlap_param_gather=False,
+        units=None,
+    )
+    params[0].main_grad.fill_(1.0)
+    buffer.main_grad_added(params[0], is_last_microbatch=True)
+    buffer.finish_grad_sync()
+    (bucket,) = buffer.buckets
+    start, end = buffer.param_range[params[0]]
+    assert torch.equal(buffer.grad_of(bucket, start, end), torch.full((16,), 0.5))

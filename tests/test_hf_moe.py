@@ -154,6 +154,7 @@ def test_what_hf_cannot_express_is_refused_in_one_line():
             dict(moe_shared_expert_intermediate_size=16),
             "shared experts without --moe-shared-expert-gate",
         ),
+        (dict(qk_layernorm=True, add_qkv_bias=True), "--add-qkv-bias with --qk-layernorm"),
     ):
         with pytest.raises(ConfigError, match=problem) as err:
             style_of(ModelConfig(**{**base.__dict__, **options}))

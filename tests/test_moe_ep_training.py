@@ -63,7 +63,9 @@ LAYOUTS = {
     "dp2-ep2": (
         2,
         dict(ep=2),
-        [dict(sharding=s) for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")],
+        # overlapped: an expert data-parallel group of one rank reduces nothing asynchronously
+        [dict(sharding=s, overlap=True) for s in ("no_shard", "optim")]
+        + [dict(sharding=s) for s in ("optim_grads", "optim_grads_params")],
     ),
     "dp4-ep2": (
         4,

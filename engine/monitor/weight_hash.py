@@ -95,7 +95,9 @@ def _group_mismatch(names, mine: torch.Tensor, group, holders: str) -> str | Non
 def check_replicas(chunks, world_group, device: torch.device, iteration: int) -> None:
     """Compare every chunk's replicas; UserError (the same line on every rank) on a
     mismatch. Collective on every rank."""
-    found = next((m for m in (chunk_mismatch(c) for c in chunks) if m), None)
+    # every chunk's comparisons run on every rank (a mismatch one group sees must not skip
+    # another group's gathers on some of its ranks)
+    found = next((m for m in [chunk_mismatch(c) for c in chunks] if m), None)
     _stop_on(
         found,
         world_group,

@@ -219,7 +219,9 @@ class ParamAndGradBuffer:
                     self._complete_earlier_reduces(bucket)
                 if self.gathering is not None:
                     self.gathering.release(bucket)
-        elif self.overlap_grad_reduce and is_last_microbatch and not self.alone:
+        elif self.overlap_grad_reduce and is_last_microbatch and self.dp_group is not None:
+            # (without a group nothing runs asynchronously: finish_grad_sync scales and
+            # completes every bucket once)
             bucket.pending.discard(param)
             if not bucket.pending and bucket.grad_work is None and not bucket.delayed:
                 self._start_bucket_reduce(bucket, async_op=True)

@@ -53,6 +53,9 @@ def moe_style_of(cfg: ModelConfig) -> str:
     if cfg.qk_layernorm:
         style = QWEN3_MOE
         checks.append((not shared, "shared experts with --qk-layernorm (Qwen3-MoE has none)"))
+        checks.append(
+            (not cfg.add_qkv_bias, "--add-qkv-bias with --qk-layernorm (Qwen3-MoE has none)")
+        )
     elif shared:
         style = QWEN2_MOE
         checks.append(

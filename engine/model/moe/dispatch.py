@@ -12,6 +12,7 @@ parallelism `gather_expert_tp` then gives every rank sharing an expert all of it
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -87,11 +88,11 @@ def _by_expert(sizes: torch.Tensor, device) -> torch.Tensor:
     """The positions that regroup rows arranged [source rank][expert] (`sizes` [ranks,
     experts] of them) as [expert][source rank], by whole chunks (no loop over rows)."""
     ranks, experts = sizes.shape
-    flat = sizes.reshape(-1)
-    starts = torch.cumsum(flat, 0) - flat
-    chunks = torch.arange(ranks * experts).view(ranks, experts).t().reshape(-1)
+    flat = sizes.reshape(-1).tolist()  # one copy to the host
+    starts = [0, *itertools.accumulate(flat)]
+    chunks = [r * experts + e for e in range(experts) for r in range(ranks)]
     return torch.cat(
-        [torch.arange(int(flat[c]), device=device) + int(starts[c]) for c in chunks.tolist()]
+        [torch.arange(starts[c], starts[c] + flat[c], device=device) for c in chunks]
         or [torch.zeros(0, dtype=torch.int64, device=device)]
     )
 
