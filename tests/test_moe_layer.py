@@ -1,10 +1,11 @@
 """The MoE layer's own pieces: its output against the dense formula (every expert on every
 token, weighted by the router's probabilities; GELU experts with biases, whose down-projection
 bias is scaled by the probability too), and --moe-grouped-gemm's grouped GEMM against the
-loop over experts (output and every gradient)."""
+loop over experts (output and every gradient; on a GPU too, in bf16)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.config.model import ModelConfig
@@ -51,6 +52,42 @@ def test_grouped_gemm_equals_the_loop_over_experts():
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(grads[1], grads[0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_grouped_gemm_on_the_gpu_equals_the_loop_over_experts():
+    """torch._grouped_mm on CUDA in bf16 (what --moe-grouped-gemm runs on GPUs) against the loop
+    over experts, forward and backward, within bf16's rounding."""
+
+    def build(grouped: bool) -> MoELayer:
+        cfg = ModelConfig(
+            num_layers=1,
+            hidden_size=64,
+            num_attention_heads=2,
+            seq_length=16,
+            num_experts=8,
+            moe_ffn_hidden_size=128,
+            swiglu=True,
+            add_bias_linear=False,
+            moe_grouped_gemm=grouped,
+        )
+        ctx = BuildContext(cfg, seed=5, device="cuda", params_dtype=torch.bfloat16)
+        return MoELayer(ctx, 0).train()
+
+    loop, grouped = build(False), build(True)
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(16, 4, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
+    assert grouped_gemm_fits(grouped.experts, x.reshape(-1, 64))
+    upstream = torch.randn_like(x)
+    results = []
+    for layer in (loop, grouped):
+        inputs = x.clone().requires_grad_()
+        out = layer(inputs)
+        out.backward(upstream)
+        results.append([out.detach(), inputs.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(results[1], results[0]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_model_flops_count_the_active_experts():
