@@ -29,6 +29,7 @@ from tests.test_megatron_checkpoint import (
     _cpu_stand_ins,
     megatron_forward,
 )
+from tests.test_megatron_export import _to_megatron
 
 MOE = dict(num_experts=4, moe_ffn_hidden_size=24, moe_router_topk=2)
 CASES = {
@@ -129,11 +130,16 @@ def _save(rank, world, case, tp, ep, etp, path, with_optimizer=False):
 
 
 def _megatron_logits(rank, world, case, path, tokens):
+    """megatron-core's logits at one rank from `path`; every key its model asks for must be
+    there and nothing else (StrictHandling.RAISE_UNEXPECTED)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
 
     model = _megatron_moe(case, 1, 1, None)
     state = model.sharded_state_dict(metadata={"singleton_local_shards": False})
-    model.load_state_dict(dist_checkpointing.load(state, path), strict=False)
+    loaded = dist_checkpointing.load(state, path, strict=StrictHandling.RAISE_UNEXPECTED)
+    missing, _ = model.load_state_dict(loaded, strict=False)
+    assert not [k for k in missing if not k.endswith("_extra_state")], missing
     return megatron_forward(model, tokens)
 
 
@@ -170,6 +176,12 @@ def test_a_megatron_core_moe_checkpoint_converts_to_the_same_logits(case, tp, ep
         ours = model.full_logits(model.eval()(tokens=tokens))
     assert ours.shape == theirs.shape == (2, SEQ, VOCAB)
     assert rel_err(ours, theirs) < 1e-5
+    # and back: megatron-core loads our export (stacked or per-layer keys alike) to its logits
+    back = tmp_path / "back"
+    result = _to_megatron(ours_root, str(back))
+    assert result.returncode == 0, result.stderr
+    [again] = run_ranks(_megatron_logits, 1, case, str(back / "iter_0000007"), tokens)
+    assert rel_err(again, theirs) < 1e-5
 
 
 def test_an_moe_checkpoints_adam_state_is_refused_in_one_line(tmp_path):

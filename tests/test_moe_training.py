@@ -1,7 +1,8 @@
 """Mixture-of-experts runs through the training entry point: a sigmoid router with expert bias
 on 2 data-parallel ranks resumes bit-exactly from its checkpoint (the expert bias saved with
-it), whose exports are refused in one line (no Hugging Face equivalent; the Megatron-LM one is
-not built yet), and bad MoE flags are refused in one line naming the flag and the fix."""
+it), whose Hugging Face export is refused in one line (no equivalent) and whose Megatron-LM
+export comes back bit for bit, and bad MoE flags are refused in one line naming the flag and
+the fix."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from engine.errors import ConfigError, InputError
+from engine.errors import ConfigError
 from engine.pretrain import parse
 from engine.train.preflight import prepare
 from tests.test_training import ROOT, base_args, latest, losses, pretrain, records
@@ -58,15 +60,29 @@ def test_moe_run_resumes_bit_exactly(dataset_prefix, tokenizer_model, tmp_path, 
         assert found["resumed"][step] == found["whole"][step], (step, found)
     assert found["first"][2] == found["whole"][2]
     # a GPT-style MoE (learned positions) has no Hugging Face equivalent (Mixtral, Qwen-MoE):
-    # refused in one line; the Megatron-LM export is not built yet (issue 40); nothing written
+    # refused in one line, nothing written; to Megatron-LM with its dense layers among the MoE
+    # ones: megatron-core's per-layer keys, the expert bias among them, and back bit for bit
     from engine.interop.hf.export import export_to_hf
+    from engine.interop.megatron.checkpoint import import_from_megatron
+    from engine.interop.megatron.common import read_common
     from engine.interop.megatron.export import export_to_megatron
+    from engine.interop.megatron.layout import MegatronCheckpoint
+    from tests.test_hf import _model_tensors
 
     with pytest.raises(ConfigError, match="without RoPE has no equivalent in Mixtral, Qwen2"):
         export_to_hf(ckpt, str(tmp_path / "hf"))
-    with pytest.raises(InputError, match="mixture-of-experts model .* not built yet"):
-        export_to_megatron(ckpt, str(tmp_path / "megatron"))
-    assert not (tmp_path / "hf").exists() and not (tmp_path / "megatron").exists()
+    assert not (tmp_path / "hf").exists()
+    export_to_megatron(ckpt, str(tmp_path / "megatron"))
+    folder = str(tmp_path / "megatron" / "iter_0000002")
+    stored = MegatronCheckpoint(folder).stored
+    assert "decoder.layers.0.mlp.router.expert_bias" in stored
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in stored  # layer 1 is dense
+    assert read_common(folder)["args"].moe_layer_freq == [1, 0, 1, 0]
+    import_from_megatron(folder, str(tmp_path / "again"), load_optim=False)
+    before = _model_tensors(f"{ckpt}/iter_0000002")
+    after = _model_tensors(str(tmp_path / "again" / "iter_0000002"))
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_expert_parallel_run_resumes_and_reshards(dataset_prefix, tokenizer_model, tmp_path):

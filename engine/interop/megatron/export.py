@@ -3,7 +3,9 @@
 The output is a Megatron-LM checkpoint root: `latest_checkpointed_iteration.txt` and
 `iter_NNNNNNN/` with `metadata.json` (the torch_dist backend), `.metadata` and `*.distcp`
 (torch.distributed.checkpoint, every tensor under megatron-core's key at its global shape, the
-layer tensors stacked along a first layer dimension, so Megatron-LM loads it under any TP/PP),
+layer tensors stacked along a first layer dimension, so Megatron-LM loads it under any TP/PP;
+a mixture of experts' experts stacked along a second, expert dimension, and with dense layers
+among the MoE ones every layer's tensors under per-layer keys, as megatron-core keys them then),
 and `common.pt`: Megatron-LM's arguments (an argparse.Namespace naming the model, so
 `--use-checkpoint-args` works), the iteration and checkpoint version 3.0.
 
@@ -32,17 +34,16 @@ import torch
 from engine.config.model import ModelConfig
 from engine.config.rope_scaling import rope_scaling_of
 from engine.errors import ConfigError, InputError, UserError
-from engine.interop.megatron.layout import join_parts, megatron_layer_keys
+from engine.interop.megatron.layout import join_parts, megatron_layer_parts
 from parallel.errors import describe_os_error, root_cause
 
 # megatron-core's linear layers and TransformerEngine's attention each save an _extra_state
-_EXTRA_STATE_MODULES = (
+_ATTENTION_EXTRA_STATE = (
     "self_attention.linear_qkv",
     "self_attention.linear_proj",
     "self_attention.core_attention",
-    "mlp.linear_fc1",
-    "mlp.linear_fc2",
 )
+_MLP_EXTRA_STATE = ("mlp.linear_fc1", "mlp.linear_fc2")
 _GLOBAL_KEYS = {
     "embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
     "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
@@ -96,6 +97,25 @@ def _rope_scaling_args(cfg: ModelConfig) -> dict:
     return args
 
 
+def _moe_args(cfg: ModelConfig) -> dict:
+    """Megatron-LM's MoE arguments (our fields have its names): --moe-layer-freq as it parses
+    it (1, or the list of 0/1 per layer), its multi-valued flags single values when one."""
+    if not cfg.is_moe:
+        return {"num_experts": None}
+    from dataclasses import fields
+
+    from engine.config.moe import MoEOptions
+
+    out = {field.name: getattr(cfg, field.name) for field in fields(MoEOptions)}
+    pattern = cfg.moe_layer_pattern(cfg.num_layers)
+    out["moe_layer_freq"] = 1 if all(pattern) else pattern
+    out["moe_ffn_hidden_size"] = cfg.expert_ffn_size
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        if len(out[name]) == 1:
+            out[name] = out[name][0]
+    return out
+
+
 def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> argparse.Namespace:
     """Megatron-LM's arguments for this model, as its training saves them in common.pt (the
     model's, the run's progress and precision, and the layout it is written for)."""
@@ -142,7 +162,7 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
         vocab_file=tokenizer.get("vocab_file"),
         merge_file=tokenizer.get("merge_file"),
         tiktoken_pattern=tokenizer.get("tiktoken_pattern"),
-        num_experts=None,
+        **_moe_args(cfg),
         fp16=dtype == "float16",
         bf16=dtype == "bfloat16",
         params_dtype=getattr(torch, dtype),
@@ -194,22 +214,75 @@ def _state(path: str, reader, stored, cfg: ModelConfig, padded_vocab: int) -> di
 
         state[key] = LazyTensor(torch.Size(shape), entry.properties.dtype, load)
     layers = cfg.num_layers
-    for key, parts in megatron_layer_keys(cfg).items():
-        probes = {p: torch.empty(tuple(entry_of(f"layers.0.{n}").size), device="meta")
-                  for p, n in parts.items()}  # fmt: skip
-        shape = join_parts(probes, cfg).shape
-        dtype = entry_of(f"layers.0.{next(iter(parts.values()))}").properties.dtype
+    pattern = cfg.moe_layer_pattern(layers)
 
-        def load_layer(layer: int, parts=parts) -> torch.Tensor:
-            tensors = {p: ours(f"layers.{layer}.{n}") for p, n in parts.items()}
-            return join_parts(tensors, cfg).contiguous()
+    def joined(layer: int, parts: dict) -> torch.Tensor:
+        """megatron-core's tensor of one layer from ours: fused parts, experts stacked."""
+        experts = sorted({expert for expert, _ in parts}, key=lambda e: -1 if e is None else e)
+        stacked = [
+            join_parts(
+                {p: ours(f"layers.{layer}.{n}") for (e, p), n in parts.items() if e == expert},
+                cfg,
+            )
+            for expert in experts
+        ]
+        return (stacked[0] if experts == [None] else torch.stack(stacked)).contiguous()
 
-        state[key] = LazyLayers(torch.Size([layers, *shape]), dtype, load_layer)
-    for module in _EXTRA_STATE_MODULES:
-        for layer in range(layers):
-            # megatron-core stores each object as the list of its values on the saving rank
-            state[f"decoder.layers.{module}._extra_state/shard_{layer}_{layers}"] = [None]
+    def layer_shape(layer: int, parts: dict):
+        probes = {p: torch.empty(tuple(entry_of(f"layers.{layer}.{n}").size), device="meta")
+                  for (e, p), n in parts.items() if e == next(iter(parts))[0]}  # fmt: skip
+        shape = tuple(join_parts(probes, cfg).shape)
+        experts = {e for e, _ in parts}
+        name = f"layers.{layer}.{next(iter(parts.values()))}"
+        return (len(experts), *shape) if None not in experts else shape, entry_of(name)
+
+    if all(pattern) or not any(pattern):  # one kind of layer: megatron-core stacks them
+        for key, parts in megatron_layer_parts(cfg, cfg.is_moe).items():
+            shape, entry = layer_shape(0, parts)
+
+            def load_layer(layer: int, parts=parts) -> torch.Tensor:
+                return joined(layer, parts)
+
+            dtype = entry.properties.dtype
+            state[key] = LazyLayers(torch.Size([layers, *shape]), dtype, load_layer)
+    else:  # dense and MoE layers: megatron-core keys each layer's tensors on their own
+        for layer, is_moe in enumerate(pattern):
+            for key, parts in megatron_layer_parts(cfg, bool(is_moe)).items():
+                shape, entry = layer_shape(layer, parts)
+
+                def load(layer=layer, parts=parts) -> torch.Tensor:
+                    return joined(layer, parts)
+
+                mine = key.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
+                state[mine] = LazyTensor(torch.Size(shape), entry.properties.dtype, load)
+    for key in _extra_state_keys(cfg, pattern):
+        state[key] = [None]  # megatron-core stores each object as its values on the saving rank
     return state
+
+
+def _extra_state_keys(cfg: ModelConfig, pattern: list[int]) -> list[str]:
+    """The `_extra_state` entries megatron-core's layers ask for: per layer (and per expert)
+    of a stacked layout, or per layer key with dense and MoE layers mixed."""
+    layers, experts = len(pattern), cfg.num_experts or 0
+    stacked = all(pattern) or not any(pattern)
+    out = []
+    for layer, is_moe in enumerate(pattern):
+        prefix = "decoder.layers." if stacked else f"decoder.layers.{layer}."
+        shard = f"shard_{layer}_{layers}" if stacked else "shard_0_1"
+        modules = list(_ATTENTION_EXTRA_STATE)
+        if not is_moe:
+            modules += _MLP_EXTRA_STATE
+        elif cfg.moe_shared_expert_intermediate_size:
+            modules += [f"mlp.shared_experts.linear_fc{n}" for n in (1, 2)]
+        out += [f"{prefix}{module}._extra_state/{shard}" for module in modules]
+        if is_moe:
+            for n in (1, 2):
+                for e in range(experts):
+                    where = f"{layer}.{e}_{layers}.{experts}" if stacked else f"{e}_{experts}"
+                    out.append(
+                        f"{prefix}mlp.experts.experts.linear_fc{n}._extra_state/shard_{where}"
+                    )
+    return out
 
 
 def export_to_megatron(
@@ -229,11 +302,6 @@ def export_to_megatron(
     path = checkpoint_path(load, iteration)
     meta = verify_checkpoint(path, digests=verify)
     cfg = ModelConfig.from_record(meta["model"])
-    if cfg.is_moe:
-        raise InputError(
-            f"{path}: a mixture-of-experts model (--num-experts); its export to Megatron-LM is "
-            "not built yet"
-        )
     scaling = (
         cfg.rope_scaling_low_freq_factor,
         cfg.rope_scaling_high_freq_factor,

@@ -213,13 +213,13 @@ def join_parts(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor
     return parts[""]
 
 
-def megatron_layer_keys(cfg: ModelConfig) -> dict[str, dict[str, str]]:
-    """megatron-core's layer-stacked key (the name its checkpoints use, TransformerEngine's
-    and the local layers' alike) -> {part: our tensor within the layer}."""
-    out: dict[str, dict[str, str]] = {}
-    for ours, sources in _layer_sources(cfg).items():
-        key, part = sources[0]
-        out.setdefault(key, {})[part] = ours
+def megatron_layer_parts(cfg: ModelConfig, moe: bool) -> dict[str, dict[tuple, str]]:
+    """megatron-core's layer-stacked key (its canonical name) -> {(expert or None, part): our
+    tensor within a layer}, for a dense layer or an MoE one."""
+    out: dict[str, dict[tuple, str]] = {}
+    for ours, sources in layer_sources(cfg, moe).items():
+        key, part, expert = sources[0]
+        out.setdefault(key, {})[(expert, part)] = ours
     return out
 
 
