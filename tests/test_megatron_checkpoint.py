@@ -80,6 +80,23 @@ STYLES["qwen2-scaled"] = dict(
 )
 
 
+# megatron-core's TransformerConfig on the CPU: no fused kernels, fp32, no dropout, weights
+# large enough (std 0.2) that every one shows in the logits
+CPU_CONFIG = dict(
+    use_cpu_initialization=True,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    masked_softmax_fusion=False,
+    bias_activation_fusion=False,
+    gradient_accumulation_fusion=False,
+    persist_layer_norm=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    pipeline_dtype=torch.float32,
+    init_method_std=0.2,
+)
+
+
 def _cpu_stand_ins():
     import megatron.core.tensor_parallel.random as megatron_random
 
@@ -114,19 +131,9 @@ def _megatron_model(style: str, tp: int, pp: int, vocab: int = VOCAB):
         normalization=s["normalization"],
         add_bias_linear=s["add_bias_linear"],
         add_qkv_bias=s.get("add_qkv_bias", False),
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        pipeline_dtype=torch.float32,
+        **CPU_CONFIG,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        init_method_std=0.2,  # large enough that every weight shows in the logits
     )
     return MegatronGPT(
         config,

@@ -22,6 +22,7 @@ from engine.interop.megatron.layout import MegatronCheckpoint
 from engine.model import BuildContext, GPTModel
 from tests.distributed import rel_err, run_ranks
 from tests.test_megatron_checkpoint import (
+    CPU_CONFIG,
     SEQ,
     VOCAB,
     _args,
@@ -72,21 +73,11 @@ def _megatron_moe(case: str, tp: int, ep: int, etp: int | None):
         activation_func=F.silu,
         normalization="RMSNorm",
         add_bias_linear=False,
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        pipeline_dtype=torch.float32,
+        **CPU_CONFIG,
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
         moe_token_dispatcher_type="allgather",
-        init_method_std=0.2,
         **options,
     )
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
