@@ -4,7 +4,7 @@ parallelism, and runs them again on one rank; tools/convert_checkpoint.py --from
 them into our checkpoint, whose model gives megatron-core's logits within 1e-5: every layer an
 MoE with gated shared experts (layer-stacked keys, the experts as an axis of them, saved under
 TP 2 x EP 2 x ETP 2), dense layers among MoE ones (per-layer keys, EP 2), and a sigmoid router
-with an expert bias. Its Adam state is refused in one line naming --no-load-optim."""
+with an expert bias. Their Adam state: tests/test_megatron_moe_optimizer.py."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def _moe_args(case: str) -> argparse.Namespace:
     return args
 
 
-def _save(rank, world, case, tp, ep, etp, path, with_optimizer=False):
+def _save(rank, world, case, tp, ep, etp, path):
     from megatron.core import dist_checkpointing
 
     torch.manual_seed(100 + rank)
@@ -114,8 +114,6 @@ def _save(rank, world, case, tp, ep, etp, path, with_optimizer=False):
     state = model.sharded_state_dict(metadata={"singleton_local_shards": False})
     state |= {"args": _moe_args(case), "iteration": 7, "checkpoint_version": 3.0}
     state["opt_param_scheduler"] = {"num_steps": 56}
-    if with_optimizer:
-        state["optimizer"] = {"param_state_sharding_type": "fully_reshardable"}
     os.makedirs(path, exist_ok=True)
     dist_checkpointing.save(state, path)
 
@@ -173,15 +171,3 @@ def test_a_megatron_core_moe_checkpoint_converts_to_the_same_logits(case, tp, ep
     assert result.returncode == 0, result.stderr
     [again] = run_ranks(_megatron_logits, 1, case, str(back / "iter_0000007"), tokens)
     assert rel_err(again, theirs) < 1e-5
-
-
-def test_an_moe_checkpoints_adam_state_is_refused_in_one_line(tmp_path):
-    folder = str(tmp_path / "megatron" / "iter_0000007")
-    run_ranks(_save, 1, "shared-gated", 1, 1, None, folder, True)
-    result = _convert(folder, str(tmp_path / "ours"))
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--no-load-optim" in lines[0], lines
-    assert not (tmp_path / "ours").exists()
-    result = _convert(folder, str(tmp_path / "ours"), ["--no-load-optim"])
-    assert result.returncode == 0, result.stderr

@@ -117,6 +117,16 @@ def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.global_shape) for k, v in model_state([_Chunk()], False).items()}
 
 
+def frozen_parameters(cfg) -> set[str]:
+    """Names of the model's parameters no optimizer updates (the router's expert bias, which
+    its own rule updates), from a model built on the meta device."""
+    from engine.model import BuildContext, GPTModel
+
+    with torch.device("meta"):
+        module = GPTModel(cfg, BuildContext(cfg, device="meta"))
+    return {name for name, param in module.named_parameters() if not param.requires_grad}
+
+
 def _plan(folder: str, files: _SafetensorsFolder, cfg, style: str) -> dict:
     """Checkpoint key -> LazyTensor for every tensor of the model, each HF tensor's shape and
     dtype checked against config.json before anything is written."""

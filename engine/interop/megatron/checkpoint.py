@@ -76,7 +76,7 @@ def import_from_megatron(
 
     from engine.checkpoint.convert import check_new_output, write_converted
     from engine.checkpoint.files import iteration_dir
-    from engine.interop.hf.import_hf import expected_shapes
+    from engine.interop.hf.import_hf import expected_shapes, frozen_parameters
     from engine.interop.megatron.optimizer import optimizer_state
     from parallel.checkpoint.dcp import LazyTensor
     from parallel.pipeline.layout import stage_layers
@@ -125,8 +125,11 @@ def import_from_megatron(
     if reader is not None:
         step = reader.step
         kinds = ("exp_avg", "exp_avg_sq") + (("master",) if reader.has_master else ())
+        frozen = frozen_parameters(cfg)
         for ours, (key, index, part) in source.tensor_plan(cfg).items():
             name = ours.removeprefix("model/")
+            if name in frozen:
+                continue
             for kind in kinds:
 
                 def load_state(entry=(kind, key, index), part=part):

@@ -10,6 +10,9 @@ megatron-core saves the optimizer state in one of these layouts, all read here:
   same moments, the master under `optimizer.state.param`, the step in each parameter group;
 - `dp_reshardable`, Megatron-LM's default for the distributed optimizer: the flat gradient
   buckets of each tensor- and pipeline-parallel rank (engine/interop/megatron/buckets.py).
+A mixture of experts saved with expert parallelism chains two optimizers (the dense parameters,
+the routed experts): common.pt keys their entries 0 and 1, and the bucket layout prefixes their
+tensors `chained_0.` and `chained_1.`; the model-space layouts keep the parameters' keys.
 The older bucket layouts (dp_zero_gather_scatter, fully_sharded_bucket_space) are refused in
 one line naming the fix.
 
@@ -39,11 +42,20 @@ _KINDS = {
 }
 
 
+def _saved_optimizer(common: dict) -> dict | None:
+    """The optimizer's entry in common.pt (the first of chained optimizers, which megatron-core
+    keys 0, 1, ...), or None when the checkpoint holds no optimizer."""
+    saved = common.get("optimizer")
+    if isinstance(saved, dict) and isinstance(saved.get(0), dict):
+        return saved[0]
+    return saved if isinstance(saved, dict) else None
+
+
 def _optimizer_common(common: dict) -> dict | None:
     """The inner optimizer's state dict in common.pt (the distributed optimizer nests it one
     level deeper), or None when the checkpoint holds no optimizer."""
-    saved = common.get("optimizer")
-    if not isinstance(saved, dict):
+    saved = _saved_optimizer(common)
+    if saved is None:
         return None
     return saved.get("optimizer", saved) if isinstance(saved.get("optimizer"), dict) else saved
 
@@ -89,8 +101,7 @@ class _BucketState:
         self.step = self.buckets.step()
 
     def read(self, kind: str, key: str, index: tuple[int, ...]) -> torch.Tensor:
-        layer = index[0] if index else None  # (dense models: a layer of a stacked tensor)
-        return self.buckets.read(self._NAMES[kind], key, layer)
+        return self.buckets.read(self._NAMES[kind], key, index)
 
 
 def optimizer_state(source: MegatronCheckpoint, common: dict, cfg: ModelConfig):
@@ -99,21 +110,19 @@ def optimizer_state(source: MegatronCheckpoint, common: dict, cfg: ModelConfig):
     saved = common.get("optimizer")
     if not isinstance(saved, dict):
         return None
-    if cfg.is_moe:
+    chained = [k for k in saved if isinstance(k, int)]
+    args = common.get("args")
+    experts_apart = cfg.is_moe and int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1
+    if chained and (sorted(chained) != [0, 1] or not experts_apart):
         raise InputError(
-            f"{source.path}: the Adam state of a mixture-of-experts checkpoint is not read yet "
-            "(issue 40); load it with --no-load-optim (weights, iteration and samples only)"
-        )
-    chained = any(k.startswith("chained_") for k in source.stored)
-    if chained or any(isinstance(k, int) for k in saved):
-        raise InputError(
-            f"{source.path}: its optimizer state is split over several chained optimizers "
-            "(MoE, or --overlap-param-gather-with-optimizer-step), which is not read here; "
+            f"{source.path}: its optimizer state is split over {len(chained)} chained "
+            "optimizers where only a mixture of experts' dense and expert-parallel ones are "
+            "read (--overlap-param-gather-with-optimizer-step saves one per model chunk); "
             "load it with --no-load-optim (weights, iteration and samples only)"
         )
-    kind = saved.get("param_state_sharding_type")
+    kind = _saved_optimizer(common).get("param_state_sharding_type")
     if kind == _BUCKETS:
-        return _BucketState(source, cfg, common.get("args"))
+        return _BucketState(source, cfg, args)
     if kind is not None and kind not in _MODEL_SPACE:
         raise InputError(
             f"{source.path}: its optimizer state is in megatron-core's '{kind}' layout, which "
