@@ -375,7 +375,12 @@ def engine_steps(rank: int, world: int, extra: list[str], steps: int = 3):
     ]  # fmt: skip
     cfg = prepare(parse(argv + extra), world)
     par = cfg.parallel
-    state = ParallelState.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
+    state = ParallelState.build(
+        par.tensor_model_parallel_size,
+        par.pipeline_model_parallel_size,
+        ep=par.expert_model_parallel_size,
+        etp=par.expert_tp_size,
+    )
     engine = setup(cfg, state)
     ddp = engine.chunks[0]
     model = ddp.module

@@ -128,7 +128,8 @@ def test_bench_plan_rows(tmp_path):
             "--json", str(out)]  # fmt: skip
     assert bench_plan.main(argv) == 0
     result = json.loads(out.read_text())
-    assert len(result["cpu"]["rows"]) == len(bench_plan.CPU_LAYOUTS) >= 10
+    layouts = len(bench_plan.CPU_LAYOUTS) + len(bench_plan.MOE_LAYOUTS)
+    assert len(result["cpu"]["rows"]) == layouts >= 13
     for r in result["cpu"]["rows"]:
         assert r["measured_s"] > 0 and r["predicted_s"] > 0
     assert result["published"]["median_error"] <= 0.15

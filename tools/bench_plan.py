@@ -6,7 +6,8 @@ one of them (engine/planning/published.py).
 Each layout runs the engine for real (engine/planning/measure.py: the engine set up from the
 layout's flags, random tokens, --warmup then --steps steps, the slowest rank's median). The
 model: GPT-2 style, fp32 (the CPU's dtype), --num-layers x --hidden-size, sequence
---seq-length. Prints both tables with their median errors and writes JSON.
+--seq-length, and the same with its MLPs a mixture of experts (expert parallelism and its
+all-to-all). Prints both tables with their median errors and writes JSON.
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ CPU_LAYOUTS = (
                         num_microbatches=1, overlap_grad_reduce=True), "none"),
     ("CP2", Layout(cp=2, micro_batch_size=2, num_microbatches=2), "none"),
 )  # fmt: skip
+# the same model with every MLP a mixture of 4 experts, top-2, all-to-all dispatch (GPT-2 style
+# biases: the experts whole on each rank, ETP 1)
+MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type",
+             "alltoall"]  # fmt: skip
+MOE_LAYOUTS = (
+    ("MoE 1 rank, mbs 2 x 2", Layout(micro_batch_size=2, num_microbatches=2), "none"),
+    ("MoE DP2 EP2", Layout(dp=2, ep=2, micro_batch_size=2, num_microbatches=1,
+                           overlap_grad_reduce=True), "none"),
+    ("MoE TP2 SP EP2 ETP1", Layout(tp=2, sequence_parallel=True, ep=2, etp=1,
+                                   micro_batch_size=2, num_microbatches=2), "none"),
+)  # fmt: skip
 
 
 def _model_flags(args) -> list[str]:
@@ -54,11 +66,12 @@ def cpu_rows(args, machine) -> list[dict]:
     from engine.pretrain import parse
     from parallel.local_ranks import run_local
 
-    model = _model_flags(args)
-    base = parse(model + ["--micro-batch-size", "1"]).model
+    dense = _model_flags(args)
     rows = []
-    for name, layout, recompute in CPU_LAYOUTS:
-        cfg = with_recompute(base, recompute)
+    cases = [(case, dense) for case in CPU_LAYOUTS]
+    cases += [(case, dense + MOE_FLAGS) for case in MOE_LAYOUTS]
+    for (name, layout, recompute), model in cases:
+        cfg = with_recompute(parse(model + ["--micro-batch-size", "1"]).model, recompute)
         flags = model + layout_flags(cfg, layout)
         measured = run_local(
             measure_rank, layout.world, flags, args.warmup, args.steps, threads=1, timeout=1800

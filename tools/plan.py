@@ -1,6 +1,6 @@
-"""Which layout to run: every valid TP/CP/PP(virtual)/DP split, micro-batch, recomputation and
-sharding strategy of a model on a cluster, with its predicted memory per rank and step time,
-best first (engine/planning/).
+"""Which layout to run: every valid TP/CP/PP(virtual)/DP split (and EP/ETP for a mixture of
+experts), micro-batch, recomputation and sharding strategy of a model on a cluster, with its
+predicted memory per rank and step time, best first (engine/planning/).
 
     python tools/plan.py --gpu h100 --gpus 64 --num-layers 32 --hidden-size 4096 \\
         --num-attention-heads 32 --seq-length 4096 --max-position-embeddings 4096 \\
@@ -113,11 +113,6 @@ def _model(args, rest: list[str]):
     saved = saved_architecture(cfg)  # with --use-checkpoint-args: the model of --load
     if saved is not None:
         cfg = with_saved_architecture(cfg, saved)
-    if cfg.model.is_moe:
-        raise ConfigError(
-            "--num-experts: the planner does not count mixture-of-experts layers yet (their "
-            "experts' memory and all-to-all); plan the dense model of the same shape"
-        )
     if cfg.model.vocab_size is None:
         raise ConfigError("the vocabulary size is unknown: give --vocab-size")
     if not cfg.training.global_batch_size or cfg.training.global_batch_size < 1:
@@ -181,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     for row in shown:
         _checked(row["cfg"], row["layout"], world)
     unit = "MFU" if machine.peak_flops else "TFLOP/s"
+    moe = cfg.model.is_moe
     print(f"{len(rows)} layouts of {world} x {machine.name}; {sum(r['fits'] for r in rows)} fit in "
           f"{args.memory_fraction:.0%} of {machine.memory_bytes / 1e9:.0f} GB")  # fmt: skip
-    print(f"{'TP':>3s} {'CP':>3s} {'PP':>3s} {'v':>3s} {'DP':>4s} {'mbs':>4s} {'m':>4s} "
+    experts = f"{'EP':>3s} {'ETP':>3s} " if moe else ""
+    print(f"{'TP':>3s} {'CP':>3s} {'PP':>3s} {'v':>3s} {'DP':>4s} {experts}{'mbs':>4s} {'m':>4s} "
           f"{'sharding':18s} {'recompute':9s} {'state GB':>8s} {'act GB':>7s} {'total':>7s} "
           f"{'step s':>8s} {'tokens/s':>10s} {unit:>7s}")  # fmt: skip
     for row in shown:
@@ -191,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         state = mem["params"] + mem["grads"] + mem["optimizer"]
         rate = f"{pred['mfu']:.1%}" if machine.peak_flops else f"{pred['tflops']:.3f}"
         fits = "" if row["fits"] else "  does not fit"
-        print(f"{lay.tp:3d} {lay.cp:3d} {lay.pp:3d} {lay.virtual:3d} {lay.dp:4d} "
+        experts = f"{lay.ep:3d} {lay.expert_tp:3d} " if moe else ""
+        print(f"{lay.tp:3d} {lay.cp:3d} {lay.pp:3d} {lay.virtual:3d} {lay.dp:4d} {experts}"
               f"{lay.micro_batch_size:4d} {lay.num_microbatches:4d} {lay.strategy:18s} "
               f"{row['recompute']:9s} {_gb(state):>8s} {_gb(mem['activations']):>7s} "
               f"{_gb(mem['total']):>7s} {pred['step_s']:8.3f} {pred['tokens_per_s']:10.0f} "

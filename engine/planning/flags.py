@@ -33,8 +33,8 @@ def model_flags(cfg: ModelConfig) -> list[str]:
 
 
 def layout_flags(cfg: ModelConfig, layout: Layout) -> list[str]:
-    """Flags for the layout's parallel sizes, batch split, schedule, sharding, overlap and
-    cfg's recomputation; the model's own flags are the caller's."""
+    """Flags for the layout's parallel sizes (expert ones included), batch split, schedule,
+    sharding, overlap and cfg's recomputation; the model's own flags are the caller's."""
     flags = [
         "--tensor-model-parallel-size", str(layout.tp),
         "--pipeline-model-parallel-size", str(layout.pp),
@@ -43,6 +43,10 @@ def layout_flags(cfg: ModelConfig, layout: Layout) -> list[str]:
         "--global-batch-size",
         str(layout.micro_batch_size * layout.num_microbatches * layout.dp),
     ]  # fmt: skip
+    if layout.ep > 1:
+        flags += ["--expert-model-parallel-size", str(layout.ep)]
+    if layout.etp is not None:
+        flags += ["--expert-tensor-parallel-size", str(layout.etp)]
     if layout.sequence_parallel and layout.tp > 1:
         flags.append("--sequence-parallel")
     if layout.virtual > 1:

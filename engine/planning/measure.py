@@ -52,6 +52,8 @@ def measure_rank(rank: int, world: int, flags: list[str], warmup: int, steps: in
         par.pipeline_model_parallel_size,
         cp=par.context_parallel_size,
         device=device,
+        ep=par.expert_model_parallel_size,
+        etp=par.expert_tp_size,
     )
     run = setup(cfg, state)
     train, seq = cfg.training, cfg.model.seq_length

@@ -9,7 +9,9 @@ bias with --add-bias-linear or --add-qkv-bias), optional per-head query/key norm
 projection, a pre-MLP norm and the MLP (SwiGLU doubles its first projection). Column-parallel
 weights and biases are split over TP; row-parallel biases, norms and learned positions are
 whole on every TP rank. With tied embeddings the last stage holds its own copy of the word
-embeddings when it is not also the first.
+embeddings when it is not also the first. An MoE layer (--num-experts) holds the router, the
+shared experts and its share of the routed experts in place of the MLP; the routed experts'
+state is sharded over the expert data-parallel group (engine/planning/moe_terms.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,18 @@ from dataclasses import dataclass, replace
 
 from engine.config.model import ModelConfig
 from engine.errors import ConfigError
-from engine.planning.activations import layers_activation_bytes, stage_ends_activation_bytes
+from engine.planning.activations import (
+    ACTIVATION_BYTES,
+    layers_activation_bytes,
+    stage_ends_activation_bytes,
+)
+from engine.planning.moe_terms import (
+    dense_mlp_activation_bytes,
+    dense_mlp_parameters,
+    moe_mlp_activation_bytes,
+    moe_mlp_dense_parameters,
+    routed_expert_parameters,
+)
 from engine.planning.state_memory import formula_bytes_per_param
 from parallel.pipeline.layout import stage_layers
 from parallel.pipeline.schedules import peak_in_flight
@@ -49,10 +62,21 @@ class Layout:
     tp_comm_overlap: bool = False  # Megatron-LM's --tp-comm-overlap (Transformer Engine)
     fp32_wgrad_gemm: bool = False  # weight-gradient GEMMs accumulate into fp32 (Megatron-LM's
     # fused kernels); this engine's bf16 GEMM output is added into the fp32 buffer in a pass
+    ep: int = 1  # --expert-model-parallel-size
+    etp: int | None = None  # --expert-tensor-parallel-size (None: TP, megatron-core's default)
 
     @property
     def world(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """The routed experts' data-parallel size: TP x CP x DP / (ETP x EP)."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
     @property
     def schedule_kind(self) -> str:
@@ -63,20 +87,19 @@ def _norm(cfg: ModelConfig, size: int) -> int:
     return size * (2 if cfg.normalization == "LayerNorm" else 1)
 
 
-def layer_parameters(cfg: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank."""
+def layer_parameters(cfg: ModelConfig, tp: int, moe: bool = False) -> int:
+    """Parameters of one transformer layer on one TP rank, the routed experts of an MoE
+    layer (`moe`) aside."""
     h, n, g, d = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
-    f = cfg.ffn_size
     qkv_out = (n + 2 * g) * d
     count = _norm(cfg, h) * 2  # input and pre-MLP norms
     count += h * qkv_out // tp + (qkv_out // tp if cfg.add_bias_linear or cfg.add_qkv_bias else 0)
     if cfg.qk_layernorm:
         count += 2 * _norm(cfg, d)
     count += n * d // tp * h + (h if cfg.add_bias_linear else 0)
-    fc1 = f * (2 if cfg.swiglu else 1)
-    count += h * fc1 // tp + (fc1 // tp if cfg.add_bias_linear else 0)
-    count += f // tp * h + (h if cfg.add_bias_linear else 0)
-    return count
+    if moe:
+        return count + moe_mlp_dense_parameters(cfg, tp)
+    return count + dense_mlp_parameters(cfg, tp)
 
 
 def check_layout(cfg: ModelConfig, layout: Layout, pp_rank: int) -> None:
@@ -93,11 +116,19 @@ def check_layout(cfg: ModelConfig, layout: Layout, pp_rank: int) -> None:
         )
     if not 0 <= pp_rank < layout.pp:
         raise ConfigError(f"pipeline stage {pp_rank} is outside {layout.pp} stages")
+    if (layout.ep > 1 or layout.etp is not None) and not cfg.is_moe:
+        raise ConfigError("expert parallelism needs a mixture of experts (--num-experts)")
+    folded = layout.tp * layout.cp * layout.dp
+    if cfg.is_moe and (cfg.num_experts % layout.ep or folded % (layout.expert_tp * layout.ep)):
+        raise ConfigError(
+            f"EP {layout.ep} x ETP {layout.expert_tp} does not fold into TP x CP x DP "
+            f"{folded} with {cfg.num_experts} experts"
+        )
 
 
-def chunk_layer_counts(cfg: ModelConfig, layout: Layout, pp_rank: int) -> list[int]:
-    """Layers of each model chunk stage `pp_rank` holds."""
-    chunks = stage_layers(
+def chunk_layers(cfg: ModelConfig, layout: Layout, pp_rank: int) -> list[list[int]]:
+    """The global layer numbers of each model chunk stage `pp_rank` holds."""
+    return stage_layers(
         cfg.num_layers,
         layout.pp,
         pp_rank,
@@ -105,14 +136,37 @@ def chunk_layer_counts(cfg: ModelConfig, layout: Layout, pp_rank: int) -> list[i
         layout.first_stage_layers,
         layout.last_stage_layers,
     )
-    return [len(layers) for layers in chunks]
+
+
+def chunk_layer_counts(cfg: ModelConfig, layout: Layout, pp_rank: int) -> list[int]:
+    """Layers of each model chunk stage `pp_rank` holds."""
+    return [len(layers) for layers in chunk_layers(cfg, layout, pp_rank)]
+
+
+def stage_moe_layers(cfg: ModelConfig, layout: Layout, pp_rank: int) -> int:
+    """MoE layers stage `pp_rank` holds."""
+    pattern = cfg.moe_layer_pattern(cfg.num_layers)
+    return sum(pattern[i] for layers in chunk_layers(cfg, layout, pp_rank) for i in layers)
 
 
 def rank_parameters(cfg: ModelConfig, layout: Layout, pp_rank: int) -> int:
-    """Parameters held by one (any) TP rank of pipeline stage `pp_rank`."""
+    """Parameters held by one (any) TP rank of pipeline stage `pp_rank`, routed experts
+    included."""
+    return sum(rank_parameter_groups(cfg, layout, pp_rank))
+
+
+def rank_parameter_groups(cfg: ModelConfig, layout: Layout, pp_rank: int) -> tuple[int, int]:
+    """(parameters reduced over DP x CP, routed experts' reduced over expert DP) one rank of
+    stage `pp_rank` holds."""
     check_layout(cfg, layout, pp_rank)
     tp, h = layout.tp, cfg.hidden_size
-    count = sum(chunk_layer_counts(cfg, layout, pp_rank)) * layer_parameters(cfg, tp)
+    layers = sum(chunk_layer_counts(cfg, layout, pp_rank))
+    moe = stage_moe_layers(cfg, layout, pp_rank)
+    count = (layers - moe) * layer_parameters(cfg, tp)
+    experts = 0
+    if moe:
+        count += moe * layer_parameters(cfg, tp, moe=True)
+        experts = moe * routed_expert_parameters(cfg, layout.ep, layout.expert_tp)
     vocab = cfg.padded_vocab_size(tp) * h // tp
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     if first:
@@ -123,15 +177,33 @@ def rank_parameters(cfg: ModelConfig, layout: Layout, pp_rank: int) -> int:
         count += _norm(cfg, h)
         if cfg.untie_embeddings_and_output_weights or not first:
             count += vocab  # the output layer, or the tied embedding's copy on the last stage
-    return count
+    return count, experts
 
 
 def rank_state_bytes(cfg: ModelConfig, layout: Layout, pp_rank: int) -> dict[str, float]:
     """{params, grads, optimizer}: bytes one rank of stage `pp_rank` holds (bf16 parameters,
-    fp32 main gradients, Adam with fp32 masters)."""
-    count = rank_parameters(cfg, layout, pp_rank)
+    fp32 main gradients, Adam with fp32 masters); the routed experts' sharded over the
+    expert data-parallel group."""
+    dense, experts = rank_parameter_groups(cfg, layout, pp_rank)
     per = formula_bytes_per_param(layout.strategy, layout.dp * layout.cp)  # CP ranks shard too
-    return {kind: count * b for kind, b in per.items()}
+    per_expert = formula_bytes_per_param(layout.strategy, layout.expert_dp)
+    return {kind: dense * b + experts * per_expert[kind] for kind, b in per.items()}
+
+
+def _chunk_activation_bytes(cfg: ModelConfig, layers: list[int], layout: Layout, shape) -> int:
+    """Bytes one model chunk (its global layer numbers) keeps for one micro-batch: the dense
+    layers' count, each MoE layer's MLP part in place of the dense MLP's (without full
+    recomputation, which keeps only the groups' inputs)."""
+    total = layers_activation_bytes(cfg, len(layers), *shape)
+    moe = sum(cfg.moe_layer_pattern(cfg.num_layers)[i] for i in layers)
+    if not moe or cfg.recompute_granularity == "full":
+        return total
+    tp, sp, mbs, _, cp = shape
+    tokens = cfg.seq_length // cp * mbs
+    rows = tokens // tp if sp and tp > 1 else tokens
+    a = ACTIVATION_BYTES
+    moe_mlp = moe_mlp_activation_bytes(cfg, tp, layout.ep, layout.expert_tp, rows, a)
+    return total + moe * (moe_mlp - dense_mlp_activation_bytes(cfg, tp, tokens, a))
 
 
 def rank_activation_bytes(
@@ -145,14 +217,14 @@ def rank_activation_bytes(
     With full recomputation, backward's rerun of one group's forward comes on top of the
     in-flight bytes less that micro-batch's head (freed before the rerun)."""
     check_layout(cfg, layout, pp_rank)
-    counts = chunk_layer_counts(cfg, layout, pp_rank)
+    chunks = chunk_layers(cfg, layout, pp_rank)
     m, p, v = layout.num_microbatches, layout.pp, layout.virtual
     if p == 1 and v == 1:
         held = 1  # no pipelining: each micro-batch's backward follows its forward
     else:
         held = peak_in_flight(layout.schedule_kind, p, pp_rank, m, v)
     shape = (layout.tp, layout.sequence_parallel, layout.micro_batch_size, mask_bytes, layout.cp)
-    total = held * max(layers_activation_bytes(cfg, n, *shape) for n in counts)
+    total = held * max(_chunk_activation_bytes(cfg, layers, layout, shape) for layers in chunks)
     vocab = cfg.padded_vocab_size(layout.tp)
     head = 0
     for end, is_end, chunk in ((0, pp_rank == 0, 0), (1, pp_rank == p - 1, v - 1)):
@@ -166,7 +238,11 @@ def rank_activation_bytes(
         # that micro-batch has been freed by then
         group = cfg.recompute_num_layers if cfg.recompute_method == "uniform" else 1
         plain = replace(cfg, recompute_granularity=None, recompute_method=None)
-        working = layers_activation_bytes(plain, min(group, max(counts)), *shape)
+        working = max(
+            _chunk_activation_bytes(plain, layers[start : start + group], layout, shape)
+            for layers in chunks
+            for start in range(0, max(len(layers), 1), group)
+        )
         total = max(total, total + working - head)
     return total
 

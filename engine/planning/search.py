@@ -3,7 +3,9 @@ step time, best first.
 
 A layout is TP x CP x PP x DP = the world (TP within a node), with virtual pipeline stages,
 micro-batch size, recomputation (none, selective, full: uniform, 1 layer per group), the
-data-parallel sharding strategy and sequence parallelism. Enumerated are those whose sizes
+data-parallel sharding strategy and sequence parallelism; a mixture of experts adds expert
+parallelism (EP dividing the experts) and the experts' tensor parallelism (TP's, or none),
+folded out of TP x CP x DP as megatron-core folds them. Enumerated are those whose sizes
 fit the model as the engine requires (TP divides the heads and key/value groups, PP the
 layers evenly, virtual stages each PP stage's layers and the micro-batches a multiple of PP,
 the sequence 2 x CP, the micro-batches the global batch, and ModelConfig.validate's checks
@@ -44,6 +46,8 @@ class SearchSpace:
     recompute: tuple[str, ...] = tuple(RECOMPUTE)
     strategies: tuple[str, ...] = STRATEGIES
     sequence_parallel: tuple[bool, ...] = (True,)  # with TP above 1
+    ep: tuple[int, ...] | None = None  # expert parallelism (a mixture of experts only)
+    expert_tp: tuple[str, ...] = ("tp", "1")  # the experts split like TP (default) or whole
     tp_comm_overlap: bool = False  # Megatron-LM's Transformer Engine overlap (not this engine)
     fp32_wgrad_gemm: bool = False  # Megatron-LM's fused weight-gradient accumulation
 
@@ -105,17 +109,38 @@ def _inner(cfg, space, tp, cp, pp, dp, per_replica) -> Iterator[tuple[str, Layou
             for sp in space.sequence_parallel if tp > 1 else (False,):
                 if not _model_fits(cfg, tp, cp, sp):
                     continue
+                if cfg.is_moe and tp > 1 and not sp:
+                    continue  # MoE under TP needs sequence parallelism (as megatron-core)
                 for strategy in space.strategies if dp > 1 else ("no_shard",):
-                    layout = Layout(
-                        tp=tp, pp=pp, dp=dp, virtual=v, strategy=strategy, cp=cp,
-                        sequence_parallel=sp, micro_batch_size=mbs, num_microbatches=m,
-                        overlap_grad_reduce=dp > 1,
-                        overlap_param_gather=strategy in ("optim", "optim_grads"),
-                        tp_comm_overlap=space.tp_comm_overlap and tp > 1,
-                        fp32_wgrad_gemm=space.fp32_wgrad_gemm,
-                    )  # fmt: skip
-                    for recompute in space.recompute:
-                        yield recompute, layout
+                    for ep, etp in _expert_layouts(cfg, space, tp * cp * dp, tp):
+                        layout = Layout(
+                            tp=tp, pp=pp, dp=dp, virtual=v, strategy=strategy, cp=cp,
+                            sequence_parallel=sp, micro_batch_size=mbs, num_microbatches=m,
+                            overlap_grad_reduce=dp > 1,
+                            overlap_param_gather=strategy in ("optim", "optim_grads"),
+                            tp_comm_overlap=space.tp_comm_overlap and tp > 1,
+                            fp32_wgrad_gemm=space.fp32_wgrad_gemm, ep=ep, etp=etp,
+                        )  # fmt: skip
+                        for recompute in space.recompute:
+                            yield recompute, layout
+
+
+def _expert_layouts(cfg: ModelConfig, space: SearchSpace, folded: int, tp: int):
+    """(EP, ETP or None for TP) of a mixture of experts: EP dividing the experts, ETP x EP
+    folding into TP x CP x DP (megatron-core), ETP above 1 only without biases and with an
+    expert width it divides (engine/config/checks.py); (1, None) for a dense model."""
+    if not cfg.is_moe:
+        yield 1, None
+        return
+    for choice in dict.fromkeys(space.expert_tp):
+        etp = tp if choice == "tp" else int(choice)
+        if etp > 1 and (cfg.add_bias_linear or cfg.expert_ffn_size % etp) or folded % etp:
+            continue
+        if choice != "tp" and etp == tp:
+            continue  # the same layout as the default
+        for ep in _divisors(folded // etp):
+            if cfg.num_experts % ep == 0 and _allowed(space.ep, ep):
+                yield ep, None if choice == "tp" else etp
 
 
 def memory_per_rank(cfg: ModelConfig, layout: Layout) -> dict[str, float]:

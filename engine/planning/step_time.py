@@ -11,12 +11,14 @@ Per micro-batch, per layer, on one rank (T tokens of a CP rank, T_r between TP b
   (parallel/tensor_parallel/linear_function.py overlaps them);
 - CP: the ring passes key/value chunks C-1 times forward and key/value plus their gradients
   backward, hidden behind core attention as far as it lasts.
-Per micro-batch on a stage: the embedding and the head (output GEMM, cross-entropy bytes) on
-the first and last stage, adding each weight gradient into its fp32 buffer, and the pipeline
-transfers (1F1B sends and receives block). The step: (m + (p - 1) / v) x the slowest stage's
-time per micro-batch (the schedule's bubble), then the data-parallel collectives the
-engine's overlap does not hide (gradients in fp32, parameters gathered in the activation
-dtype; with optim_grads(_params) every micro-batch), and the optimizer's pass over its shard.
+Per micro-batch on a stage: the embedding and the head (output GEMM, cross-entropy bytes) on the
+first and last stage, adding each weight gradient into its fp32 buffer, and the pipeline
+transfers (1F1B sends and receives block). An MoE layer: its shared experts as the MLP, its
+routed experts, dispatch and all-to-all (`a2a_comm`) from engine/planning/moe_terms.py. The
+step: (m + (p - 1) / v) x the slowest stage's time per micro-batch (the schedule's bubble), then
+the data-parallel collectives the engine's overlap does not hide (gradients in fp32, parameters
+gathered in the activation dtype; with optim_grads(_params) every micro-batch), and the
+optimizer's pass over its shard.
 
 Collectives are rings: an all-reduce of B bytes over n ranks takes 2(n-1) latencies and moves
 2(n-1)/n B; an all-gather or reduce-scatter half of that. A group uses the intra-node link when
@@ -31,7 +33,14 @@ from dataclasses import dataclass
 from engine.config.model import ModelConfig
 from engine.monitor.metrics import model_flops_per_token
 from engine.planning.hardware import Machine
-from engine.planning.memory import Layout, chunk_layer_counts, rank_parameters
+from engine.planning.memory import (
+    Layout,
+    chunk_layer_counts,
+    rank_parameter_groups,
+    rank_parameters,
+    stage_moe_layers,
+)
+from engine.planning.moe_terms import moe_mlp_seconds
 
 GRAD_BYTES = 4  # fp32 main gradients, reduced in fp32 (Megatron-LM's default under bf16)
 ADAM_BYTES_PER_PARAM = 42  # grad read, fp32 master and both moments read + written, param written,
@@ -62,12 +71,16 @@ def collective_s(kind: str, nbytes: float, n: int, stride: int, machine: Machine
     return seconds
 
 
-def layer_memory_bytes(cfg: ModelConfig, tokens: int, between: int, tp: int, a: int) -> float:
+def layer_memory_bytes(
+    cfg: ModelConfig, tokens: int, between: int, tp: int, a: int, ffn: int | None = None
+) -> float:
     """Bytes the memory-bound ops of one layer read and write in forward: two norms (RMSNorm
     computes in fp32), two residual adds, dropout with its mask, RoPE on queries and keys,
-    the attention layout copies, and the MLP's activation."""
+    the attention layout copies, and the MLP's activation (of width `ffn`, default the dense
+    MLP's)."""
     h, d = cfg.hidden_size, cfg.head_dim
-    n, g, f = cfg.num_attention_heads // tp, cfg.query_groups // tp, cfg.ffn_size // tp
+    f = (cfg.ffn_size if ffn is None else ffn) // tp
+    n, g = cfg.num_attention_heads // tp, cfg.query_groups // tp
     norm = 2 * a + (8 if cfg.normalization == "RMSNorm" else 0)
     total = 2 * norm * between * h + 2 * 3 * a * between * h
     if cfg.hidden_dropout:
@@ -86,33 +99,47 @@ class _Shape:
     a: int
 
 
-def _layer_parts(cfg: ModelConfig, layout: Layout, machine: Machine, shape: _Shape) -> dict:
-    """Seconds of one layer for one micro-batch, forward + backward, by part."""
+def _layer_parts(
+    cfg: ModelConfig, layout: Layout, machine: Machine, shape: _Shape, moe: bool = False
+) -> dict:
+    """Seconds of one layer for one micro-batch, forward + backward, by part; an MoE layer's
+    (`moe`) with its shared experts as the TP-split MLP and its routed experts and dispatch
+    from engine/planning/moe_terms.py."""
     h, d, tp = cfg.hidden_size, cfg.head_dim, layout.tp
-    n, g, f = cfg.num_attention_heads // tp, cfg.query_groups // tp, cfg.ffn_size // tp
+    ffn = (cfg.moe_shared_expert_intermediate_size or 0) if moe else cfg.ffn_size
+    n, g, f = cfg.num_attention_heads // tp, cfg.query_groups // tp, ffn // tp
     T, a = shape.tokens, shape.a
     fc1 = f * (2 if cfg.swiglu else 1)
-    qkv, fc1_s = machine.gemm_seconds(T, (n + 2 * g) * d, h), machine.gemm_seconds(T, fc1, h)
+    qkv = machine.gemm_seconds(T, (n + 2 * g) * d, h)
+    fc1_s = machine.gemm_seconds(T, fc1, h) if f else 0.0
     column = qkv + fc1_s
-    row = machine.gemm_seconds(T, h, n * d) + machine.gemm_seconds(T, h, f)
+    row = machine.gemm_seconds(T, h, n * d) + (machine.gemm_seconds(T, h, f) if f else 0.0)
     attention_flops = 4 * T * cfg.seq_length * n * d  # a CP rank's queries against all keys
     attention = 3 * attention_flops / machine.attention_flops
-    memory = 3 * layer_memory_bytes(cfg, T, shape.between, tp, a) / machine.memory_bytes_per_s
+    memory = layer_memory_bytes(cfg, T, shape.between, tp, a, ffn)
+    memory = 3 * memory / machine.memory_bytes_per_s
     parts = {"gemm": 3 * (column + row), "attention": attention, "memory": memory}
     forward = column + row + attention / 3 + memory / 3
+    if moe:
+        routed = moe_mlp_seconds(cfg, layout, machine, shape.between)
+        for part, seconds in routed.items():
+            parts[part] = parts.get(part, 0.0) + seconds
+        forward += routed["gemm"] / 3 + routed["memory"] / 3 + routed["a2a_comm"] / 2
     # TP, per block (attention, MLP): the column input and the row output
     full = T * h * a
     # in backward, each block's column-parallel GEMMs (its input gradient, its weight
     # gradient: each as long as the forward GEMM) hide that block's input-side collectives
     hides = (qkv, fc1_s) if machine.overlaps_comm else (0.0, 0.0)
+    hides = hides if f else hides[:1]  # (an MoE layer without shared experts: attention only)
+    blocks = len(hides)
     if layout.sequence_parallel and tp > 1:
         gather = collective_s("gather", full, tp, 1, machine)
-        forward_comm = 2 * 2 * gather
-        backward_comm = 2 * gather  # the row output's gradient gathered
+        forward_comm = blocks * 2 * gather
+        backward_comm = blocks * gather  # the row output's gradient gathered
         backward_comm += sum(2 * max(0.0, gather - hide) for hide in hides)  # re-gather, reduce
     else:
         reduce = collective_s("all_reduce", full, tp, 1, machine)
-        forward_comm = 2 * reduce
+        forward_comm = blocks * reduce
         backward_comm = sum(max(0.0, reduce - hide) for hide in hides)
     if layout.tp_comm_overlap:  # Megatron-LM's --tp-comm-overlap: chunks hidden behind GEMMs
         forward_comm = max(0.0, forward_comm - (column + row))
@@ -140,7 +167,11 @@ def _stage_parts(cfg: ModelConfig, layout: Layout, machine: Machine, pp_rank: in
     between = tokens // tp if layout.sequence_parallel and tp > 1 else tokens
     shape = _Shape(tokens, between, a)
     layers = sum(chunk_layer_counts(cfg, layout, pp_rank))
-    parts = {k: v * layers for k, v in _layer_parts(cfg, layout, machine, shape).items()}
+    moe = stage_moe_layers(cfg, layout, pp_rank)
+    parts = {k: v * (layers - moe) for k, v in _layer_parts(cfg, layout, machine, shape).items()}
+    if moe:
+        for k, v in _layer_parts(cfg, layout, machine, shape, moe=True).items():
+            parts[k] = parts.get(k, 0.0) + v * moe
     vocab = cfg.padded_vocab_size(tp) // tp
     if pp_rank == 0:  # the embedding's gather, and its gradient added into fp32
         parts["memory"] += tokens * h * (2 * a + 8) / machine.memory_bytes_per_s
@@ -161,15 +192,21 @@ def _stage_parts(cfg: ModelConfig, layout: Layout, machine: Machine, pp_rank: in
 
 
 def _data_parallel_s(
-    layout: Layout, machine: Machine, params: int, forward: float, backward: float
+    layout: Layout,
+    machine: Machine,
+    params: int,
+    forward: float,
+    backward: float,
+    group: tuple[int, int] | None = None,
 ):
     """Exposed seconds of the data-parallel collectives of a step (gradients of the params a
-    rank holds, parameters gathered), given one micro-batch's forward and backward time."""
+    rank holds, parameters gathered), given one micro-batch's forward and backward time;
+    `group`: (size, stride) of the group they are reduced over, default DP x CP, TP apart
+    (gradients are reduced over the CP ranks too)."""
     m = layout.num_microbatches
-    dp = layout.dp * layout.cp  # gradients are reduced over the CP ranks too
-    if dp == 1:
+    dp, stride = group or (layout.dp * layout.cp, layout.tp)
+    if dp == 1 or params == 0:
         return 0.0
-    stride = layout.tp
     grads, weights = params * GRAD_BYTES, params * machine.activation_bytes
     if not machine.overlaps_comm:
         forward = backward = 0.0
@@ -200,10 +237,15 @@ def predict_step(cfg: ModelConfig, layout: Layout, machine: Machine) -> dict:
     m, p, v = layout.num_microbatches, layout.pp, layout.virtual
     parts = {k: val * m for k, val in stage.items()}
     parts["bubble"] = (p - 1) / v * t_mb
-    params = rank_parameters(cfg, layout, slowest)
+    params, experts = rank_parameter_groups(cfg, layout, slowest)
     compute = stage["gemm"] + stage["attention"] + stage["memory"]
-    parts["dp_comm"] = _data_parallel_s(layout, machine, params, compute / 3, 2 * compute / 3)
-    local = params if layout.strategy == "no_shard" else params / (layout.dp * layout.cp)
+    forward, backward = compute / 3, 2 * compute / 3
+    parts["dp_comm"] = _data_parallel_s(layout, machine, params, forward, backward)
+    expert_group = (layout.expert_dp, layout.expert_tp * layout.ep)  # megatron-core's folding
+    parts["dp_comm"] += _data_parallel_s(layout, machine, experts, forward, backward, expert_group)
+    local = params + experts
+    if layout.strategy != "no_shard":
+        local = params / (layout.dp * layout.cp) + experts / layout.expert_dp
     parts["optimizer"] = local * ADAM_BYTES_PER_PARAM / machine.memory_bytes_per_s
     overheads = machine.overheads
     if overheads:  # calibrated: "step", "per_microbatch", "per_microbatch_layer"

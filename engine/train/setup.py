@@ -54,6 +54,13 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     `started`: when the process started (time.time()), from which --exit-duration-in-mins
     counts."""
     m, par, training = cfg.model, cfg.parallel, cfg.training
+    expert_sizes = (par.expert_model_parallel_size, par.expert_tp_size if m.is_moe else 1)
+    if m.is_moe and (state.ep_size, state.etp_size) != expert_sizes:
+        raise ValueError(
+            f"the parallel state has expert groups EP {state.ep_size} x ETP {state.etp_size} "
+            f"where the flags ask for EP {expert_sizes[0]} x ETP {expert_sizes[1]}: build it "
+            "with ParallelState.build(..., ep=, etp=) as engine/pretrain.py does"
+        )
     started = earliest_start(
         time.time() if started is None else started, state.world_group, state.device
     )
