@@ -1,6 +1,7 @@
 """The time breakdown of the logged iterations (time/<part>, parallel/timing.py): the measured
 parts of a step must add up to the iteration's wall time within 5%, with and without pipeline
-parallelism, and the parts the layout has must be there."""
+parallelism, under tensor parallelism and under expert parallelism (its all-to-all its own
+part), and the parts the layout has must be there."""
 
 from __future__ import annotations
 
@@ -14,14 +15,17 @@ PARTS = {"batch-generator", "forward-compute", "backward-compute", "grads-sync",
 
 
 def test_parts_add_up_to_the_iteration_time(dataset_prefix, tokenizer_model, tmp_path):
+    moe = {"--num-experts": "4", "--moe-router-topk": "2", "--expert-model-parallel-size": "2"}
     layouts = (
         (1, {}),
         (2, {"--pipeline-model-parallel-size": "2"}),
         (2, {"--tensor-model-parallel-size": "2", "--sequence-parallel": True}),
+        (2, moe),  # DP 2 x EP 2: the experts' all-to-all
     )
     for world, extra in layouts:
         tp = "--tensor-model-parallel-size" in extra
-        log = str(tmp_path / f"log{world}{tp}.jsonl")
+        ep = "--expert-model-parallel-size" in extra
+        log = str(tmp_path / f"log{world}{tp}{ep}.jsonl")
         args = base_args(
             dataset_prefix,
             tokenizer_model,
@@ -30,7 +34,7 @@ def test_parts_add_up_to_the_iteration_time(dataset_prefix, tokenizer_model, tmp
             # steps long enough that the loop's own bookkeeping (about 1-3 ms an iteration, not
             # a part) stays well inside the 5%
             **{"--hidden-size": "128", "--seq-length": "128"},
-            **{"--save": str(tmp_path / f"c{world}{tp}"), "--save-interval": "4"},
+            **{"--save": str(tmp_path / f"c{world}{tp}{ep}"), "--save-interval": "4"},
             **{"--eval-interval": "4"},
         )
         assert pretrain(world, args) == [0] * world
@@ -39,6 +43,7 @@ def test_parts_add_up_to_the_iteration_time(dataset_prefix, tokenizer_model, tmp
         for record in train:
             parts = {k.removeprefix("time/"): v for k, v in record.items() if k.startswith("time/")}
             expected = PARTS | ({"tp-comm"} if tp else {"pipeline-wait"} if world > 1 else set())
+            expected = PARTS | {"a2a-comm"} if ep else expected
             assert expected <= set(parts), (world, sorted(parts))
             total, wall = sum(parts.values()), record["iteration_time_s"]
             assert abs(total - wall) <= 0.05 * wall, (world, record["iteration"], parts, wall)
@@ -46,6 +51,10 @@ def test_parts_add_up_to_the_iteration_time(dataset_prefix, tokenizer_model, tmp
                 assert parts["tp-comm"] > 0.05 * wall, (record["iteration"], parts)
             else:
                 assert "tp-comm" not in parts, (world, parts)
+            if ep:  # (taken out of forward and backward compute too)
+                assert parts["a2a-comm"] > 0.01 * wall, (record["iteration"], parts)
+            else:
+                assert "a2a-comm" not in parts, (world, parts)
         # the checkpoint saved and the evaluation at iteration 4 count in the next window
         later = train[2]
         assert later["time/save-checkpoint"] > 0 and later["time/evaluate"] > 0

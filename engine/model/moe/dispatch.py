@@ -7,7 +7,8 @@ expert parallelism, `exchange` sends each row (and its probability) to the rank 
 expert, by all-to-all, and regroups what arrives by local expert; `exchange_back` returns the
 experts' outputs the same way (megatron-core's all-to-all dispatcher). With expert tensor
 parallelism `gather_expert_tp` then gives every rank sharing an expert all of its rows and
-`scatter_expert_tp` sums their partial outputs back onto the rows' own rank.
+`scatter_expert_tp` sums their partial outputs back onto the rows' own rank. Given a `times`
+(parallel.timing.StepTimes), their collectives count as the time-breakdown part "a2a-comm".
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from parallel.comm import all_gather_into
-from parallel.expert_parallel.all_to_all import all_to_all
+from parallel.expert_parallel.all_to_all import A2A_COMM, all_to_all
+from parallel.timing import measure
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,12 @@ class Exchange:
 
 
 def exchange(
-    rows: torch.Tensor, row_probs: torch.Tensor, counts: list[int], ep_group, ep_size: int
+    rows: torch.Tensor,
+    row_probs: torch.Tensor,
+    counts: list[int],
+    ep_group,
+    ep_size: int,
+    times=None,
 ) -> tuple[torch.Tensor, torch.Tensor, Exchange]:
     """Rows grouped by global expert (`permute`'s, `counts` per expert) -> each EP rank's
     rows of its own experts (experts [r x E/EP, (r + 1) x E/EP) on rank r), grouped by local
@@ -74,11 +81,12 @@ def exchange(
     local = len(counts) // ep_size
     mine = torch.tensor(counts, dtype=torch.int64, device=rows.device).view(ep_size, local)
     theirs = torch.empty_like(mine)  # theirs[src, e]: rows rank src sends to my expert e
-    dist.all_to_all_single(theirs, mine, group=ep_group)
-    sent = mine.sum(dim=1).tolist()
-    received = theirs.sum(dim=1).tolist()
-    rows = all_to_all(rows, received, sent, ep_group)
-    row_probs = all_to_all(row_probs, received, sent, ep_group)
+    with measure(times, A2A_COMM):
+        dist.all_to_all_single(theirs, mine, group=ep_group)
+        sent = mine.sum(dim=1).tolist()
+        received = theirs.sum(dim=1).tolist()
+    rows = all_to_all(rows, received, sent, ep_group, times)
+    row_probs = all_to_all(row_probs, received, sent, ep_group, times)
     order = _by_expert(theirs, rows.device)
     moved = Exchange(sent, received, order, theirs.sum(dim=0).tolist())
     return rows.index_select(0, order), row_probs.index_select(0, order), moved
@@ -97,15 +105,20 @@ def _by_expert(sizes: torch.Tensor, device) -> torch.Tensor:
     )
 
 
-def exchange_back(rows: torch.Tensor, moved: Exchange, ep_group) -> torch.Tensor:
+def exchange_back(rows: torch.Tensor, moved: Exchange, ep_group, times=None) -> torch.Tensor:
     """The experts' output rows (grouped by local expert) back to the ranks they came from,
     in the order `exchange` received them from `permute`."""
     by_source = torch.empty_like(rows).index_copy(0, moved.order, rows)
-    return all_to_all(by_source, moved.sent, moved.received, ep_group)
+    return all_to_all(by_source, moved.sent, moved.received, ep_group, times)
 
 
 def gather_expert_tp(
-    rows: torch.Tensor, row_probs: torch.Tensor, counts: list[int], group, size: int
+    rows: torch.Tensor,
+    row_probs: torch.Tensor,
+    counts: list[int],
+    group,
+    size: int,
+    times=None,
 ) -> tuple[torch.Tensor, torch.Tensor, Exchange]:
     """Expert tensor parallelism: every rank of the expert tensor-parallel `group` (which
     share each expert, each holding a shard) gets the rows of all of them, grouped by local
@@ -114,19 +127,21 @@ def gather_expert_tp(
     backward sums each row's gradient over the shards. Collective over `group`."""
     mine = torch.tensor(counts, dtype=torch.int64, device=rows.device)
     theirs = torch.empty(size * len(counts), dtype=torch.int64, device=rows.device)
-    all_gather_into(theirs, mine, group)
-    theirs = theirs.view(size, len(counts))  # theirs[src, e]: rank src's rows of expert e
-    sent, received = [rows.shape[0]] * size, theirs.sum(dim=1).tolist()
-    rows = all_to_all(rows.repeat(size, *([1] * (rows.dim() - 1))), received, sent, group)
-    row_probs = all_to_all(row_probs.repeat(size), received, sent, group)
+    with measure(times, A2A_COMM):
+        all_gather_into(theirs, mine, group)
+        theirs = theirs.view(size, len(counts))  # theirs[src, e]: rank src's rows of expert e
+        sent, received = [rows.shape[0]] * size, theirs.sum(dim=1).tolist()
+    copies = rows.repeat(size, *([1] * (rows.dim() - 1)))
+    rows = all_to_all(copies, received, sent, group, times)
+    row_probs = all_to_all(row_probs.repeat(size), received, sent, group, times)
     order = _by_expert(theirs, rows.device)
     gathered = Exchange(sent, received, order, theirs.sum(dim=0).tolist())
     return rows.index_select(0, order), row_probs.index_select(0, order), gathered
 
 
-def scatter_expert_tp(partial: torch.Tensor, gathered: Exchange, group) -> torch.Tensor:
+def scatter_expert_tp(partial: torch.Tensor, gathered: Exchange, group, times=None) -> torch.Tensor:
     """The experts' partial outputs of every row (each shard's part) back to the rank the row
     came from, summed over the shards: megatron-core's reduce-scatter."""
     by_source = torch.empty_like(partial).index_copy(0, gathered.order, partial)
-    parts = all_to_all(by_source, gathered.sent, gathered.received, group)
+    parts = all_to_all(by_source, gathered.sent, gathered.received, group, times)
     return parts.view(len(gathered.sent), -1, *parts.shape[1:]).sum(dim=0)

@@ -78,21 +78,23 @@ class MoELayer(nn.Module):
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         probs, routing_map = self.router(x)
         rows, row_probs, permutation = permute(x.reshape(-1, hidden), routing_map, probs)
-        counts, ep = permutation.counts, self.ctx.ep_size
+        counts, ep, times = permutation.counts, self.ctx.ep_size, self.ctx.times
         if ep > 1:  # each row to the rank holding its expert
-            rows, row_probs, moved = exchange(rows, row_probs, counts, self.ctx.ep_group, ep)
+            rows, row_probs, moved = exchange(rows, row_probs, counts, self.ctx.ep_group, ep, times)
             counts = moved.counts
         etp, etp_group = self.ctx.expert_tp_size, self.ctx.expert_tp_group
         if etp > 1:  # the rows of every rank sharing these experts
-            rows, row_probs, gathered = gather_expert_tp(rows, row_probs, counts, etp_group, etp)
+            rows, row_probs, gathered = gather_expert_tp(
+                rows, row_probs, counts, etp_group, etp, times
+            )
             counts = gathered.counts
         if self.cfg.moe_apply_probs_on_input:
             rows = (row_probs.unsqueeze(-1) * rows).to(rows.dtype)
             row_probs = torch.ones_like(row_probs)
         out = self.experts(rows, counts, row_probs)
         if etp > 1:
-            out = scatter_expert_tp(out, gathered, etp_group)
+            out = scatter_expert_tp(out, gathered, etp_group, times)
         if ep > 1:
-            out = exchange_back(out, moved, self.ctx.ep_group)
+            out = exchange_back(out, moved, self.ctx.ep_group, times)
         out = unpermute(out, permutation, seq * batch).to(x.dtype).reshape(seq, batch, hidden)
         return out if shared is None else out + shared
