@@ -137,6 +137,7 @@ def engine_run(
     part_norms: bool = False,
     local_squares: bool = False,
     counts: bool = False,
+    first_grads: dict | None = None,
 ):
     """The same run through DDP + DistributedOptimizer + the pipeline schedule; `sharding`
     (a strategy of parallel/data_parallel/ddp.py) overrides `zero`.
@@ -144,7 +145,8 @@ def engine_run(
     part_norms: each step also reports the gradient norm per layer and parameter group;
     local_squares: and the DP ranks' mean squared norm of their own gradients;
     counts: the gradient's zeros and the parameters' norm (--log-num-zeros-in-grad,
-    --log-params-norm)."""
+    --log-params-norm); first_grads: filled with every gradient this rank holds after the
+    first step's reduction, at full (TP=1) shape (unsharded gradients only: no_shard)."""
     chunks = build_model_chunks(
         cfg,
         state,
@@ -210,6 +212,8 @@ def engine_run(
                 ),
             )
         )
+        if step == 0 and first_grads is not None:
+            first_grads.update(full_grads(ddps, state))
     optimizer.finish_param_sync()
     return outputs, ddps, optimizer
 
@@ -310,6 +314,19 @@ def full_params(ddps, state) -> dict[str, torch.Tensor]:
                 local = param.data.clone()
                 group = state.expert_tp_group if is_expert_parallel(param) else state.tp_group
                 out[name] = full_from_local(local, tp_sharding_of(param), group)
+    return out
+
+
+def full_grads(ddps, state) -> dict[str, torch.Tensor]:
+    """Every reduced gradient (main_grad, unsharded) this rank holds at its full shape."""
+    out = {}
+    for ddp in ddps:
+        for name, param in ddp.module.named_parameters():
+            if not param.requires_grad:
+                continue
+            name = getattr(param, "checkpoint_name", name)
+            group = state.expert_tp_group if is_expert_parallel(param) else state.tp_group
+            out[name] = full_from_local(param.main_grad.clone(), tp_sharding_of(param), group)
     return out
 
 

@@ -24,6 +24,7 @@ import pytest
 from parallel.state import ParallelState
 from tests.distributed import run_ranks
 from tests.harness import (
+    compare_params,
     engine_run,
     full_params,
     model_error,
@@ -76,14 +77,17 @@ LAYOUTS = {
             dict(sharding="optim_grads_params"),
         ],
     ),
-    "dp4-ep4": (4, dict(ep=4), [dict(sharding="optim")]),
+    "dp4-ep4": (4, dict(ep=4), [dict(sharding="optim"), dict(sharding="no_shard")]),
     "pp2-dp2-ep2": (4, dict(pp=2, ep=2), [dict(sharding="no_shard"), dict(sharding="optim")]),
     "pp2-virtual-ep2": (  # interleaved 1F1B, 2 chunks per stage
         4,
         dict(pp=2, ep=2),
-        [dict(sharding="optim", schedule_kind="interleaved", virtual_size=2)],
+        [
+            dict(sharding=s, schedule_kind="interleaved", virtual_size=2)
+            for s in ("optim", "no_shard")
+        ],
     ),
-    "cp2-ep2": (2, dict(cp=2, ep=2), [dict(sharding="optim")]),
+    "cp2-ep2": (2, dict(cp=2, ep=2), [dict(sharding=s) for s in ("optim", "no_shard")]),
     # tensor and sequence parallelism: each TP rank routes its part of the sequence to whole
     # experts (expert tensor-parallel size 1), folded over TP too
     "tp2-ep1": (
@@ -94,12 +98,15 @@ LAYOUTS = {
     "tp2-ep2": (
         2,
         dict(tp=2, ep=2, etp=1),
-        [dict(sharding="optim_grads_params", sequence_parallel=True)],
+        [dict(sharding=s, sequence_parallel=True) for s in ("optim_grads_params", "no_shard")],
     ),
     "tp2-dp2-ep2": (
         4,
         dict(tp=2, ep=2, etp=1),
-        [dict(sharding="optim", sequence_parallel=True, overlap=True)],
+        [
+            dict(sharding="optim", sequence_parallel=True, overlap=True),
+            dict(sharding="no_shard", sequence_parallel=True),
+        ],
     ),
     # expert tensor parallelism: each expert split over 2 ranks, which gather its rows
     "tp2-etp2": (  # Megatron-LM's default: the experts split as the dense layers
@@ -107,11 +114,11 @@ LAYOUTS = {
         dict(tp=2, ep=1),
         [dict(sharding=s, sequence_parallel=True) for s in ("no_shard", "optim")],
     ),
-    "dp2-etp2": (2, dict(ep=1, etp=2), [dict(sharding="optim_grads")]),
+    "dp2-etp2": (2, dict(ep=1, etp=2), [dict(sharding=s) for s in ("optim_grads", "no_shard")]),
     "tp2-dp2-ep2-etp2": (
         4,
         dict(tp=2, ep=2, etp=2),
-        [dict(sharding="optim_grads_params", sequence_parallel=True)],
+        [dict(sharding=s, sequence_parallel=True) for s in ("optim_grads_params", "no_shard")],
     ),
 }
 
@@ -128,13 +135,22 @@ def _parity(rank, world, layout: str, routers: tuple[str, ...], mutate: bool = F
     for router in routers:
         style, options = CASES[router]
         cfg = tiny_config(style, **options)
-        reference, ref_ddps, _ = engine_run(local, cfg, ocfg, STEPS, GBS, MBS)
+        ref_grads = {}
+        reference, ref_ddps, _ = engine_run(
+            local, cfg, ocfg, STEPS, GBS, MBS, first_grads=ref_grads
+        )
         ref_params = full_params(ref_ddps, local)
         initial = full_params(engine_run(local, cfg, ocfg, 0, GBS, MBS)[1], local)
         for options in runs:
-            outputs, ddps, _ = engine_run(state, cfg, ocfg, STEPS, GBS, MBS, **options)
+            grads = {} if options["sharding"] == "no_shard" else None
+            outputs, ddps, _ = engine_run(
+                state, cfg, ocfg, STEPS, GBS, MBS, **options, first_grads=grads
+            )
             got = full_params(ddps, state)
             errors = model_error(got, ref_params, initial)
+            if grads is not None:  # every gradient of the first step
+                errors["grad_err"] = max(compare_params(grads, ref_grads).values())
+                errors["grads"] = len(grads)
             experts = [n for n in got if ".local_experts." in n]
             results.append(
                 {
@@ -168,16 +184,19 @@ def _parity(rank, world, layout: str, routers: tuple[str, ...], mutate: bool = F
 def test_expert_parallel_training_matches_one_process(layout, routers):
     world, build, _ = LAYOUTS[layout]
     ep = build["ep"]
-    for rank_results in run_ranks(_parity, world, layout, routers):
-        for r in rank_results:
-            assert r["moved"] > 0.01, r
-            assert r["model"] < 1e-6 and r["worst_tensor"] < 1e-5, r
-            assert r["loss_err"] < 1e-6 and r["norm_err"] < 1e-6, r
-            assert len(r["experts"]) == 4 // ep, r  # only this rank's experts
-            # experts apart from the dense parameters unless each is split as they are
-            tp = build.get("tp", 1)
-            apart = ep > 1 or build.get("etp", tp) != tp
-            assert (r["expert_buffers"] >= 1) == apart, r
+    results = [r for rank in run_ranks(_parity, world, layout, routers) for r in rank]
+    assert any("grad_err" in r for r in results)  # each layout checks every gradient
+    for r in results:
+        assert r["moved"] > 0.01, r
+        assert r["model"] < 1e-6 and r["worst_tensor"] < 1e-5, r
+        assert r["loss_err"] < 1e-6 and r["norm_err"] < 1e-6, r
+        if "grad_err" in r:  # every gradient (no_shard runs: unsharded)
+            assert r["grads"] > 10 and r["grad_err"] < 1e-5, r
+        assert len(r["experts"]) == 4 // ep, r  # only this rank's experts
+        # experts apart from the dense parameters unless each is split as they are
+        tp = build.get("tp", 1)
+        apart = ep > 1 or build.get("etp", tp) != tp
+        assert (r["expert_buffers"] >= 1) == apart, r
 
 
 def test_experts_reduced_over_the_dense_group_fail_the_comparison():

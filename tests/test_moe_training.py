@@ -91,8 +91,9 @@ def test_expert_parallel_run_resumes_and_reshards(dataset_prefix, tokenizer_mode
     on each rank (EP 1, under TP 2 with sequence parallelism, each expert whole) and with one
     expert per rank (EP 4 over DP 4) gives the losses of the uninterrupted run within 1e-5
     (another reduction order; no dropout, so no random state is needed across the change of
-    layout)."""
-    ckpt = str(tmp_path / "ckpt")
+    layout); and a checkpoint saved under TP 2 x EP 2 (SP, whole experts) resumed under
+    TP 1 x EP 4 does too."""
+    ckpt, ckpt2 = str(tmp_path / "ckpt"), str(tmp_path / "ckpt-tp2-ep2")
     moe = MOE | {"--hidden-dropout": "0", "--attention-dropout": "0", "--train-iters": "4"}
     found = {}
     for name, world, extra in (
@@ -111,6 +112,14 @@ def test_expert_parallel_run_resumes_and_reshards(dataset_prefix, tokenizer_mode
             | {"--sequence-parallel": True, "--expert-tensor-parallel-size": "1"},
         ),
         ("ep4", 4, {"--expert-model-parallel-size": "4", "--load": ckpt}),
+        (
+            "tp2-ep2-first",
+            4,
+            {"--tensor-model-parallel-size": "2", "--sequence-parallel": True}
+            | {"--expert-model-parallel-size": "2", "--expert-tensor-parallel-size": "1"}
+            | {"--save": ckpt2, "--save-interval": "2", "--exit-interval": "2"},
+        ),
+        ("tp1-ep4", 4, {"--expert-model-parallel-size": "4", "--load": ckpt2}),
     ):
         log = str(tmp_path / f"{name}.jsonl")
         args = base_args(dataset_prefix, tokenizer_model, **moe, **extra, **{"--log-jsonl": log})
@@ -119,7 +128,8 @@ def test_expert_parallel_run_resumes_and_reshards(dataset_prefix, tokenizer_mode
     assert latest(ckpt) == "2"
     assert found["first"][2] == found["whole"][2]
     assert found["resumed"] == {step: found["whole"][step] for step in (3, 4)}, found
-    for layout in ("tp2-ep1", "ep4"):
+    assert latest(ckpt2) == "2" and sorted(found["tp2-ep2-first"]) == [1, 2]
+    for layout in ("tp2-ep1", "ep4", "tp1-ep4"):
         assert sorted(found[layout]) == [3, 4], found
         for step in (3, 4):
             assert abs(found[layout][step] - found["whole"][step]) < 1e-5 * found["whole"][step]

@@ -294,11 +294,56 @@ def test_text_the_tokenizer_cannot_read_names_the_line(files, kind, text, messag
     assert not list(tmp_path.glob("out*"))
 
 
-@pytest.mark.parametrize(
-    "kind", ["sentencepiece", "llama2", "hf", "hf-bos", "hf-bos-plain", "gpt2"]
-)
+# a special token's spelling where documents have it: in words, brackets, quotes, code, markup
+ADVERSARIAL = ["a{s}b", "x = '{s}'", "({s})", "[{s}]", "f({s}, 1)", "<{s}>", "{s}{s}", "{s}\n",
+               "naïve{s}café", "1{s}2", "def f():\n    return '{s}'  # {s}", " {s} "]  # fmt: skip
+
+
+def _spellings(tokenizer) -> list[str]:
+    hf = getattr(tokenizer, "_hf", None)
+    sp = getattr(tokenizer, "_sp", None)
+    if sp is not None:
+        return [sp.IdToPiece(i) for i in range(sp.GetPieceSize()) if sp.IsControl(i)] + ["<unk>"]
+    return list(hf.all_special_tokens) + ["<|endoftext|>", "<s>", "</s>", "[PAD]"]
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "llama2", "hf", "hf-bos", "gpt2"])
+def test_the_default_preprocessing_writes_the_tokenizers_own_ids(files, corpus, kind, tmp_path):
+    """`--tokenize-with` defaults to the tokenizer's library: every document's ids equal its
+    own encode, on the corpus with documents that spell each special token inside words,
+    brackets, quotes and code added. gigatoken (--tokenize-with auto, opt-in) is used only
+    where it encodes all of those probes alike: SentencePiece models fail them (gigatoken
+    0.10 gives the control id for `<s>` written in a document)."""
+    tokenizer = build_tokenizer(files[kind])
+    docs = files["docs"][:50]
+    docs += [place.format(s=s) for s in _spellings(tokenizer) for place in ADVERSARIAL]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    if kind == "sentencepiece":  # the command line's default
+        result = run_tool(
+            "preprocess_data.py",
+            *("--input", str(src), "--output-prefix", str(tmp_path / "out"), "--no-progress"),
+            *("--workers", "2", "--tokenizer-model", files[kind].tokenizer_model),
+        )
+        assert result.returncode == 0, result.stderr
+    else:  # the library's default
+        preprocess(str(src), str(tmp_path / "out"), files[kind], workers=2, progress=False)
+    written = IndexedDataset(str(tmp_path / "out_text_document"))
+    expected = tokenizer.tokenize_batch(docs)
+    assert len(written) == len(docs)
+    assert all(list(written[i]) == list(ids) for i, ids in enumerate(expected))
+    fast = gigatoken_encoder(tokenizer)
+    assert (fast is None) == kind.startswith(("sentencepiece", "llama2")), kind
+    if fast is not None:  # where it passed the probes, it agrees here too
+        flat, lengths = fast.encode_flat(docs)
+        assert flat.tolist() == [i for ids in expected for i in ids]
+        assert lengths.tolist() == [len(ids) for ids in expected]
+
+
+@pytest.mark.parametrize("kind", ["hf", "hf-bos", "hf-bos-plain", "gpt2"])
 def test_gigatoken_writes_the_tokenizers_own_dataset(files, corpus, kind, tmp_path):
-    """gigatoken underneath preprocess: byte-identical .bin/.idx to the tokenizer's library."""
+    """gigatoken underneath preprocess (opt-in), where it passes the probes: byte-identical
+    .bin/.idx to the tokenizer's library."""
     assert gigatoken_encoder(build_tokenizer(files[kind])) is not None
     for how in ("tokenizer", "gigatoken"):
         preprocess(

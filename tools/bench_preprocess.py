@@ -7,8 +7,8 @@ shifts every ASCII letter by r places, so that no copy repeats another's words (
 
 Rows, each a whole process on the same file (wall seconds; the rate leaves out the tool's own
 start-up, measured on a one-document input, so it is the steady rate):
-  - ours: preprocess_data.py --workers 1 and 2 (gigatoken underneath where it gives the
-    tokenizer's ids), and --tokenize-with tokenizer (the tokenizer's own library);
+  - ours: preprocess_data.py --workers 1 and 2 (the default: the tokenizer's own library), and
+    --tokenize-with auto (opt-in: gigatoken underneath where it passes the probes);
   - Megatron-LM's tools/preprocess_data.py --workers 2 and tools/preprocess_data_fast.py
     (gigatoken; Hugging Face tokenizers only), when --megatron-python and --megatron-root
     name a Python that runs them (see docs/benchmarks.md);
@@ -95,7 +95,7 @@ def measure(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
     return seconds, peak[0]
 
 
-def _ours(inputs, prefix, tokenizer_flags, workers, tokenize_with="auto") -> list[str]:
+def _ours(inputs, prefix, tokenizer_flags, workers, tokenize_with="tokenizer") -> list[str]:
     return [
         sys.executable,
         TOOL,
@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             ]
             rows.append(
                 (
-                    "ours --workers 2 --tokenize-with tokenizer",
-                    partial(_ours, tokenizer_flags=ours, workers=2, tokenize_with="tokenizer"),
+                    "ours --workers 2 --tokenize-with auto",
+                    partial(_ours, tokenizer_flags=ours, workers=2, tokenize_with="auto"),
                 )
             )
             if with_megatron:

@@ -44,9 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument(
         "--tokenize-with",
         choices=CHOICES,
-        default="auto",
-        help="auto: gigatoken where it is installed and encodes probe texts to the tokenizer's "
-        "own ids (several times faster), else the tokenizer's library; gigatoken: insist on it",
+        default="tokenizer",
+        help="tokenizer (default): the tokenizer's own library, exact; auto: gigatoken where it "
+        "is installed and encodes probe texts to the tokenizer's ids (several times faster, "
+        "approximate: a rare document can come out different), else the library; gigatoken: "
+        "insist on it",
     )
     group.add_argument(
         "--use-gigatoken",

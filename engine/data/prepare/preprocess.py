@@ -88,7 +88,7 @@ def encode_batch(
     tokenizer_cfg: TokenizerConfig,
     append_eod: bool,
     skip_bad: bool,
-    tokenize_with: str = "auto",
+    tokenize_with: str = "tokenizer",
 ) -> _BatchResult:
     """Decode and tokenize a batch of records (runs in a worker process)."""
     tokenizer = _tokenizer(tokenizer_cfg)
@@ -224,14 +224,15 @@ def preprocess(
     skip_bad_records: bool = False,
     log_interval: int = 10000,
     progress: bool = True,
-    tokenize_with: str = "auto",
+    tokenize_with: str = "tokenizer",
 ) -> PreprocessStats:
     """Tokenize every document of `inputs` into `<output_prefix>_<key>_document.{bin,idx}`.
 
     `tokenizer` is the tokenizer's config, or the path of a SentencePiece model.
-    `tokenize_with`: "auto" encodes with gigatoken where it is installed and gives the
-    tokenizer's ids (engine/data/tokenizers/gigatoken_encoder.py), "gigatoken" insists on it,
-    "tokenizer" uses the tokenizer's own library.
+    `tokenize_with`: "tokenizer" (the default) uses the tokenizer's own library, exactly;
+    "auto" encodes with gigatoken where it is installed and gives the tokenizer's ids on probe
+    texts (engine/data/tokenizers/gigatoken_encoder.py; faster, but probes cannot prove
+    equality: a rare document can come out different), "gigatoken" insists on it.
 
     On an error nothing is left at the output paths (earlier files there stay untouched);
     the InputError names the file and line or row. Input without a single document with text
