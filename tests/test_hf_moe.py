@@ -1,6 +1,7 @@
 """Hugging Face mixtures of experts in and out: random Mixtral, Qwen2-MoE (shared experts behind
-their gate, a dense first layer, un-normalised top-k) and Qwen3-MoE (normalised top-k, per-head
-query and key norms) made by transformers come back bit-identical after import and export, give
+their gate, a dense first layer, un-normalised top-k), Qwen3-MoE (normalised top-k, per-head
+query and key norms) and OLMoE (query and key norms over all heads at once, un-normalised top-k)
+made by transformers come back bit-identical after import and export, give
 transformers' logits within 1e-5 imported under TP 2 (sequence parallel) x EP 2, and load back
 into transformers from our export with the same logits; what HF cannot express is refused in
 one line."""
@@ -24,7 +25,7 @@ from tests.distributed import rel_err, run_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-STYLES = ["mixtral", "qwen2_moe", "qwen3_moe"]
+STYLES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 SHAPE = dict(
     hidden_size=64,
     num_hidden_layers=3,
@@ -54,11 +55,14 @@ def _random_hf_moe(style: str, folder):
             norm_topk_prob=False,
         )
         model = transformers.Qwen2MoeForCausalLM(config)
-    else:
+    elif style == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(
             **SHAPE, num_experts=4, moe_intermediate_size=48, norm_topk_prob=True, head_dim=16
         )
         model = transformers.Qwen3MoeForCausalLM(config)
+    else:
+        config = transformers.OlmoeConfig(**SHAPE, num_experts=4, norm_topk_prob=False)
+        model = transformers.OlmoeForCausalLM(config)
     with torch.no_grad():  # norms, biases and routers away from their initial values
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias") or ".gate." in name:
@@ -159,5 +163,18 @@ def test_what_hf_cannot_express_is_refused_in_one_line():
         with pytest.raises(ConfigError, match=problem) as err:
             style_of(ModelConfig(**{**base.__dict__, **options}))
         assert "\n" not in str(err.value)
-    with pytest.raises(ConfigError, match="OLMoE normalises queries and keys"):
-        model_config_from_hf({"model_type": "olmoe"})
+    olmoe = dict(SHAPE, model_type="olmoe", num_experts=4)
+    with pytest.raises(ConfigError, match="OLMoE's clip_qkv 8.0"):
+        model_config_from_hf(olmoe | {"clip_qkv": 8.0})
+    across = dict(qk_layernorm=True, qk_layernorm_across_heads=True)
+    dense = {**base.__dict__, "num_experts": None} | across
+    with pytest.raises(ConfigError, match="--qk-layernorm-across-heads has no equivalent"):
+        style_of(ModelConfig(**dense))
+    with pytest.raises(ConfigError, match="shared experts with --qk-layernorm-across-heads"):
+        style_of(
+            ModelConfig(
+                **base.__dict__
+                | across
+                | {"moe_shared_expert_intermediate_size": 16, "moe_shared_expert_gate": True}
+            )
+        )

@@ -32,9 +32,11 @@ from tests.harness import VOCAB, tiny_config
 def model_config(style: str, **overrides) -> ModelConfig:
     """The shared tiny model at a size where TP 4 splits the 4 query groups of 8 heads."""
     sizes = dict(num_layers=2, hidden_size=64, num_attention_heads=8)
-    if style == "llama":
+    if style.startswith("llama"):
         sizes.update(group_query_attention=True, num_query_groups=4, qk_layernorm=True)
-    return tiny_config(style, **{**sizes, **overrides})
+    if style == "llama-across-heads":  # OLMoE's query/key norms: one over all heads, TP-summed
+        sizes.update(qk_layernorm_across_heads=True)
+    return tiny_config(style.split("-")[0], **{**sizes, **overrides})
 
 
 def build(cfg, state: ParallelState | None, sp: bool = False, tracker=None) -> GPTModel:
@@ -67,7 +69,7 @@ def _parity(rank, world):
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     for tp in (1, 2, 4):
         state = ParallelState.build(tp=tp)
-        for style in ("gpt2", "llama"):
+        for style in ("gpt2", "llama", "llama-across-heads"):
             for sp in (False, True) if tp > 1 else (False,):
                 cfg = model_config(style)
                 ref = build(cfg, None)
@@ -109,7 +111,7 @@ def _parity(rank, world):
 def test_tp_sp_parity_with_single_process():
     results = run_ranks(_parity, 4, timeout=400)
     cases = {r["case"] for r in results[0]}
-    assert len(cases) == 10  # tp1 x 2 styles + tp2/tp4 x 2 styles x SP on/off
+    assert len(cases) == 15  # tp1 x 3 styles + tp2/tp4 x 3 styles x SP on/off
     for rank_results in results:
         for r in rank_results:
             assert r["loss"] < 1e-5 and r["logits"] < 1e-5, r

@@ -34,6 +34,7 @@ ARCHITECTURE_FIELDS = (
     "add_bias_linear",
     "untie_embeddings_and_output_weights",
     "qk_layernorm",
+    "qk_layernorm_across_heads",
     "num_experts",
     "moe_ffn_hidden_size",
     "moe_layer_freq",
@@ -174,6 +175,11 @@ class ModelConfig(MoEOptions):
         False, "separate output layer instead of reusing the input embedding"
     )
     qk_layernorm: bool = option(False, "normalise queries and keys per head")
+    qk_layernorm_across_heads: bool = option(
+        False,
+        "with --qk-layernorm (RMSNorm): one norm over each token's whole query projection and "
+        "one over its key projection, all heads at once, as OLMoE (not a Megatron-LM flag)",
+    )
     window_size: str | None = option(
         None,
         "sliding-window attention, as Megatron-LM's (left, right): each token attends to "
@@ -290,6 +296,13 @@ class ModelConfig(MoEOptions):
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.qk_layernorm_across_heads and not (
+            self.qk_layernorm and self.normalization == "RMSNorm"
+        ):
+            raise ConfigError(
+                "--qk-layernorm-across-heads normalises with --qk-layernorm and --normalization "
+                "RMSNorm (as OLMoE); add both or drop it"
+            )
         if self.squared_relu and (self.swiglu or self.openai_gelu):
             flag = "--swiglu" if self.swiglu else "--openai-gelu"
             raise ConfigError(f"--squared-relu replaces GELU: drop {flag} (as in Megatron-LM)")

@@ -16,6 +16,7 @@ from torch import nn
 from engine.model.attention_kernel import AttentionKernel, choose_kernel
 from engine.model.context import BuildContext
 from engine.model.norm import Norm
+from engine.model.qk_norm import ProjectionRMSNorm
 from parallel.context_parallel.attention import context_parallel_attention
 from parallel.random import checkpoint
 
@@ -42,7 +43,14 @@ class SelfAttention(nn.Module):
         self.linear_proj = ctx.row_linear(
             f"{prefix}.linear_proj", n * d, cfg.hidden_size, bias=cfg.add_bias_linear
         )
-        if cfg.qk_layernorm:
+        self.across_heads = cfg.qk_layernorm and cfg.qk_layernorm_across_heads
+        if self.across_heads:  # one norm over all heads (OLMoE), split with them over TP
+            kwargs = {"params_dtype": ctx.params_dtype, "device": ctx.device}
+            kwargs |= {"zero_centered": cfg.apply_layernorm_1p}
+            eps, group = cfg.norm_epsilon, ctx.tp_group
+            self.q_layernorm = ProjectionRMSNorm(n * d, eps, group, **kwargs)
+            self.k_layernorm = ProjectionRMSNorm(g * d, eps, group, **kwargs)
+        elif cfg.qk_layernorm:
             partial = ctx.tp_size > 1  # each TP rank normalises different heads
             kwargs = {
                 "params_dtype": ctx.params_dtype,
@@ -110,8 +118,10 @@ class SelfAttention(nn.Module):
         s, b = qkv.shape[:2]
         d, nh, ng = self.head_dim, self.local_heads, self.local_groups
         q, k, v = qkv.split([nh * d, ng * d, ng * d], dim=-1)
-        q, k, v = q.view(s, b, nh, d), k.view(s, b, ng, d), v.view(s, b, ng, d)
-        if self.q_layernorm is not None:
+        if self.across_heads:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q, k, v = q.reshape(s, b, nh, d), k.reshape(s, b, ng, d), v.view(s, b, ng, d)
+        if self.q_layernorm is not None and not self.across_heads:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = self._rotate(q, rotary), self._rotate(k, rotary)

@@ -80,7 +80,9 @@ def layer_activation_bytes(
     total = 2 * _norm_bytes(cfg, between, h)  # input and pre-MLP norms
     total += 2 * a * between * h  # the inputs kept by the QKV and first MLP linears
     total += a * tokens * (n + 2 * g) * d  # the fused QKV output
-    if cfg.qk_layernorm:
+    if cfg.qk_layernorm_across_heads:  # one row per token over this rank's heads
+        total += _norm_bytes(cfg, tokens, n * d) + _norm_bytes(cfg, tokens, g * d)
+    elif cfg.qk_layernorm:
         total += _norm_bytes(cfg, tokens * n, d) + _norm_bytes(cfg, tokens * g, d)
     if cfg.position_embedding_type == "rope":
         total += a * tokens * (n + g) * d + 2 * 4 * s * d

@@ -94,7 +94,9 @@ def layer_parameters(cfg: ModelConfig, tp: int, moe: bool = False) -> int:
     qkv_out = (n + 2 * g) * d
     count = _norm(cfg, h) * 2  # input and pre-MLP norms
     count += h * qkv_out // tp + (qkv_out // tp if cfg.add_bias_linear or cfg.add_qkv_bias else 0)
-    if cfg.qk_layernorm:
+    if cfg.qk_layernorm_across_heads:  # one weight over all heads, split with them
+        count += (n + g) * d // tp
+    elif cfg.qk_layernorm:
         count += 2 * _norm(cfg, d)
     count += n * d // tp * h + (h if cfg.add_bias_linear else 0)
     if moe:

@@ -103,9 +103,7 @@ def _special_texts(tokenizer: Tokenizer) -> list[str]:
     sp = getattr(tokenizer, "_sp", None)
     if sp is not None:
         out += [
-            sp.IdToPiece(i)
-            for i in range(sp.GetPieceSize())
-            if sp.IsControl(i) or sp.IsUnknown(i)
+            sp.IdToPiece(i) for i in range(sp.GetPieceSize()) if sp.IsControl(i) or sp.IsUnknown(i)
         ]
     return out
 

@@ -1,6 +1,7 @@
 """How our model maps onto Hugging Face's LlamaForCausalLM, MistralForCausalLM,
 Qwen2ForCausalLM, Qwen3ForCausalLM and GPT2LMHeadModel, and with mixtures of experts onto
-MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM (engine/interop/hf/moe.py).
+MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM
+(engine/interop/hf/moe.py).
 
 The Llama family (RoPE, RMSNorm, SwiGLU, no biases on the MLP and the output projection)
 shares its tensor names; a model is exported as Qwen2 when it has biases on q, k and v only
@@ -25,6 +26,7 @@ from engine.errors import ConfigError
 from engine.interop.hf.hf_tensor import HFTensor
 from engine.interop.hf.moe import (
     MOE_ARCHITECTURES,
+    OLMOE,
     QWEN2_MOE,
     QWEN3_MOE,
     moe_config_fields,
@@ -46,6 +48,11 @@ LLAMA_FAMILY = (LLAMA, MISTRAL, QWEN2, QWEN3, *MOE_ARCHITECTURES)  # (engine/int
 
 
 def _llama_family_member(cfg: ModelConfig) -> str:
+    if cfg.qk_layernorm_across_heads:
+        raise ConfigError(
+            "--qk-layernorm-across-heads has no equivalent in a dense Llama-family model "
+            "(OLMoE's, a mixture of experts, only); cannot export"
+        )
     if cfg.qk_layernorm and cfg.add_qkv_bias:
         raise ConfigError(
             "--qk-layernorm with --add-qkv-bias has no equivalent in Qwen3ForCausalLM (its "
@@ -156,7 +163,7 @@ def _hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
                             f"{hf}.self_attn.{name}_proj.bias", (f"{attn}.linear_qkv.bias.{name}",)
                         )
                     )
-            if style in (QWEN3, QWEN3_MOE):
+            if style in (QWEN3, QWEN3_MOE, OLMOE):
                 out += [
                     HFTensor(f"{hf}.self_attn.q_norm.weight", (f"{attn}.q_layernorm.weight",)),
                     HFTensor(f"{hf}.self_attn.k_norm.weight", (f"{attn}.k_layernorm.weight",)),
@@ -303,7 +310,7 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
             swiglu=True,
             add_bias_linear=False,
             add_qkv_bias=qkv_bias,
-            qk_layernorm=kind in (QWEN3, QWEN3_MOE),
+            qk_layernorm=kind in (QWEN3, QWEN3_MOE, OLMOE),
             window_size=f"({window - 1}, 0)" if window else None,
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
             hidden_dropout=0.0,
@@ -339,14 +346,8 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
             init_method_std=hf.get("initializer_range", 0.02),
         )
         return cfg, GPT2
-    if kind == "olmoe":
-        raise ConfigError(
-            "OLMoE normalises queries and keys over the whole projection (q_norm over "
-            "hidden_size), which this engine has no option for; import Mixtral, Qwen2-MoE or "
-            "Qwen3-MoE"
-        )
     raise ConfigError(
         f"model_type {kind!r} is not supported; import LlamaForCausalLM, MistralForCausalLM, "
         "Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
-        "Qwen3MoeForCausalLM or GPT2LMHeadModel"
+        "Qwen3MoeForCausalLM, OlmoeForCausalLM or GPT2LMHeadModel"
     )

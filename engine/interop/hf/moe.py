@@ -1,6 +1,6 @@
-"""How a mixture of experts maps onto Hugging Face's MixtralForCausalLM, Qwen2MoeForCausalLM and
-Qwen3MoeForCausalLM (their attention, norms and embeddings are the Llama family's:
-engine/interop/hf/architectures.py).
+"""How a mixture of experts maps onto Hugging Face's MixtralForCausalLM, Qwen2MoeForCausalLM,
+Qwen3MoeForCausalLM and OlmoeForCausalLM (their attention, norms and embeddings are the Llama
+family's: engine/interop/hf/architectures.py).
 
 - Mixtral: every layer an MoE, the top-k probabilities renormalised (our softmax over the top-k
   logits, the default), no shared experts, optionally a sliding window.
@@ -10,12 +10,14 @@ engine/interop/hf/architectures.py).
   not (norm_topk_prob: without, our --moe-router-pre-softmax).
 - Qwen3-MoE: queries and keys normalised per head (--qk-layernorm), no shared experts, dense
   layers and norm_topk_prob as Qwen2-MoE.
+- OLMoE: queries and keys normalised over all heads at once (--qk-layernorm
+  --qk-layernorm-across-heads), every layer an MoE, no shared experts, norm_topk_prob as
+  Qwen2-MoE; its clip_qkv (clamping q, k and v) has no equivalent and is refused.
 
 The experts are stored as transformers writes them (and as the published checkpoints are):
 one tensor per expert and projection (Mixtral's w1 = gate, w3 = up, w2 = down). A router or
 dispatch option HF has no equivalent for (a sigmoid or Sinkhorn router, an expert bias, group
-routing, a top-k scaling, token dropping) is a ConfigError naming it. OLMoE normalises queries
-and keys over the whole projection, which this engine has no option for: refused on import.
+routing, a top-k scaling, token dropping) is a ConfigError naming it.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from engine.config.model import ModelConfig
 from engine.errors import ConfigError
 from engine.interop.hf.hf_tensor import HFTensor
 
-MIXTRAL, QWEN2_MOE, QWEN3_MOE = "mixtral", "qwen2_moe", "qwen3_moe"
+MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE = "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"
 MOE_ARCHITECTURES = {
     MIXTRAL: "MixtralForCausalLM",
     QWEN2_MOE: "Qwen2MoeForCausalLM",
     QWEN3_MOE: "Qwen3MoeForCausalLM",
+    OLMOE: "OlmoeForCausalLM",
 }
 
 
@@ -50,7 +53,14 @@ def moe_style_of(cfg: ModelConfig) -> str:
         (not cfg.moe_apply_probs_on_input, "--moe-apply-probs-on-input"),
     ]
     shared = bool(cfg.moe_shared_expert_intermediate_size)
-    if cfg.qk_layernorm:
+    if cfg.qk_layernorm_across_heads:
+        style = OLMOE
+        checks += [
+            (not shared, "shared experts with --qk-layernorm-across-heads (OLMoE has none)"),
+            (not cfg.add_qkv_bias, "--add-qkv-bias (OLMoE has no attention biases)"),
+            (all(cfg.moe_layer_pattern(cfg.num_layers)), "dense layers between the MoE layers"),
+        ]
+    elif cfg.qk_layernorm:
         style = QWEN3_MOE
         checks.append((not shared, "shared experts with --qk-layernorm (Qwen3-MoE has none)"))
         checks.append(
@@ -122,6 +132,17 @@ def moe_config_fields(cfg: ModelConfig, style: str) -> dict:
             "router_jitter_noise": 0.0,
             "sliding_window": None if window is None else window + 1,
         }
+    if style == OLMOE:
+        return {
+            "intermediate_size": cfg.expert_ffn_size,
+            "num_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.moe_router_topk,
+            "norm_topk_prob": not cfg.moe_router_pre_softmax,
+            "router_aux_loss_coef": coefficient,
+            "output_router_logits": False,
+            "attention_bias": False,
+            "clip_qkv": None,
+        }
     pattern = cfg.moe_layer_pattern(cfg.num_layers)
     out = {
         "moe_intermediate_size": cfg.expert_ffn_size,
@@ -153,6 +174,18 @@ def moe_options_from_hf(hf: dict, kind: str) -> dict:
         window = hf.get("sliding_window")
         options = {"ffn_hidden_size": ffn, "moe_ffn_hidden_size": ffn, "moe_layer_freq": "1"}
         options |= {"window_size": f"({window - 1}, 0)" if window else None}
+    elif kind == OLMOE:
+        if hf.get("clip_qkv") is not None:
+            raise ConfigError(
+                f"OLMoE's clip_qkv {hf['clip_qkv']} (q, k and v clamped) has no equivalent "
+                "here; only null is supported"
+            )
+        if hf.get("attention_bias"):
+            raise ConfigError("OLMoE checkpoints with attention_bias are not supported")
+        experts, ffn = hf["num_experts"], hf["intermediate_size"]
+        options = {"ffn_hidden_size": ffn, "moe_ffn_hidden_size": ffn, "moe_layer_freq": "1"}
+        options |= {"moe_router_pre_softmax": not hf.get("norm_topk_prob", False)}
+        options |= {"qk_layernorm_across_heads": True}
     else:
         # (published Qwen3-MoE configs say num_experts; transformers 5 writes num_local_experts)
         experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]

@@ -69,6 +69,17 @@ def _gelu_args(cfg: ModelConfig) -> dict:
     return {"openai_gelu": cfg.openai_gelu, "bias_gelu_fusion": fused}
 
 
+def _qk_layernorm(cfg: ModelConfig) -> bool:
+    """--qk-layernorm; a norm over all heads at once has no Megatron-LM equivalent."""
+    if cfg.qk_layernorm_across_heads:
+        raise ConfigError(
+            "--qk-layernorm-across-heads (OLMoE's query and key norms) has no Megatron-LM "
+            "equivalent (its --qk-layernorm normalises each head); export to Hugging Face "
+            "instead (OlmoeForCausalLM)"
+        )
+    return cfg.qk_layernorm
+
+
 def _rope_scaling_args(cfg: ModelConfig) -> dict:
     """Megatron-LM's arguments for our RoPE scaling (whichever flags asked for it)."""
     scaling = rope_scaling_of(cfg) or {"rope_type": None}
@@ -149,7 +160,7 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
         squared_relu=cfg.squared_relu,
         add_bias_linear=cfg.add_bias_linear,
         add_qkv_bias=cfg.add_bias_linear or cfg.add_qkv_bias,
-        qk_layernorm=cfg.qk_layernorm,
+        qk_layernorm=_qk_layernorm(cfg),
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
