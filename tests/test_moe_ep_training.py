@@ -5,7 +5,8 @@ context, tensor and pipeline parallelism, the experts' buffers reduced and shard
 data-parallel group:
 
 - DP 2 x EP 2 under every sharding strategy (softmax top-2 with shared experts, sigmoid with
-  expert bias and capacity, Sinkhorn top-1 with full recomputation); DP 4 x EP 2 (an expert
+  expert bias and capacity, Sinkhorn top-1 with full recomputation); TP 2 x EP 2 also with
+  selective recomputation of the MoE layers, shared experts, norms and dense MLP; DP 4 x EP 2 (an expert
   data-parallel group of 2) with overlapped reductions and gathers; DP 4 x EP 4;
 - PP 2 x DP 2 x EP 2 (1F1B, and interleaved with 2 virtual stages); CP 2 x EP 2;
 - TP 2 with sequence parallelism and whole experts (EP 1, EP 2 folded over TP, TP 2 x DP 2 x
@@ -43,6 +44,16 @@ CASES = {
     "gelu-biases": (
         "gpt2",
         dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=[0.01]),
+    ),
+    # selective recomputation of named parts: each MoE layer rerun in backward, its all-to-all
+    # included, and its shared experts, the norms and the dense MLP
+    "recompute-modules": (
+        "llama",
+        ROUTERS["softmax"]
+        | dict(
+            recompute_granularity="selective",
+            recompute_modules=["moe", "shared_experts", "layernorm", "mlp", "core_attn"],
+        ),
     ),
     # top-1 by Sinkhorn, every layer recomputed in backward (the exchanges run again there)
     "sinkhorn-top1-recompute": (
@@ -174,7 +185,7 @@ def _parity(rank, world, layout: str, routers: tuple[str, ...], mutate: bool = F
         ("pp2-virtual-ep2", ("sigmoid",)),
         ("cp2-ep2", ("softmax",)),
         ("tp2-ep1", ("softmax", "gelu-biases")),
-        ("tp2-ep2", ("softmax",)),
+        ("tp2-ep2", ("softmax", "recompute-modules")),
         ("tp2-dp2-ep2", ("softmax",)),
         ("tp2-etp2", ("softmax",)),
         ("dp2-etp2", ("softmax",)),

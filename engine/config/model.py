@@ -10,6 +10,9 @@ from engine.config.moe import MoEOptions
 from engine.config.rope_scaling import rope_scaling_of
 from engine.errors import ConfigError
 
+# --recompute-modules' choices (megatron-core's, less mla_up_proj: no multi-latent attention)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_experts")
+
 # Fields that define the model's tensors; --use-checkpoint-args takes them from the checkpoint.
 ARCHITECTURE_FIELDS = (
     "num_layers",
@@ -207,6 +210,19 @@ class ModelConfig(MoEOptions):
     recompute_num_layers: int | None = option(
         None, "layers per recomputed chunk (uniform) or layers recomputed per stage (block)"
     )
+    recompute_modules: list[str] | None = option(
+        None,
+        "with --recompute-granularity selective, the parts rerun in backward instead of kept: "
+        "core_attn (the default), mlp (a dense layer's), layernorm (a layer's two norms), "
+        "moe (a whole MoE layer, its all-to-all included), moe_act (the experts' activation; "
+        "with --moe-grouped-gemm), shared_experts",
+        choices=list(RECOMPUTE_MODULES),
+    )
+    moe_layer_recompute: bool = option(
+        False,
+        "rerun each MoE layer in backward (Megatron-LM's deprecated spelling of "
+        "--recompute-granularity selective --recompute-modules moe, which it adds)",
+    )
     z_loss_coeff: float = option(
         0.0, "add this times logsumexp(logits)^2 to the loss (keeps logits from drifting)"
     )
@@ -288,6 +304,18 @@ class ModelConfig(MoEOptions):
             raise ConfigError("the vocabulary size is unknown; give a tokenizer or --vocab-size")
         multiple = self.make_vocab_size_divisible_by * tp
         return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    @property
+    def selective_modules(self) -> frozenset[str]:
+        """The parts selective recomputation reruns (megatron-core's rule: --recompute-modules,
+        by default core_attn; --moe-layer-recompute makes the granularity selective and adds
+        moe); empty without it."""
+        if self.recompute_granularity == "full":
+            return frozenset()
+        if self.recompute_granularity != "selective" and not self.moe_layer_recompute:
+            return frozenset()
+        modules = set(self.recompute_modules or ["core_attn"])
+        return frozenset(modules | ({"moe"} if self.moe_layer_recompute else set()))
 
     def validate(self, tp: int = 1, sequence_parallel: bool = False) -> None:
         """Raise ConfigError naming the flag to change for any impossible shape."""
@@ -374,6 +402,15 @@ class ModelConfig(MoEOptions):
                 )
         elif self.recompute_method is not None:
             raise ConfigError("--recompute-method needs --recompute-granularity full")
+        if self.moe_layer_recompute and self.recompute_granularity == "full":
+            raise ConfigError(
+                "--moe-layer-recompute with --recompute-granularity full: the layers are "
+                "recomputed whole already; drop one (as Megatron-LM refuses)"
+            )
+        if "moe_act" in self.selective_modules and not self.moe_grouped_gemm:
+            raise ConfigError(
+                "--recompute-modules moe_act needs --moe-grouped-gemm (as in Megatron-LM)"
+            )
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError("--make-vocab-size-divisible-by must be at least 1")
         self.validate_moe(self.num_layers)

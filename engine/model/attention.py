@@ -62,7 +62,7 @@ class SelfAttention(nn.Module):
             self.k_layernorm = Norm(cfg.normalization, d, cfg.norm_epsilon, partial, **kwargs)
         else:
             self.q_layernorm = self.k_layernorm = None
-        self.selective_recompute = cfg.recompute_granularity == "selective"
+        self.selective_recompute = "core_attn" in cfg.selective_modules
         grouped = n != g
         kind = choose_kernel(
             ctx.device, ctx.params_dtype, grouped, cfg.attention_window, cfg.attention_dropout

@@ -1,5 +1,8 @@
 """One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a
-mixture of experts (engine/model/moe/layer.py) where --moe-layer-freq says so."""
+mixture of experts (engine/model/moe/layer.py) where --moe-layer-freq says so. Selective
+recomputation (--recompute-modules) reruns the norms, the dense MLP or the whole MoE layer in
+backward where named; core attention, the experts' activation and the shared experts are
+rerun where they are computed."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from engine.model.context import BuildContext
 from engine.model.mlp import MLP
 from engine.model.moe.layer import MoELayer
 from engine.model.norm import Norm
+from parallel.random import checkpoint
 
 
 class TransformerLayer(nn.Module):
@@ -32,6 +36,7 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, **norm)
         is_moe = cfg.moe_layer_pattern(cfg.num_layers)[layer_number]
         self.mlp = MoELayer(ctx, layer_number) if is_moe else MLP(ctx, layer_number)
+        self.recompute = cfg.selective_modules
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         p = self.ctx.config.hidden_dropout
@@ -40,6 +45,16 @@ class TransformerLayer(nn.Module):
         with self.ctx.dropout_stream():
             return F.dropout(x, p, training=True)
 
+    def _recomputed(self, module: str, function, x: torch.Tensor) -> torch.Tensor:
+        """function(x), rerun in backward instead of kept when selective recomputation names
+        `module` (--recompute-modules)."""
+        if self.training and module in self.recompute:
+            return checkpoint(function, self.ctx.tracker, x)
+        return function(x)
+
     def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary))
-        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+        normed = self._recomputed("layernorm", self.input_layernorm, x)
+        x = x + self._dropout(self.self_attention(normed, rotary))
+        normed = self._recomputed("layernorm", self.pre_mlp_layernorm, x)
+        mlp = "moe" if isinstance(self.mlp, MoELayer) else "mlp"
+        return x + self._dropout(self._recomputed(mlp, self.mlp, normed))

@@ -69,6 +69,11 @@ def layer_activation_bytes(
             "the activation model assumes --attention-dropout 0 (as modern recipes run); pass "
             "--attention-dropout 0.0"
         )
+    if cfg.selective_modules - {"core_attn"}:
+        raise ConfigError(
+            "the activation model covers selective recomputation of core attention only "
+            "(--recompute-modules core_attn, the default); drop the other modules"
+        )
     if cfg.rotary_percent != 1.0 or cfg.window_size is not None:
         raise ConfigError(
             "the activation model does not cover --rotary-percent below 1 or --window-size yet"

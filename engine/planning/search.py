@@ -26,10 +26,14 @@ from engine.planning.hardware import Machine
 from engine.planning.memory import STRATEGIES, Layout, rank_memory_bytes
 from engine.planning.step_time import predict_step
 
+# (the planner's own choices replace any --recompute-modules / --moe-layer-recompute given)
+_PARTS = dict(recompute_modules=None, moe_layer_recompute=False)
 RECOMPUTE = {
-    "none": dict(recompute_granularity=None, recompute_method=None),
-    "selective": dict(recompute_granularity="selective", recompute_method=None),
-    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "none": dict(recompute_granularity=None, recompute_method=None, **_PARTS),
+    "selective": dict(recompute_granularity="selective", recompute_method=None, **_PARTS),
+    "full": dict(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, **_PARTS
+    ),
 }
 
 

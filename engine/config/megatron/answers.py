@@ -202,7 +202,7 @@ activation and optimizer CPU offloading:
 activation-function variants:
     --activation-func-clamp-value --glu-linear-offset --quick-geglu
 activation-recomputation options:
-    --distribute-saved-activations --recompute-modules
+    --distribute-saved-activations
 attention variants:
     --attention-output-gate --qk-l2-norm --softmax-type --window-attn-skip-freq
 batch-invariant kernels:
@@ -270,7 +270,7 @@ expert parallelism and the rest of mixture of experts (issue 40):
     --moe-expert-rank-capacity-factor --moe-extended-tp --moe-flex-dispatcher-num-sms
     --moe-hybridep-num-blocks-permute --moe-hybridep-num-blocks-unpermute
     --moe-hybridep-num-sms-preprocessing --moe-hybridep-pad-uneven-dispatch-inputs
-    --moe-latent-size --moe-layer-recompute --moe-mlp-glu-interleave-size
+    --moe-latent-size --moe-mlp-glu-interleave-size
     --moe-ncclep-static-shape --moe-ncclep-zero-copy --moe-paged-stash
     --moe-paged-stash-buffer-size-factor-cpu --moe-paged-stash-buffer-size-factor-cuda
     --moe-paged-stash-page-size --moe-permute-fusion-into-hybridep

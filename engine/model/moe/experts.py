@@ -18,6 +18,7 @@ from torch import nn
 from engine.model.context import BuildContext
 from engine.model.mlp import MLP
 from parallel.expert_parallel.params import mark_expert_parallel
+from parallel.random import checkpoint
 
 
 class Experts(nn.Module):
@@ -33,7 +34,10 @@ class Experts(nn.Module):
         # the grouped GEMM reads the experts' weights without calling them: data parallelism
         # waits for their gathers before this module's forward (parallel/data_parallel/ddp.py)
         self.reads_child_parameters = True
+        self.recompute_activation = "moe_act" in cfg.selective_modules
+        self.tracker = ctx.tracker
         for expert, index in zip(self.local_experts, expert_indices):
+            expert.recompute_activation = self.recompute_activation
             for name, param in expert.named_parameters():
                 param.checkpoint_name = f"{prefix}.{index}.{name}"  # the global index
                 mark_expert_parallel(param)  # reduced over the expert data-parallel group
@@ -49,7 +53,12 @@ class Experts(nn.Module):
     def _grouped(self, tokens, counts, probs) -> torch.Tensor:
         ends = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
         fc1 = torch.stack([e.linear_fc1.weight.t() for e in self.local_experts])
-        h = self.local_experts[0].activate(torch._grouped_mm(tokens, fc1, offs=ends))
+        h = torch._grouped_mm(tokens, fc1, offs=ends)
+        activate = self.local_experts[0].activate
+        if self.recompute_activation and self.training:
+            h = checkpoint(activate, self.tracker, h)  # rerun in backward, not kept
+        else:
+            h = activate(h)
         h = (h * probs.unsqueeze(-1)).to(h.dtype)
         fc2 = torch.stack([e.linear_fc2.weight.t() for e in self.local_experts])
         return torch._grouped_mm(h, fc2, offs=ends)

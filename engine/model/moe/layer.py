@@ -22,6 +22,7 @@ from engine.model.moe.dispatch import (
 )
 from engine.model.moe.experts import Experts
 from engine.model.moe.router import Router
+from parallel.random import checkpoint
 from parallel.tensor_parallel.init import draw_full
 from parallel.tensor_parallel.sharding import mark_tp_partial_grad
 
@@ -75,7 +76,12 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s, b, h] -> [s, b, h]."""
         seq, batch, hidden = x.shape
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        shared = None
+        if self.shared_experts is not None:
+            if "shared_experts" in self.cfg.selective_modules and self.training:
+                shared = checkpoint(self.shared_experts, self.ctx.tracker, x)
+            else:
+                shared = self.shared_experts(x)
         probs, routing_map = self.router(x)
         rows, row_probs, permutation = permute(x.reshape(-1, hidden), routing_map, probs)
         counts, ep, times = permutation.counts, self.ctx.ep_size, self.ctx.times
