@@ -2,13 +2,13 @@
 gloo: the training losses must agree.
 
 Layouts: TP2 (with sequence parallelism), PP2 with every schedule (gpipe, 1f1b, zb-h1;
-interleaved, zb-v and dualpipe-v each with and without --overlap-p2p-communication), DP2 with each
-sharding strategy, CP2. Each runs a small GPT (fp32, TF32 off, no dropout) on mock data for a
-few iterations through engine.launch, once with `--device cuda` (NCCL) and once with
-`--device cpu` (gloo); a layout passes when every logged loss agrees within --rtol. Prints a
-table; exits 1 if a run fails or a loss differs. `make gpu-check` runs it on machines with two
-or more GPUs (tools/gpu_check.py). `--cpu-only` runs both sides on CPU (a self-check of the
-tool: the losses must then be equal).
+interleaved, zb-v and dualpipe-v each with and without --overlap-p2p-communication), DP2 with
+each sharding strategy, CP2, and a mixture of experts under DP2 x EP2 (the experts' all-to-all).
+Each runs a small GPT (fp32, TF32 off, no dropout) on mock data for a few iterations through
+engine.launch, once with `--device cuda` (NCCL) and once with `--device cpu` (gloo); a layout
+passes when every logged loss agrees within --rtol. Prints a table; exits 1 if a run fails or a
+loss differs. `make gpu-check` runs it on machines with two or more GPUs (tools/gpu_check.py).
+`--cpu-only` runs both sides on CPU (a self-check of the tool: the losses must then be equal).
 """
 
 from __future__ import annotations
@@ -51,6 +51,15 @@ LAYOUTS: dict[str, list[str]] = {
     "dp2-optim_grads": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"],
     "dp2-optim_grads_params": ["--use-megatron-fsdp"],
     "cp2": ["--context-parallel-size", "2"],
+    # a mixture of experts, its 4 experts over 2 expert-parallel ranks: the all-to-all
+    "dp2-ep2-moe": [
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "2",
+        "--expert-model-parallel-size",
+        "2",
+    ],
 }
 
 
