@@ -6,8 +6,8 @@ data-parallel group:
 
 - DP 2 x EP 2 under every sharding strategy (softmax top-2 with shared experts, sigmoid with
   expert bias and capacity, Sinkhorn top-1 with full recomputation); TP 2 x EP 2 also with
-  selective recomputation of the MoE layers, shared experts, norms and dense MLP; DP 4 x EP 2 (an expert
-  data-parallel group of 2) with overlapped reductions and gathers; DP 4 x EP 4;
+  selective recomputation of the MoE layers, shared experts, norms and dense MLP; DP 4 x EP 2
+  (an expert data-parallel group of 2) with overlapped reductions and gathers; DP 4 x EP 4;
 - PP 2 x DP 2 x EP 2 (1F1B, and interleaved with 2 virtual stages); CP 2 x EP 2;
 - TP 2 with sequence parallelism and whole experts (EP 1, EP 2 folded over TP, TP 2 x DP 2 x
   EP 2; GELU experts with biases too);

@@ -70,6 +70,9 @@ CASES = {
         moe_aux_loss_coeff=[0.01, 0.02],
         swiglu=True,
     ),
+    "input jitter 0.1 (the same draws from the same seed)": dict(
+        num_experts=4, moe_router_topk=2, moe_input_jitter_eps=0.1, swiglu=True
+    ),
     "sinkhorn top-1": dict(
         num_experts=4, moe_router_topk=1, moe_router_load_balancing_type=["sinkhorn"], swiglu=True
     ),
@@ -109,6 +112,7 @@ def _megatron_config(ours: ModelConfig):
         moe_token_drop_policy=ours.moe_token_drop_policy,
         moe_pad_expert_input_to_capacity=ours.moe_pad_expert_input_to_capacity,
         moe_apply_probs_on_input=ours.moe_apply_probs_on_input,
+        moe_input_jitter_eps=ours.moe_input_jitter_eps,
         moe_shared_expert_intermediate_size=ours.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=ours.moe_shared_expert_gate,
         gated_linear_unit=ours.swiglu,
@@ -175,8 +179,10 @@ def _compare(rank, world):
         found = {}
         for who, layer in (("ours", ours), ("theirs", theirs)):
             inputs = x.clone().requires_grad_()
+            torch.manual_seed(11)  # (the jitter's draws)
             with torch.no_grad():  # (no losses, no token counts)
                 probs, routing_map = layer.router(inputs.detach())
+            torch.manual_seed(11)
             out = layer(inputs)
             out = out[0] if isinstance(out, tuple) else out
             out.backward(upstream)

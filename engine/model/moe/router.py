@@ -124,8 +124,7 @@ class Router(nn.Module):
         if learning:
             self.recorded = {}
         if cfg.moe_input_jitter_eps is not None:  # (in evaluation too, as megatron-core)
-            eps = cfg.moe_input_jitter_eps
-            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+            x = x * _jitter(x, cfg.moe_input_jitter_eps)
         logits = self.gating(x).reshape(seq * batch, cfg.num_experts)
         if learning and cfg.moe_z_loss_coeff:
             ranks = _ranks(self._sequence_groups())
@@ -250,3 +249,12 @@ def routers_of(chunks) -> list[Router]:
     """The MoE routers of the model chunks (DDP-wrapped or not), in order."""
     modules = [chunk.module if hasattr(chunk, "module") else chunk for chunk in chunks]
     return [m for module in modules for m in module.modules() if isinstance(m, Router)]
+
+
+def _jitter(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Multipliers drawn uniformly from [1 - eps, 1 + eps) in x's dtype, from the default
+    generator, drawn and scaled as megatron-core's Uniform(1 - eps, 1 + eps).rsample does (the
+    same numbers from the same seed)."""
+    low = torch.tensor(1.0 - eps, dtype=x.dtype, device=x.device)
+    high = torch.tensor(1.0 + eps, dtype=x.dtype, device=x.device)
+    return low + torch.rand(x.shape, dtype=x.dtype, device=x.device) * (high - low)
