@@ -62,6 +62,8 @@ def test_bench_moe_rows(tmp_path):
     assert {"layer (grouped)", "experts (loop)", "router (grouped)"} <= set(found["layer"])
     # the experts of EP 2 are split over the ranks: less state per rank than EP 1's
     assert found["state_bytes"]["EP 2 (DP 2)"] < found["state_bytes"]["MoE EP 1"]
+    for name, peak in found["peak_bytes"].items():  # the state and the activations held
+        assert peak > found["state_bytes"][name], name
     assert all(t > 0 for times in found["steps"].values() for t in times)
 
 

@@ -8,7 +8,8 @@ data-parallel group:
   expert bias and capacity, Sinkhorn top-1 with full recomputation); TP 2 x EP 2 also with
   selective recomputation of the MoE layers, shared experts, norms and dense MLP; DP 4 x EP 2
   (an expert data-parallel group of 2) with overlapped reductions and gathers; DP 4 x EP 4;
-- PP 2 x DP 2 x EP 2 (1F1B, and interleaved with 2 virtual stages); CP 2 x EP 2;
+- PP 2 x DP 2 x EP 2 (1F1B, GPipe, zero-bubble zb-h1, uneven stages of 1 and 3 layers; and
+  interleaved, zb-v and dualpipe-v with 2 virtual stages); CP 2 x EP 2 (each --cp-comm-type);
 - TP 2 with sequence parallelism and whole experts (EP 1, EP 2 folded over TP, TP 2 x DP 2 x
   EP 2; GELU experts with biases too);
 - each expert split over 2 ranks (expert tensor parallelism: TP 2 with ETP 2, Megatron-LM's
@@ -89,16 +90,35 @@ LAYOUTS = {
         ],
     ),
     "dp4-ep4": (4, dict(ep=4), [dict(sharding="optim"), dict(sharding="no_shard")]),
-    "pp2-dp2-ep2": (4, dict(pp=2, ep=2), [dict(sharding="no_shard"), dict(sharding="optim")]),
+    "pp2-dp2-ep2": (
+        4,
+        dict(pp=2, ep=2),
+        [
+            dict(sharding="no_shard"),
+            dict(sharding="optim"),
+            dict(sharding="optim", schedule_kind="gpipe"),
+            dict(sharding="optim", schedule_kind="zb-h1"),  # weight gradients deferred
+            dict(sharding="no_shard", first_stage_layers=1),  # uneven stages: 1 and 3 layers
+        ],
+    ),
     "pp2-virtual-ep2": (  # interleaved 1F1B, 2 chunks per stage
         4,
         dict(pp=2, ep=2),
         [
             dict(sharding=s, schedule_kind="interleaved", virtual_size=2)
             for s in ("optim", "no_shard")
+        ]
+        + [  # (micro-batches of 1: zb-v needs 3 a step at PP 2, dualpipe-v 4)
+            dict(sharding="optim", schedule_kind=k, virtual_size=2, micro_batch=1)
+            for k in ("zb-v", "dualpipe-v")
         ],
     ),
-    "cp2-ep2": (2, dict(cp=2, ep=2), [dict(sharding=s) for s in ("optim", "no_shard")]),
+    "cp2-ep2": (
+        2,
+        dict(cp=2, ep=2),
+        [dict(sharding=s) for s in ("optim", "no_shard")]
+        + [dict(sharding="optim", cp_comm_type=(kind,)) for kind in ("a2a", "allgather")],
+    ),
     # tensor and sequence parallelism: each TP rank routes its part of the sequence to whole
     # experts (expert tensor-parallel size 1), folded over TP too
     "tp2-ep1": (
@@ -146,16 +166,21 @@ def _parity(rank, world, layout: str, routers: tuple[str, ...], mutate: bool = F
     for router in routers:
         style, options = CASES[router]
         cfg = tiny_config(style, **options)
-        ref_grads = {}
-        reference, ref_ddps, _ = engine_run(
-            local, cfg, ocfg, STEPS, GBS, MBS, first_grads=ref_grads
-        )
-        ref_params = full_params(ref_ddps, local)
+        references = {}  # by micro-batch size (the balancing losses are per micro-batch)
         initial = full_params(engine_run(local, cfg, ocfg, 0, GBS, MBS)[1], local)
         for options in runs:
+            options = dict(options)
+            mbs = options.pop("micro_batch", MBS)
+            if mbs not in references:
+                ref_grads = {}
+                reference, ref_ddps, _ = engine_run(
+                    local, cfg, ocfg, STEPS, GBS, mbs, first_grads=ref_grads
+                )
+                references[mbs] = (reference, full_params(ref_ddps, local), ref_grads)
+            reference, ref_params, ref_grads = references[mbs]
             grads = {} if options["sharding"] == "no_shard" else None
             outputs, ddps, _ = engine_run(
-                state, cfg, ocfg, STEPS, GBS, MBS, **options, first_grads=grads
+                state, cfg, ocfg, STEPS, GBS, mbs, **options, first_grads=grads
             )
             got = full_params(ddps, state)
             errors = model_error(got, ref_params, initial)
@@ -168,6 +193,7 @@ def _parity(rank, world, layout: str, routers: tuple[str, ...], mutate: bool = F
                     "case": (layout, router, options),
                     **errors,
                     "experts": sorted({n.split(".local_experts.")[1][0] for n in experts}),
+                    "routers": sum(n.endswith(".router.weight") for n in got),
                     "expert_buffers": sum(b.is_expert for d in ddps for b in d.buffers),
                     **step_errors(outputs, reference),
                 }
@@ -202,12 +228,13 @@ def test_expert_parallel_training_matches_one_process(layout, routers):
         assert r["model"] < 1e-6 and r["worst_tensor"] < 1e-5, r
         assert r["loss_err"] < 1e-6 and r["norm_err"] < 1e-6, r
         if "grad_err" in r:  # every gradient (no_shard runs: unsharded)
-            assert r["grads"] > 10 and r["grad_err"] < 1e-5, r
-        assert len(r["experts"]) == 4 // ep, r  # only this rank's experts
+            assert r["grads"] >= 5 and r["grad_err"] < 1e-5, r
+        # only this rank's experts (a first stage of 1 dense layer has none)
+        assert len(r["experts"]) == (4 // ep if r["routers"] else 0), r
         # experts apart from the dense parameters unless each is split as they are
         tp = build.get("tp", 1)
         apart = ep > 1 or build.get("etp", tp) != tp
-        assert (r["expert_buffers"] >= 1) == apart, r
+        assert (r["expert_buffers"] >= 1) == (apart and r["routers"] > 0), r
 
 
 def test_experts_reduced_over_the_dense_group_fail_the_comparison():

@@ -54,6 +54,37 @@ def test_grouped_gemm_equals_the_loop_over_experts():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(swiglu=False, add_bias_linear=True),  # GELU experts with biases
+        dict(swiglu=False, squared_relu=True, add_bias_linear=False),
+        dict(swiglu=True, add_bias_linear=False, moe_ffn_hidden_size=30),  # unaligned rows
+    ],
+    ids=["gelu-biases", "squared-relu", "unaligned"],
+)
+def test_the_batched_path_equals_the_loop_over_experts(options):
+    """--moe-grouped-gemm where torch's grouped GEMM does not run (biases, squared ReLU,
+    rows that are not 16-byte multiples): one batched GEMM per projection over the padded
+    rows, the same outputs and gradients as the loop."""
+    options = dict(num_experts=4, moe_ffn_hidden_size=32) | options
+    loop, batched = _layer(**options), _layer(moe_grouped_gemm=True, **options)
+    x = torch.randn(8, 4, 16, generator=torch.Generator().manual_seed(2))
+    assert not grouped_gemm_fits(batched.experts, x.reshape(-1, 16))
+    upstream = torch.randn(8, 4, 16, generator=torch.Generator().manual_seed(3))
+    outputs, grads = [], []
+    for layer in (loop, batched):
+        inputs = x.clone().requires_grad_()
+        out = layer(inputs)
+        out.backward(upstream)
+        outputs.append(out.detach())
+        grads.append([inputs.grad] + [p.grad for p in layer.parameters()])
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
+    assert len(grads[1]) == len(grads[0]) > 8
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.gpu
 def test_grouped_gemm_on_the_gpu_equals_the_loop_over_experts():

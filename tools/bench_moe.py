@@ -2,8 +2,10 @@
 
 1. MoE against dense: a model whose MLPs are E experts with top-k routing (EP 1, one rank)
    against the same model with dense MLPs of k x the expert size (the same active parameters):
-   seconds per step, tokens/s and model-state bytes per rank (parameters, gradients, Adam);
-   the goal is MoE within 1.3x dense's step time.
+   seconds per step, tokens/s, model-state bytes per rank (parameters, gradients, Adam) and
+   peak memory per rank (the state plus the most activation bytes autograd held at once over
+   a step, engine/planning/saved_activations.PeakSavedBytes, as the planner's tests count
+   it); the goal is MoE within 1.3x dense's step time.
 2. Expert-parallel weak scaling: the per-rank batch fixed, EP N (folded over DP N, the experts
    E / N per rank, tokens exchanged by all-to-all) against N one-rank EP 1 runs side by side
    (what sharing the machine costs without any exchange); efficiency = side by side / EP N,
@@ -35,6 +37,7 @@ from engine.optim.lr_schedule import LRScheduler
 from engine.optim.optimizer import build_optimizer
 from engine.planning.bench_setup import bench_model_config
 from engine.planning.calibrate import median_seconds
+from engine.planning.saved_activations import PeakSavedBytes
 from engine.planning.state_memory import held_state_bytes
 from engine.train.step import train_step
 from parallel.data_parallel.ddp import DistributedDataParallel
@@ -58,7 +61,8 @@ def _config(args, moe: bool, grouped: bool = True):
 
 
 def _train(rank, world, args, moe: bool, ep: int):
-    """Median seconds per step and model-state bytes of this rank."""
+    """Median seconds per step, model-state bytes and peak bytes (state + activations held)
+    of this rank."""
     state = ParallelState.build(tp=1, ep=ep)
     cfg = _config(args, moe)
     chunks = build_model_chunks(cfg, state)
@@ -80,18 +84,20 @@ def _train(rank, world, args, moe: bool, ep: int):
     scheduler = LRScheduler(ocfg, 10**6)
     generator = torch.Generator().manual_seed(rank)
     times = []
-    for step in range(args.warmup + args.steps):
-        tokens = torch.randint(
-            0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=generator
-        )
-        batches = [{"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}]
-        if world > 1:
-            dist.barrier()
-        start = time.perf_counter()
-        train_step(ddps, optimizer, scheduler, batches, state)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times), sum(held_state_bytes(ddps, optimizer).values())
+    params = [p for c in chunks for p in c.parameters()]
+    with PeakSavedBytes(params) as saved:
+        for step in range(args.warmup + args.steps):
+            shape = (args.micro_batch_size, args.seq_length + 1)
+            tokens = torch.randint(0, args.vocab_size, shape, generator=generator)
+            batches = [{"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}]
+            if world > 1:
+                dist.barrier()
+            start = time.perf_counter()
+            train_step(ddps, optimizer, scheduler, batches, state)
+            if step >= args.warmup:
+                times.append(time.perf_counter() - start)
+    held = sum(held_state_bytes(ddps, optimizer).values())
+    return statistics.median(times), held, held + saved.peak
 
 
 def _layer(rank, world, args, grouped: bool):
@@ -154,21 +160,23 @@ def main(argv: list[str] | None = None) -> int:
 
     steps: dict[str, list] = {"dense": [], "MoE EP 1": []}
     state_bytes: dict[str, int] = {}
+    peak_bytes: dict[str, int] = {}
     scaling: dict[str, list] = {}
     layer: dict[str, list] = {}
     for _ in range(args.repeats):
         for name, moe in (("dense", False), ("MoE EP 1", True)):
-            seconds, held = run_local(_train, 1, args, moe, 1, timeout=1800)[0]
+            seconds, held, peak = run_local(_train, 1, args, moe, 1, timeout=1800)[0]
             steps[name].append(seconds)
-            state_bytes[name] = held
+            state_bytes[name], peak_bytes[name] = held, peak
         for ep in sizes:
             with ThreadPoolExecutor(ep) as pool:
                 alone = [pool.submit(run_local, _train, 1, args, True, 1) for _ in range(ep)]
                 side = max(f.result()[0][0] for f in alone)
             scaling.setdefault(f"{ep} x EP 1 side by side", []).append(side)
             results = run_local(_train, ep, args, True, ep, timeout=1800)
-            scaling.setdefault(f"EP {ep} (DP {ep})", []).append(max(t for t, _ in results))
+            scaling.setdefault(f"EP {ep} (DP {ep})", []).append(max(r[0] for r in results))
             state_bytes[f"EP {ep} (DP {ep})"] = results[0][1]
+            peak_bytes[f"EP {ep} (DP {ep})"] = max(r[2] for r in results)
         for grouped in (True, False):
             times = run_local(_layer, 1, args, grouped, timeout=1800)[0]
             for part, seconds in times.items():
@@ -181,19 +189,29 @@ def main(argv: list[str] | None = None) -> int:
         f"of {args.expert_ffn}, top-{args.topk} (dense MLP {args.topk * args.expert_ffn}); "
         f"{tokens} tokens per rank and step; gloo, one thread per rank"
     )
-    print(f"\n{'run':28s} {'s/step':>8s} {'tokens/s':>9s} {'state MB/rank':>14s} {'vs dense':>9s}")
+    print(
+        f"\n{'run':28s} {'s/step':>8s} {'tokens/s':>9s} {'state MB/rank':>14s} "
+        f"{'peak MB/rank':>13s} {'vs dense':>9s}"
+    )
     for name, seconds in step.items():
         print(
             f"{name:28s} {seconds:8.3f} {tokens / seconds:9.0f} "
-            f"{state_bytes[name] / 1e6:14.1f} {seconds / step['dense']:8.2f}x"
+            f"{state_bytes[name] / 1e6:14.1f} {peak_bytes[name] / 1e6:13.1f} "
+            f"{seconds / step['dense']:8.2f}x"
         )
     scale = _median_rows(scaling)
-    print(f"\n{'run':28s} {'s/step':>8s} {'efficiency':>10s} {'state MB/rank':>14s}")
+    print(
+        f"\n{'run':28s} {'s/step':>8s} {'efficiency':>10s} {'state MB/rank':>14s} "
+        f"{'peak MB/rank':>13s}"
+    )
     for ep in sizes:
         side, mine = scale[f"{ep} x EP 1 side by side"], scale[f"EP {ep} (DP {ep})"]
         print(f"{f'{ep} x EP 1 side by side':28s} {side:8.3f} {'(anchor)':>10s}")
         held = state_bytes[f"EP {ep} (DP {ep})"] / 1e6
-        print(f"{f'EP {ep} (DP {ep})':28s} {mine:8.3f} {side / mine:10.1%} {held:14.1f}")
+        peak = peak_bytes[f"EP {ep} (DP {ep})"] / 1e6
+        print(
+            f"{f'EP {ep} (DP {ep})':28s} {mine:8.3f} {side / mine:10.1%} {held:14.1f} {peak:13.1f}"
+        )
     parts = _median_rows(layer)
     print(f"\n{'MoE layer, fwd + bwd':28s} {'ms':>8s} {'share':>8s}")
     for kind in ("grouped", "loop"):
@@ -218,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 "args": vars(args),
                 "steps": steps,
                 "state_bytes": state_bytes,
+                "peak_bytes": peak_bytes,
                 "scaling": scaling,
                 "layer": layer,
             },

@@ -7,7 +7,8 @@ router probabilities and returns each token's expert output scaled by its probab
 expert runs on its own tokens; with --moe-grouped-gemm, where torch has a grouped GEMM for the
 device and shapes (`torch._grouped_mm`: 16-byte aligned rows, no biases, the GELU or SwiGLU
 of the dense MLP), the experts' up and down projections each run as one grouped GEMM instead,
-on the same weights.
+on the same weights; elsewhere (biases, squared ReLU, other dtypes or devices, unaligned rows)
+as one batched GEMM each (`torch.bmm`) over the experts' rows padded to the busiest expert's.
 """
 
 from __future__ import annotations
@@ -45,20 +46,49 @@ class Experts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         if self.cfg.moe_grouped_gemm and grouped_gemm_fits(self, tokens):
             return self._grouped(tokens, counts, probs)
+        if self.cfg.moe_grouped_gemm and tokens.shape[0]:
+            return self._batched(tokens, counts, probs)
         outputs = []
         for expert, part, p in zip(self.local_experts, tokens.split(counts), probs.split(counts)):
             outputs.append(expert(part, p))
         return torch.cat(outputs) if outputs else tokens.new_zeros(0, tokens.shape[-1])
 
+    def _activate(self, h: torch.Tensor) -> torch.Tensor:
+        activate = self.local_experts[0].activate
+        if self.recompute_activation and self.training:
+            return checkpoint(activate, self.tracker, h)  # rerun in backward, not kept
+        return activate(h)
+
+    def _batched(self, tokens, counts, probs) -> torch.Tensor:
+        """The experts as one batched GEMM per projection: expert e's rows in row e of an
+        [E, busiest, h] block (zeros after its own), weights stacked [E, out, in]."""
+        device, experts = tokens.device, self.local_experts
+        sizes = torch.tensor(counts, device=device)
+        width = max(counts)
+        expert_of = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes)
+        starts = torch.cumsum(sizes, 0) - sizes
+        slot = expert_of * width + torch.arange(tokens.shape[0], device=device) - starts[expert_of]
+        padded = tokens.new_zeros(len(counts) * width, tokens.shape[-1])
+        padded = padded.index_copy(0, slot, tokens).view(len(counts), width, -1)
+        fc1 = torch.stack([e.linear_fc1.weight for e in experts])
+        h = torch.bmm(padded, fc1.transpose(1, 2))
+        if experts[0].linear_fc1.bias is not None:
+            h = h + torch.stack([e.linear_fc1.bias for e in experts]).unsqueeze(1)
+        h = self._activate(h)
+        scale = probs.new_zeros(len(counts) * width).index_copy(0, slot, probs)
+        scale = scale.view(len(counts), width, 1)
+        h = (h * scale).to(h.dtype)
+        fc2 = torch.stack([e.linear_fc2.weight for e in experts])
+        out = torch.bmm(h, fc2.transpose(1, 2))
+        if experts[0].linear_fc2.bias is not None:
+            bias = torch.stack([e.linear_fc2.bias for e in experts]).unsqueeze(1)
+            out = (out + bias * scale).to(out.dtype)
+        return out.reshape(-1, out.shape[-1]).index_select(0, slot)
+
     def _grouped(self, tokens, counts, probs) -> torch.Tensor:
         ends = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
         fc1 = torch.stack([e.linear_fc1.weight.t() for e in self.local_experts])
-        h = torch._grouped_mm(tokens, fc1, offs=ends)
-        activate = self.local_experts[0].activate
-        if self.recompute_activation and self.training:
-            h = checkpoint(activate, self.tracker, h)  # rerun in backward, not kept
-        else:
-            h = activate(h)
+        h = self._activate(torch._grouped_mm(tokens, fc1, offs=ends))
         h = (h * probs.unsqueeze(-1)).to(h.dtype)
         fc2 = torch.stack([e.linear_fc2.weight.t() for e in self.local_experts])
         return torch._grouped_mm(h, fc2, offs=ends)
