@@ -252,6 +252,35 @@ def test_bf16_tracks_fp32_loss():
             assert abs(a - b) / a < 0.02, (a, b)
 
 
+def _below_one_ulp(rank, world, sharding):
+    state = ParallelState.build(tp=1)
+    cfg = tiny_config("llama")
+    # Adam's first step moves each weight by about lr: 1e-6 is far below half a bf16 ulp of
+    # weights of ~0.02 (about 6e-5), so the bf16 weights round back to where they were
+    ocfg = opt_config(lr=1e-6, weight_decay=0.0, clip_grad=0.0)
+    seen = {}
+
+    def hook(step, ddps, optimizer):
+        seen[step] = (
+            torch.cat([p.master.detach().reshape(-1).clone() for p in optimizer.pieces]),
+            torch.cat([p.data.detach().float().reshape(-1).clone() for p in optimizer.pieces]),
+        )
+
+    engine_run(state, cfg, ocfg, 2, 8, 2, sharding=sharding, dtype=torch.bfloat16, hook=hook)
+    (master0, data0), (master1, data1) = seen[0], seen[1]
+    return (master1 != master0).float().mean().item(), (data1 != data0).float().mean().item()
+
+
+@pytest.mark.parametrize("sharding", ["no_shard", "optim"])
+def test_an_update_below_one_bf16_ulp_moves_the_fp32_master(sharding):
+    """bf16 parameters keep fp32 masters: an update far below one bf16 ulp leaves (almost)
+    every bf16 weight as it was, and moves (almost) every fp32 master; updating the bf16
+    weights directly would lose it."""
+    for master_moved, weights_moved in run_ranks(_below_one_ulp, 2, sharding):
+        assert master_moved > 0.5, (master_moved, weights_moved)  # (padding rows get none)
+        assert weights_moved < 0.1, (master_moved, weights_moved)
+
+
 def _overlap_launch_points(rank, world):
     from engine.model.builder import build_model_chunks
     from engine.train.loss import make_loss_func
