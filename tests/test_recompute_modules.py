@@ -73,6 +73,9 @@ def test_recompute_modules_follow_megatron_cores_rules():
               recompute_num_layers=1), "--moe-layer-recompute with --recompute-granularity full"),
         (dict(recompute_granularity="selective", recompute_modules=["moe_act"],
               moe_grouped_gemm=False), "moe_act needs --moe-grouped-gemm"),
+        (dict(recompute_granularity="selective", recompute_modules=["shared_experts"],
+              moe_shared_expert_overlap=True, moe_token_dispatcher_type="alltoall"),
+         "shared_experts cannot work with --moe-shared-expert-overlap"),
     ):  # fmt: skip
         with pytest.raises(ConfigError, match=problem) as err:
             ModelConfig(**base.__dict__ | options).validate()

@@ -411,6 +411,11 @@ class ModelConfig(MoEOptions):
             raise ConfigError(
                 "--recompute-modules moe_act needs --moe-grouped-gemm (as in Megatron-LM)"
             )
+        if "shared_experts" in self.selective_modules and self.moe_shared_expert_overlap:
+            raise ConfigError(
+                "--recompute-modules shared_experts cannot work with --moe-shared-expert-overlap "
+                "(as in Megatron-LM); drop one"
+            )
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError("--make-vocab-size-divisible-by must be at least 1")
         self.validate_moe(self.num_layers)

@@ -46,7 +46,7 @@ class SelfAttention(nn.Module):
         self.across_heads = cfg.qk_layernorm and cfg.qk_layernorm_across_heads
         if self.across_heads:  # one norm over all heads (OLMoE), split with them over TP
             kwargs = {"params_dtype": ctx.params_dtype, "device": ctx.device}
-            kwargs |= {"zero_centered": cfg.apply_layernorm_1p}
+            kwargs |= {"zero_centered": cfg.apply_layernorm_1p, "times": ctx.times}
             eps, group = cfg.norm_epsilon, ctx.tp_group
             self.q_layernorm = ProjectionRMSNorm(n * d, eps, group, **kwargs)
             self.k_layernorm = ProjectionRMSNorm(g * d, eps, group, **kwargs)

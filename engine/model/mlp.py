@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.context import BuildContext
-from parallel.random import checkpoint
 
 
 class MLP(nn.Module):
@@ -41,8 +40,6 @@ class MLP(nn.Module):
         self.linear_fc2 = ctx.row_linear(
             f"{prefix}.linear_fc2", f, cfg.hidden_size, bias=cfg.add_bias_linear
         )
-        self.tracker = ctx.tracker
-        self.recompute_activation = False  # an expert's, with --recompute-modules moe_act
 
     def activate(self, h: torch.Tensor) -> torch.Tensor:
         """The activation between the projections: SwiGLU, squared ReLU or GELU."""
@@ -56,11 +53,7 @@ class MLP(nn.Module):
         """`probs` [tokens] (an expert's): each token's output is scaled by its router
         probability, applied after the activation (and to the down projection's bias), as
         megatron-core's experts apply it."""
-        h = self.linear_fc1(x)
-        if self.recompute_activation and self.training:
-            h = checkpoint(self.activate, self.tracker, h)  # rerun in backward, not kept
-        else:
-            h = self.activate(h)
+        h = self.activate(self.linear_fc1(x))
         if probs is None:
             return self.linear_fc2(h)
         scale = probs.unsqueeze(-1)

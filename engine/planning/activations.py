@@ -123,7 +123,7 @@ def layers_activation_bytes(
             return -(-num_layers // n) * group_input + tables
         recomputed = min(n, num_layers)  # block: the first N of the chunk
         return recomputed * group_input + (num_layers - recomputed) * layer + tables
-    if cfg.recompute_granularity == "selective":
+    if "core_attn" in cfg.selective_modules:
         layer -= 4 * tokens * (cfg.num_attention_heads // tp)  # the log-sum-exp
     return num_layers * layer + tables
 

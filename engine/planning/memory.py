@@ -204,7 +204,7 @@ def _chunk_activation_bytes(cfg: ModelConfig, layers: list[int], layout: Layout,
     tokens = cfg.seq_length // cp * mbs
     rows = tokens // tp if sp and tp > 1 else tokens
     a = ACTIVATION_BYTES
-    moe_mlp = moe_mlp_activation_bytes(cfg, tp, layout.ep, layout.expert_tp, rows, a)
+    moe_mlp = moe_mlp_activation_bytes(cfg, tp, layout.ep, layout.expert_tp, rows, a, tokens)
     return total + moe * (moe_mlp - dense_mlp_activation_bytes(cfg, tp, tokens, a))
 
 

@@ -75,9 +75,12 @@ def _mlp_activation_bytes(cfg: ModelConfig, rows: int, ffn: int, a: int) -> int:
     return a * rows * ffn * (4 if cfg.swiglu else 2)
 
 
-def moe_mlp_activation_bytes(cfg: ModelConfig, tp: int, ep: int, etp: int, rows: int, a: int):
+def moe_mlp_activation_bytes(
+    cfg: ModelConfig, tp: int, ep: int, etp: int, rows: int, a: int, tokens: int
+):
     """Bytes one MoE layer's MLP part keeps for backward beyond the dense layer's norms and
-    attention (module doc); `rows` the tokens on this rank (R)."""
+    attention (module doc); `rows` the tokens on this rank (R), `tokens` the micro-batch's
+    tokens on a CP rank (what the shared experts' gathered input holds under SP)."""
     h, k, e = cfg.hidden_size, cfg.moe_router_topk, cfg.num_experts
     total = 4 * 4 * rows * e  # the router's logits, scores, probabilities and map
     pairs = rows * k
@@ -92,10 +95,10 @@ def moe_mlp_activation_bytes(cfg: ModelConfig, tp: int, ep: int, etp: int, rows:
     # and for the expert-parallel return
     total += a * h * (received + (pairs if etp > 1 else 0) + (pairs if ep > 1 else 0))
     shared = cfg.moe_shared_expert_intermediate_size
-    if shared:
-        total += _mlp_activation_bytes(cfg, rows, shared // tp, a)
-        if cfg.moe_shared_expert_gate:  # the shared output and its gate, kept by their product
-            total += a * rows * h + 2 * a * rows
+    if shared:  # an MLP split over TP as the dense one: on the gathered sequence under SP
+        total += _mlp_activation_bytes(cfg, tokens, shared // tp, a)
+        if cfg.moe_shared_expert_gate:  # the shared output and its gate, kept by their
+            total += a * rows * h + 2 * a * rows  # product (after the reduce-scatter: rows)
     return total
 
 

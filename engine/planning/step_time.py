@@ -240,9 +240,15 @@ def predict_step(cfg: ModelConfig, layout: Layout, machine: Machine) -> dict:
     params, experts = rank_parameter_groups(cfg, layout, slowest)
     compute = stage["gemm"] + stage["attention"] + stage["memory"]
     forward, backward = compute / 3, 2 * compute / 3
-    parts["dp_comm"] = _data_parallel_s(layout, machine, params, forward, backward)
-    expert_group = (layout.expert_dp, layout.expert_tp * layout.ep)  # megatron-core's folding
-    parts["dp_comm"] += _data_parallel_s(layout, machine, experts, forward, backward, expert_group)
+    dense = _data_parallel_s(layout, machine, params, forward, backward)
+    parts["dp_comm"] = dense
+    if experts:  # over their own group, hidden behind what the dense collectives leave
+        hidden = _data_parallel_s(layout, machine, params, 0.0, 0.0) - dense
+        left = max(0.0, 1.0 - hidden / (forward + backward)) if forward + backward else 0.0
+        group = (layout.expert_dp, layout.expert_tp * layout.ep)  # megatron-core's folding
+        parts["dp_comm"] += _data_parallel_s(
+            layout, machine, experts, forward * left, backward * left, group
+        )
     local = params + experts
     if layout.strategy != "no_shard":
         local = params / (layout.dp * layout.cp) + experts / layout.expert_dp

@@ -3,6 +3,9 @@
 Tensor parallel (TP) region helpers (Megatron-LM's names):
   copy_to_tensor_parallel_region       forward identity,         backward all-reduce
   reduce_from_tensor_parallel_region   forward all-reduce (in place), backward identity
+  sum_over_tensor_parallel_region      forward all-reduce,       backward all-reduce (a sum
+                                       every rank's own computation reads, e.g. a norm's
+                                       squares over heads split across ranks)
   scatter_to_tensor_parallel_region    forward split last dim,   backward all-gather last dim
   gather_from_tensor_parallel_region   forward all-gather last,  backward split last dim
 Sequence parallel (SP) helpers, along dim 0 (activations are [sequence, batch, hidden]):
@@ -125,6 +128,19 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None, None
 
 
+class _SumOverRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, times):
+        ctx.group, ctx.times = group, times
+        with measure(times, TP_COMM):
+            return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with measure(ctx.times, TP_COMM):
+            return _all_reduce(grad, ctx.group), None, None
+
+
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, times):
@@ -195,6 +211,10 @@ def copy_to_tensor_parallel_region(x: torch.Tensor, group, times=None) -> torch.
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group, times=None) -> torch.Tensor:
     return x if group is None else _ReduceFromRegion.apply(x, group, times)
+
+
+def sum_over_tensor_parallel_region(x: torch.Tensor, group, times=None) -> torch.Tensor:
+    return x if group is None else _SumOverRegion.apply(x, group, times)
 
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, group, times=None) -> torch.Tensor:

@@ -124,7 +124,11 @@ def frozen_parameters(cfg) -> set[str]:
 
     with torch.device("meta"):
         module = GPTModel(cfg, BuildContext(cfg, device="meta"))
-    return {name for name, param in module.named_parameters() if not param.requires_grad}
+    return {
+        getattr(param, "checkpoint_name", name)
+        for name, param in module.named_parameters()
+        if not param.requires_grad
+    }
 
 
 def _plan(folder: str, files: _SafetensorsFolder, cfg, style: str) -> dict:

@@ -8,7 +8,8 @@ expert runs on its own tokens; with --moe-grouped-gemm, where torch has a groupe
 device and shapes (`torch._grouped_mm`: 16-byte aligned rows, no biases, the GELU or SwiGLU
 of the dense MLP), the experts' up and down projections each run as one grouped GEMM instead,
 on the same weights; elsewhere (biases, squared ReLU, other dtypes or devices, unaligned rows)
-as one batched GEMM each (`torch.bmm`) over the experts' rows padded to the busiest expert's.
+as one batched GEMM each (`torch.bmm`) over the experts' rows padded to the busiest expert's,
+where that padding at most doubles the rows (else the loop).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ class Experts(nn.Module):
         # the grouped GEMM reads the experts' weights without calling them: data parallelism
         # waits for their gathers before this module's forward (parallel/data_parallel/ddp.py)
         self.reads_child_parameters = True
-        self.recompute_activation = "moe_act" in cfg.selective_modules
+        # (--moe-grouped-gemm's paths; inside a rerun MoE layer the activation reruns with it)
+        modules = cfg.selective_modules
+        self.recompute_activation = "moe_act" in modules and "moe" not in modules
         self.tracker = ctx.tracker
         for expert, index in zip(self.local_experts, expert_indices):
-            expert.recompute_activation = self.recompute_activation
             for name, param in expert.named_parameters():
                 param.checkpoint_name = f"{prefix}.{index}.{name}"  # the global index
                 mark_expert_parallel(param)  # reduced over the expert data-parallel group
@@ -46,7 +48,7 @@ class Experts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         if self.cfg.moe_grouped_gemm and grouped_gemm_fits(self, tokens):
             return self._grouped(tokens, counts, probs)
-        if self.cfg.moe_grouped_gemm and tokens.shape[0]:
+        if self.cfg.moe_grouped_gemm and _padding_bounded(counts):
             return self._batched(tokens, counts, probs)
         outputs = []
         for expert, part, p in zip(self.local_experts, tokens.split(counts), probs.split(counts)):
@@ -92,6 +94,13 @@ class Experts(nn.Module):
         h = (h * probs.unsqueeze(-1)).to(h.dtype)
         fc2 = torch.stack([e.linear_fc2.weight.t() for e in self.local_experts])
         return torch._grouped_mm(h, fc2, offs=ends)
+
+
+def _padding_bounded(counts: list[int]) -> bool:
+    """Whether padding every expert's rows to the busiest expert's at most doubles them (the
+    batched path's memory); skewed routing runs the loop instead."""
+    rows = sum(counts)
+    return rows > 0 and len(counts) * max(counts) <= 2 * rows
 
 
 def grouped_gemm_fits(experts: Experts, tokens: torch.Tensor) -> bool:

@@ -78,7 +78,8 @@ class MoELayer(nn.Module):
         seq, batch, hidden = x.shape
         shared = None
         if self.shared_experts is not None:
-            if "shared_experts" in self.cfg.selective_modules and self.training:
+            modules = self.cfg.selective_modules  # (inside a rerun MoE layer: rerun with it)
+            if "shared_experts" in modules and "moe" not in modules and self.training:
                 shared = checkpoint(self.shared_experts, self.ctx.tracker, x)
             else:
                 shared = self.shared_experts(x)
