@@ -45,7 +45,7 @@ CASES = {
 }
 
 
-def _megatron_moe(case: str, tp: int, ep: int, etp: int | None):
+def _megatron_moe(case: str, tp: int, ep: int, etp: int | None, pp: int = 1):
     warnings.simplefilter("ignore")
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import torch.nn.functional as F
@@ -58,7 +58,7 @@ def _megatron_moe(case: str, tp: int, ep: int, etp: int | None):
     _cpu_stand_ins()
     moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
     parallel_state.initialize_model_parallel(
-        tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+        tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
     )
     model_parallel_cuda_manual_seed(1234)
     options = dict(CASES[case])
@@ -75,6 +75,7 @@ def _megatron_moe(case: str, tp: int, ep: int, etp: int | None):
         add_bias_linear=False,
         **CPU_CONFIG,
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
         moe_token_dispatcher_type="allgather",
@@ -89,6 +90,8 @@ def _megatron_moe(case: str, tp: int, ep: int, etp: int | None):
         position_embedding_type="rope",
         rotary_base=500,
         share_embeddings_and_output_weights=False,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
 
 

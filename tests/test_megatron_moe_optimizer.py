@@ -9,7 +9,9 @@ more checkpoints, so that megatron-core itself lays them out, and the state we r
 what we read of those as weights. Layouts: megatron-core's chained optimizers of expert
 parallelism (dense and expert buckets, `dp_reshardable`) under TP 2 x EP 2 x ETP 2 with shared
 experts; one optimizer holding the experts in its buckets (EP 1), per-layer keys with a dense
-layer first; and the model-space layout (`fully_reshardable`) of chained optimizers."""
+layer first; the chained optimizers over two pipeline stages (PP 2 x EP 2: the stage in each
+bucket's rank index); and the model-space layout (`fully_reshardable`) of chained
+optimizers."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ MOMENTS = {
 }
 
 
-def _save(rank, world, root, case, tp, ep, etp, sharding):
+def _save(rank, world, root, case, tp, ep, etp, sharding, pp=1):
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -39,7 +41,7 @@ def _save(rank, world, root, case, tp, ep, etp, sharding):
     _cuda_tensors_on_cpu()
     _cuda_type_names()
     torch.manual_seed(5)
-    model = _megatron_moe(case, tp, ep, etp)
+    model = _megatron_moe(case, tp, ep, etp, pp)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True,
         overlap_grad_reduce=True,
@@ -61,7 +63,7 @@ def _save(rank, world, root, case, tp, ep, etp, sharding):
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     # an expert-parallel gradient is scaled by 1/DP and summed over the experts' smaller
     # data-parallel group (megatron-core's DDP): its effective gradient is that share of ours
-    dp, expert_dp = world // tp, world // (ep * (etp or tp))
+    dp, expert_dp = world // (tp * pp), world // (ep * (etp or tp) * pp)
     grads, scale = {}, {}
     for step in range(2):
         ddp.zero_grad_buffer()
@@ -81,6 +83,7 @@ def _save(rank, world, root, case, tp, ep, etp, sharding):
 
     args = _moe_args(case)
     args.tensor_model_parallel_size, args.expert_model_parallel_size = tp, ep
+    args.pipeline_model_parallel_size = pp
     args.expert_tensor_parallel_size = etp or tp
     args.transformer_impl, args.consumed_train_samples = "local", 4
     args.use_distributed_optimizer = True
@@ -107,18 +110,24 @@ def _save(rank, world, root, case, tp, ep, etp, sharding):
 
 
 @pytest.mark.parametrize(
-    "case, tp, ep, etp, world, sharding",
+    "case, tp, ep, etp, pp, world, sharding",
     [
-        ("shared-gated", 2, 2, 2, 4, "dp_reshardable"),
-        ("dense-first", 1, 1, None, 2, "dp_reshardable"),
-        ("sigmoid-bias", 1, 2, None, 2, "fully_reshardable"),
+        ("shared-gated", 2, 2, 2, 1, 4, "dp_reshardable"),
+        ("dense-first", 1, 1, None, 1, 2, "dp_reshardable"),
+        ("dense-first", 1, 2, None, 2, 4, "dp_reshardable"),
+        ("sigmoid-bias", 1, 2, None, 1, 2, "fully_reshardable"),
     ],
-    ids=["chained-tp2-ep2-etp2-dp2", "one-optimizer-per-layer-keys-dp2", "model-space-ep2"],
+    ids=[
+        "chained-tp2-ep2-etp2-dp2",
+        "one-optimizer-per-layer-keys-dp2",
+        "chained-pp2-ep2",
+        "model-space-ep2",
+    ],
 )
 def test_an_moe_checkpoints_adam_state_is_read_per_parameter(
-    case, tp, ep, etp, world, sharding, tmp_path
+    case, tp, ep, etp, pp, world, sharding, tmp_path
 ):
-    buffers = run_ranks(_save, world, str(tmp_path), case, tp, ep, etp, sharding)
+    buffers = run_ranks(_save, world, str(tmp_path), case, tp, ep, etp, sharding, pp)
     assert max(n for rank in buffers for n in rank) >= 3  # several buckets were read
     for folder in ("megatron", "exp_avg", "exp_avg_sq"):
         (tmp_path / folder / "latest_checkpointed_iteration.txt").write_text("2")
@@ -142,7 +151,7 @@ def test_an_moe_checkpoints_adam_state_is_read_per_parameter(
         name = key.removeprefix("model/")
         if key.startswith("model/") and not name.endswith(".expert_bias"):
             assert torch.equal(state[f"optim/{name}/master"], value), key
-    if case != "dense-first":
+    if case != "dense-first" or pp > 1:
         return
     # --load of Megatron-LM's folder under expert parallelism 2 takes the step its conversion
     # takes under the same layout; a fresh optimizer does not (the harness gives each
