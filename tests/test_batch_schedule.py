@@ -210,17 +210,31 @@ def test_a_ramped_run_trains_with_megatron_batches_and_learning_rates(
     assert batches[:4] == [2, 2, 2, 2] and batches[-1] == 8
     assert [r["consumed_samples"] for r in found][-1] == sum(batches)
     assert len(found) == ramp(*case).iterations_for_samples(60)
-    ours = LRScheduler(
-        OptimizerConfig(lr=3e-3, min_lr=3e-4, lr_decay_style="cosine", lr_warmup_samples=6),
-        len(found),
-        8,
-        60,
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    # megatron-core's scheduler as Megatron-LM's training.py builds it for a run by samples
+    # (warm-up and decay in samples, the decay over --train-samples), stepped by each batch
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
+    theirs = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=3e-3,
+        min_lr=3e-4,
+        lr_warmup_steps=6,
+        lr_decay_steps=60,
+        lr_decay_style="cosine",
+        start_wd=0.0,
+        end_wd=0.0,
+        wd_incr_steps=60,
+        wd_incr_style="constant",
     )
     expected = []
     for batch in batches:
-        expected.append(ours.lr)
-        ours.advance(batch)
-    assert [r["lr"] for r in found] == expected
+        expected.append(optimizer.param_groups[0]["lr"])
+        theirs.step(increment=batch)
+    assert [r["lr"] for r in found] == pytest.approx(expected, rel=1e-12, abs=0)
 
     ckpt = str(tmp_path / "ckpt")
     first = _run(
