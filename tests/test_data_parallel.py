@@ -281,6 +281,48 @@ def test_an_update_below_one_bf16_ulp_moves_the_fp32_master(sharding):
         assert weights_moved < 0.1, (master_moved, weights_moved)
 
 
+def _launched_before_the_last_layer(rank, world):
+    """How many buckets had launched their reduction when backward reached the embedding's
+    output (the first layer's GEMMs, the last of backward, done), and how many there are."""
+    from engine.model.builder import build_model_chunks
+    from engine.train.loss import make_loss_func
+    from engine.train.step import forward_step
+    from parallel.data_parallel.ddp import DistributedDataParallel
+    from tests.harness import global_batch, micro_batches
+
+    state = ParallelState.build(tp=1)
+    cfg = tiny_config("gpt2")
+    ddp = DistributedDataParallel(
+        build_model_chunks(cfg, state)[0],
+        state.dp_group,
+        bucket_size=2000,
+        overlap_grad_reduce=True,
+    )
+    seen = []
+
+    def record(grad):
+        seen.append(sum(b.grad_work is not None for b in ddp.buckets))
+
+    def watch(module, inputs, out):
+        out.register_hook(record)
+
+    ddp.module.embedding.register_forward_hook(watch)
+    (batch,) = micro_batches(global_batch(0, 4, cfg.seq_length), 2, state.dp_rank, 2)
+    loss_func = make_loss_func(1)
+    loss_func(forward_step(ddp, batch, None), batch)[0].backward()
+    ddp.finish_grad_sync()
+    return seen, len(ddp.buckets)
+
+
+def test_the_first_reduction_starts_before_backward_ends():
+    """With --overlap-grad-reduce the buckets of the last layers are reduced while backward
+    still runs the first layers: when the gradient reaches the embedding's output, buckets
+    have launched already (a reduction started only at the end would show none)."""
+    for seen, buckets in run_ranks(_launched_before_the_last_layer, 2):
+        assert buckets > 2 and len(seen) == 1, (seen, buckets)
+        assert 1 <= seen[0] < buckets, (seen, buckets)
+
+
 def _overlap_launch_points(rank, world):
     from engine.model.builder import build_model_chunks
     from engine.train.loss import make_loss_func
