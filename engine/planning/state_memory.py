@@ -1,6 +1,8 @@
 """Bytes of model state a rank holds: parameters, gradients and optimizer state, counted from
 the storages of the tensors themselves (each storage once; a released one holds 0 bytes), and
-the formula for each data-parallel sharding strategy (parallel/data_parallel/ddp.py).
+the formula for each data-parallel sharding strategy (parallel/data_parallel/ddp.py);
+`live_tensor_bytes` counts every tensor alive in the process, whoever holds it, so that a copy
+the engine does not list (a leak) shows beside the listed state.
 
 Formula, bytes per parameter with bf16 parameters, fp32 main grads and fp32 masters + Adam's
 two moments (12 bytes), over d data-parallel ranks:
@@ -55,3 +57,21 @@ def held_state_bytes(ddps, optimizer) -> dict[str, int]:
             total += storage.nbytes()
         out[kind] = total
     return out
+
+
+def live_tensor_bytes(device_type: str = "cpu") -> int:
+    """Bytes of every storage on `device_type` that a live tensor (a Python object the garbage
+    collector sees) views, each storage once."""
+    import gc
+
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.device.type != device_type:
+                continue
+            storage = obj.untyped_storage()
+        except (RuntimeError, ReferenceError):  # (tensors without storage, dead proxies)
+            continue
+        if storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
