@@ -43,7 +43,7 @@ def free_port() -> int:
 
 
 def _entry(fn, rank, world_size, port, conn, threads, cpu_only, log_paths, args, kwargs):
-    for fd, path in zip((1, 2), log_paths):
+    for fd, path in zip((1, 2), log_paths, strict=False):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(target, fd)
         os.close(target)

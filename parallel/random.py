@@ -117,7 +117,7 @@ class _Recompute(torch.autograd.Function):
         saved = ctx.saved_tensors
         args = list(ctx.others)
         inputs = []
-        for position, tensor in zip(ctx.tensor_positions, saved):
+        for position, tensor in zip(ctx.tensor_positions, saved, strict=False):
             detached = tensor.detach().requires_grad_(tensor.requires_grad)
             args[position] = detached
             inputs.append(detached)
@@ -140,7 +140,11 @@ class _Recompute(torch.autograd.Function):
                 ctx.tracker.set_states(now_tracker)
         if torch.is_tensor(outputs):
             outputs = (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
+        pairs = [
+            (o, g)
+            for o, g in zip(outputs, grads, strict=False)
+            if torch.is_tensor(o) and o.requires_grad
+        ]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None) + tuple(

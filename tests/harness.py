@@ -347,9 +347,12 @@ def step_errors(outputs, reference) -> dict[str, float]:
     """The largest relative difference of the steps' losses and gradient norms from the
     reference run's (StepResults of the same steps)."""
     return {
-        "loss_err": max(abs(o.loss - r.loss) / r.loss for o, r in zip(outputs, reference)),
+        "loss_err": max(
+            abs(o.loss - r.loss) / r.loss for o, r in zip(outputs, reference, strict=True)
+        ),
         "norm_err": max(
-            abs(o.grad_norm - r.grad_norm) / r.grad_norm for o, r in zip(outputs, reference)
+            abs(o.grad_norm - r.grad_norm) / r.grad_norm
+            for o, r in zip(outputs, reference, strict=True)
         ),
     }
 

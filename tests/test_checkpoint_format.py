@@ -38,7 +38,9 @@ def test_boxes_of_any_flat_range_cover_exactly_its_elements(seed):
         if parts is None:  # fused: the logical tensor is one chunk of the full one
             index = [".0", ".1", ".2"].index(box.suffix)
             parts = full[sum(chunks[:index]) : sum(chunks[: index + 1])]
-        region = parts[tuple(slice(o, o + n) for o, n in zip(box.global_offset, box.sizes))]
+        region = parts[
+            tuple(slice(o, o + n) for o, n in zip(box.global_offset, box.sizes, strict=True))
+        ]
         assert torch.equal(values, region)
         seen.append(values.reshape(-1))
     covered = torch.cat(seen) if seen else torch.zeros(0, dtype=torch.long)

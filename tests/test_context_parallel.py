@@ -66,7 +66,9 @@ def test_context_parallel_attention_matches_one_process(world):
     for rank, results in enumerate(run_ranks(_context_parallel, world)):
         assert set(results) == {(c, w) for c in COMM_TYPES for w in WINDOWS}
         for (comm_type, window), got in results.items():
-            for name, mine, full in zip(("out", "dq", "dk", "dv"), got, expected[window]):
+            for name, mine, full in zip(
+                ("out", "dq", "dk", "dv"), got, expected[window], strict=True
+            ):
                 want = split_sequence(full, 2, world, rank)
                 err = rel_err(mine, want)
                 assert err < 1e-10, (comm_type, window, rank, name, err)
@@ -89,7 +91,7 @@ def _ring_in_tiles(rank, world):
 def test_ring_attention_in_query_tiles_matches_one_process():
     expected = _reference(5)
     for rank, got in enumerate(run_ranks(_ring_in_tiles, 2)):
-        for name, mine, full in zip(("out", "dq", "dk", "dv"), got, expected):
+        for name, mine, full in zip(("out", "dq", "dk", "dv"), got, expected, strict=True):
             err = rel_err(mine, split_sequence(full, 2, 2, rank))
             assert err < 1e-10, (rank, name, err)
 
@@ -176,7 +178,7 @@ def _blocks_against_matmuls(device: str, dtype: torch.dtype, tolerance: float):
         # as ring.py passes them: the row's merged output (not the kernel's own) and slices
         rows = [torch.cat([t, t], 2)[:, :, 64:] for t in (*low, out.to(dtype))]
         grads = kernels.backward(rows[3], *rows[:3], rows[4], lse, not full, scale)
-        for ours, theirs in zip(grads, expected):
+        for ours, theirs in zip(grads, expected, strict=True):
             assert (ours.float() - theirs).abs().max() < tolerance * 4, full
 
 

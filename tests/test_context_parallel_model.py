@@ -137,7 +137,7 @@ def _training(rank, world, cases):
             {
                 "case": (tp, pp, cp, sharding, comm_type, recompute),
                 **model_error(full_params(ddps, state), ref_params, initial),
-                "loss": max(abs(o.loss - r) / r for o, r in zip(outputs, ref_losses)),
+                "loss": max(abs(o.loss - r) / r for o, r in zip(outputs, ref_losses, strict=True)),
             }
         )
     return out

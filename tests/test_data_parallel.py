@@ -54,9 +54,12 @@ def _dp_parity(rank, world, tp):
                         "case": (style, sharding, overlap),
                         "buckets": len(ddps[0].buckets),
                         **errors,
-                        "loss_err": max(abs(o.loss - r) / r for o, r in zip(outputs, ref_losses)),
+                        "loss_err": max(
+                            abs(o.loss - r) / r for o, r in zip(outputs, ref_losses, strict=True)
+                        ),
                         "norm_err": max(
-                            abs(o.grad_norm - r) / r for o, r in zip(outputs, ref_norms)
+                            abs(o.grad_norm - r) / r
+                            for o, r in zip(outputs, ref_norms, strict=True)
                         ),
                     }
                 )
@@ -208,7 +211,7 @@ def _fp16_inf(rank, world, sharding):
         state, cfg, ocfg, 5, 8, 2, sharding=sharding, dtype=torch.float16, fp16=True, hook=hook
     )
     snapshot(ddps[0])
-    changed = [not torch.equal(a, b) for a, b in zip(snapshots, snapshots[1:])]
+    changed = [not torch.equal(a, b) for a, b in zip(snapshots, snapshots[1:], strict=False)]
     return [o.updated for o in outputs], [o.loss_scale for o in outputs], changed
 
 
@@ -248,7 +251,7 @@ def test_bf16_tracks_fp32_loss():
     fp32, bf16 = run_ranks(_bf16_tracks_fp32, 4)[0]
     assert fp32[-1] < fp32[0] - 1.0  # it learns (memorises the batch)
     for losses in bf16.values():
-        for a, b in zip(fp32, losses):
+        for a, b in zip(fp32, losses, strict=True):
             assert abs(a - b) / a < 0.02, (a, b)
 
 

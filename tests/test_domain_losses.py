@@ -66,7 +66,7 @@ def test_dataset_losses_add_up_and_match_one_process(dataset_prefix, tokenizer_m
         total = sum(record[f"lm_loss/{k.split('/')[1]}"] * v for k, v in shares.items())
         assert math.isclose(total, record["lm_loss"], rel_tol=1e-6)
     assert len(found[1]) == len(found[8]) >= 5  # 3 training records, 2 evaluations
-    for one, eight in zip(found[1], found[8]):
+    for one, eight in zip(found[1], found[8], strict=True):
         assert one.get("split") == eight.get("split")
         for name in ("web", "code"):
             assert math.isclose(one[f"lm_loss/{name}"], eight[f"lm_loss/{name}"], rel_tol=1e-5)

@@ -59,8 +59,8 @@ def test_samples_under_tp_and_pp_equal_one_process(dataset_prefix, tokenizer_mod
         assert len(set(expected)) > 2  # the test can see a wrong position or row
         assert len(sample["sampled_ids"]) > 0
     for world in (4, 2):
-        for one, other in zip(found[1], found[world]):
-            for a, b in zip(one["samples"], other["samples"]):
+        for one, other in zip(found[1], found[world], strict=True):
+            for a, b in zip(one["samples"], other["samples"], strict=True):
                 assert a["greedy_ids"] == b["greedy_ids"], (world, a, b)
                 assert a["sampled_ids"] == b["sampled_ids"], (world, a, b)
                 assert a["prompt"] and json.dumps(a)  # plain data

@@ -79,24 +79,24 @@ def test_scores_equal_transformers_on_the_export(
     for shots in (0, 1):
         ours = results["ours", shots]["tasks"][str(task)]
         right = right_norm = 0
-        for index, (question, item) in enumerate(zip(questions, ours["items"])):
+        for index, (question, item) in enumerate(zip(questions, ours["items"], strict=True)):
             prefix = fewshot_prefix(questions, index, shots, 1234, " ", "\n\n")
             expected = [
                 _transformers_loglikelihood(model, tokenizer, prefix + question.context, " " + c)
                 for c in question.choices
             ]
-            for found, want in zip(item["loglikelihoods"], expected):
+            for found, want in zip(item["loglikelihoods"], expected, strict=True):
                 assert math.isclose(found, want, rel_tol=1e-4, abs_tol=1e-4), (found, want)
             best = max(range(len(expected)), key=expected.__getitem__)
-            norm = [ll / len(c) for ll, c in zip(expected, question.choices)]
+            norm = [ll / len(c) for ll, c in zip(expected, question.choices, strict=True)]
             right += best == question.gold
             right_norm += max(range(len(norm)), key=norm.__getitem__) == question.gold
         assert ours["acc"] == right / len(questions)
         assert ours["acc_norm"] == right_norm / len(questions)
         exported_scores = results["export", shots]["tasks"][str(task)]
         assert exported_scores["acc"] == ours["acc"]
-        for a, b in zip(exported_scores["items"], ours["items"]):
-            pairs = zip(a["loglikelihoods"], b["loglikelihoods"])
+        for a, b in zip(exported_scores["items"], ours["items"], strict=True):
+            pairs = zip(a["loglikelihoods"], b["loglikelihoods"], strict=True)
             assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in pairs)
 
     # perplexity: transformers' mean loss over the same windows

@@ -100,12 +100,12 @@ def _compare(fused_ops, device, dtype, tolerance):
             out = run(ops)
             out = out if isinstance(out, tuple) else (out,)
             weights = [_random(*o.shape, device=device, seed=i) for i, o in enumerate(out)]
-            sum((o.float() * wt).sum() for o, wt in zip(out, weights)).backward()
+            sum((o.float() * wt).sum() for o, wt in zip(out, weights, strict=True)).backward()
             outputs[label] = [o.detach().double() for o in out]
             grads[label] = [t.grad.double() for t in inputs]
         errors[name] = max(
-            [rel_err(a, b) for a, b in zip(outputs["fused"], outputs["torch"])]
-            + [rel_err(a, b) for a, b in zip(grads["fused"], grads["torch"])]
+            [rel_err(a, b) for a, b in zip(outputs["fused"], outputs["torch"], strict=True)]
+            + [rel_err(a, b) for a, b in zip(grads["fused"], grads["torch"], strict=True)]
         )
     for name, error in errors.items():
         assert error < tolerance, (name, dtype, errors)
@@ -274,7 +274,7 @@ def test_cuda_kernels_match_the_reference(dtype, tolerance):
     def check(name, got, expected):
         got = got if isinstance(got, tuple) else (got,)
         expected = expected if isinstance(expected, tuple) else (expected,)
-        for g, e in zip(got, expected):  # (the reference is computed on the CPU)
+        for g, e in zip(got, expected, strict=True):  # (the reference is computed on the CPU)
             g, e = g.double().cpu(), e.double().cpu()
             assert torch.isfinite(g).all(), name
             assert rel_err(g, e) < tolerance, (name, rel_err(g, e))

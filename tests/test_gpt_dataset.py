@@ -67,7 +67,7 @@ def test_every_token_once_per_epoch_in_order(tmp_path):
     order = np.argsort(np.asarray(ds.shuffle_index))
     samples = [ds[int(i)] for i in order]
     assert all(len(s) == seq + 1 for s in samples)
-    for a, b in zip(samples, samples[1:]):
+    for a, b in zip(samples, samples[1:], strict=False):
         assert a[-1] == b[0]  # consecutive samples share one token
     stream = np.concatenate([s[:-1] for s in samples] + [samples[-1][-1:]])
     expected = np.concatenate([docs[d] for d in ds.doc_index])

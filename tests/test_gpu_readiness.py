@@ -264,7 +264,7 @@ def test_async_save_stages_the_state_in_one_host_block_and_copies_it_exactly():
     for key, value in host.items():
         views = [t for _, t in value.boxes] if isinstance(value, BoxTensor) else [value]
         sources = [t for _, t in state[key].boxes] if isinstance(value, BoxTensor) else [state[key]]
-        for view, source in zip(views, sources):
+        for view, source in zip(views, sources, strict=True):
             assert view.dtype == source.dtype and view.shape == source.shape
             assert torch.equal(view, source)
             if view.numel():

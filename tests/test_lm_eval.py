@@ -115,8 +115,8 @@ def test_tripod_model_scores_equal_evaluate_and_transformers(
     evaluated = json.loads(out.read_text())["tasks"][task_file]
     assert ours["acc"] == theirs["acc"] == evaluated["acc"]
     assert ours["acc_norm"] == theirs["acc_norm"] == evaluated["acc_norm"]
-    for a, b, item in zip(ours["lls"], theirs["lls"], evaluated["items"]):
-        for x, y, z in zip(a, b, item["loglikelihoods"]):
+    for a, b, item in zip(ours["lls"], theirs["lls"], evaluated["items"], strict=True):
+        for x, y, z in zip(a, b, item["loglikelihoods"], strict=True):
             assert math.isclose(x, y, abs_tol=1e-4) and math.isclose(x, z, abs_tol=1e-6)
     # the command line, as a user runs it
     result = subprocess.run(
@@ -160,7 +160,7 @@ def test_rolling_loglikelihoods_and_generation_equal_transformers(
             "generated": [s["resps"][0][0] for s in samples["tripod_generate"]],
             "ppl": results["results"]["tripod_rolling"]["word_perplexity,none"],
         }
-    for a, b in zip(found["ours"]["rolling"], found["theirs"]["rolling"]):
+    for a, b in zip(found["ours"]["rolling"], found["theirs"]["rolling"], strict=True):
         assert math.isclose(a, b, rel_tol=1e-5), (a, b)
     assert math.isclose(found["ours"]["ppl"], found["theirs"]["ppl"], rel_tol=1e-4)
     assert found["ours"]["generated"] == found["theirs"]["generated"]

@@ -82,7 +82,7 @@ def _megatron_blend(data_path):
 
 
 def _assert_same_samples(ours, theirs, sizes):
-    for k, (mine, their) in enumerate(zip(ours, theirs)):
+    for k, (mine, their) in enumerate(zip(ours, theirs, strict=True)):
         assert (mine is None) == (their is None), f"split {k}"
         if mine is None:
             continue

@@ -365,7 +365,7 @@ def test_apply_layernorm_1p_stores_norm_weights_centred_on_zero():
         logits.append(out.detach())
         grads.append([p.grad for p in norms])
     assert torch.equal(logits[0], logits[1])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 def test_data_args_files(dataset_prefix, tmp_path):

@@ -271,5 +271,5 @@ def test_bf16_and_fp16_experts_track_fp32():
     for name in ("bf16", "fp16"):
         losses, updated = found[name]
         assert all(updated), name
-        for a, b in zip(fp32, losses):
+        for a, b in zip(fp32, losses, strict=True):
             assert abs(a - b) / a < 0.02, (name, a, b)

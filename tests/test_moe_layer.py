@@ -50,7 +50,7 @@ def test_grouped_gemm_equals_the_loop_over_experts():
         outputs.append(out.detach())
         grads.append([inputs.grad] + [p.grad for p in layer.parameters()])
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
-    for a, b in zip(grads[1], grads[0]):
+    for a, b in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -81,7 +81,7 @@ def test_the_batched_path_equals_the_loop_over_experts(options):
         grads.append([inputs.grad] + [p.grad for p in layer.parameters()])
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
     assert len(grads[1]) == len(grads[0]) > 8
-    for a, b in zip(grads[1], grads[0]):
+    for a, b in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -117,7 +117,7 @@ def test_grouped_gemm_on_the_gpu_equals_the_loop_over_experts():
         out = layer(inputs)
         out.backward(upstream)
         results.append([out.detach(), inputs.grad] + [p.grad for p in layer.parameters()])
-    for a, b in zip(results[1], results[0]):
+    for a, b in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 

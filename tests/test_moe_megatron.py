@@ -129,7 +129,7 @@ def _copy_weights(ours: MoELayer, theirs) -> None:
         theirs.router.weight.copy_(ours.router.weight)
         if ours.router.bias is not None:
             theirs.router.bias.copy_(ours.router.bias)
-        pairs = list(zip(ours.experts.local_experts, theirs.experts.local_experts))
+        pairs = list(zip(ours.experts.local_experts, theirs.experts.local_experts, strict=True))
         if ours.shared_experts is not None:
             pairs.append((ours.shared_experts, theirs.shared_experts))
             if ours.shared_experts.gate_weight is not None:
@@ -231,7 +231,7 @@ def test_moe_layer_equals_megatron_cores():
         torch.testing.assert_close(ours["out"], theirs["out"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ours["x_grad"], theirs["x_grad"], rtol=1e-5, atol=1e-6)
         assert len(ours["grads"]) == len(theirs["grads"]), name
-        for mine, other in zip(ours["grads"], theirs["grads"]):
+        for mine, other in zip(ours["grads"], theirs["grads"], strict=True):
             torch.testing.assert_close(mine, other, rtol=1e-5, atol=1e-7)
         assert sorted(ours_losses) == sorted(theirs_losses), (name, ours_losses, theirs_losses)
         for key, value in ours_losses.items():

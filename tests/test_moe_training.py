@@ -257,7 +257,7 @@ def test_moe_losses_and_loads_are_logged_the_same_under_any_layout(
     assert 0.0 < first["moe_dropped_fraction"] < 0.5
     assert "moe/z_loss_layer_2" not in first  # layer 2 is dense
     for layout in ("dp2", "pp2"):
-        for mine, reference in zip(found[layout], found["one"]):
+        for mine, reference in zip(found[layout], found["one"], strict=True):
             for key in keys:
                 assert abs(mine[key] - reference[key]) <= 1e-5 * abs(reference[key]), (
                     layout,
@@ -269,7 +269,7 @@ def test_moe_losses_and_loads_are_logged_the_same_under_any_layout(
             assert load.keys() == expected.keys() == {"0", "1", "3"}, load  # the MoE layers
             for layer, shares in expected.items():
                 assert abs(sum(shares) / len(shares) - 1.0) < 1e-2  # over the mean
-                assert max(abs(a - b) for a, b in zip(load[layer], shares)) <= 1e-3
+                assert max(abs(a - b) for a, b in zip(load[layer], shares, strict=True)) <= 1e-3
     # the dashboard draws each MoE layer's expert load (and the imbalance over the run)
     png = tmp_path / "dashboard.png"
     command = [sys.executable, "tools/plot_metrics.py", "--log-jsonl", str(tmp_path / "dp2.jsonl")]

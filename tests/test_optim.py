@@ -87,7 +87,7 @@ def megatron_lrs(
 def max_rel_diff(ours: list[float], theirs: list[float]) -> float:
     """Largest |ours - theirs| / |theirs| (the absolute difference where theirs is 0)."""
     assert len(ours) == len(theirs)
-    return max(abs(a - b) / abs(b) if b else abs(a) for a, b in zip(ours, theirs))
+    return max(abs(a - b) / abs(b) if b else abs(a) for a, b in zip(ours, theirs, strict=True))
 
 
 STYLES = [
@@ -128,7 +128,7 @@ def test_schedule_equals_megatron(style, wsd_style, warmup, warmup_init):
     for _ in range(updates):
         ours.append(scheduler.lr)
         scheduler.advance()
-    assert max_rel_diff(ours, theirs) <= 1e-12, list(zip(ours, theirs))
+    assert max_rel_diff(ours, theirs) <= 1e-12, list(zip(ours, theirs, strict=True))
     assert ours == [scheduler.lr_at(k) for k in range(updates)]
 
 
@@ -158,7 +158,7 @@ def test_sample_based_schedule_equals_megatron(style, wsd_style):
     theirs = megatron_lrs(cfg, None, GLOBAL_BATCH, TRAIN_ITERS, train_samples)
     scheduler = LRScheduler(cfg, TRAIN_ITERS, GLOBAL_BATCH, train_samples)
     ours = [scheduler.lr_at(k) for k in range(TRAIN_ITERS)]
-    assert max_rel_diff(ours, theirs) <= 1e-12, list(zip(ours, theirs))
+    assert max_rel_diff(ours, theirs) <= 1e-12, list(zip(ours, theirs, strict=True))
 
 
 @pytest.mark.parametrize("train_samples", [None, TRAIN_ITERS * GLOBAL_BATCH])
@@ -169,7 +169,7 @@ def test_warmup_fraction_equals_megatron(train_samples):
     theirs = megatron_lrs(cfg, TRAIN_ITERS, GLOBAL_BATCH, TRAIN_ITERS + 1, train_samples)
     scheduler = LRScheduler(cfg, TRAIN_ITERS, GLOBAL_BATCH, train_samples)
     ours = [scheduler.lr_at(k) for k in range(TRAIN_ITERS + 1)]
-    assert max_rel_diff(ours, theirs) <= 1e-12, list(zip(ours, theirs))
+    assert max_rel_diff(ours, theirs) <= 1e-12, list(zip(ours, theirs, strict=True))
     assert 0 < ours[1] < ours[4] == pytest.approx(1e-3, rel=0.01)
 
 

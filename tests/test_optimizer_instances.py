@@ -71,7 +71,7 @@ def test_groups_equal_megatron_cores():
     pytest.importorskip("megatron.core")
     results = run_ranks(_megatron_groups, 8, LAYOUTS)
     for rank, found in enumerate(results):
-        for layout, (theirs, ours) in zip(LAYOUTS, found):
+        for layout, (theirs, ours) in zip(LAYOUTS, found, strict=True):
             assert ours == theirs, (rank, layout)
     for layout in LAYOUTS:  # every rank in exactly one group of each kind
         groups = layout_groups(*layout[:4], instances=layout[4])
@@ -107,8 +107,12 @@ def _instances_parity(rank, world, instances):
                 {
                     "case": (instances, sharding, overlap),
                     **errors,
-                    "loss_err": max(abs(o.loss - r) / r for o, r in zip(outputs, ref_losses)),
-                    "norm_err": max(abs(o.grad_norm - r) / r for o, r in zip(outputs, ref_norms)),
+                    "loss_err": max(
+                        abs(o.loss - r) / r for o, r in zip(outputs, ref_losses, strict=True)
+                    ),
+                    "norm_err": max(
+                        abs(o.grad_norm - r) / r for o, r in zip(outputs, ref_norms, strict=True)
+                    ),
                     "held": held,
                     "params": sum(p.numel() for d in ddps for p in d.params),
                     "padding": sum(d.padding() for d in ddps),

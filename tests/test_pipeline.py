@@ -189,7 +189,7 @@ def _three_d(rank, world):
                 **model_error(full_params(ddps, state), ref_params, initial),
                 "loss": None
                 if losses[0] is None
-                else max(abs(a - b) / b for a, b in zip(losses, ref_losses)),
+                else max(abs(a - b) / b for a, b in zip(losses, ref_losses, strict=True)),
             }
         )
     return out

@@ -354,7 +354,7 @@ def _three_d(rank, world):
         losses = [o.loss for o in outputs]
         loss = None
         if losses[0] is not None:
-            loss = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+            loss = max(abs(a - b) / b for a, b in zip(losses, ref_losses, strict=True))
         error = model_error(full_params(ddps, state), ref_params, initial)
         out.append({"case": (style, sharding, kind), **error, "loss": loss})
     return out

@@ -31,7 +31,7 @@ def _tool(*args: str):
 
 def _docs(corpus, n=20):
     with open(corpus["jsonl"]) as f:
-        return [json.loads(line)["text"] for _, line in zip(range(n), f)]
+        return [json.loads(line)["text"] for _, line in zip(range(n), f, strict=False)]
 
 
 def _read(prefix):

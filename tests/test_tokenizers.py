@@ -39,7 +39,7 @@ def files(corpus, tokenizer_model, tmp_path_factory) -> dict:
     hf = make_hf_folder(corpus["jsonl"], str(root / "hf"))
     vocab, merges = copy_gpt2_files(hf, str(root / "gpt2"))
     with open(corpus["jsonl"]) as f:
-        docs = [json.loads(line)["text"] for _, line in zip(range(DOCUMENTS), f)]
+        docs = [json.loads(line)["text"] for _, line in zip(range(DOCUMENTS), f, strict=False)]
     ids = build_tokenizer(_hf(hf)).tokenize_batch(docs)
     return {
         "docs": docs,

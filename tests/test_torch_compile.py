@@ -41,7 +41,7 @@ def _compiled(rank, world):
     graphs = counters["stats"]["unique_graphs"]
     breaks = sorted(str(reason).splitlines()[0] for reason in counters["graph_break"])
     errors = model_error(full_params(ddps, state), ref_params, initial)
-    loss_err = max(abs(o.loss - r) / r for o, r in zip(outputs, ref_losses))
+    loss_err = max(abs(o.loss - r) / r for o, r in zip(outputs, ref_losses, strict=True))
     return errors, loss_err, graphs, breaks
 
 

@@ -200,7 +200,7 @@ def compare_throughput(documents: list[dict], workers: int, folder: str) -> dict
 def _table(header: list[str], rows: list[list]) -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
-        print("  ".join(str(cell).rjust(width) for cell, width in zip(row, widths)))
+        print("  ".join(str(cell).rjust(width) for cell, width in zip(row, widths, strict=False)))
 
 
 def main(argv: list[str] | None = None) -> int:

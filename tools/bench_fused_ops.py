@@ -130,7 +130,8 @@ def measure(args) -> list[dict]:
             try:
                 out, grads = _forward_backward(run, ops, inputs)
                 row[f"{label}_err"] = max(
-                    [_rel_err(out, reference)] + [_rel_err(a, b) for a, b in zip(grads, ref_grads)]
+                    [_rel_err(out, reference)]
+                    + [_rel_err(a, b) for a, b in zip(grads, ref_grads, strict=False)]
                 )
                 row[f"{label}_ms"] = _time_ms(
                     lambda ops=ops, run=run, inputs=inputs: _forward_backward(run, ops, inputs),

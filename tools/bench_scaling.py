@@ -116,7 +116,7 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, mode in zip(axes, ("weak", "strong")):
+    for ax, mode in zip(axes, ("weak", "strong"), strict=False):
         part = [r for r in rows if r["mode"] == mode]
         if not part:
             ax.set_visible(False)

@@ -355,7 +355,7 @@ def field_docstrings(repo: Repo, ref: ClassRef, _depth=0) -> dict[str, str]:
     first, then the first base recursively (as ArgumentGroupFactory._get_field_docstrings)."""
     out: dict[str, str] = {}
     body = ref.node.body
-    for a, b in zip(body, body[1:]):
+    for a, b in zip(body, body[1:], strict=False):
         if (
             isinstance(a, ast.AnnAssign)
             and isinstance(a.target, ast.Name)
@@ -397,7 +397,7 @@ def args_from_dataclass(
             default = fmt_value(fi.default)
         meta = None
         if fi.metadata is not None and isinstance(fi.metadata, ast.Dict):
-            for k, v in zip(fi.metadata.keys, fi.metadata.values):
+            for k, v in zip(fi.metadata.keys, fi.metadata.values, strict=False):
                 if isinstance(k, ast.Constant) and k.value == "argparse_meta":
                     meta = v
         elif fi.metadata is not None:
@@ -422,7 +422,7 @@ def args_from_dataclass(
                 kind = {"type": "?" + ast.unparse(fi.annotation)}
         if meta is not None:
             if isinstance(meta, ast.Dict):
-                for k, v in zip(meta.keys, meta.values):
+                for k, v in zip(meta.keys, meta.values, strict=False):
                     key = _literal(k)
                     if key == "arg_names":
                         names = list(_literal(v))

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "  ".join(
                 str(c).rjust(w) if i else str(c).ljust(w)
-                for i, (c, w) in enumerate(zip(row, widths))
+                for i, (c, w) in enumerate(zip(row, widths, strict=False))
             )
         )
     for p in plans:

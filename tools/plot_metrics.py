@@ -59,13 +59,13 @@ def _label(path: str, paths: list[str]) -> str:
 
 def _draw_run(axes: dict, train: list[dict], evals: list[dict], label: str, color) -> None:
     axes["loss"].plot(*_series(train, "lm_loss"), color=color, linewidth=1.5, label=label)
-    for marker, split in zip("os^", sorted({r["split"] for r in evals})):
+    for marker, split in zip("os^", sorted({r["split"] for r in evals}), strict=False):
         found = [r for r in evals if r["split"] == split]
         axes["loss"].plot(
             *_series(found, "lm_loss"), marker + "--", color=color, label=f"{label} {split}"
         )
     domains = sorted({k for r in train for k in r if k.startswith("lm_loss/")})
-    for style, key in zip(("--", ":", "-.") * 8, domains):
+    for style, key in zip(("--", ":", "-.") * 8, domains, strict=False):
         name = key.removeprefix("lm_loss/")
         axes["loss"].plot(
             *_series(train, key), style, color=color, alpha=0.7, label=f"{label} {name}"
@@ -95,7 +95,7 @@ def _draw_time_breakdown(ax, train: list[dict], label: str) -> None:
     import matplotlib
 
     iterations = [r["iteration"] for r in train]
-    width = 0.8 * min((b - a for a, b in zip(iterations, iterations[1:])), default=1)
+    width = 0.8 * min((b - a for a, b in zip(iterations, iterations[1:], strict=False)), default=1)
     bottom = [0.0] * len(train)
     colors = matplotlib.colormaps["tab20"].colors
     for k, part in enumerate(parts):
@@ -104,7 +104,7 @@ def _draw_time_breakdown(ax, train: list[dict], label: str) -> None:
             iterations, values, width, bottom=bottom, color=colors[k % len(colors)],
             label=part.removeprefix("time/"),
         )  # fmt: skip
-        bottom = [b + v for b, v in zip(bottom, values)]
+        bottom = [b + v for b, v in zip(bottom, values, strict=False)]
     wall = _series(train, "iteration_time_s")
     ax.plot(*wall, "k.-", linewidth=1, label="wall time")
     ax.set_ylim(0, 1.7 * max(bottom + wall[1]))  # room for the legend above the bars

@@ -154,5 +154,5 @@ def prime_optimizer_state(optimizer) -> None:
         step = optimizer.optimizer.state.get(piece.master, {}).get("step")
         if torch.is_tensor(step):
             step.zero_()  # as if no step had been taken: the first real one counts as 1
-    for group, (lr, decay) in zip(optimizer.optimizer.param_groups, saved):
+    for group, (lr, decay) in zip(optimizer.optimizer.param_groups, saved, strict=False):
         group["lr"], group["weight_decay"] = lr, decay

@@ -59,7 +59,7 @@ def parse_step_schedule(text: str | list[str], seq_length: int) -> tuple[tuple[i
             f"{flag}: the first entry must start at 0 tokens (got {entries[0][0]} samples); "
             "add 0:BATCH"
         )
-    for (before, _), (after, _) in zip(entries, entries[1:]):
+    for (before, _), (after, _) in zip(entries, entries[1:], strict=False):
         if after <= before:
             raise ConfigError(
                 f"{flag}: two entries start at sample {after} (thresholds are divided by "

@@ -138,7 +138,9 @@ class MoEOptions:
 
     def aux_loss_coeff(self, kind: str) -> float:
         """The coefficient of one load-balancing loss (0.0 where it is not chosen)."""
-        for chosen, coeff in zip(self.moe_router_load_balancing_type, self.moe_aux_loss_coeff):
+        for chosen, coeff in zip(
+            self.moe_router_load_balancing_type, self.moe_aux_loss_coeff, strict=False
+        ):
             if chosen == kind:
                 return coeff
         return 0.0

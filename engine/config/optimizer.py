@@ -113,7 +113,7 @@ class OptimizerConfig:
                 self.lr_wsd_decay_samples,
             ),
         }[other]
-        for name, value in zip(("decay", "warmup", "wsd-decay"), wrong):
+        for name, value in zip(("decay", "warmup", "wsd-decay"), wrong, strict=False):
             if value is not None:
                 raise ConfigError(
                     f"--lr-{name}-{other} goes with --train-{other}, but the run is counted in "

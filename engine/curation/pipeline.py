@@ -265,7 +265,7 @@ def _final_part(part: str, config: CurateConfig, stats: ShardStats):
     exact = config.stage("exact_dedup")
     by_lines = exact is not None and exact.lines
     kept, line = [], 0
-    for row, code in zip(survivors, codes):
+    for row, code in zip(survivors, codes, strict=False):
         text = row[key]
         if by_lines:  # the lines step 2 found earlier in the corpus are dropped
             lines = text.split("\n")

@@ -94,7 +94,7 @@ def _blend_split(blend: Blend, part, size: int, name: str, direct: bool) -> Blen
     if blend.weights is None:
         parts = [part(prefix, None) for prefix in blend.prefixes]
         lengths = [len(p) for p in parts]
-        for prefix, length in zip(blend.prefixes, lengths):
+        for prefix, length in zip(blend.prefixes, lengths, strict=False):
             if length == 0:
                 raise ConfigError(
                     f"{prefix}: its {name} split holds fewer than --seq-length + 1 tokens, so "
@@ -102,12 +102,16 @@ def _blend_split(blend: Blend, part, size: int, name: str, direct: bool) -> Blen
                     "repeat it, or leave it out"
                 )
         return BlendedDataset(parts, lengths, min(size, sum(lengths)), name, blend.names)
-    kept = [(w, p, n) for w, p, n in zip(blend.weights, blend.prefixes, blend.names) if w > 0]
+    kept = [
+        (w, p, n)
+        for w, p, n in zip(blend.weights, blend.prefixes, blend.names, strict=False)
+        if w > 0
+    ]
     weights = normalize_weights([w for w, _, _ in kept])
     targets = [math.ceil(size * w) for w in weights]
     parts = [
         part(prefix, math.ceil(target * (1 + MID_LEVEL_SURPLUS)))
-        for target, (_, prefix, _) in zip(targets, kept)
+        for target, (_, prefix, _) in zip(targets, kept, strict=False)
     ]
     return BlendedDataset(parts, weights, sum(targets), name, [n for _, _, n in kept])
 
@@ -167,7 +171,9 @@ def build_streaming_datasets(
             "(their sizes in samples are known only once tokenized); give weight/source pairs"
         )
     kept = [
-        (w, s, n) for w, s, n in zip(blend.weights or [1.0], blend.prefixes, blend.names) if w > 0
+        (w, s, n)
+        for w, s, n in zip(blend.weights or [1.0], blend.prefixes, blend.names, strict=False)
+        if w > 0
     ]
     weights, paths = normalize_weights([w for w, _, _ in kept]), [s for _, s, _ in kept]
     names = [n for _, _, n in kept]

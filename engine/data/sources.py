@@ -58,7 +58,7 @@ def data_sources(
     if per_split_paths is not None:  # --split is not read
         blends = tuple(
             parse_blend(p, f"--{n}-data-path") if p else None
-            for p, n in zip(per_split_paths, SPLIT_NAMES)
+            for p, n in zip(per_split_paths, SPLIT_NAMES, strict=False)
         )
         shares = tuple((0.0, 1.0) if blend else None for blend in blends)
         kind = _format_of(blends[0].prefixes if blends[0] else (), data_format)

@@ -121,7 +121,9 @@ def score(
                 tokenizer, context, target_delimiter + choice
             )
             lls.append(loglikelihood(context_ids, continuation_ids))
-        normalised = [ll / max(len(choice), 1) for ll, choice in zip(lls, question.choices)]
+        normalised = [
+            ll / max(len(choice), 1) for ll, choice in zip(lls, question.choices, strict=False)
+        ]
         best = max(range(len(lls)), key=lls.__getitem__)
         best_norm = max(range(len(lls)), key=normalised.__getitem__)
         right += best == question.gold

@@ -39,7 +39,7 @@ def describe(kinds: list[str], layers: list[int]) -> str:
     """'layers 0-11: sdpa-causal; 12-23: flex-window' from each layer's kernel (layers in
     order; a pipeline rank holds some)."""
     runs: list[list] = []
-    for layer, kind in zip(layers, kinds):
+    for layer, kind in zip(layers, kinds, strict=False):
         if runs and runs[-1][2] == kind and runs[-1][1] == layer - 1:
             runs[-1][1] = layer
         else:

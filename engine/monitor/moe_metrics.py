@@ -98,7 +98,7 @@ def expert_load(metrics: MoEStepMetrics) -> dict[str, list[float]]:
     """Per MoE layer ("<n>"), each expert's tokens over the mean (1.0: its even share), to 3
     decimals: the dashboard's heat map (JSONL only: not a scalar, TensorBoard skips it)."""
     out = {}
-    for layer, counts in zip(metrics.layers, metrics.tokens_per_expert):
+    for layer, counts in zip(metrics.layers, metrics.tokens_per_expert, strict=False):
         mean = sum(counts) / len(counts)
         out[str(layer)] = [round(c / mean, 3) if mean else 0.0 for c in counts]
     return out
@@ -122,7 +122,7 @@ def log_keys(found: list[MoEStepMetrics], per_layer: bool) -> dict:
         keys["moe_dropped_fraction"] = sum(dropped) / len(dropped)
     if per_layer:
         for name, values in last.layer_losses.items():
-            keys |= {f"moe/{name}_layer_{n}": v for n, v in zip(last.layers, values)}
-        imbalance = zip(last.layers, last.load_imbalance)
+            keys |= {f"moe/{name}_layer_{n}": v for n, v in zip(last.layers, values, strict=False)}
+        imbalance = zip(last.layers, last.load_imbalance, strict=False)
         keys |= {f"moe/load_imbalance_layer_{n}": v for n, v in imbalance}
     return keys

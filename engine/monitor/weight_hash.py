@@ -81,7 +81,7 @@ def _group_mismatch(names, mine: torch.Tensor, group, holders: str) -> str | Non
     ranks = dist.get_process_group_ranks(group)
     for index, name in enumerate(names):
         versions: dict[tuple, list[int]] = {}
-        for rank, hashes in zip(ranks, everyone):
+        for rank, hashes in zip(ranks, everyone, strict=False):
             versions.setdefault(tuple(hashes[index].tolist()), []).append(rank)
         if len(versions) > 1:
             held = "; ".join(

@@ -75,7 +75,7 @@ def build_datasets(
     # a ramp's last step may pass --train-samples
     _, consumed = batches.sizes(cfg.training.train_iters)
     needs = (max(samples[0], consumed), samples[1], samples[2])
-    for name, dataset, needed in zip(SPLIT_NAMES, datasets, needs):
+    for name, dataset, needed in zip(SPLIT_NAMES, datasets, needs, strict=False):
         if dataset is not None and len(dataset) < needed:
             raise ConfigError(
                 f"the {name} split has {len(dataset)} samples and the run needs {needed}: "

@@ -44,6 +44,6 @@ def evaluate(run: Run, split: int) -> tuple[float, dict] | None:
     for _ in range(eval_iters):
         batches = next_batches(iterator, count, state.device)
         values = eval_step(run.chunks, batches, state, run.eval_schedule, len(names))
-        total = values if total is None else [a + b for a, b in zip(total, values)]
+        total = values if total is None else [a + b for a, b in zip(total, values, strict=False)]
     mean = [value / eval_iters for value in total]
     return mean[0], domain_losses(mean[1:], names) if names else {}

@@ -127,13 +127,16 @@ def _mix_keys(run: Run) -> dict:
     keys = {}
     if run.mix is not None:
         phase = run.mix.phase_at(max(0, run.progress.counters.iteration - 1))
-        keys |= {f"mix_weight/{n}": w for n, w in zip(run.mix.names, phase.weights)}
+        keys |= {f"mix_weight/{n}": w for n, w in zip(run.mix.names, phase.weights, strict=False)}
     split = run.datasets[0]
     if len(split.names) > 1:
         given = split.consumed_per_dataset(run.progress.counters.consumed_samples)
         if given is not None:
             seq = run.cfg.model.seq_length
-            keys |= {f"consumed_tokens/{n}": int(k) * seq for n, k in zip(split.names, given)}
+            keys |= {
+                f"consumed_tokens/{n}": int(k) * seq
+                for n, k in zip(split.names, given, strict=False)
+            }
     return keys
 
 
@@ -144,7 +147,7 @@ def _window_domain_losses(window: list[IterationResult], names: tuple[str, ...])
     found = [r.domain_parts for r in window if r.domain_parts]
     if not found:
         return {}
-    summed = [sum(values) / len(found) for values in zip(*found)]
+    summed = [sum(values) / len(found) for values in zip(*found, strict=False)]
     return _domain_keys(domain_losses(summed, names))
 
 
@@ -207,7 +210,7 @@ def log_samples(run: Run) -> None:
             "greedy_ids": g,
             "sampled_ids": s,
         }
-        for ids, g, s in zip(prompts.ids, greedy, sampled)
+        for ids, g, s in zip(prompts.ids, greedy, sampled, strict=False)
     ]
     record = {"iteration": c.iteration, "consumed_samples": c.consumed_samples, "samples": samples}
     run.writer.log_samples(record, c.iteration)

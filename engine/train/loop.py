@@ -130,7 +130,7 @@ def _announce_mix_phase(run: Run) -> None:
     if mix is None or iteration == 0 or mix.phase_at(iteration).iteration != iteration:
         return
     phase = mix.phase_at(iteration)
-    weights = ", ".join(f"{n} {w:.3g}" for n, w in zip(mix.names, phase.weights))
+    weights = ", ".join(f"{n} {w:.3g}" for n, w in zip(mix.names, phase.weights, strict=False))
     run.writer.print(
         f"data mix from iteration {iteration} (sample {phase.first_sample}): {weights}"
     )

@@ -253,14 +253,14 @@ def _check_split_shares(sources: DataSources, datasets: dict[str, IndexedDataset
     stops on an assertion otherwise), and the train split holds tokens (a small split is
     repeated for as many epochs as the run needs, but an empty one gives nothing)."""
     cut_by = sources.cut_by
-    for k, (blend, share) in enumerate(zip(sources.blends, sources.shares)):
+    for k, (blend, share) in enumerate(zip(sources.blends, sources.shares, strict=False)):
         if blend is None or share is None:
             if k == 0:
                 raise ConfigError(f"{cut_by} gives the train split nothing; give it a share")
             continue
         weights = blend.weights or [1.0] * len(blend.prefixes)
         tokens = {}
-        for weight, prefix in zip(weights, blend.prefixes):
+        for weight, prefix in zip(weights, blend.prefixes, strict=False):
             if weight > 0:
                 lengths = datasets[prefix].sequence_lengths
                 start, end = sequence_range(len(lengths), share)

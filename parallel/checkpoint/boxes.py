@@ -67,13 +67,19 @@ def checkpoint_boxes(
     out = []
     for offsets, sizes in _row_boxes(shape, flat_start, flat_end):
         for piece in sharding.pieces(shape):
-            lo = [max(o, s.start) for o, s in zip(offsets, piece.local)]
-            hi = [min(o + n, s.stop) for o, n, s in zip(offsets, sizes, piece.local)]
-            if any(h <= low for low, h in zip(lo, hi)):
+            lo = [max(o, s.start) for o, s in zip(offsets, piece.local, strict=False)]
+            hi = [min(o + n, s.stop) for o, n, s in zip(offsets, sizes, piece.local, strict=False)]
+            if any(h <= low for low, h in zip(lo, hi, strict=False)):
                 continue
             global_shape = list(piece.global_shape)
-            glo = [low - s.start + g for low, s, g in zip(lo, piece.local, piece.global_offset)]
-            ghi = [h - s.start + g for h, s, g in zip(hi, piece.local, piece.global_offset)]
+            glo = [
+                low - s.start + g
+                for low, s, g in zip(lo, piece.local, piece.global_offset, strict=False)
+            ]
+            ghi = [
+                h - s.start + g
+                for h, s, g in zip(hi, piece.local, piece.global_offset, strict=False)
+            ]
             if real_rows is not None:
                 global_shape[0] = real_rows
                 cut = max(0, ghi[0] - real_rows)
@@ -81,7 +87,7 @@ def checkpoint_boxes(
                 hi[0] -= cut
                 if ghi[0] <= glo[0]:
                     continue
-            box_sizes = tuple(h - low for low, h in zip(lo, hi))
+            box_sizes = tuple(h - low for low, h in zip(lo, hi, strict=False))
             if len(shape) == 2 and box_sizes[0] > 1 and box_sizes[1] != width:
                 raise AssertionError("a checkpoint box must be contiguous in the local tensor")
             start = lo[0] * width + (lo[1] if len(shape) == 2 else 0)

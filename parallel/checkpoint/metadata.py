@@ -194,7 +194,7 @@ def _tensor_entry_problem(key, entry) -> str | None:
             return f"{key!r} has a malformed chunk"
         if not (_is_size(offsets, len(size)) and _is_size(sizes, len(size))):
             return f"{key!r} has a chunk of the wrong rank"
-        if any(o + n > s for o, n, s in zip(offsets, sizes, size)):
+        if any(o + n > s for o, n, s in zip(offsets, sizes, size, strict=False)):
             return f"{key!r} has a chunk outside its size"
     return None
 

@@ -201,7 +201,9 @@ class DistributedOptimizer:
         grads = [p.grad if p.grad.dtype == p.master.dtype else p.grad.float() for p in self.pieces]
         if self.grad_scaler is not None:
             torch._foreach_mul_(grads, self.grad_scaler.inv_scale)
-        counted = [(g, p.expert) for g, p, c in zip(grads, self.pieces, self._counts) if c]
+        counted = [
+            (g, p.expert) for g, p, c in zip(grads, self.pieces, self._counts, strict=False) if c
+        ]
         squares = [
             squared_norm([g for g, expert in counted if expert == part], self.device)
             for part in (False, True)
@@ -220,12 +222,12 @@ class DistributedOptimizer:
         num_zeros = (
             self._count(grads, lambda g: g.numel() - g.count_nonzero()) if count_zeros else None
         )
-        for piece, grad in zip(self.pieces, grads):
+        for piece, grad in zip(self.pieces, grads, strict=False):
             piece.master.grad = grad
         self.optimizer.step()
         copies = [(p.data, p.master) for p in self.pieces if p.master is not p.data]
         if copies:  # the updated masters back into the model's weights, in a few kernels
-            torch._foreach_copy_(*map(list, zip(*copies)))
+            torch._foreach_copy_(*map(list, zip(*copies, strict=False)))
         for ddp in self.ddps:
             ddp.start_param_sync()
         return StepResult(
@@ -236,7 +238,7 @@ class DistributedOptimizer:
         """sum(count(t)) over this rank's counted pieces' tensors (one per piece), summed so
         that every element counts once, in float64 on the group's device."""
         totals = [torch.zeros(1, dtype=torch.float64, device=self.device) for _ in range(2)]
-        for tensor, piece, counts in zip(tensors, self.pieces, self._counts):
+        for tensor, piece, counts in zip(tensors, self.pieces, self._counts, strict=False):
             if counts:
                 totals[piece.expert] += count(tensor)
         return self._summed(*totals).item()
@@ -256,13 +258,13 @@ class DistributedOptimizer:
         """Sum of squares per label over this rank's counted pieces, summed over the same
         group as the global norm."""
         sums = torch.zeros(2, len(parts.labels), dtype=torch.float64, device=self.device)
-        for piece, grad, counts in zip(self.pieces, grads, self._counts):
+        for piece, grad, counts in zip(self.pieces, grads, self._counts, strict=False):
             if counts:
                 square = torch.linalg.vector_norm(grad, dtype=torch.float64).square()
                 for index in parts.labels_of(piece):
                     sums[int(piece.expert), index] += square
         sums = self._summed(sums[0], sums[1])
-        return {label: math.sqrt(v) for label, v in zip(parts.labels, sums.tolist())}
+        return {label: math.sqrt(v) for label, v in zip(parts.labels, sums.tolist(), strict=False)}
 
     def finish_param_sync(self) -> None:
         for ddp in self.ddps:

@@ -74,7 +74,7 @@ class Transfer:
             for work in self.recv_works:
                 work.wait()
         self.recv_works = []
-        for tensor, activation in zip(self.received, self.activation):
+        for tensor, activation in zip(self.received, self.activation, strict=False):
             if activation:
                 tensor.requires_grad_(True)
         return self.received

@@ -107,7 +107,7 @@ class TableRuntime:
 
     def _wait(self, batch: int) -> None:
         transfer, consumers = self.posted.pop(batch)
-        self.inbox.update(zip(consumers, transfer.wait()))
+        self.inbox.update(zip(consumers, transfer.wait(), strict=False))
 
     def _take(self, action: Action):
         """The tensor `action` needs (received and waited for, or handed over), or None."""

@@ -50,7 +50,7 @@ class TPSharding:
         if self.replicated:
             return [Piece("", shape, (0,) * len(shape), full)]
         pieces, start = [], 0
-        for size, name in zip(self.chunks, self.names):
+        for size, name in zip(self.chunks, self.names, strict=False):
             local = size // self.tp_size
             global_shape = shape[: self.dim] + (size,) + shape[self.dim + 1 :]
             offset = [0] * len(shape)

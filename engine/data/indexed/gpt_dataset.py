@@ -218,7 +218,7 @@ class GPTDataset:
         built = self._build()
         try:
             os.makedirs(os.path.dirname(paths["doc_index"]), exist_ok=True)
-            for name, array in zip(arrays, built):
+            for name, array in zip(arrays, built, strict=False):
                 _save_atomically(paths[name], array)
             tmp = f"{paths['description']}.tmp.{os.getpid()}"
             with open(tmp, "w") as f:

@@ -78,7 +78,7 @@ def parse_blend(data_path: list[str], flag: str = "--data-path") -> Blend:
     weights = [_number(w) for w in data_path[::2]]
     if len(data_path) % 2 == 0 and all(w is not None for w in weights):
         prefixes, names = _named(data_path[1::2])
-        for weight, prefix in zip(weights, prefixes):
+        for weight, prefix in zip(weights, prefixes, strict=False):
             if weight < 0:
                 raise ConfigError(f"{flag}: weight {weight:g} of {prefix} is negative")
         if sum(weights) <= 0:

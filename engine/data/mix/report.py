@@ -75,6 +75,6 @@ def plan_mix(data, train, seq_length: int, batches) -> tuple[list[DatasetPlan], 
             int(counts[d]),
             seq_length,
         )
-        for d, (name, prefix) in enumerate(zip(blend.names, blend.prefixes))
+        for d, (name, prefix) in enumerate(zip(blend.names, blend.prefixes, strict=False))
     ]
     return plans, [p.iteration for p in mix.phases]

@@ -55,7 +55,7 @@ class MixSchedule:
     def record(self) -> dict:
         """The schedule as the checkpoint keeps it (and compares it on resume)."""
         phases = [
-            {"iteration": p.iteration, "weights": dict(zip(self.names, p.weights))}
+            {"iteration": p.iteration, "weights": dict(zip(self.names, p.weights, strict=False))}
             for p in self.phases
         ]
         return {"phases": phases, "scheduled": self.scheduled, "run_samples": self.run_samples}
@@ -65,7 +65,7 @@ class MixSchedule:
         which, nth = [], []
         taken = np.zeros(len(self.names), dtype=np.int64)
         ends = [p.first_sample for p in self.phases[1:]] + [size]
-        for phase, end in zip(self.phases, ends):
+        for phase, end in zip(self.phases, ends, strict=False):
             count = max(0, min(end, size) - phase.first_sample)
             if count == 0:
                 continue
@@ -84,7 +84,7 @@ class MixSchedule:
     def describe(self) -> str:
         lines = []
         for p in self.phases:
-            mix = ", ".join(f"{n} {w:.3g}" for n, w in zip(self.names, p.weights))
+            mix = ", ".join(f"{n} {w:.3g}" for n, w in zip(self.names, p.weights, strict=False))
             lines.append(f"from iteration {p.iteration} (sample {p.first_sample}): {mix}")
         return "data mix: " + "; ".join(lines)
 
@@ -147,7 +147,7 @@ def read_mix_schedule(path: str, names, base_weights, train_iters: int, batches)
             f"training ({train_iters} iterations) is over; start it earlier"
         )
     phases = [] if starts[0] == 0 else [plain_schedule(names, base_weights).phases[0]]
-    for k, (entry, start) in enumerate(zip(phases_raw, starts)):
+    for k, (entry, start) in enumerate(zip(phases_raw, starts, strict=False)):
         weights = _weights(path, k, entry, names)
         phases.append(MixPhase(start, batches.sizes(start)[1], tuple(weights)))
     return MixSchedule(tuple(names), tuple(phases), scheduled=True, run_samples=total)

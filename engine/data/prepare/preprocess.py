@@ -149,7 +149,7 @@ def _with_eod(flat: np.ndarray, lengths: np.ndarray, eod: int | None, dtype):
 
 
 def _first_unreadable(tokenizer, texts: list[str], wheres: list[str], key: str) -> str:
-    for text, where in zip(texts, wheres):
+    for text, where in zip(texts, wheres, strict=False):
         try:
             tokenizer.tokenize(text)
         except InputError as err:

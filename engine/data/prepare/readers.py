@@ -198,9 +198,9 @@ def _read_parquet(path: str, keys: list[str], skip_bad: bool, stats: dict) -> It
         if batch is None:
             return
         columns = [batch.column(k).to_pylist() for k in keys]
-        for values in zip(*columns):
+        for values in zip(*columns, strict=False):
             row += 1
-            payload = dict(zip(keys, values))
+            payload = dict(zip(keys, values, strict=False))
             size = sum(len(v) for v in values if isinstance(v, str | bytes))
             yield Record("columns", f"{path}:row {row}", payload, size)
 

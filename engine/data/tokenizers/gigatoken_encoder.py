@@ -115,6 +115,6 @@ def _affixes(expected: list[list[int]], got: list[list[int]]):
         return None
     for cut in range(len(around) + 1):
         prefix, suffix = around[:cut], around[cut:]
-        if all(e == prefix + g + suffix for e, g in zip(expected, got)):
+        if all(e == prefix + g + suffix for e, g in zip(expected, got, strict=False)):
             return prefix, suffix
     return None

@@ -152,7 +152,7 @@ def _plan(folder: str, files: _SafetensorsFolder, cfg, style: str) -> dict:
                 f"{list(hf_shape)}; the weights do not belong to this config"
             )
         offset = 0
-        for key, shape_of_part in zip(parts, wanted):
+        for key, shape_of_part in zip(parts, wanted, strict=False):
             rows = shape_of_part[0]
 
             def load(name=name, start=offset, rows=rows, tensor=tensor):

@@ -223,7 +223,7 @@ def _fill(full: torch.Tensor, key: str, boxes, path: str) -> None:
             "(--use-checkpoint-args takes the saved one)"
         )
     for offset, tensor in boxes.boxes:
-        region = tuple(slice(o, o + n) for o, n in zip(offset, tensor.shape))
+        region = tuple(slice(o, o + n) for o, n in zip(offset, tensor.shape, strict=False))
         tensor.copy_(full[region])
 
 

@@ -40,7 +40,7 @@ class Experts(nn.Module):
         modules = cfg.selective_modules
         self.recompute_activation = "moe_act" in modules and "moe" not in modules
         self.tracker = ctx.tracker
-        for expert, index in zip(self.local_experts, expert_indices):
+        for expert, index in zip(self.local_experts, expert_indices, strict=False):
             for name, param in expert.named_parameters():
                 param.checkpoint_name = f"{prefix}.{index}.{name}"  # the global index
                 mark_expert_parallel(param)  # reduced over the expert data-parallel group
@@ -51,7 +51,9 @@ class Experts(nn.Module):
         if self.cfg.moe_grouped_gemm and _padding_bounded(counts):
             return self._batched(tokens, counts, probs)
         outputs = []
-        for expert, part, p in zip(self.local_experts, tokens.split(counts), probs.split(counts)):
+        for expert, part, p in zip(
+            self.local_experts, tokens.split(counts), probs.split(counts), strict=False
+        ):
             outputs.append(expert(part, p))
         return torch.cat(outputs) if outputs else tokens.new_zeros(0, tokens.shape[-1])
 
