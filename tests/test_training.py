@@ -222,9 +222,21 @@ def test_checkpoint_reshards_to_other_layouts(dataset_prefix, tokenizer_model, t
             ),
         )
         results[name] = losses(log)
+    # the resumed run continues the uninterrupted one (a --load that were ignored would log
+    # iterations 1 to 5 from fresh weights, and no resumed layout would match it)
+    straight_log = str(tmp_path / "straight.jsonl")
+    pretrain(
+        4,
+        base_args(
+            dataset_prefix, tokenizer_model, **common, **original, **{"--log-jsonl": straight_log}
+        ),
+    )
+    straight = losses(straight_log)
     reference = results.pop("original")
     assert sorted(reference) == [4, 5]
+    assert reference == {i: straight[i] for i in (4, 5)}  # bit for bit: the same layout
     for name, values in results.items():
+        assert sorted(values) == [4, 5], (name, values)  # resumed after iteration 3
         for iteration in (4, 5):  # 5 also depends on the resharded optimizer state
             assert abs(values[iteration] - reference[iteration]) / reference[iteration] < 1e-5, (
                 name,
