@@ -21,6 +21,7 @@ from engine.curation.pii import PII, replace_pii
 from engine.curation.planted import planted_corpus
 from engine.errors import ConfigError
 from tests.cli import one_line_error, run_python, run_tool
+from tests.requirements import require
 
 SENTENCE = "The cat sat on the mat with the dog and that was fine."  # 13 words, stop words
 
@@ -357,7 +358,7 @@ def test_another_run_in_the_output_folder_is_refused(tmp_path):
 def test_bench_against_datatrove_and_planted_duplicates(tmp_path):
     """The bench's numbers, at a small size: MinHash precision and recall on planted
     near-duplicates, and each rule set's agreement with datatrove's on real local text."""
-    pytest.importorskip("datatrove")
+    require("datatrove")
     out = tmp_path / "bench.json"
     result = run_tool("bench_curate.py", "--families", "60", "--documents", "400", "--workers",
                       "1", "--throughput-documents", "400", "--json", str(out))  # fmt: skip
@@ -393,7 +394,7 @@ def test_bad_input_is_one_line(tmp_path):
 def test_rules_match_datatrove_on_edge_cases():
     """Characters and layouts the local corpus lacks, rule set by rule set beside datatrove's
     (both splitting words our way, as in tools/bench_curate.py)."""
-    pytest.importorskip("datatrove")
+    require("datatrove")
     from datatrove.data import Document
 
     from tools.bench_curate import _datatrove_filters, _datatrove_tokenizer, _ours

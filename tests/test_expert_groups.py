@@ -14,6 +14,7 @@ from parallel.errors import ConfigError
 from parallel.expert_parallel.groups import expert_data_parallel_size, expert_layout_groups
 from parallel.state import ParallelState
 from tests.distributed import run_ranks
+from tests.requirements import require
 
 MEGATRON_KINDS = {
     "ep": "ep",
@@ -34,7 +35,7 @@ def _layouts():
 
 @pytest.mark.parametrize("pp_inside_dp", [False, True], ids=["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"])
 def test_groups_equal_megatron_cores(pp_inside_dp):
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     warnings.filterwarnings("ignore")
     from megatron.core.parallel_state import RankGenerator
 

@@ -13,6 +13,7 @@ import pytest
 
 from parallel.data_parallel.grad_scaler import DynamicGradScaler
 from tests.distributed import run_ranks
+from tests.requirements import require
 from tests.test_megatron_optimizer import _cuda_tensors_on_cpu
 
 SETTINGS = [
@@ -61,7 +62,7 @@ def _compare(rank, world, settings) -> list[tuple]:
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: str(s["hysteresis"]))
 def test_the_loss_scale_follows_megatron_cores(settings):
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     (steps,) = run_ranks(_compare, 1, settings)
     assert len(steps) > 100
     for step, (ours, theirs) in enumerate(steps):

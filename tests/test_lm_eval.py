@@ -13,10 +13,11 @@ import sys
 
 import pytest
 
+from tests.requirements import require
 from tests.test_evaluate import QUESTIONS, _tool
 from tests.test_training import ROOT
 
-pytest.importorskip("lm_eval")
+require("lm_eval")
 
 ROLLING = """task: tripod_rolling
 dataset_path: json

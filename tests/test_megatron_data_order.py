@@ -16,6 +16,7 @@ from engine.data.builder import build_gpt_datasets, build_mock_datasets
 from engine.data.indexed.dataset import IndexedDataset, IndexedDatasetBuilder
 from engine.data.sources import data_sources
 from engine.train.datasets import split_sample_counts
+from tests.requirements import require
 
 EOD = 0
 SEQ = 32
@@ -23,7 +24,7 @@ SEQ = 32
 
 @pytest.fixture(scope="module")
 def megatron():
-    pytest.importorskip("megatron.core.datasets.helpers_cpp")
+    require("megatron.core.datasets.helpers_cpp")
     from megatron.core.datasets import blended_megatron_dataset_builder as builder
     from megatron.core.datasets import gpt_dataset
     from megatron.core.tokenizers import MegatronTokenizer

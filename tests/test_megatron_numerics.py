@@ -14,11 +14,12 @@ from engine.model import BuildContext, GPTModel
 from engine.pretrain import parse
 from engine.train.preflight import prepare
 from tests.harness import tiny_config
+from tests.requirements import require
 from tests.test_megatron_flags import SHAPE
 
 
 def test_squared_relu_is_megatron_cores():
-    activations = pytest.importorskip("megatron.core.activations")
+    activations = require("megatron.core.activations")
     cfg = tiny_config("gpt2", squared_relu=True)
     mlp = GPTModel(cfg, BuildContext(cfg)).layers["0"].mlp
     x = torch.randn(5, 2, cfg.hidden_size)
@@ -39,7 +40,7 @@ def test_squared_relu_is_megatron_cores():
 def test_gelu_with_biases_is_megatron_cores_fused_bias_gelu(changes, fused):
     """Megatron-LM's default GELU MLP with biases runs megatron-core's fused bias-GELU, GELU's
     tanh approximation; --no-bias-gelu-fusion or --disable-bias-linear the exact GELU."""
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     import warnings
 
     with warnings.catch_warnings():
@@ -140,7 +141,7 @@ def test_rotary_interleaved_is_megatron_cores(percent):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rope = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils")
+        rope = require("megatron.core.models.common.embeddings.rope_utils")
         from megatron.core.models.common.embeddings import rotary_pos_embedding
 
     common = dict(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=64)
@@ -221,7 +222,7 @@ def test_attention_softmax_in_fp32_and_query_key_layer_scaling(scaling, fp32_sof
     never further from the float64 result than megatron-core's unfused bf16 attention with
     either flag (which rounds the scores and the probabilities to bf16: ~0.2 off on these
     inputs, tripod ~0.03); the flags ask for precision tripod always has."""
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     for layer in (1, 3):
         theirs, ours, _ = _megatron_core_attention(scaling, fp32_softmax, layer)
         assert ours <= theirs and ours < 0.05, (layer, ours, theirs)

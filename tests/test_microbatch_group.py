@@ -11,6 +11,7 @@ import pytest
 from parallel.errors import ConfigError
 from parallel.pipeline.tables import Action, interleaved
 from parallel.pipeline.validate import validate
+from tests.requirements import require
 from tests.test_training import base_args, losses, pretrain
 
 CASES = [  # (p, v, m, group)
@@ -53,7 +54,7 @@ def megatron_order(p: int, v: int, m: int, group: int | None, rank: int) -> list
 
 @pytest.mark.parametrize("p, v, m, group", CASES)
 def test_each_rank_runs_megatron_cores_order(p, v, m, group):
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     table = interleaved(p, v, m, group)
     validate(table)  # every transfer matched, no deadlock, under gloo's and NCCL's rules
     for rank in range(p):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +20,7 @@ from engine.config.model import ModelConfig
 from engine.model.context import BuildContext
 from engine.model.moe.layer import MoELayer
 from tests.distributed import run_ranks
+from tests.requirements import require
 
 H, F_EXPERT, SEQ, BATCH = 16, 24, 6, 3
 
@@ -222,7 +222,7 @@ def _weights(layer):
 
 
 def test_moe_layer_equals_megatron_cores():
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     (results,) = run_ranks(_compare, 1)
     for name, (found, ours_losses, theirs_losses, bias) in results.items():
         ours, theirs = found["ours"], found["theirs"]

@@ -17,6 +17,7 @@ from engine.errors import ConfigError
 from engine.optim.lr_schedule import LRScheduler
 from tests import test_optim as optim_tests
 from tests.cli import CPU_ONLY
+from tests.requirements import require
 from tests.test_training import ROOT, base_args, pretrain, records
 
 BATCH, ITERS, DONE = 8, 20, 5
@@ -50,7 +51,7 @@ def megatron_scheduler(cfg: OptimizerConfig, train_iters: int, use=False, overri
 
 
 def test_saved_schedule_has_megatron_cores_names_and_values():
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     for cfg in (BASE, dataclasses.replace(BASE, lr_warmup_iters=0, lr_warmup_fraction=0.25)):
         ours, theirs = LRScheduler(cfg, ITERS, BATCH), megatron_scheduler(cfg, ITERS)
         for _ in range(DONE):
@@ -65,7 +66,7 @@ def test_saved_schedule_has_megatron_cores_names_and_values():
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("change", CHANGES)
 def test_resume_refuses_takes_or_overrides_as_megatron_core(change, policy):
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     changes, iters = CHANGES[change]
     cfg = dataclasses.replace(BASE, **changes)
     flags = POLICIES[policy]
@@ -155,7 +156,7 @@ def test_resume_with_another_schedule_through_a_run(dataset_prefix, tokenizer_mo
 
 
 def test_older_megatron_names_are_read_as_megatron_core_reads_them():
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     saved = megatron_scheduler(BASE, ITERS)
     saved.step(DONE * BATCH)
     state = saved.state_dict()

@@ -26,6 +26,7 @@ from tests.harness import (
     reference_run,
     tiny_config,
 )
+from tests.requirements import require
 from tests.test_training import base_args, latest, losses, pretrain
 
 # (tp, cp, dp, pp, instances) on 8 ranks
@@ -67,8 +68,8 @@ def _megatron_groups(rank, world, layouts):
 
 
 def test_groups_equal_megatron_cores():
-    pytest.importorskip("einops")  # megatron-core needs it for these groups
-    pytest.importorskip("megatron.core")
+    require("einops")  # megatron-core needs it for these groups
+    require("megatron.core")
     results = run_ranks(_megatron_groups, 8, LAYOUTS)
     for rank, found in enumerate(results):
         for layout, (theirs, ours) in zip(LAYOUTS, found, strict=True):

@@ -41,6 +41,7 @@ from tests.harness import (
     reference_run,
     tiny_config,
 )
+from tests.requirements import require
 
 KINDS = {name: default_chunks(name) for name in GENERATORS}  # model chunks per rank
 
@@ -84,7 +85,7 @@ def test_dualpipe_v_runs_the_compute_order_of_torch_pipelining():
     """torch.distributed.pipelining's ScheduleDualPipeV is an independent reference: its
     per-rank compute actions (each overlapped forward-backward pair taken in turn, forward
     first) are ours, for p 2 to 4 and m from 2p to 4p."""
-    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    schedules = require("torch.distributed.pipelining.schedules")
     if not hasattr(schedules, "ScheduleDualPipeV"):
         pytest.skip("this torch has no ScheduleDualPipeV")
     kinds = {"F": "F", "B": "B", "I": "I", "W": "W"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from parallel.state import ParallelState, layout_groups
+from tests.requirements import require
 from tests.test_training import base_args, losses, pretrain
 
 LAYOUTS = [(2, 1, 2, 2), (1, 2, 2, 2), (2, 2, 1, 2), (1, 1, 4, 2), (2, 1, 3, 2), (1, 1, 2, 3)]
@@ -24,7 +25,7 @@ MEGATRON_KINDS = {
 @pytest.mark.parametrize("pp_inside_dp", [False, True], ids=["tp-cp-dp-pp", "tp-cp-pp-dp"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: "tp{}-cp{}-dp{}-pp{}".format(*s))
 def test_groups_equal_megatron_cores(layout, pp_inside_dp):
-    pytest.importorskip("megatron.core")
+    require("megatron.core")
     from megatron.core.parallel_state import RankGenerator
 
     tp, cp, dp, pp = layout

@@ -14,6 +14,7 @@ import pytest
 from engine.errors import ConfigError
 from engine.pretrain import parse
 from engine.train.preflight import prepare
+from tests.requirements import require
 from tests.test_training import base_args, pretrain, records
 
 BLOCK = 32768  # the record log's block size (LevelDB's log format, as wandb writes it)
@@ -45,7 +46,7 @@ def wandb_records(path: str) -> list:
 
 
 def test_an_offline_wandb_run_logs_megatron_tags(dataset_prefix, tokenizer_model, tmp_path):
-    pytest.importorskip("wandb")
+    require("wandb")
     log, save = str(tmp_path / "m.jsonl"), str(tmp_path / "ckpt")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("import os\ndef main(\n")
