@@ -1,0 +1,46 @@
+"""The FLOP count behind tokens/s, TFLOP/s and MFU (engine/monitor/metrics.py:
+model_flops_per_token) against torch.utils.flop_counter.FlopCounterMode on a real forward and
+backward of the engine's model: GPT-2 style, Llama style with grouped-query attention, and a
+mixture of experts with gated shared experts and a dense layer (the routed experts counted
+top-k times, the router too). On the CPU the counter sees the GEMMs but not the attention
+kernel, so the count's core-attention term, 3 x 4 x layers x seq x heads x head size per token
+(Megatron-LM's, causal masking not halved), is set beside it apart: everything else is equal,
+exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from engine.model import BuildContext, GPTModel
+from engine.monitor.metrics import model_flops_per_token
+from tests.harness import VOCAB, tiny_config
+
+SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32)
+MOE = dict(
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=48,
+    moe_shared_expert_intermediate_size=32,
+    moe_shared_expert_gate=True,
+    moe_layer_freq="[0,1]",
+)
+
+
+@pytest.mark.parametrize(
+    "style, options",
+    [("gpt2", {}), ("llama", {}), ("llama", MOE)],
+    ids=["gpt2", "llama-gqa", "moe"],
+)
+def test_the_flop_count_equals_torchs_counter_on_a_real_step(style, options):
+    cfg = tiny_config(style, **SHAPE, **options)
+    model = GPTModel(cfg, BuildContext(cfg, seed=1))
+    tokens = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(2))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+    counted = counter.get_total_flops()
+    n = tokens[:, 1:].numel()
+    attention = 3 * 4 * cfg.num_layers * cfg.seq_length * cfg.num_attention_heads * cfg.head_dim
+    ours = model_flops_per_token(cfg, cfg.padded_vocab_size(1))
+    assert counted > 0 and (ours - attention) * n == counted
