@@ -76,13 +76,28 @@ def test_estimator_recovers_a_known_noise_scale():
     assert abs(estimate - expected) < 0.1 * expected
 
 
-def test_the_log_carries_the_noise_scale(dataset_prefix, tokenizer_model, tmp_path):
+def test_the_logged_noise_scale_follows_its_formula_on_the_logged_norms(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    """Every iteration logged: the noise scale is the smoothed estimate the module docstring's
+    formula gives from the logged norms (the reduced gradient's and the DP ranks' own)."""
     log = tmp_path / "log.jsonl"
-    extra = {"--train-iters": "4", "--log-interval": "2", "--log-gradient-noise-scale": True}
+    extra = {"--train-iters": "4", "--log-interval": "1", "--log-gradient-noise-scale": True}
     pretrain(2, base_args(dataset_prefix, tokenizer_model, **extra, **{"--log-jsonl": str(log)}))
     train = [r for r in records(log) if "split" not in r]
-    assert [r["iteration"] for r in train] == [2, 4]
-    assert all("gradient_noise_scale" in r for r in train)
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4]
+    big_batch = train[0]["batch_size"]
+    small_batch = big_batch // 2  # each of the 2 data-parallel ranks' share
+    g2 = trace = None  # McCandlish et al.'s estimates, written out; moving averages of 0.95
+    for r in train:
+        small, big = r["local_grad_norm"] ** 2, r["grad_norm"] ** 2
+        assert small > big > 0  # a smaller batch: a noisier gradient
+        step_g2 = (big_batch * big - small_batch * small) / (big_batch - small_batch)
+        step_trace = (small - big) / (1 / small_batch - 1 / big_batch)
+        g2 = step_g2 if g2 is None else 0.95 * g2 + 0.05 * step_g2
+        trace = step_trace if trace is None else 0.95 * trace + 0.05 * step_trace
+        expected = trace / g2 if g2 > 0 else float("nan")
+        assert r["gradient_noise_scale"] == pytest.approx(expected, rel=1e-9, nan_ok=True), r
 
 
 @pytest.mark.parametrize(

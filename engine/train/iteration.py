@@ -30,6 +30,7 @@ class IterationResult:
     spike_z: float | None = None  # the loss's z-score when it was a spike
     part_norms: dict[str, float] | None = None  # --log-grad-norms-interval
     gradient_noise_scale: float | None = None  # --log-gradient-noise-scale (smoothed)
+    local_grad_norm: float | None = None  # its input: the DP ranks' own gradients' rms norm
     domain_parts: list[float] | None = None  # a blend's losses by dataset (loss.py)
     num_zeros: int | None = None  # --log-num-zeros-in-grad
     params_norm: float | None = None  # --log-params-norm
@@ -80,8 +81,9 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
     # An attempted step that did not update had a non-finite gradient (with fp16 that is a
     # loss-scale overflow, which the scaler handles and is not counted).
     bad_gradient = spike["attempted"] and not out.updated and run.optimizer.grad_scaler is None
-    noise_scale = None
+    noise_scale = local_norm = None
     if features.noise_scale is not None and out.grad_norm is not None:
+        local_norm = math.sqrt(out.local_grad_squares)
         own_batch = global_batch // run.state.dp_size
         noise_scale = features.noise_scale.update(
             out.local_grad_squares, own_batch, out.grad_norm**2, global_batch
@@ -97,6 +99,7 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         spike_z=spike["z"],
         part_norms=out.part_norms,
         gradient_noise_scale=noise_scale,
+        local_grad_norm=local_norm,
         domain_parts=out.domain_parts,
         num_zeros=out.num_zeros,
         params_norm=out.params_norm,

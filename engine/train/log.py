@@ -48,9 +48,11 @@ def log_window(run: Run, window: list[IterationResult], tokens: int) -> None:
     finite = [x for x in losses if math.isfinite(x)]
     if len(finite) > 1:  # how much the loss moved between the iterations of the window
         record["lm_loss_var"] = statistics.pvariance(finite)
-    scales = [r.gradient_noise_scale for r in window if r.gradient_noise_scale is not None]
-    if scales:  # the smoothed estimate after the window's last measured step
-        record["gradient_noise_scale"] = scales[-1]
+    scales = [r for r in window if r.gradient_noise_scale is not None]
+    if scales:  # the smoothed estimate after the window's last measured step, and that
+        # step's own-gradient norm (the root of the DP ranks' mean |own gradient|^2)
+        record["gradient_noise_scale"] = scales[-1].gradient_noise_scale
+        record["local_grad_norm"] = scales[-1].local_grad_norm
     record |= _window_domain_losses(updated or window, run.features.domain_names)
     per_layer = run.cfg.logging.moe_per_layer_logging
     record |= moe_log_keys([r.moe for r in window if r.moe is not None], per_layer)
