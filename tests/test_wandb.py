@@ -1,7 +1,9 @@
 """--wandb-project/--wandb-exp-name as Megatron-LM logs to Weights & Biases: a real offline
 wandb run (WANDB_MODE=offline, no network) whose history, read back from the run file wandb
 wrote (its record log, parsed with wandb's own protobuf classes), holds the same numbers as
-the JSONL under Megatron-LM's tag names; without wandb the flag is one line."""
+the JSONL under Megatron-LM's tag names; without wandb the flag is one line. wandb 0.31 has no
+Python reader of its record log (the datastore moved into the Go wandb-core, `wandb sync` has no
+view, an offline run writes no summary file), so the log's block framing is read here."""
 
 from __future__ import annotations
 
