@@ -5,7 +5,7 @@ part), and the parts the layout has must be there."""
 
 from __future__ import annotations
 
-import time
+import pytest
 
 from parallel.timing import StepTimes
 from tests.test_training import base_args, pretrain, records
@@ -63,15 +63,16 @@ def test_parts_add_up_to_the_iteration_time(dataset_prefix, tokenizer_model, tmp
 
 
 def test_a_part_measured_inside_another_is_taken_out_of_it():
-    times = StepTimes()
+    now = [0.0]  # a clock the test moves: no sleeps, no load-dependent bounds
+    times = StepTimes(clock=lambda: now[0])
     with times.measure("outer"):
-        time.sleep(0.02)
+        now[0] += 0.02
         with times.measure("inner"):
-            time.sleep(0.05)
+            now[0] += 0.05
         with times.paused(), times.measure("not-counted"):
-            time.sleep(0.01)
+            now[0] += 0.01
     parts = times.take()
     assert set(parts) == {"outer", "inner"}
-    assert 0.05 <= parts["inner"] < 0.08
-    assert 0.03 <= parts["outer"] < 0.06  # its own 20 ms and the paused 10 ms, not the inner 50
+    assert parts["inner"] == pytest.approx(0.05)
+    assert parts["outer"] == pytest.approx(0.03)  # its own 20 ms and the paused 10 ms
     assert times.take() == {}
