@@ -284,23 +284,26 @@ def test_an_update_below_one_bf16_ulp_moves_the_fp32_master(sharding):
         assert weights_moved < 0.1, (master_moved, weights_moved)
 
 
-def _launched_before_the_last_layer(rank, world):
-    """How many buckets had launched their reduction when backward reached the embedding's
-    output (the first layer's GEMMs, the last of backward, done), and how many there are."""
+def _overlapped_gpt2():
+    """(state, config, DDP of a tiny GPT-2 with --overlap-grad-reduce into small buckets)."""
     from engine.model.builder import build_model_chunks
-    from engine.train.loss import make_loss_func
-    from engine.train.step import forward_step
     from parallel.data_parallel.ddp import DistributedDataParallel
-    from tests.harness import global_batch, micro_batches
 
     state = ParallelState.build(tp=1)
     cfg = tiny_config("gpt2")
-    ddp = DistributedDataParallel(
-        build_model_chunks(cfg, state)[0],
-        state.dp_group,
-        bucket_size=2000,
-        overlap_grad_reduce=True,
-    )
+    chunk = build_model_chunks(cfg, state)[0]
+    ddp = DistributedDataParallel(chunk, state.dp_group, bucket_size=2000, overlap_grad_reduce=True)
+    return state, cfg, ddp
+
+
+def _launched_before_the_last_layer(rank, world):
+    """How many buckets had launched their reduction when backward reached the embedding's
+    output (the first layer's GEMMs, the last of backward, done), and how many there are."""
+    from engine.train.loss import make_loss_func
+    from engine.train.step import forward_step
+    from tests.harness import global_batch, micro_batches
+
+    state, cfg, ddp = _overlapped_gpt2()
     seen = []
 
     def record(grad):
@@ -327,20 +330,11 @@ def test_the_first_reduction_starts_before_backward_ends():
 
 
 def _overlap_launch_points(rank, world):
-    from engine.model.builder import build_model_chunks
     from engine.train.loss import make_loss_func
     from engine.train.step import forward_step
-    from parallel.data_parallel.ddp import DistributedDataParallel
     from tests.harness import global_batch, micro_batches
 
-    state = ParallelState.build(tp=1)
-    cfg = tiny_config("gpt2")
-    ddp = DistributedDataParallel(
-        build_model_chunks(cfg, state)[0],
-        state.dp_group,
-        bucket_size=2000,
-        overlap_grad_reduce=True,
-    )
+    state, cfg, ddp = _overlapped_gpt2()
     batches = micro_batches(global_batch(0, 8, cfg.seq_length), 2, state.dp_rank, 2)
     loss_func = make_loss_func(len(batches))
     launched = []

@@ -49,19 +49,12 @@ def _gradient(name: str, shape, step: int, tp_rank: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _save(rank, world, root, style, tp, pp, bf16):
-    from megatron.core import dist_checkpointing, parallel_state
+def distributed_optimizer(model, bf16: bool = False):
+    """(megatron-core's DDP, its distributed optimizer) over `model`: Adam, gradients reduced
+    in fp32 with overlap into small buckets (several per rank)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    _cuda_tensors_on_cpu()
-    _cuda_type_names()
-    torch.manual_seed(5)
-    model = _megatron_model(style, tp, pp)
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    if bf16:
-        model.bfloat16()
-        model.config.bf16, model.config.params_dtype = True, dtype
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True,
         overlap_grad_reduce=True,
@@ -76,9 +69,22 @@ def _save(rank, world, root, style, tp, pp, bf16):
         clip_grad=0.0,
         use_distributed_optimizer=True,
         bf16=bf16,
-        params_dtype=dtype,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
-    optimizer = get_megatron_optimizer(config, [ddp])
+    return ddp, get_megatron_optimizer(config, [ddp])
+
+
+def _save(rank, world, root, style, tp, pp, bf16):
+    from megatron.core import dist_checkpointing, parallel_state
+
+    _cuda_tensors_on_cpu()
+    _cuda_type_names()
+    torch.manual_seed(5)
+    model = _megatron_model(style, tp, pp)
+    if bf16:
+        model.bfloat16()
+        model.config.bf16, model.config.params_dtype = True, torch.bfloat16
+    ddp, optimizer = distributed_optimizer(model, bf16)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     grads = {}
     for step in range(2):

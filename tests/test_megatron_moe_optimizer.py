@@ -23,7 +23,12 @@ import torch
 from engine.checkpoint.files import iteration_dir, read_meta
 from tests.distributed import rel_err, run_ranks
 from tests.test_megatron_checkpoint import _convert
-from tests.test_megatron_distributed_optimizer import _cuda_type_names, _gradient, _our_tensors
+from tests.test_megatron_distributed_optimizer import (
+    _cuda_type_names,
+    _gradient,
+    _our_tensors,
+    distributed_optimizer,
+)
 from tests.test_megatron_moe_checkpoint import _megatron_moe, _moe_args
 from tests.test_megatron_optimizer import _cuda_tensors_on_cpu, _ours_after_one_step
 
@@ -35,29 +40,12 @@ MOMENTS = {
 
 def _save(rank, world, root, case, tp, ep, etp, sharding, pp=1):
     from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     _cuda_tensors_on_cpu()
     _cuda_type_names()
     torch.manual_seed(5)
-    model = _megatron_moe(case, tp, ep, etp, pp)
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True,
-        overlap_grad_reduce=True,
-        bucket_size=3000,
-        grad_reduce_in_fp32=True,
-    )
-    ddp = DistributedDataParallel(model.config, ddp_config, model)
-    config = OptimizerConfig(
-        optimizer="adam",
-        lr=1e-2,
-        weight_decay=0.1,
-        clip_grad=0.0,
-        use_distributed_optimizer=True,
-        params_dtype=torch.float32,
-    )
-    optimizer = get_megatron_optimizer(config, [ddp])
+    ddp, optimizer = distributed_optimizer(_megatron_moe(case, tp, ep, etp, pp))
+    model = ddp.module
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     ep_rank = parallel_state.get_expert_model_parallel_rank()

@@ -36,22 +36,28 @@ def test_output_is_the_probability_weighted_sum_of_the_experts():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_grouped_gemm_equals_the_loop_over_experts():
-    options = dict(num_experts=4, moe_ffn_hidden_size=32, swiglu=True, add_bias_linear=False)
-    loop, grouped = _layer(**options), _layer(moe_grouped_gemm=True, **options)
-    x = torch.randn(8, 4, 16, generator=torch.Generator().manual_seed(2))
-    assert grouped_gemm_fits(grouped.experts, x.reshape(-1, 16))  # the grouped kernel runs
-    upstream = torch.randn(8, 4, 16, generator=torch.Generator().manual_seed(3))
+def _assert_same_forward_and_backward(reference: MoELayer, other: MoELayer, x: torch.Tensor):
+    """The two layers' outputs, input gradients and every weight's gradient within 1e-5."""
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
     outputs, grads = [], []
-    for layer in (loop, grouped):
+    for layer in (reference, other):
         inputs = x.clone().requires_grad_()
         out = layer(inputs)
         out.backward(upstream)
         outputs.append(out.detach())
         grads.append([inputs.grad] + [p.grad for p in layer.parameters()])
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
+    assert len(grads[1]) == len(grads[0]) > 8
     for a, b in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_gemm_equals_the_loop_over_experts():
+    options = dict(num_experts=4, moe_ffn_hidden_size=32, swiglu=True, add_bias_linear=False)
+    loop, grouped = _layer(**options), _layer(moe_grouped_gemm=True, **options)
+    x = torch.randn(8, 4, 16, generator=torch.Generator().manual_seed(2))
+    assert grouped_gemm_fits(grouped.experts, x.reshape(-1, 16))  # the grouped kernel runs
+    _assert_same_forward_and_backward(loop, grouped, x)
 
 
 @pytest.mark.parametrize(
@@ -71,18 +77,7 @@ def test_the_batched_path_equals_the_loop_over_experts(options):
     loop, batched = _layer(**options), _layer(moe_grouped_gemm=True, **options)
     x = torch.randn(8, 4, 16, generator=torch.Generator().manual_seed(2))
     assert not grouped_gemm_fits(batched.experts, x.reshape(-1, 16))
-    upstream = torch.randn(8, 4, 16, generator=torch.Generator().manual_seed(3))
-    outputs, grads = [], []
-    for layer in (loop, batched):
-        inputs = x.clone().requires_grad_()
-        out = layer(inputs)
-        out.backward(upstream)
-        outputs.append(out.detach())
-        grads.append([inputs.grad] + [p.grad for p in layer.parameters()])
-    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
-    assert len(grads[1]) == len(grads[0]) > 8
-    for a, b in zip(grads[1], grads[0], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _assert_same_forward_and_backward(loop, batched, x)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
