@@ -130,7 +130,7 @@ def _megatron_logits(rank, world, case, path, tokens):
     model = _megatron_moe(case, 1, 1, None)
     state = model.sharded_state_dict(metadata={"singleton_local_shards": False})
     loaded = dist_checkpointing.load(state, path, strict=StrictHandling.RAISE_UNEXPECTED)
-    missing, _ = model.load_state_dict(loaded, strict=True)
+    missing, _ = model.load_state_dict(loaded, strict=False)
     assert not [k for k in missing if not k.endswith("_extra_state")], missing
     return megatron_forward(model, tokens)
 
