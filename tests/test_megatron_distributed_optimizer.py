@@ -126,6 +126,18 @@ def _save(rank, world, root, style, tp, pp, bf16):
     return buffers
 
 
+def convert_the_three(tmp_path) -> dict[str, torch.Tensor]:
+    """Convert the rig's three checkpoints (megatron, exp_avg, exp_avg_sq, each at iteration
+    2) into ours-<name>; every tensor of the first, whose Adam step and iteration are 2."""
+    for folder in ("megatron", "exp_avg", "exp_avg_sq"):
+        (tmp_path / folder / "latest_checkpointed_iteration.txt").write_text("2")
+        result = _convert(str(tmp_path / folder), str(tmp_path / f"ours-{folder}"))
+        assert result.returncode == 0, result.stderr
+    meta = read_meta(iteration_dir(str(tmp_path / "ours-megatron"), 2))
+    assert meta["optimizer_step"] == 2 and meta["iteration"] == 2
+    return _our_tensors(str(tmp_path / "ours-megatron"), "")
+
+
 def _our_tensors(root: str, prefix: str) -> dict[str, torch.Tensor]:
     """Every tensor under `prefix` of our converted checkpoint `root` (iteration 2)."""
     path = iteration_dir(root, 2)
@@ -151,13 +163,7 @@ def test_dp_reshardable_adam_state_is_read_per_parameter(style, tp, pp, bf16, tm
     (four model-parallel ranks' buckets). All: several buckets per rank, DP 2."""
     buffers = run_ranks(_save, tp * pp * 2, str(tmp_path), style, tp, pp, bf16)
     assert max(n for rank in buffers for n in rank) >= 3  # several buckets were read
-    for folder in ("megatron", "exp_avg", "exp_avg_sq"):
-        (tmp_path / folder / "latest_checkpointed_iteration.txt").write_text("2")
-        result = _convert(str(tmp_path / folder), str(tmp_path / f"ours-{folder}"))
-        assert result.returncode == 0, result.stderr
-    meta = read_meta(iteration_dir(str(tmp_path / "ours-megatron"), 2))
-    assert meta["optimizer_step"] == 2 and meta["iteration"] == 2
-    state = _our_tensors(str(tmp_path / "ours-megatron"), "")
+    state = convert_the_three(tmp_path)
     weights = {k: v for k, v in state.items() if k.startswith("model/")}
     assert len(weights) > 10
     for kind in ("exp_avg", "exp_avg_sq"):

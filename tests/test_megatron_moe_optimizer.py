@@ -20,13 +20,12 @@ import os
 import pytest
 import torch
 
-from engine.checkpoint.files import iteration_dir, read_meta
 from tests.distributed import rel_err, run_ranks
-from tests.test_megatron_checkpoint import _convert
 from tests.test_megatron_distributed_optimizer import (
     _cuda_type_names,
     _gradient,
     _our_tensors,
+    convert_the_three,
     distributed_optimizer,
 )
 from tests.test_megatron_moe_checkpoint import _megatron_moe, _moe_args
@@ -117,13 +116,7 @@ def test_an_moe_checkpoints_adam_state_is_read_per_parameter(
 ):
     buffers = run_ranks(_save, world, str(tmp_path), case, tp, ep, etp, sharding, pp)
     assert max(n for rank in buffers for n in rank) >= 3  # several buckets were read
-    for folder in ("megatron", "exp_avg", "exp_avg_sq"):
-        (tmp_path / folder / "latest_checkpointed_iteration.txt").write_text("2")
-        result = _convert(str(tmp_path / folder), str(tmp_path / f"ours-{folder}"))
-        assert result.returncode == 0, result.stderr
-    meta = read_meta(iteration_dir(str(tmp_path / "ours-megatron"), 2))
-    assert meta["optimizer_step"] == 2 and meta["iteration"] == 2
-    state = _our_tensors(str(tmp_path / "ours-megatron"), "")
+    state = convert_the_three(tmp_path)
     experts = [k for k in state if k.startswith("optim/") and ".local_experts.3." in k]
     assert experts  # the last expert's state (a second expert-parallel rank's, with EP 2)
     for kind in MOMENTS:
