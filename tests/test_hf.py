@@ -9,6 +9,7 @@ import json
 import os
 import stat
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,8 @@ from engine.checkpoint.files import find_latest, iteration_dir, read_meta
 from engine.checkpoint.load import load_model_weights
 from engine.config.model import ModelConfig
 from engine.config.tokenizer import TokenizerConfig
+from engine.data.builder import build_gpt_datasets
+from engine.data.sources import data_sources
 from engine.data.tokenizers.sentencepiece import SentencePieceTokenizer
 from engine.errors import ConfigError
 from engine.eval.generate import greedy_generate
@@ -309,7 +312,10 @@ def test_transformers_model_imported_under_tp2_pp2(tmp_path, style):
 
 
 def test_training_continues_from_an_imported_model(dataset_prefix, tokenizer_model, tmp_path):
-    _random_hf_model("llama", tmp_path / "hf")
+    """The imported model's first training loss is transformers' loss of the same model on the
+    run's first global batch (read with the dataset builder megatron-core's order is tested
+    against), so an import that scrambled a weight, or a run that ignored --load, fails."""
+    hf = _random_hf_model("llama", tmp_path / "hf")
     ckpt = str(tmp_path / "ours")
     import_from_hf(str(tmp_path / "hf"), ckpt, 1, 2)
     log = tmp_path / "log.jsonl"
@@ -326,12 +332,24 @@ def test_training_continues_from_an_imported_model(dataset_prefix, tokenizer_mod
                 "--lr-warmup-iters": "1",
                 "--log-jsonl": str(log),
                 "--num-layers": "2",
+                "--hidden-dropout": "0",
+                "--attention-dropout": "0",
+                "--seed": "1234",
             },
         ),
     )
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["iteration"] for r in records if "split" not in r] == [1, 2]
-    assert abs(records[0]["lm_loss"] - torch.log(torch.tensor(2000.0)).item()) < 1.0
+    train = build_gpt_datasets(
+        data_sources([dataset_prefix], "90,10,0"), 32, 1234, (16, 8, 0), str(tmp_path / "idx")
+    )[0]
+    batch = torch.from_numpy(np.stack([train[i] for i in range(8)]).astype(np.int64))
+    with torch.no_grad():
+        logits = hf(batch[:, :-1]).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    expected = expected.item()  # the mean over the 8 x 32 tokens
+    first = records[0]["lm_loss"]
+    assert abs(first - expected) < 1e-5 * expected, (first, expected)
 
 
 def test_options_without_an_equivalent_are_errors(trained, tmp_path):
