@@ -1,6 +1,7 @@
-"""tools/evaluate.py against transformers: the same checkpoint, exported to Hugging Face, scored
-by transformers' own forward with the exported tokenizer, must give the same per-choice
-log-likelihoods, accuracies and perplexity; loading the export itself gives them too."""
+"""tools/evaluate.py against lm-evaluation-harness's Hugging Face model: the same checkpoint,
+exported to Hugging Face and scored by the harness (its tokenization, its context/continuation
+split, transformers' forward), must give the same per-choice log-likelihoods, accuracies and
+perplexity (windows read with megatron-core's reader); loading the export itself gives them too."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ import os
 import subprocess
 import sys
 
-import torch
+import numpy as np
 
-from engine.eval.multiple_choice import encode_pair, fewshot_prefix, read_task
-from engine.eval.perplexity import windows
+from tests.requirements import require
 from tests.test_training import ROOT
 
 QUESTIONS = [
@@ -36,27 +36,40 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def _transformers_loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
-    """The harness's rule for a causal model, written against transformers directly."""
+def _harness_model(folder: str):
+    """lm-evaluation-harness's own Hugging Face model on the export: it tokenizes, splits
+    context from continuation and scores, with none of our functions."""
+    require("lm_eval")
+    from lm_eval.models.huggingface import HFLM
 
-    class Encoder:
-        @staticmethod
-        def tokenize(text):
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return HFLM(pretrained=folder, dtype="float32", device="cpu", batch_size=1)
 
-    context_ids, continuation_ids = encode_pair(Encoder, context, continuation)
-    ids = torch.tensor([context_ids + continuation_ids])
-    with torch.no_grad():
-        logits = model(input_ids=ids[:, :-1]).logits[0].double()
-    logprobs = torch.log_softmax(logits, dim=-1)[-len(continuation_ids) :]
-    return float(logprobs.gather(1, torch.tensor(continuation_ids)[:, None]).sum())
+
+def _harness_loglikelihoods(harness, requests: list[tuple[str, str]]) -> list[float]:
+    from lm_eval.api.instance import Instance
+
+    instances = [
+        Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=k)
+        for k, pair in enumerate(requests)
+    ]
+    return [ll for ll, _ in harness.loglikelihood(instances, disable_tqdm=True)]
+
+
+def _dataset_windows(prefix: str, length: int, count: int) -> list[list[int]]:
+    """The first `count` windows of `length` + 1 tokens of the documents joined in order, read
+    with megatron-core's own reader of the .bin/.idx files."""
+    require("megatron.core")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)
+    stream = np.concatenate([dataset[i] for i in range(len(dataset))]).astype(np.int64)
+    step = length + 1
+    return [stream[k * step : (k + 1) * step].tolist() for k in range(count)]
 
 
 def test_scores_equal_transformers_on_the_export(
     small_checkpoint, small_checkpoint_hf, dataset_prefix, tmp_path
 ):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     task = tmp_path / "task.jsonl"
     lines = [json.dumps({"context": c, "choices": ch, "gold": g}) for c, ch, g in QUESTIONS]
     task.write_text("\n".join(lines) + "\n")
@@ -73,41 +86,43 @@ def test_scores_equal_transformers_on_the_export(
             assert "acc_norm" in result.stdout and "perplexity" in result.stdout
             results[name, shots] = json.loads(out.read_text())
 
-    model = AutoModelForCausalLM.from_pretrained(small_checkpoint_hf).eval()
-    tokenizer = AutoTokenizer.from_pretrained(small_checkpoint_hf)
-    questions = read_task(str(task))
+    harness = _harness_model(small_checkpoint_hf)
     for shots in (0, 1):
         ours = results["ours", shots]["tasks"][str(task)]
         right = right_norm = 0
-        for index, (question, item) in enumerate(zip(questions, ours["items"], strict=True)):
-            prefix = fewshot_prefix(questions, index, shots, 1234, " ", "\n\n")
-            expected = [
-                _transformers_loglikelihood(model, tokenizer, prefix + question.context, " " + c)
-                for c in question.choices
+        for index, item in enumerate(ours["items"]):
+            context, choices, gold = QUESTIONS[index]
+            # the solved examples our run says it showed, joined as the harness's defaults join
+            # them (" " before an answer, a blank line between examples)
+            assert len(item["shots"]) == shots and index not in item["shots"]
+            solved = [
+                QUESTIONS[k][0] + " " + QUESTIONS[k][1][QUESTIONS[k][2]] for k in item["shots"]
             ]
+            prefix = "".join(example + "\n\n" for example in solved)
+            expected = _harness_loglikelihoods(
+                harness, [(prefix + context, " " + c) for c in choices]
+            )
             for found, want in zip(item["loglikelihoods"], expected, strict=True):
                 assert math.isclose(found, want, rel_tol=1e-4, abs_tol=1e-4), (found, want)
             best = max(range(len(expected)), key=expected.__getitem__)
-            norm = [ll / len(c) for ll, c in zip(expected, question.choices, strict=True)]
-            right += best == question.gold
-            right_norm += max(range(len(norm)), key=norm.__getitem__) == question.gold
-        assert ours["acc"] == right / len(questions)
-        assert ours["acc_norm"] == right_norm / len(questions)
+            norm = [ll / len(c) for ll, c in zip(expected, choices, strict=True)]
+            right += best == gold
+            right_norm += max(range(len(norm)), key=norm.__getitem__) == gold
+        assert ours["acc"] == right / len(QUESTIONS)
+        assert ours["acc_norm"] == right_norm / len(QUESTIONS)
         exported_scores = results["export", shots]["tasks"][str(task)]
         assert exported_scores["acc"] == ours["acc"]
         for a, b in zip(exported_scores["items"], ours["items"], strict=True):
             pairs = zip(a["loglikelihoods"], b["loglikelihoods"], strict=True)
             assert all(math.isclose(x, y, abs_tol=1e-5) for x, y in pairs)
 
-    # perplexity: transformers' mean loss over the same windows
-    length = model.config.max_position_embeddings
+    # perplexity: the harness's model's summed log-likelihood over the same windows, each
+    # window's first token the context of the rest
+    length = harness.max_length
     total = count = 0
-    for window in windows(dataset_prefix, length, 3):
-        ids = torch.tensor([window])
-        with torch.no_grad():
-            logits = model(input_ids=ids[:, :-1]).logits[0].double()
-        nll = -torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None]).sum()
-        total, count = total + float(nll), count + len(window) - 1
+    for window in _dataset_windows(dataset_prefix, length, 3):
+        [(ll, _)] = harness._loglikelihood_tokens([(("", ""), window[:1], window[1:])])
+        total, count = total - ll, count + len(window) - 1
     ours = results["ours", 0]["perplexity"]
     assert ours["tokens"] == count
     assert math.isclose(ours["nll"], total / count, rel_tol=1e-5)

@@ -73,6 +73,17 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     return context_ids, whole[len(context_ids) :]
 
 
+def fewshot_picks(count: int, index: int, num_fewshot: int, seed: int) -> list[int]:
+    """The indices of the `num_fewshot` solved examples shown before question `index` of
+    `count` (never itself), drawn by a generator seeded by `seed` and the question."""
+    others = [i for i in range(count) if i != index]
+    if num_fewshot > len(others):
+        raise InputError(
+            f"--num-fewshot {num_fewshot}: the task has only {len(others)} other questions"
+        )
+    return random.Random(seed * 1_000_003 + index).sample(others, num_fewshot)
+
+
 def fewshot_prefix(
     questions: list[Question],
     index: int,
@@ -84,12 +95,7 @@ def fewshot_prefix(
     """The solved examples that precede question `index` (never itself)."""
     if num_fewshot == 0:
         return ""
-    others = [i for i in range(len(questions)) if i != index]
-    if num_fewshot > len(others):
-        raise InputError(
-            f"--num-fewshot {num_fewshot}: the task has only {len(others)} other questions"
-        )
-    picked = random.Random(seed * 1_000_003 + index).sample(others, num_fewshot)
+    picked = fewshot_picks(len(questions), index, num_fewshot, seed)
     shots = [
         questions[i].context + target_delimiter + questions[i].choices[questions[i].gold]
         for i in picked
@@ -110,6 +116,7 @@ def score(
     ids, continuation ids)` is the summed log-probability of the continuation."""
     right = right_norm = 0
     details = []
+    count = len(questions)
     for index, question in enumerate(questions):
         prefix = fewshot_prefix(
             questions, index, num_fewshot, seed, target_delimiter, fewshot_delimiter
@@ -128,6 +135,8 @@ def score(
         best_norm = max(range(len(lls)), key=normalised.__getitem__)
         right += best == question.gold
         right_norm += best_norm == question.gold
-        details.append({"loglikelihoods": lls, "pick": best, "pick_norm": best_norm})
-    count = len(questions)
+        shots = fewshot_picks(count, index, num_fewshot, seed) if num_fewshot else []
+        details.append(
+            {"loglikelihoods": lls, "pick": best, "pick_norm": best_norm, "shots": shots}
+        )
     return {"acc": right / count, "acc_norm": right_norm / count, "n": count, "items": details}
