@@ -6,8 +6,10 @@
 2. The heuristic rules beside datatrove's (the library FineWeb was built with), rule set by
    rule set, on the same documents (engine/curation/local_text.py: real text found on this
    machine) and the same parameters: the share of documents both keep or both remove, each
-   difference listed; and throughput in documents/s, ours (tools/curate.py's pipeline with
-   only these rules: reading JSONL, the three steps, Parquet shards and the report) over
+   difference listed (a document datatrove's filter raises on is listed apart, with our
+   reason, and left out of the agreement); and throughput in documents/s, ours
+   (tools/curate.py's pipeline with only these rules: reading JSONL, the three steps, Parquet
+   shards and the report) over
    datatrove's (its JSONL reader, the four filters, its JSONL writer), both with --workers
    processes, on the same documents cycled to --throughput-documents. Both split words and
    sentences the same way (ours): datatrove's English splitter needs NLTK's punkt data, which
@@ -103,7 +105,8 @@ def _datatrove_filters(language):
     }
 
 
-def _ours(name: str, text: str) -> tuple[bool, str]:
+def _ours(name: str, text: str) -> tuple[str, str | None]:
+    """(the text we keep or would keep, our reason for removing it or None)."""
     rules = {
         "gopher_repetition": lambda t: (
             quality.gopher_repetition(t, quality.GopherRepetition()),
@@ -114,7 +117,7 @@ def _ours(name: str, text: str) -> tuple[bool, str]:
         "fineweb": lambda t: (quality.fineweb(t, quality.FineWeb()), t),
     }
     reason, kept_text = rules[name](text)
-    return reason is None, kept_text
+    return kept_text, reason
 
 
 def compare_rules(documents: list[dict]) -> dict:
@@ -123,15 +126,18 @@ def compare_rules(documents: list[dict]) -> dict:
     filters = _datatrove_filters(_datatrove_tokenizer())
     out = {}
     for name, theirs in filters.items():
-        agree, differences, ours_removed, theirs_removed = 0, [], 0, 0
+        agree, differences, ours_removed, theirs_removed, crashes = 0, [], 0, 0, []
         for k, row in enumerate(documents):
             doc = Document(text=row["text"], id=str(k))
             try:
                 result = theirs.filter(doc)
-            except ZeroDivisionError:  # datatrove divides by a count of zero words or lines
-                result = (False, "division_by_zero")
+            except ArithmeticError as error:  # e.g. a ratio over zero words: no verdict
+                reason = _ours(name, row["text"])[1]
+                crashes.append({"document": k, "error": repr(error), "ours": reason})
+                continue
             their_keep = result is True or (isinstance(result, tuple) and result[0])
-            our_keep, our_text = _ours(name, row["text"])
+            our_text, our_reason = _ours(name, row["text"])
+            our_keep = our_reason is None
             same = their_keep == our_keep and (not our_keep or our_text == doc.text)
             agree += same
             ours_removed += not our_keep
@@ -146,9 +152,11 @@ def compare_rules(documents: list[dict]) -> dict:
                         "datatrove_reason": result[1] if isinstance(result, tuple) else None,
                     }
                 )
+        judged = len(documents) - len(crashes)
         out[name] = {
             "documents": len(documents),
-            "agreement": agree / len(documents),
+            "agreement": agree / max(judged, 1),  # over the documents datatrove judged
+            "datatrove_crashes": crashes,
             "removed_ours": ours_removed,
             "removed_datatrove": theirs_removed,
             "differences": differences,
@@ -234,10 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         documents = local_documents(args.documents)
         report["rules"] = compare_rules(documents)
         print(f"\nrules beside datatrove on {len(documents)} local documents")
-        header = ["rule set", "agreement", "removed (ours)", "removed (datatrove)", "differences"]
+        header = ["rule set", "agreement", "removed (ours)", "removed (datatrove)", "differences",
+                  "datatrove crashed"]  # fmt: skip
         rows = [
             [name, f"{r['agreement']:.4f}", r["removed_ours"], r["removed_datatrove"],
-             len(r["differences"])]
+             len(r["differences"]), len(r["datatrove_crashes"])]
             for name, r in report["rules"].items()
         ]  # fmt: skip
         _table(header, rows)
