@@ -1,6 +1,8 @@
 """Tools the other tests do not run, run small, each held to what it promises:
 tools/show_schedule.py prints every rank's actions and the bubble the schedule's formula gives,
-tools/make_corpus.py writes the same documents as JSONL and Parquet."""
+tools/make_corpus.py writes the same documents as JSONL and Parquet, tools/bench_memory.py
+measures what its formulas say at a tiny size, tools/bench_checkpoint.py times a checkpoint of
+the size its model has."""
 
 from __future__ import annotations
 
@@ -52,3 +54,49 @@ def test_make_corpus_writes_the_same_documents_as_jsonl_and_parquet(tmp_path):
     assert len(texts) > 10 and all(texts)
     assert 100_000 < sum(len(t.encode()) for t in texts) <= 200_000  # up to --max-bytes
     assert pq.read_table(tmp_path / "stdlib.parquet").column("text").to_pylist() == texts
+
+
+def test_bench_memory_measures_its_formulas_at_a_tiny_size(tmp_path):
+    out = tmp_path / "memory.json"
+    result = run_tool(
+        "bench_memory.py", "--seq-length", "64", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--state-layers", "2", "--state-hidden-size", "32",
+        "--cp-seq-lengths", "256", "--cp-hidden-size", "32", "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    states = report["states"]
+    assert {(r["strategy"], r["dp"]) for r in states} == {
+        (s, d)
+        for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")
+        for d in (1, 2, 4)
+    }
+    for row in states:  # bytes per parameter against 18, 6 + 12/d, 2 + 16/d, 18/d
+        measured = sum(row["bytes"].values()) / row["parameters"]
+        assert measured == pytest.approx(row["formula"], rel=0.01), row
+    for row in report["activations"]:  # the adjusted count is exact for this layer
+        assert row["measured"] == row["formula"] < row["paper"], row
+    assert {(r["cp"], r["comm_type"]) for r in report["context_parallel"]} >= {
+        (1, "-"), (2, "p2p"), (2, "a2a"), (4, "p2p")
+    }  # fmt: skip
+    assert "| measured / formula |" in result.stdout
+
+
+def test_bench_checkpoint_times_a_save_of_the_models_size(tmp_path):
+    out = tmp_path / "checkpoint.json"
+    result = run_tool(
+        "bench_checkpoint.py", "--num-layers", "2", "--hidden-size", "64", "--trials", "1",
+        "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    # fp32 weights and two Adam moments, plus the RNG states and the index
+    assert 12 * report["params"] <= report["checkpoint_bytes"] <= 12.5 * report["params"]
+    seconds = report["seconds"]
+    assert set(seconds) == {
+        "sync", "async_call", "async_stall", "async_slowdown", "async_total", "write_plain",
+        "write_checksums", "verify", "hash_only",
+    }  # fmt: skip
+    assert all(value > 0 for value in seconds.values()), seconds
+    assert seconds["async_call"] <= seconds["async_stall"]  # the stall includes the call
+    assert "synchronous (step stalled)" in result.stdout

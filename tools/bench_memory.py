@@ -191,7 +191,8 @@ def _state_table(args) -> list[dict]:
             measured = sum(worst.values()) / count
             formula = sum(formula_bytes_per_param(strategy, dp).values())
             table.append(
-                {"strategy": strategy, "dp": dp, "params": count, **worst, "formula": formula}
+                {"strategy": strategy, "dp": dp, "parameters": count, "bytes": worst}
+                | {"formula": formula}
             )
             print(
                 f"| {strategy} | {dp} | "
