@@ -3,6 +3,7 @@ that stops with a one-line error naming file and line/row, leaving nothing behin
 
 from __future__ import annotations
 
+import collections
 import gzip
 import io
 import json
@@ -18,7 +19,7 @@ import pytest
 import zstandard
 
 from engine.data.indexed.dataset import IndexedDataset
-from engine.data.prepare.preprocess import preprocess
+from engine.data.prepare.preprocess import encode_batch, preprocess
 from engine.data.tokenizers.sentencepiece import SentencePieceTokenizer
 from engine.errors import InputError
 from tests.cli import ROOT, one_line_error, run_tool
@@ -373,3 +374,55 @@ def test_preprocessing_never_imports_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def _encode_recording_the_pid(*args, **kwargs):
+    """In the worker process: note which process tokenizes this batch, then tokenize it."""
+    with open(os.environ["TRIPOD_TEST_PID_FILE"], "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return encode_batch(*args, **kwargs)
+
+
+def test_batches_in_flight_are_bounded_and_workers_are_replaced(
+    corpus, tokenizer_model, tmp_path, monkeypatch
+):
+    """The memory bound, counted on a real run: batches read but not yet written never exceed
+    2 x workers (+1 being handed out), and each worker process tokenizes at most
+    BATCHES_PER_WORKER batches before a fresh one replaces it (the worker's pid, written by the
+    worker itself). Batches are made small so that a small corpus gives many."""
+    from engine.data.prepare import preprocess as module
+
+    monkeypatch.setattr(module, "BATCH_BYTES", 2000)
+    pulled, consumed, peak = [0], [0], [0]
+    real_batches, real_consume = module._batches, module._consume
+    pids = tmp_path / "pids"
+    monkeypatch.setenv("TRIPOD_TEST_PID_FILE", str(pids))
+
+    def counted_batches(records):
+        for batch in real_batches(records):
+            pulled[0] += 1
+            peak[0] = max(peak[0], pulled[0] - consumed[0])
+            yield batch
+
+    def counted_consume(*args):
+        consumed[0] += 1
+        return real_consume(*args)
+
+    monkeypatch.setattr(module, "_batches", counted_batches)
+    monkeypatch.setattr(module, "_consume", counted_consume)
+    monkeypatch.setattr(module, "encode_batch", _encode_recording_the_pid)
+    workers = 2
+    preprocess(corpus["jsonl"], str(tmp_path / "out"), tokenizer_model, append_eod=True,
+               workers=workers, progress=False)  # fmt: skip
+    per_worker = collections.Counter(pids.read_text().split())
+    assert pulled[0] == consumed[0] == sum(per_worker.values()) > 2 * module.BATCHES_PER_WORKER
+    assert peak[0] <= 2 * workers + 1, peak[0]
+    assert max(per_worker.values()) <= module.BATCHES_PER_WORKER, per_worker
+    assert len(per_worker) >= pulled[0] / module.BATCHES_PER_WORKER
+    # and the output is the one an unbounded, unrecycled run writes
+    monkeypatch.undo()
+    preprocess(corpus["jsonl"], str(tmp_path / "ref"), tokenizer_model, append_eod=True,
+               workers=1, progress=False)  # fmt: skip
+    for suffix in (".bin", ".idx"):
+        ours = (tmp_path / f"out_text_document{suffix}").read_bytes()
+        assert ours == (tmp_path / f"ref_text_document{suffix}").read_bytes()
