@@ -258,6 +258,8 @@ def engine_grads(
     overlap_p2p=False,
     cp_comm_type=("p2p",),
     trace=False,
+    first_stage_layers=None,
+    last_stage_layers=None,
 ):
     """One forward/backward of the global batch through the engine: (losses, full grads).
     Under context parallelism the losses are this CP rank's shares. `trace`: stats get the
@@ -268,6 +270,8 @@ def engine_grads(
         sequence_parallel=sequence_parallel,
         virtual_size=virtual_size,
         cp_comm_type=cp_comm_type,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
         placement=PLACEMENT.get(schedule_kind, "loop"),
     )
     ddps = [DistributedDataParallel(c, state.dp_cp_group, bucket_size=2000) for c in chunks]

@@ -37,21 +37,28 @@ def _pp_parity(rank, world, pp):
         for m in (1, 4, 8):
             tokens = global_batch(m, MBS * m * state.dp_size, cfg.seq_length)
             ref_loss, ref_grads = reference_grads(cfg, tokens)
-            for kind in ("gpipe", "1f1b", "interleaved", "interleaved-overlap"):
+            for kind in ("gpipe", "1f1b", "1f1b-uneven", "interleaved", "interleaved-overlap"):
                 interleaved = kind.startswith("interleaved")
                 if interleaved and m % pp:
                     continue
                 stats = {}
+                # uneven: the first stage 1 layer fewer, the last 1 more (PP 2: 3 and 5;
+                # PP 4: 1, 2, 2 and 3), as --decoder-first/last-pipeline-num-layers set them
+                uneven = kind == "1f1b-uneven"
+                first, last = (8 // pp - 1, 8 // pp + 1) if uneven else (None, None)
                 losses, grads = engine_grads(
                     state,
                     cfg,
                     tokens,
                     MBS,
-                    schedule_kind="interleaved" if interleaved else kind,
+                    schedule_kind="interleaved" if interleaved else kind.split("-")[0],
                     virtual_size=2 if interleaved else 1,
                     stats=stats,
                     overlap_p2p=kind == "interleaved-overlap",
+                    first_stage_layers=first,
+                    last_stage_layers=last,
                 )
+
                 errors = compare_params(grads, ref_grads)
                 loss = None
                 if losses:
@@ -65,6 +72,9 @@ def _pp_parity(rank, world, pp):
                         "case": (tied, m, kind),
                         "grad": max(errors.values()),
                         "params": len(errors),
+                        "layers": sorted(
+                            {int(n.split(".")[1]) for n in errors if n.startswith("layers.")}
+                        ),
                         "loss": loss,
                         "peak": stats["peak_held"],
                         "output_bytes": stats["peak_output_bytes"],
@@ -79,8 +89,8 @@ def _pp_parity(rank, world, pp):
 def test_schedules_match_unpipelined_model(pp):
     results = run_ranks(_pp_parity, 4, pp, timeout=400)
     for rank_results in results:
-        # 2 embeddings x 3 micro-batch counts x 4 schedules, minus m=1 interleaved (2 kinds)
-        assert len(rank_results) == 20
+        # 2 embeddings x 3 micro-batch counts x 5 schedules, minus m=1 interleaved (2 kinds)
+        assert len(rank_results) == 26
         for r in rank_results:
             tied, m, kind = r["case"]
             assert r["grad"] < 1e-5, r
@@ -91,11 +101,17 @@ def test_schedules_match_unpipelined_model(pp):
             # be 16 x 2 x 32 x 4 bytes); the last stage holds its scalar losses.
             assert r["output_bytes"] <= r["peak"] * 4, r
             # the planner's count (parallel/pipeline/schedules.py:peak_in_flight) is what ran
-            schedule, v = ("interleaved", 2) if kind.startswith("interleaved") else (kind, 1)
+            schedule, v = (
+                ("interleaved", 2) if kind.startswith("interleaved") else (kind.split("-")[0], 1)
+            )
             assert r["peak"] == peak_in_flight(schedule, pp, r["rank"], m, v), r
+            if kind == "1f1b-uneven":  # each stage holds the layers the flags give it
+                counts = {2: [3, 5], 4: [1, 2, 2, 3]}[pp]
+                start = sum(counts[: r["rank"]])
+                assert r["layers"] == list(range(start, start + counts[r["rank"]])), r
             if kind == "gpipe":
                 assert r["peak"] == m, r
-            elif kind == "1f1b":
+            elif kind.startswith("1f1b"):
                 assert r["peak"] == min(pp - r["rank"], m) <= pp, r
             elif kind == "interleaved":
                 assert r["overlapped"] == 0, r  # blocking: every transfer done before compute
