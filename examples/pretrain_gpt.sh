@@ -3,7 +3,8 @@
 # defaults below, so a later flag overrides a default (e.g. --num-layers 24).
 #
 #   NPROC_PER_NODE   processes on this machine (default: the GPU count, or 4 without GPUs)
-#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   for several machines (default: one)
+#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   for several machines (default: one machine,
+#                    on a free port torchrun picks)
 #   DATA             folder with the quickstart's dataset and tokenizer (default data/quickstart)
 #   PYTHON           the interpreter with the engine installed (default: python on PATH)
 #   PRECISION        bf16 (the default with GPUs: bf16 weights and activations, fp32 master
@@ -27,8 +28,14 @@ else
 fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29500}
+# One machine with no MASTER_PORT given: torchrun's standalone rendezvous takes a free port
+# itself, so two runs on one machine never collide on a fixed one.
+if [ "$NNODES" = 1 ] && [ -z "${MASTER_PORT:-}" ]; then
+    RENDEZVOUS_ARGS=(--standalone)
+else
+    RENDEZVOUS_ARGS=(--nnodes "$NNODES" --node-rank "$NODE_RANK"
+        --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}")
+fi
 DATA=${DATA:-data/quickstart}
 if [ "$gpus" -gt 0 ]; then PRECISION=${PRECISION:-bf16}; else PRECISION=${PRECISION:-fp32}; fi
 case "$PRECISION" in
@@ -67,9 +74,7 @@ OUTPUT_ARGS=(--log-interval 10 --eval-interval 100 --eval-iters 4)
 # engine.launch is torchrun (same options) that first checks every flag, path and the layout
 # for the world size, so a mistake is one line and exit code 2 before any rank starts; running
 # it through $PYTHON picks the right environment.
-exec "$PYTHON" -m engine.launch --nproc-per-node "$NPROC_PER_NODE" \
-    --nnodes "$NNODES" --node-rank "$NODE_RANK" \
-    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+exec "$PYTHON" -m engine.launch --nproc-per-node "$NPROC_PER_NODE" "${RENDEZVOUS_ARGS[@]}" \
     -m engine.pretrain "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" \
     ${BATCH_ARGS[@]+"${BATCH_ARGS[@]}"} ${LENGTH_ARGS[@]+"${LENGTH_ARGS[@]}"} \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} ${TOKENIZER_ARGS[@]+"${TOKENIZER_ARGS[@]}"} \

@@ -1,5 +1,6 @@
-"""Run a function on N local gloo ranks: a free port, one thread per rank, a timeout, and the
-traceback of the rank that failed first. Used by the tests and the CPU benchmarks; real jobs
+"""Run a function on N local gloo ranks: a TCP store the caller hosts on a port the system
+picks (never picked, closed and reused), one thread per rank, a timeout, and the traceback of
+the rank that failed first. Used by the tests and the CPU benchmarks; real jobs
 launch through torchrun (examples/pretrain_gpt.sh).
 
 Ranks are forked from a forkserver: a freshly started process that has imported torch and run
@@ -9,7 +10,7 @@ model, deadlocks the child's first multi-threaded torch op.) `fn` and its argume
 therefore be picklable: a module-level function and plain data.
 
 A rank that finished stays until every rank has finished (`_leave_together`), so that it does
-not take the TCP store or a gloo connection away from a slower one.
+not take a gloo connection away from a slower one.
 
 Each rank's stdout and stderr go to a file that the caller's own stdout/stderr receive when the
 ranks are done, rank by rank; a rank that hangs past the timeout first dumps its stacks there.
@@ -24,7 +25,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -34,12 +34,6 @@ import torch
 import torch.distributed as dist
 
 _PRELOAD = ["torch", "torch.distributed", "numpy"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _entry(fn, rank, world_size, port, conn, threads, cpu_only, log_paths, args, kwargs):
@@ -64,7 +58,7 @@ def _entry(fn, rank, world_size, port, conn, threads, cpu_only, log_paths, args,
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
         torch.set_num_threads(threads)
         timeout = datetime.timedelta(seconds=120)
-        store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout)
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
         )
@@ -93,9 +87,9 @@ def _entry(fn, rank, world_size, port, conn, threads, cpu_only, log_paths, args,
 def _leave_together(store, world_size: int, wait: bool) -> None:
     """Check out; with `wait`, stay until every rank has checked out.
 
-    A rank that finished early must not take the TCP store (rank 0 hosts it) or its end of a
-    gloo connection away while a slower rank is still setting up a group with it: that rank
-    would fail with "Connection reset by peer" or "connectFullMesh failed" (measured: 80 of
+    A rank that finished early must not take its end of a gloo connection away while a slower
+    rank is still setting up a group with it: that rank would fail with "connectFullMesh
+    failed" (measured: 80 of
     150 runs of a bare new_group on four ranks sharing two busy cores). A rank that failed
     checks out without waiting; the wait is bounded by the store's timeout, and run_local
     kills a rank that hangs."""
@@ -147,7 +141,11 @@ def run_local(
     first (the others usually fail only because it went away). The ranks see no GPU unless
     cpu_only is False (a benchmark of one process on one GPU)."""
     context = _context()
-    port = free_port()
+    # Hosted here, on a port the system assigns while binding it, for as long as the ranks run.
+    server = dist.TCPStore(
+        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=120), wait_for_workers=False
+    )
+    port = server.port
     folder = tempfile.mkdtemp(prefix="ranks-")
     logs = [
         (os.path.join(folder, f"{r}.out"), os.path.join(folder, f"{r}.err"))
@@ -224,4 +222,5 @@ def run_local(
             process.join(timeout=5)
         _echo_logs(logs)
         shutil.rmtree(folder, ignore_errors=True)
+        del server
     return results

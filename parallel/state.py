@@ -399,10 +399,11 @@ def init_distributed(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        # One process started without torchrun: an in-memory store, no port to collide on.
+        alone = world == 1 and "MASTER_PORT" not in os.environ
         dist.init_process_group(
             default_backend(device),
+            store=dist.HashStore() if alone else None,
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(minutes=timeout_minutes),

@@ -5,8 +5,13 @@ checked: numbers, not asserts)."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import pytest
+
+from engine.errors import ConfigError
 from engine.monitor.metrics import PEAK_TFLOPS
+from engine.planning.flags import layout_flags
 from tests.tokenizer_files import make_hf_folder
 from tools import bench_ddp, bench_moe, bench_pipeline, bench_plan, bench_scaling, bench_streaming
 
@@ -124,14 +129,28 @@ def test_bench_scaling_rows_and_figure(tmp_path):
 
 
 def test_bench_plan_rows(tmp_path):
+    """Three of the layouts measured (one rank with recomputation, interleaved PP, MoE with
+    EP), each of the others' flags checked as a run would check them, at no run's cost."""
+    from engine.planning.search import with_recompute
+    from engine.pretrain import parse
+    from engine.train.preflight import prepare
+
     out = tmp_path / "plan.json"
+    measured = ["1 rank, selective", "PP2 interleaved v2 m4", "MoE DP2 EP2"]
     argv = ["--num-layers", "4", "--vocab-size", "128", "--calibration",
             _machine_file(tmp_path), *TINY, "--hidden-size", "128",  # 2 heads for TP 2
-            "--json", str(out)]  # fmt: skip
+            "--json", str(out), "--only", *measured]  # fmt: skip
     assert bench_plan.main(argv) == 0
     result = json.loads(out.read_text())
-    layouts = len(bench_plan.CPU_LAYOUTS) + len(bench_plan.MOE_LAYOUTS)
-    assert len(result["cpu"]["rows"]) == layouts >= 13
+    assert [r["layout"] for r in result["cpu"]["rows"]] == measured
     for r in result["cpu"]["rows"]:
         assert r["measured_s"] > 0 and r["predicted_s"] > 0
     assert result["published"]["median_error"] <= 0.15
+    shape = SimpleNamespace(num_layers=4, hidden_size=128, seq_length=16, vocab_size=128)
+    cases = bench_plan.layout_cases(shape)
+    assert len(cases) == len(bench_plan.CPU_LAYOUTS) + len(bench_plan.MOE_LAYOUTS) >= 16
+    for (_, layout, recompute), model in cases:  # ConfigError where a run would refuse one
+        cfg = with_recompute(parse(model + ["--micro-batch-size", "1"]).model, recompute)
+        prepare(parse(model + layout_flags(cfg, layout)), layout.world)
+    with pytest.raises(ConfigError, match="--only 'TP3': no such layout"):
+        bench_plan.main([*argv[:-4], "--only", "TP3"])

@@ -174,8 +174,6 @@ def test_full_disk_during_a_save(ranks, dataset_prefix, tokenizer_model, tmp_pat
     failure is found in the background thread, agreed by both ranks and printed once."""
     if not small_disk_available():
         pytest.skip("no mount namespaces here (unshare) for a small tmpfs")
-    from parallel.local_ranks import free_port
-
     disk = tmp_path / "disk"
     disk.mkdir()
     ckpt = str(disk / "ckpt")
@@ -197,8 +195,7 @@ def test_full_disk_during_a_save(ranks, dataset_prefix, tokenizer_model, tmp_pat
             "engine.launch",
             "--nproc-per-node",
             "2",
-            "--master-port",
-            str(free_port()),
+            "--standalone",
             "-m",
             "engine.pretrain",
             *args,

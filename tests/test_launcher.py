@@ -18,7 +18,6 @@ from engine.checkpoint.files import iteration_dir
 from engine.data.indexed.dataset import IndexedDataset, IndexedDatasetBuilder
 from engine.data.prepare.token_ids import check_token_ids, token_id_range
 from engine.errors import ConfigError
-from parallel.local_ranks import free_port
 from tests.cli import CPU_ONLY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,7 +53,6 @@ def launch(
         **CPU_ONLY,
         NPROC_PER_NODE="2",
         DATA=data_folder,
-        MASTER_PORT=str(free_port()),
         PYTHON=sys.executable,
     )
     return subprocess.run(

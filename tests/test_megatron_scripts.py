@@ -24,7 +24,6 @@ import pytest
 
 from engine.config.tokenizer import TokenizerConfig
 from engine.data.prepare.preprocess import preprocess
-from parallel.local_ranks import free_port
 from tests.cli import CPU_ONLY
 from tests.test_training import ROOT, records
 from tests.tokenizer_files import copy_gpt2_files, make_hf_folder
@@ -296,7 +295,6 @@ def run_script(body: str, env: dict, tmp_path) -> subprocess.CompletedProcess:
         os.environ,
         **CPU_ONLY,
         **variables,
-        MASTER_PORT=str(free_port()),
         PYTHON=sys.executable,
         PYTHONPATH=ROOT,
     )

@@ -347,16 +347,13 @@ def _torchrun(args, env_extra, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1", **CPU_ONLY, **env_extra)
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
-    from parallel.local_ranks import free_port
-
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",  # a free port, picked by torchrun's rendezvous while binding it
         "--nproc-per-node",
         "2",
-        "--master-port",
-        str(free_port()),
         "-m",
         "engine.pretrain",
         *args,
@@ -705,14 +702,11 @@ def test_end_to_end_through_the_launcher(dataset_prefix, tokenizer_model, tmp_pa
     for suffix in (".bin", ".idx"):
         os.symlink(dataset_prefix + suffix, data / f"stdlib_text_document{suffix}")
     os.symlink(tokenizer_model, data / "tokenizer.model")
-    from parallel.local_ranks import free_port
-
     env = dict(
         os.environ,
         **CPU_ONLY,
         NPROC_PER_NODE="2",
         DATA=str(data),
-        MASTER_PORT=str(free_port()),
         PYTHON=sys.executable,
     )
     result = subprocess.run(

@@ -17,6 +17,7 @@ import json
 import statistics
 
 from engine.cli import run_main
+from engine.errors import ConfigError
 from engine.planning.memory import Layout
 
 # (name, Layout, recomputation): every parallel dimension, schedule, sharding strategy and
@@ -58,6 +59,14 @@ def _model_flags(args) -> list[str]:
     return mock_gpt_flags(args.num_layers, args.hidden_size, args.seq_length, args.vocab_size)
 
 
+def layout_cases(args) -> list[tuple[tuple, list[str]]]:
+    """((name, Layout, recomputation), the model's flags) of every layout measured."""
+    dense = _model_flags(args)
+    return [(case, dense) for case in CPU_LAYOUTS] + [
+        (case, dense + MOE_FLAGS) for case in MOE_LAYOUTS
+    ]
+
+
 def cpu_rows(args, machine) -> list[dict]:
     from engine.planning.flags import layout_flags
     from engine.planning.measure import measure_rank
@@ -66,11 +75,10 @@ def cpu_rows(args, machine) -> list[dict]:
     from engine.pretrain import parse
     from parallel.local_ranks import run_local
 
-    dense = _model_flags(args)
     rows = []
-    cases = [(case, dense) for case in CPU_LAYOUTS]
-    cases += [(case, dense + MOE_FLAGS) for case in MOE_LAYOUTS]
-    for (name, layout, recompute), model in cases:
+    for (name, layout, recompute), model in layout_cases(args):
+        if args.only and name not in args.only:
+            continue
         cfg = with_recompute(parse(model + ["--micro-batch-size", "1"]).model, recompute)
         flags = model + layout_flags(cfg, layout)
         measured = run_local(
@@ -104,8 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--skip-cpu", action="store_true", help="the published table only")
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME", help="measure only these layouts (by their names)"
+    )
     parser.add_argument("--json", default="bench_plan.json")
     args = parser.parse_args(argv)
+    names = [case[0] for case, _ in layout_cases(args)]
+    unknown = [name for name in args.only or [] if name not in names]
+    if unknown:
+        raise ConfigError(f"--only {unknown[0]!r}: no such layout; choose among {names}")
     out = {}
     if not args.skip_cpu:
         machine = load_machine(args.calibration) if args.calibration else calibrate_cpu()

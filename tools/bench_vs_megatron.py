@@ -29,7 +29,6 @@ from engine.cli import run_main
 from engine.monitor.metrics import device_peak_tflops
 from engine.planning.bench_setup import corpus_dataset
 from engine.planning.bench_variants import MODELS, bench_variant
-from parallel.local_ranks import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,9 +45,7 @@ def megatron_step(args, micro_batch: int) -> dict:
     from megatron.core.transformer.module import Float16Module
 
     torch.cuda.set_device(0)
-    dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     config = TransformerConfig(

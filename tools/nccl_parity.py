@@ -64,15 +64,13 @@ LAYOUTS: dict[str, list[str]] = {
 
 
 def _run(layout: str, device: str, folder: str, iters: int) -> tuple[int, dict, str]:
-    from parallel.local_ranks import free_port
-
     metrics = os.path.join(folder, f"{layout}-{device}.jsonl")
     log = metrics[: -len(".jsonl")] + ".log"
     micro_batches = 8 if layout.startswith("pp2") else 2  # dualpipe-v needs 2p = 4 or more
     flags = [*MODEL, *LAYOUTS[layout], "--global-batch-size", str(2 * micro_batches)]
     flags += ["--train-iters", str(iters), "--device", device, "--log-jsonl", metrics]
-    command = [sys.executable, "-m", "engine.launch", "--nproc-per-node", "2"]
-    command += ["--master-port", str(free_port()), "-m", "engine.pretrain", *flags]
+    command = [sys.executable, "-m", "engine.launch", "--standalone", "--nproc-per-node", "2"]
+    command += ["-m", "engine.pretrain", *flags]
     env = dict(os.environ, PYTHONPATH=ROOT)
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
