@@ -27,8 +27,12 @@ $(STAMP): requirements.txt setup.py pyproject.toml csrc/dataset_helpers.cpp
 quickstart: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/quickstart.sh
 
+# The test files are shared among TEST_WORKERS processes (pytest-xdist, each file whole in one
+# of them): most tests run one single-threaded process, so one worker leaves a core idle.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) lint
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # On a machine with CUDA GPUs: every check only a GPU can make, with a report under docs/gpu/
 # (tools/gpu_check.py; without a GPU it says so and exits 0).
