@@ -97,6 +97,8 @@ def test_bench_checkpoint_times_a_save_of_the_models_size(tmp_path):
         "sync", "async_call", "async_stall", "async_slowdown", "async_total", "write_plain",
         "write_checksums", "verify", "hash_only",
     }  # fmt: skip
-    assert all(value > 0 for value in seconds.values()), seconds
+    # the next step's slowdown from the background write is 0 where it ran no slower
+    assert seconds["async_slowdown"] >= 0, seconds
+    assert all(value > 0 for key, value in seconds.items() if key != "async_slowdown"), seconds
     assert seconds["async_call"] <= seconds["async_stall"]  # the stall includes the call
     assert "synchronous (step stalled)" in result.stdout

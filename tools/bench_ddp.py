@@ -15,20 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-import torch.distributed as dist
-
 from engine.cli import run_main as run
-from engine.config.optimizer import OptimizerConfig
 from engine.errors import InputError
 from engine.model.builder import build_model_chunks
-from engine.optim.lr_schedule import LRScheduler
-from engine.optim.optimizer import build_optimizer
 from engine.planning.bench_setup import bench_model_config
-from engine.train.step import train_step
+from engine.planning.bench_steps import bench_optimizer, timed_steps
 from parallel.data_parallel.ddp import STRATEGIES, DistributedDataParallel
 from parallel.local_ranks import run_local
 from parallel.state import ParallelState
@@ -48,36 +41,12 @@ def _bench(rank, world, args, overlap, sharding="no_shard"):
         )
         for c in chunks
     ]
-    ocfg = OptimizerConfig(lr=1e-4, lr_decay_style="constant")
-    optimizer = build_optimizer(
-        ddps,
-        ocfg,
-        use_distributed_optimizer=sharding != "no_shard",
-        fp16=False,
-        tp_rank=0,
-        model_parallel_group=None,
-        instance_group=state.optimizer_instance_group,
-        device=state.device,
-    )
-    scheduler = LRScheduler(ocfg, 10**6)
-    generator = torch.Generator().manual_seed(rank)
-    times = []
-    for step in range(args.warmup + args.steps):
-        batches = []
-        for _ in range(args.accumulation):
-            tokens = torch.randint(
-                0,
-                args.vocab_size,
-                (args.micro_batch_size, args.seq_length + 1),
-                generator=generator,
-            )
-            batches.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
-        if world > 1:
-            dist.barrier()
-        start = time.perf_counter()
-        train_step(ddps, optimizer, scheduler, batches, state)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+    optimizer, scheduler = bench_optimizer(ddps, state, distributed=sharding != "no_shard")
+    times = timed_steps(
+        ddps, optimizer, scheduler, state, warmup=args.warmup, steps=args.steps,
+        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+        vocab_size=args.vocab_size, accumulation=args.accumulation, seed=rank,
+    )  # fmt: skip
     params = sum(p.numel() for p in ddps[0].params)
     return statistics.median(times), params, len(ddps[0].buckets)
 

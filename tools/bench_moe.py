@@ -24,22 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import torch.distributed as dist
 
 from engine.cli import run_main as run
-from engine.config.optimizer import OptimizerConfig
 from engine.model.builder import build_model_chunks
-from engine.optim.lr_schedule import LRScheduler
-from engine.optim.optimizer import build_optimizer
 from engine.planning.bench_setup import bench_model_config
+from engine.planning.bench_steps import bench_optimizer, timed_steps
 from engine.planning.calibrate import median_seconds
 from engine.planning.saved_activations import PeakSavedBytes
 from engine.planning.state_memory import held_state_bytes
-from engine.train.step import train_step
 from parallel.data_parallel.ddp import DistributedDataParallel
 from parallel.local_ranks import run_local
 from parallel.state import ParallelState
@@ -68,34 +63,14 @@ def _train(rank, world, args, moe: bool, ep: int):
     chunks = build_model_chunks(cfg, state)
     experts = {"expert_dp_group": state.expert_dp_group} if ep > 1 else {}
     ddps = [DistributedDataParallel(c, state.dp_group, **experts) for c in chunks]
-    ocfg = OptimizerConfig(lr=1e-4, lr_decay_style="constant")
-    optimizer = build_optimizer(
-        ddps,
-        ocfg,
-        use_distributed_optimizer=False,
-        fp16=False,
-        tp_rank=0,
-        model_parallel_group=None,
-        instance_group=state.optimizer_instance_group,
-        device=state.device,
-        experts_apart=ep > 1,
-        expert_norm_group=state.expert_tp_ep_pp_group,
-    )
-    scheduler = LRScheduler(ocfg, 10**6)
-    generator = torch.Generator().manual_seed(rank)
-    times = []
+    optimizer, scheduler = bench_optimizer(ddps, state, experts_apart=ep > 1)
     params = [p for c in chunks for p in c.parameters()]
     with PeakSavedBytes(params) as saved:
-        for step in range(args.warmup + args.steps):
-            shape = (args.micro_batch_size, args.seq_length + 1)
-            tokens = torch.randint(0, args.vocab_size, shape, generator=generator)
-            batches = [{"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}]
-            if world > 1:
-                dist.barrier()
-            start = time.perf_counter()
-            train_step(ddps, optimizer, scheduler, batches, state)
-            if step >= args.warmup:
-                times.append(time.perf_counter() - start)
+        times = timed_steps(
+            ddps, optimizer, scheduler, state, warmup=args.warmup, steps=args.steps,
+            micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+            vocab_size=args.vocab_size, seed=rank,
+        )  # fmt: skip
     held = sum(held_state_bytes(ddps, optimizer).values())
     return statistics.median(times), held, held + saved.peak
 

@@ -104,29 +104,30 @@ class _SafetensorsFolder:
         return self._cached[1]
 
 
-def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Checkpoint key -> logical shape of every tensor of the model `cfg` describes, from a
-    model built on the meta device (no memory, no initialisation)."""
-    from engine.checkpoint.state import model_state
+def meta_model(cfg):
+    """The model `cfg` describes, built on the meta device (no memory, no initialisation)."""
     from engine.model import BuildContext, GPTModel
 
+    with torch.device("meta"):
+        return GPTModel(cfg, BuildContext(cfg, device="meta"))
+
+
+def expected_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key -> logical shape of every tensor of `model` (a meta_model)."""
+    from engine.checkpoint.state import model_state
+
     class _Chunk:
-        with torch.device("meta"):
-            module = GPTModel(cfg, BuildContext(cfg, device="meta"))
+        module = model
 
     return {k: tuple(v.global_shape) for k, v in model_state([_Chunk()], False).items()}
 
 
-def frozen_parameters(cfg) -> set[str]:
-    """Names of the model's parameters no optimizer updates (the router's expert bias, which
-    its own rule updates), from a model built on the meta device."""
-    from engine.model import BuildContext, GPTModel
-
-    with torch.device("meta"):
-        module = GPTModel(cfg, BuildContext(cfg, device="meta"))
+def frozen_parameters(model) -> set[str]:
+    """Names of the parameters of `model` no optimizer updates (the router's expert bias,
+    which its own rule updates)."""
     return {
         getattr(param, "checkpoint_name", name)
-        for name, param in module.named_parameters()
+        for name, param in model.named_parameters()
         if not param.requires_grad
     }
 
@@ -134,7 +135,7 @@ def frozen_parameters(cfg) -> set[str]:
 def _plan(folder: str, files: _SafetensorsFolder, cfg, style: str) -> dict:
     """Checkpoint key -> LazyTensor for every tensor of the model, each HF tensor's shape and
     dtype checked against config.json before anything is written."""
-    expected = expected_shapes(cfg)
+    expected = expected_shapes(meta_model(cfg))
     state = {}
     for tensor in hf_tensors(cfg, style):
         name = tensor.name

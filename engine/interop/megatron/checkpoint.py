@@ -76,7 +76,7 @@ def import_from_megatron(
 
     from engine.checkpoint.convert import check_new_output, write_converted
     from engine.checkpoint.files import iteration_dir
-    from engine.interop.hf.import_hf import expected_shapes, frozen_parameters
+    from engine.interop.hf.import_hf import expected_shapes, frozen_parameters, meta_model
     from engine.interop.megatron.optimizer import optimizer_state
     from parallel.checkpoint.dcp import LazyTensor
     from parallel.pipeline.layout import stage_layers
@@ -103,7 +103,8 @@ def import_from_megatron(
     for rank in range(pp):
         stage_layers(cfg.num_layers, pp, rank)
     source = MegatronCheckpoint(path)
-    expected = expected_shapes(cfg)
+    model = meta_model(cfg)
+    expected = expected_shapes(model)
     state = {}
     for ours, (key, index, part) in source.tensor_plan(cfg).items():
         entry = source.stored[key]
@@ -125,7 +126,7 @@ def import_from_megatron(
     if reader is not None:
         step = reader.step
         kinds = ("exp_avg", "exp_avg_sq") + (("master",) if reader.has_master else ())
-        frozen = frozen_parameters(cfg)
+        frozen = frozen_parameters(model)
         for ours, (key, index, part) in source.tensor_plan(cfg).items():
             name = ours.removeprefix("model/")
             if name in frozen:
