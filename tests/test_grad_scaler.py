@@ -14,7 +14,7 @@ import pytest
 from parallel.data_parallel.grad_scaler import DynamicGradScaler
 from tests.distributed import run_ranks
 from tests.requirements import require
-from tests.test_megatron_optimizer import _cuda_tensors_on_cpu
+from tools.megatron_cpu import cuda_tensors_on_cpu
 
 SETTINGS = [
     dict(initial_scale=2.0**16, min_scale=1.0, growth_interval=4, hysteresis=2),
@@ -40,7 +40,7 @@ def _compare(rank, world, settings) -> list[tuple]:
     process of its own, as the CPU stand-in patches torch."""
     from megatron.core.optimizer.grad_scaler import DynamicGradScaler as Theirs
 
-    _cuda_tensors_on_cpu()
+    cuda_tensors_on_cpu()
     factors = dict(growth_factor=2.0, backoff_factor=0.5)
     out = []
     for pattern in _patterns():

@@ -5,11 +5,9 @@ logits; tools/convert_checkpoint.py --from-megatron converts the same folder, an
 logits from the converted checkpoint must equal megatron-core's.
 
 megatron-core asks CUDA for a few things at run time even on CPU; each rank replaces exactly
-these, and nothing else, before building the model: torch.cuda.current_device (the rotary table
-is moved to it), torch.cuda.synchronize (called around the checkpoint writer), and the CUDA RNG
-state getters and setters that megatron's model-parallel RNG tracker uses
-(torch.cuda.get_rng_state and megatron's own two; used around attention dropout, 0 here). The
-causal mask is passed in, since its default is made on "cuda". common.pt holds Megatron-LM's
+these, and nothing else, before building the model (tools/megatron_cpu.py:cuda_queries_on_cpu:
+the current device, synchronize, the CUDA RNG state). The causal mask is passed in, since its
+default is made on "cuda". common.pt holds Megatron-LM's
 arguments (an argparse.Namespace) and the iteration, as megatron.training saves them
 (megatron.training itself is not installed)."""
 
@@ -31,6 +29,7 @@ from engine.errors import InputError
 from engine.model import BuildContext, GPTModel
 from tests.distributed import rel_err, run_ranks
 from tests.test_training import ROOT
+from tools.megatron_cpu import cuda_queries_on_cpu
 
 SEQ, VOCAB = 16, 64
 STYLES = {
@@ -97,16 +96,6 @@ CPU_CONFIG = dict(
 )
 
 
-def _cpu_stand_ins():
-    import megatron.core.tensor_parallel.random as megatron_random
-
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-
-
 def _megatron_model(style: str, tp: int, pp: int, vocab: int = VOCAB):
     warnings.simplefilter("ignore")
     import torch.nn.functional as F
@@ -116,7 +105,7 @@ def _megatron_model(style: str, tp: int, pp: int, vocab: int = VOCAB):
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    _cpu_stand_ins()
+    cuda_queries_on_cpu()
     parallel_state.initialize_model_parallel(tp, pp)
     get_cuda_rng_tracker().add("model-parallel-rng", 1234)
     s = STYLES[style]

@@ -28,20 +28,8 @@ from engine.checkpoint.files import iteration_dir, read_meta
 from engine.checkpoint.load import open_checkpoint, read_tensors
 from tests.distributed import rel_err, run_ranks
 from tests.test_megatron_checkpoint import _args, _convert, _megatron_model
-from tests.test_megatron_optimizer import _cuda_tensors_on_cpu, _ours_after_one_step
-
-
-def _cuda_type_names():
-    original = torch.Tensor.type
-
-    def type_name(self, *args, **kwargs):
-        if args or kwargs:
-            return original(self, *args, **kwargs)
-        name = original(self)
-        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.")
-
-    torch.Tensor.type = type_name
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+from tests.test_megatron_optimizer import _ours_after_one_step
+from tools.megatron_cpu import cuda_tensors_on_cpu, cuda_type_names
 
 
 def _gradient(name: str, shape, step: int, tp_rank: int) -> torch.Tensor:
@@ -77,8 +65,8 @@ def distributed_optimizer(model, bf16: bool = False):
 def _save(rank, world, root, style, tp, pp, bf16):
     from megatron.core import dist_checkpointing, parallel_state
 
-    _cuda_tensors_on_cpu()
-    _cuda_type_names()
+    cuda_tensors_on_cpu()
+    cuda_type_names()
     torch.manual_seed(5)
     model = _megatron_model(style, tp, pp)
     if bf16:

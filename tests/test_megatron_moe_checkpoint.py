@@ -27,10 +27,10 @@ from tests.test_megatron_checkpoint import (
     VOCAB,
     _args,
     _convert,
-    _cpu_stand_ins,
     megatron_forward,
 )
 from tests.test_megatron_export import _to_megatron
+from tools.megatron_cpu import cuda_queries_on_cpu, router_without_transformer_engine
 
 MOE = dict(num_experts=4, moe_ffn_hidden_size=24, moe_router_topk=2)
 CASES = {
@@ -47,7 +47,6 @@ CASES = {
 
 def _megatron_moe(case: str, tp: int, ep: int, etp: int | None, pp: int = 1):
     warnings.simplefilter("ignore")
-    import megatron.core.transformer.moe.moe_utils as moe_utils
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel as MegatronGPT
@@ -55,8 +54,8 @@ def _megatron_moe(case: str, tp: int, ep: int, etp: int | None, pp: int = 1):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    _cpu_stand_ins()
-    moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
+    cuda_queries_on_cpu()
+    router_without_transformer_engine()
     parallel_state.initialize_model_parallel(
         tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
     )

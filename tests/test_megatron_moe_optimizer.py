@@ -22,14 +22,14 @@ import torch
 
 from tests.distributed import rel_err, run_ranks
 from tests.test_megatron_distributed_optimizer import (
-    _cuda_type_names,
     _gradient,
     _our_tensors,
     convert_the_three,
     distributed_optimizer,
 )
 from tests.test_megatron_moe_checkpoint import _megatron_moe, _moe_args
-from tests.test_megatron_optimizer import _cuda_tensors_on_cpu, _ours_after_one_step
+from tests.test_megatron_optimizer import _ours_after_one_step
+from tools.megatron_cpu import cuda_tensors_on_cpu, cuda_type_names
 
 MOMENTS = {
     "exp_avg": lambda g1, g2: 0.09 * g1 + 0.1 * g2,
@@ -40,8 +40,8 @@ MOMENTS = {
 def _save(rank, world, root, case, tp, ep, etp, sharding, pp=1):
     from megatron.core import dist_checkpointing, parallel_state
 
-    _cuda_tensors_on_cpu()
-    _cuda_type_names()
+    cuda_tensors_on_cpu()
+    cuda_type_names()
     torch.manual_seed(5)
     ddp, optimizer = distributed_optimizer(_megatron_moe(case, tp, ep, etp, pp))
     model = ddp.module

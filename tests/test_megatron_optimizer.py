@@ -22,6 +22,7 @@ from engine.interop.megatron.layout import join_parts
 from tests.distributed import rel_err, run_ranks
 from tests.harness import engine_steps
 from tests.test_megatron_checkpoint import SEQ, VOCAB, _args, _convert, _megatron_model
+from tools.megatron_cpu import cuda_tensors_on_cpu
 
 LR = 1e-3
 
@@ -29,18 +30,6 @@ LR = 1e-3
 def _tokens() -> torch.Tensor:
     # the batch tests.harness.engine_steps trains on (data-parallel rank 0)
     return torch.randint(0, 64, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
-
-
-def _cuda_tensors_on_cpu():
-    for name in ("tensor", "zeros", "empty", "ones", "full", "zeros_like", "empty_like"):
-        original = getattr(torch, name)
-
-        def on_cpu(*args, _original=original, **kwargs):
-            if str(kwargs.get("device", "")).startswith("cuda"):
-                kwargs["device"] = "cpu"
-            return _original(*args, **kwargs)
-
-        setattr(torch, name, on_cpu)
 
 
 def _train_save_and_step(rank, world, path):
@@ -52,7 +41,7 @@ def _train_save_and_step(rank, world, path):
 
     torch.manual_seed(5)
     model = _megatron_model("llama", 1, 1)
-    _cuda_tensors_on_cpu()
+    cuda_tensors_on_cpu()
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, clip_grad=0.0)
     optimizer = get_megatron_optimizer(config, [ddp])

@@ -21,6 +21,7 @@ from engine.model.context import BuildContext
 from engine.model.moe.layer import MoELayer
 from tests.distributed import run_ranks
 from tests.requirements import require
+from tools.megatron_cpu import router_without_transformer_engine
 
 H, F_EXPERT, SEQ, BATCH = 16, 24, 6, 3
 
@@ -149,7 +150,7 @@ def _compare(rank, world):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer as TheirLayer
 
-    moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
+    router_without_transformer_engine()
     parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
     results = {}
     for name, options in CASES.items():

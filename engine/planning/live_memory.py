@@ -1,0 +1,71 @@
+"""The peak of the bytes held by live tensors on one device type, whatever holds them: the
+engine, autograd's saved tensors, an optimizer, a communication buffer, another library.
+
+While `LiveStoragePeak` is active, every storage that a tensor seen by Python's garbage
+collector views on entry, and every storage an operation makes or hands back (TorchDispatchMode
+sees each operation, backward included), counts its bytes once (views share a storage) until it
+is freed (a finalizer on the storage) or resized. The same count for any code, so two engines
+can be set side by side (tools/bench_vs_megatron.py); on a GPU the allocator's own peak
+(torch.cuda.max_memory_allocated) is the measure instead. Every operation pays a Python call,
+so time steps without it.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveStoragePeak(TorchDispatchMode):
+    """`peak` and `current`: bytes of live `device_type` storages (see the module docstring)."""
+
+    def __init__(self, device_type: str = "cpu"):
+        super().__init__()
+        self.device_type = device_type
+        self._bytes: dict[int, int] = {}  # id of a storage -> its bytes when last seen
+        self.current = 0
+        self.peak = 0
+
+    def _see(self, storage) -> None:
+        key, size = id(storage), storage.nbytes()
+        known = self._bytes.get(key)
+        if known is None:
+            weakref.finalize(storage, self._freed, key)
+        elif known == size:
+            return
+        self._bytes[key] = size
+        self.current += size - (known or 0)
+        self.peak = max(self.peak, self.current)
+
+    def _freed(self, key: int) -> None:
+        self.current -= self._bytes.pop(key, 0)
+
+    def _see_tensor(self, value) -> None:
+        if isinstance(value, torch.Tensor) and value.device.type == self.device_type:
+            try:
+                self._see(value.untyped_storage())
+            except (RuntimeError, NotImplementedError):  # tensors without a storage
+                pass
+
+    def __enter__(self):
+        with warnings.catch_warnings():  # isinstance() on deprecated module proxies warns
+            warnings.simplefilter("ignore")
+            for obj in gc.get_objects():
+                try:
+                    self._see_tensor(obj)
+                except ReferenceError:  # a dead weak proxy
+                    continue
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in tree_leaves(out):
+            self._see_tensor(value)
+        for value in tree_leaves(args):  # in-place resizes of an argument's storage
+            self._see_tensor(value)
+        return out
