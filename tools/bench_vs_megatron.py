@@ -1,4 +1,14 @@
-"""tripod against megatron-core on the same GPU: tokens/s and peak memory of one training step.
+"""tripod against megatron-core: side by side on the same weights and batches (--layouts), or
+tokens/s and peak memory of one training step on the same GPU (the default).
+
+--layouts tp1 tp2-sp pp2-1f1b dp2-distopt ep2-moe (or all): both engines train the same
+Llama-style model from the same initial weights on the same batches of an indexed dataset, on
+gloo ranks (tools/side_by_side.py), and one table gives per layout the largest relative
+difference of their losses, the median step time of each and the ratio, and the peak bytes of
+live tensors per rank of each (engine/planning/live_memory.py) and the ratio. --tiny is the
+suite's size; the default size takes over a second a step on a 2-core CPU.
+
+Without --layouts:
 
 The same GPT model (Megatron-LM's defaults: learned positions, LayerNorm, GeLU, biases, tied
 embeddings; shapes from --model), the same micro-batch of random tokens, bf16 with fp32 main
@@ -15,6 +25,7 @@ table (the ratio is tripod's tokens/s over megatron-core's) and writes JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -163,8 +174,71 @@ def _shape_flags(args) -> list[str]:
     return flags + ["--warmup", str(args.warmup), "--steps", str(args.steps)]
 
 
+# side-by-side sizes: (layers, hidden, heads, query groups, ffn, seq, micro-batch, micro-batches)
+SIDE_BY_SIDE = {"tiny": (2, 64, 4, 2, 128, 32, 2, 2), "default": (4, 512, 8, 4, 1408, 512, 2, 4)}
+
+
+def side_by_side(args) -> int:
+    from tools.side_by_side import CASES, Shape, dataset_batches, run_case
+
+    names = list(CASES) if "all" in args.layouts else args.layouts
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.data_path:
+            prefix, vocab = args.data_path, args.data_vocab_size
+        else:
+            vocab = 2000 if args.tiny else 8000
+            prefix, _ = corpus_dataset(os.path.join(tmp, "data"), vocab_size=vocab)
+        layers, hidden, heads, groups, ffn, seq, mbs, m = SIDE_BY_SIDE[
+            "tiny" if args.tiny else "default"
+        ]
+        shape = Shape(
+            num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+            num_query_groups=groups, ffn_hidden_size=ffn, seq_length=seq, micro_batch_size=mbs,
+            microbatches=m, padded_vocab_size=-(-vocab // 256) * 256, moe_ffn_hidden_size=ffn // 2,
+        )  # fmt: skip
+        rows = []
+        for name in names:
+            case = CASES[name]
+            batches = dataset_batches(prefix, shape, case, args.steps)
+            rows.append(run_case(case, shape, batches, os.path.join(tmp, "runs")))
+            print(f"  {name}: done", flush=True)
+    print(
+        f"tripod beside megatron-core 0.16.1 (local spec), fp32, {args.steps} steps: {layers} "
+        f"layers, hidden {hidden}, seq {seq}, {m} micro-batches of {mbs} per data-parallel rank"
+    )
+    print(
+        "| layout | ranks | loss rel. diff | tripod s/step | megatron-core s/step | ratio "
+        "| tripod peak MB/rank | megatron-core peak MB/rank | ratio |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        ours, theirs = r["tripod"], r["megatron"]
+        print(
+            f"| {r['layout']} | {r['world']} | {r['loss_rel_error']:.1e} "
+            f"| {ours['step_s']:.3f} | {theirs['step_s']:.3f} | {r['time_ratio']:.2f} "
+            f"| {ours['peak_bytes'] / 2**20:.1f} | {theirs['peak_bytes'] / 2**20:.1f} "
+            f"| {r['memory_ratio']:.2f} |"
+        )
+    with open(args.json, "w") as f:
+        json.dump({"shape": dataclasses.asdict(shape), "rows": rows}, f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=["tp1", "tp2-sp", "pp2-1f1b", "dp2-distopt", "ep2-moe", "all"],
+        help="side by side on gloo ranks, these layouts",
+    )
+    parser.add_argument("--tiny", action="store_true", help="--layouts at the suite's size")
+    parser.add_argument("--data-path", help="--layouts: an indexed dataset's prefix")
+    parser.add_argument(
+        "--data-vocab-size", type=int, default=2000, help="the --data-path tokenizer's vocabulary"
+    )
     parser.add_argument("--model", choices=sorted(MODELS), default="1.3b")
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--hidden-size", type=int)
@@ -180,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-micro-batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker-json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.layouts:
+        return side_by_side(args)
     layers, hidden, heads = MODELS[args.model]
     args.num_layers = args.num_layers or layers
     args.hidden_size = args.hidden_size or hidden
