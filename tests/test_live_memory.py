@@ -49,3 +49,15 @@ def test_a_storage_resized_to_nothing_stops_counting():
         weights.view(-1)  # any operation that sees it again (reading none of it)
         assert count.current - start == 0
     assert count.peak - start == 4000 * FLOAT
+
+
+def test_the_bytes_at_the_peak_are_told_by_the_operation_that_made_them():
+    kept = torch.empty(100)
+    with LiveStoragePeak(by_origin=True) as count:
+        ones = torch.ones(1000)
+        doubled = ones * 2
+        del ones
+        small = torch.zeros(10)
+    assert count.at_peak["aten.ones"] == count.at_peak["aten.mul"] == 1000 * FLOAT
+    assert count.at_peak["before"] >= 100 * FLOAT and "aten.zeros" not in count.at_peak
+    assert kept.numel() and doubled.numel() and small.numel()

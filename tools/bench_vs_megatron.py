@@ -219,8 +219,22 @@ def side_by_side(args) -> int:
             f"| {ours['peak_bytes'] / 2**20:.1f} | {theirs['peak_bytes'] / 2**20:.1f} "
             f"| {r['memory_ratio']:.2f} |"
         )
+    by_name = {r["layout"]: r for r in rows}
+    spread = None
+    if "tp1" in by_name and "tp2-sp" in by_name:  # the same batches (DP 1), another order
+        pairs = zip(
+            by_name["tp1"]["megatron"]["losses"],
+            by_name["tp2-sp"]["megatron"]["losses"],
+            strict=True,
+        )
+        spread = max(abs(a - b) / abs(b) for a, b in pairs)
+        print(
+            f"megatron-core against itself, TP1 beside TP2 with SP (the same batches, another "
+            f"reduction order): largest loss rel. diff {spread:.1e}"
+        )
     with open(args.json, "w") as f:
-        json.dump({"shape": dataclasses.asdict(shape), "rows": rows}, f, indent=1)
+        report = {"shape": dataclasses.asdict(shape), "rows": rows, "megatron_spread": spread}
+        json.dump(report, f, indent=1)
     return 0
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-LR, WEIGHT_DECAY, SEED = 1e-3, 0.1, 1234
+LR, WEIGHT_DECAY, SEED = 3e-4, 0.1, 1234
 
 
 @dataclass(frozen=True)
@@ -185,8 +185,9 @@ def _megatron_model(shape: Shape, case: Case):
     )
 
 
-def _step_result(losses, times, peak) -> dict:
-    return {"losses": losses, "step_s": times, "peak_bytes": peak}
+def _step_result(losses, times, counter) -> dict:
+    top = sorted(counter.at_peak.items(), key=lambda kv: -kv[1])[:10]
+    return {"losses": losses, "step_s": times, "peak_bytes": counter.peak, "at_peak": dict(top)}
 
 
 def megatron_rank(rank, world, case: Case, shape: Shape, batches, checkpoint: str) -> dict:
@@ -259,12 +260,12 @@ def megatron_rank(rank, world, case: Case, shape: Shape, batches, checkpoint: st
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_group = parallel_state.get_data_parallel_group()
-    losses, times, peak = [], [], None
+    losses, times, memory = [], [], None
     for step, per_rank in enumerate(batches):
         for group in optimizer.param_groups:  # what OptimizerParamScheduler sets each step
             group["weight_decay"] = WEIGHT_DECAY * group["wd_mult"]
         dist.barrier()
-        counter = LiveStoragePeak() if step == 0 else contextlib.nullcontext()
+        counter = LiveStoragePeak(by_origin=True) if step == 0 else contextlib.nullcontext()
         start = time.perf_counter()
         with counter:
             ddp.zero_grad_buffer()
@@ -282,7 +283,7 @@ def megatron_rank(rank, world, case: Case, shape: Shape, batches, checkpoint: st
         elapsed = time.perf_counter() - start
         assert updated, "megatron-core skipped a step"
         if step == 0:
-            peak = counter.peak
+            memory = counter
         else:
             times.append(elapsed)
         loss = torch.tensor(float("nan"))
@@ -291,7 +292,7 @@ def megatron_rank(rank, world, case: Case, shape: Shape, batches, checkpoint: st
             dist.all_reduce(loss, group=dp_group)
             loss /= dist.get_world_size(dp_group)
         losses.append(loss.item())
-    return _step_result(losses, times, peak)
+    return _step_result(losses, times, memory)
 
 
 def tripod_flags(case: Case, shape: Shape, checkpoint: str, steps: int) -> list[str]:
@@ -328,22 +329,22 @@ def tripod_rank(rank, world, case: Case, shape: Shape, batches, checkpoint: str)
     cfg = prepare(parse(tripod_flags(case, shape, checkpoint, len(batches))), world)
     state = ParallelState.build(case.tp, case.pp, ep=case.ep)
     run = setup(cfg, state)
-    losses, times, peak = [], [], None
+    losses, times, memory = [], [], None
     for step, per_rank in enumerate(batches):
         micro = [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in per_rank[state.dp_rank]]
         dist.barrier()
-        counter = LiveStoragePeak() if step == 0 else contextlib.nullcontext()
+        counter = LiveStoragePeak(by_origin=True) if step == 0 else contextlib.nullcontext()
         start = time.perf_counter()
         with counter:
             record = train_iteration(run, micro)
         elapsed = time.perf_counter() - start
         if step == 0:
-            peak = counter.peak
+            memory = counter
         else:
             times.append(elapsed)
         last = state.pp_rank == state.pp_size - 1
         losses.append(float(record.lm_loss) if last else float("nan"))
-    return _step_result(losses, times, peak)
+    return _step_result(losses, times, memory)
 
 
 def dataset_batches(prefix: str, shape: Shape, case: Case, steps: int) -> list:
@@ -389,6 +390,7 @@ def run_case(case: Case, shape: Shape, batches, folder: str) -> dict:
             "step_s": statistics.median(max(r["step_s"][k] for r in results)
                                         for k in range(len(last["step_s"]))),
             "peak_bytes": max(r["peak_bytes"] for r in results),
+            "at_peak": max(results, key=lambda r: r["peak_bytes"])["at_peak"],
         }  # fmt: skip
     ours, theirs = engines["tripod"], engines["megatron"]
     loss_error = max(

@@ -22,33 +22,46 @@ from torch.utils._pytree import tree_leaves
 
 
 class LiveStoragePeak(TorchDispatchMode):
-    """`peak` and `current`: bytes of live `device_type` storages (see the module docstring)."""
+    """`peak` and `current`: bytes of live `device_type` storages (see the module docstring).
+    With `by_origin`, `at_peak` holds the bytes live at the peak by the operation that made
+    their storage ("before" for those alive on entry): where the memory goes."""
 
-    def __init__(self, device_type: str = "cpu"):
+    def __init__(self, device_type: str = "cpu", by_origin: bool = False):
         super().__init__()
         self.device_type = device_type
+        self.by_origin = by_origin
         self._bytes: dict[int, int] = {}  # id of a storage -> its bytes when last seen
+        self._origin: dict[int, str] = {}
         self.current = 0
         self.peak = 0
+        self.at_peak: dict[str, int] = {}
 
-    def _see(self, storage) -> None:
+    def _see(self, storage, origin: str) -> None:
         key, size = id(storage), storage.nbytes()
         known = self._bytes.get(key)
         if known is None:
             weakref.finalize(storage, self._freed, key)
+            self._origin[key] = origin
         elif known == size:
             return
         self._bytes[key] = size
         self.current += size - (known or 0)
-        self.peak = max(self.peak, self.current)
+        if self.current > self.peak:
+            self.peak = self.current
+            if self.by_origin:
+                self.at_peak = {}
+                for live, held in self._bytes.items():
+                    where = self._origin[live]
+                    self.at_peak[where] = self.at_peak.get(where, 0) + held
 
     def _freed(self, key: int) -> None:
         self.current -= self._bytes.pop(key, 0)
+        self._origin.pop(key, None)
 
-    def _see_tensor(self, value) -> None:
+    def _see_tensor(self, value, origin: str) -> None:
         if isinstance(value, torch.Tensor) and value.device.type == self.device_type:
             try:
-                self._see(value.untyped_storage())
+                self._see(value.untyped_storage(), origin)
             except (RuntimeError, NotImplementedError):  # tensors without a storage
                 pass
 
@@ -57,15 +70,16 @@ class LiveStoragePeak(TorchDispatchMode):
             warnings.simplefilter("ignore")
             for obj in gc.get_objects():
                 try:
-                    self._see_tensor(obj)
+                    self._see_tensor(obj, "before")
                 except ReferenceError:  # a dead weak proxy
                     continue
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        origin = str(func.overloadpacket)
         for value in tree_leaves(out):
-            self._see_tensor(value)
+            self._see_tensor(value, origin)
         for value in tree_leaves(args):  # in-place resizes of an argument's storage
-            self._see_tensor(value)
+            self._see_tensor(value, origin)
         return out
