@@ -195,6 +195,7 @@ def side_by_side(args) -> int:
             num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
             num_query_groups=groups, ffn_hidden_size=ffn, seq_length=seq, micro_batch_size=mbs,
             microbatches=m, padded_vocab_size=-(-vocab // 256) * 256, moe_ffn_hidden_size=ffn // 2,
+            bf16=args.bf16,
         )  # fmt: skip
         rows = []
         for name in names:
@@ -203,7 +204,8 @@ def side_by_side(args) -> int:
             rows.append(run_case(case, shape, batches, os.path.join(tmp, "runs")))
             print(f"  {name}: done", flush=True)
     print(
-        f"tripod beside megatron-core 0.16.1 (local spec), fp32, {args.steps} steps: {layers} "
+        f"tripod beside megatron-core 0.16.1 (local spec), {'bf16' if args.bf16 else 'fp32'}, "
+        f"{args.steps} steps: {layers} "
         f"layers, hidden {hidden}, seq {seq}, {m} micro-batches of {mbs} per data-parallel rank"
     )
     print(
@@ -249,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         help="side by side on gloo ranks, these layouts",
     )
     parser.add_argument("--tiny", action="store_true", help="--layouts at the suite's size")
+    parser.add_argument(
+        "--bf16", action="store_true", help="--layouts in bf16 (fp32 main weights and gradients)"
+    )
     parser.add_argument("--data-path", help="--layouts: an indexed dataset's prefix")
     parser.add_argument(
         "--data-vocab-size", type=int, default=2000, help="the --data-path tokenizer's vocabulary"

@@ -6,11 +6,13 @@ initial weights as a Megatron-LM torch_dist checkpoint with the arguments Megatr
 it; tripod starts from that checkpoint (--load with --use-checkpoint-args --finetune, its
 Megatron-LM reader). Both then take the same steps, Adam at a constant learning rate with
 weight decay on the weights Megatron-LM decays (no gradient clipping: megatron-core's clipping
-asserts CUDA tensors), each data-parallel rank the same micro-batches on both sides, read from
-one indexed dataset. megatron-core runs its own schedules (get_forward_backward_func: no
-pipelining, or 1F1B), DDP, distributed optimizer and MoE token dispatcher, in processes of its
-own with the stand-ins of tools/megatron_cpu.py. The first step of each is also the memory
-step (engine/planning/live_memory.py, the same count for both); the others are timed.
+asserts CUDA tensors), in fp32 or bf16 (Float16Module and fp32 main weights and gradients on
+megatron-core's side, --bf16 on tripod's), each data-parallel rank the same micro-batches on
+both sides, read from one indexed dataset. megatron-core runs its own schedules
+(get_forward_backward_func: no pipelining, or 1F1B), DDP, distributed optimizer and MoE token
+dispatcher, in processes of its own with the stand-ins of tools/megatron_cpu.py. The first step
+of each is also the memory step (engine/planning/live_memory.py, the same count for both); the
+others are timed.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ CASES = {
 @dataclass(frozen=True)
 class Shape:
     """A Llama-style model (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases,
-    untied embeddings) and the batch: micro-batches per step on each data-parallel rank."""
+    untied embeddings), the batch (micro-batches per step on each data-parallel rank) and the
+    precision."""
 
     num_layers: int
     hidden_size: int
@@ -73,6 +76,7 @@ class Shape:
     num_experts: int = 4
     moe_ffn_hidden_size: int = 0
     moe_router_topk: int = 2
+    bf16: bool = False  # bf16 weights and activations, fp32 main weights and gradients
 
 
 def megatron_args(shape: Shape, case: Case) -> argparse.Namespace:
@@ -132,6 +136,7 @@ def _megatron_model(shape: Shape, case: Case):
     )
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    dtype = torch.bfloat16 if shape.bf16 else torch.float32
     moe = {}
     if case.moe:
         moe = dict(
@@ -161,7 +166,9 @@ def _megatron_model(shape: Shape, case: Case):
         persist_layer_norm=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
-        pipeline_dtype=torch.float32,
+        bf16=shape.bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
         tensor_model_parallel_size=case.tp,
         pipeline_model_parallel_size=case.pp,
         sequence_parallel=case.sp,
@@ -230,6 +237,10 @@ def megatron_rank(rank, world, case: Case, shape: Shape, batches, checkpoint: st
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=case.distributed_optimizer, grad_reduce_in_fp32=True
     )
+    if shape.bf16:  # as Megatron-LM's training wraps a bf16 model
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     ddp = DistributedDataParallel(config, ddp_config, model)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -238,6 +249,8 @@ def megatron_rank(rank, world, case: Case, shape: Shape, batches, checkpoint: st
             weight_decay=WEIGHT_DECAY,
             clip_grad=0.0,
             use_distributed_optimizer=case.distributed_optimizer,
+            bf16=shape.bf16,
+            params_dtype=torch.bfloat16 if shape.bf16 else torch.float32,
         ),
         [ddp],
     )
@@ -314,6 +327,8 @@ def tripod_flags(case: Case, shape: Shape, checkpoint: str, steps: int) -> list[
         flags.append("--sequence-parallel")
     if case.distributed_optimizer:
         flags.append("--use-distributed-optimizer")
+    if shape.bf16:
+        flags.append("--bf16")
     return flags
 
 

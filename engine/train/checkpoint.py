@@ -91,7 +91,7 @@ def _resume_from_megatron(run: Run, path: str) -> None:
     weights, and the resume line says so)."""
     checkpointing = run.cfg.checkpointing
     load_optimizer = not (checkpointing.finetune or checkpointing.no_load_optim)
-    step = load_weights(path, run.chunks, run.cfg.model, run.optimizer if load_optimizer else None)
+    step = load_weights(path, run.chunks, run.cfg.model, run.optimizer, load_optimizer)
     if checkpointing.finetune:
         run.writer.print(f"fine-tuning from the weights of Megatron-LM's {path}; iteration 0")
         reseed(run, 0)

@@ -228,11 +228,14 @@ def _fill(full: torch.Tensor, key: str, boxes, path: str) -> None:
         tensor.copy_(full[region])
 
 
-def load_weights(path: str, chunks, cfg: ModelConfig, optimizer=None) -> int | None:
+def load_weights(
+    path: str, chunks, cfg: ModelConfig, optimizer=None, load_optimizer: bool = True
+) -> int | None:
     """Fill this rank's model chunks (any TP/PP/virtual layout) with the weights of the
-    Megatron-LM iteration folder `path`, one tensor (one layer of it) at a time; with
-    `optimizer`, also its Adam state (see engine/interop/megatron/optimizer.py). Returns Adam's
-    step when optimizer state was read."""
+    Megatron-LM iteration folder `path`, one tensor (one layer of it) at a time, and the
+    `optimizer`'s fp32 master weights (where they are copies of bf16/fp16 weights) with them;
+    with `load_optimizer`, also its Adam state (see engine/interop/megatron/optimizer.py).
+    Returns Adam's step when optimizer state was read."""
     from engine.checkpoint.state import model_state, optimizer_state, prime_optimizer_state
     from engine.interop.megatron.optimizer import check_state_kinds
     from engine.interop.megatron.optimizer import optimizer_state as megatron_optimizer_state
@@ -247,7 +250,7 @@ def load_weights(path: str, chunks, cfg: ModelConfig, optimizer=None) -> int | N
         if piece.master is not piece.data:
             piece.master.copy_(piece.data)
     reader = None
-    if optimizer is not None:
+    if optimizer is not None and load_optimizer:
         reader = megatron_optimizer_state(source, read_common(path), cfg)
     if reader is None:
         return None
