@@ -201,7 +201,7 @@ def side_by_side(args) -> int:
         for name in names:
             case = CASES[name]
             batches = dataset_batches(prefix, shape, case, args.steps)
-            rows.append(run_case(case, shape, batches, os.path.join(tmp, "runs")))
+            rows.append(run_case(case, shape, batches, os.path.join(tmp, "runs"), args.profile))
             print(f"  {name}: done", flush=True)
     print(
         f"tripod beside megatron-core 0.16.1 (local spec), {'bf16' if args.bf16 else 'fp32'}, "
@@ -221,6 +221,12 @@ def side_by_side(args) -> int:
             f"| {ours['peak_bytes'] / 2**20:.1f} | {theirs['peak_bytes'] / 2**20:.1f} "
             f"| {r['memory_ratio']:.2f} |"
         )
+    if args.profile:
+        for r in rows:
+            for engine in ("tripod", "megatron"):
+                print(f"\n{r['layout']}, {engine}: self CPU ms of the costliest operations")
+                for name, ms, calls in r[engine]["profile"]:
+                    print(f"  {ms:9.1f}  {calls:6d}  {name}")
     by_name = {r["layout"]: r for r in rows}
     spread = None
     if "tp1" in by_name and "tp2-sp" in by_name:  # the same batches (DP 1), another order
@@ -253,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="--layouts at the suite's size")
     parser.add_argument(
         "--bf16", action="store_true", help="--layouts in bf16 (fp32 main weights and gradients)"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="--layouts: profile the second step of each engine (torch.profiler, CPU) and print "
+        "its costliest operations; that step is not timed",
     )
     parser.add_argument("--data-path", help="--layouts: an indexed dataset's prefix")
     parser.add_argument(

@@ -192,12 +192,37 @@ def _megatron_model(shape: Shape, case: Case):
     )
 
 
-def _step_result(losses, times, counter) -> dict:
+def _instrument(step: int, profile: bool):
+    """Step 0: the memory count; step 1 with `profile`: torch's profiler; else nothing."""
+    from engine.planning.live_memory import LiveStoragePeak
+
+    if step == 0:
+        return LiveStoragePeak(by_origin=True)
+    if step == 1 and profile:
+        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    return contextlib.nullcontext()
+
+
+def _top_ops(profiler) -> list[tuple[str, float, int]]:
+    """(operation, self CPU ms, calls) of the 15 costliest operations of a profiled step."""
+    events = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+    return [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in events]
+
+
+def _step_result(losses, times, counter, profiled) -> dict:
     top = sorted(counter.at_peak.items(), key=lambda kv: -kv[1])[:10]
-    return {"losses": losses, "step_s": times, "peak_bytes": counter.peak, "at_peak": dict(top)}
+    return {
+        "losses": losses,
+        "step_s": times,
+        "peak_bytes": counter.peak,
+        "at_peak": dict(top),
+        "profile": profiled,
+    }
 
 
-def megatron_rank(rank, world, case: Case, shape: Shape, batches, checkpoint: str) -> dict:
+def megatron_rank(
+    rank, world, case: Case, shape: Shape, batches, checkpoint: str, profile: bool = False
+) -> dict:
     """megatron-core on this rank: build, save the initial weights to `checkpoint`, train a
     step per entry of `batches` ([step][data-parallel rank] -> micro-batches of tokens)."""
     warnings.simplefilter("ignore")
@@ -211,7 +236,6 @@ def megatron_rank(rank, world, case: Case, shape: Shape, batches, checkpoint: st
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from engine.planning.live_memory import LiveStoragePeak
     from tools import megatron_cpu
 
     megatron_cpu.cuda_queries_on_cpu()
@@ -273,12 +297,12 @@ def megatron_rank(rank, world, case: Case, shape: Shape, batches, checkpoint: st
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_group = parallel_state.get_data_parallel_group()
-    losses, times, memory = [], [], None
+    losses, times, memory, profiled = [], [], None, None
     for step, per_rank in enumerate(batches):
         for group in optimizer.param_groups:  # what OptimizerParamScheduler sets each step
             group["weight_decay"] = WEIGHT_DECAY * group["wd_mult"]
         dist.barrier()
-        counter = LiveStoragePeak(by_origin=True) if step == 0 else contextlib.nullcontext()
+        counter = _instrument(step, profile)
         start = time.perf_counter()
         with counter:
             ddp.zero_grad_buffer()
@@ -297,6 +321,8 @@ def megatron_rank(rank, world, case: Case, shape: Shape, batches, checkpoint: st
         assert updated, "megatron-core skipped a step"
         if step == 0:
             memory = counter
+        elif step == 1 and profile:
+            profiled = _top_ops(counter)
         else:
             times.append(elapsed)
         loss = torch.tensor(float("nan"))
@@ -305,7 +331,7 @@ def megatron_rank(rank, world, case: Case, shape: Shape, batches, checkpoint: st
             dist.all_reduce(loss, group=dp_group)
             loss /= dist.get_world_size(dp_group)
         losses.append(loss.item())
-    return _step_result(losses, times, memory)
+    return _step_result(losses, times, memory, profiled)
 
 
 def tripod_flags(case: Case, shape: Shape, checkpoint: str, steps: int) -> list[str]:
@@ -332,9 +358,10 @@ def tripod_flags(case: Case, shape: Shape, checkpoint: str, steps: int) -> list[
     return flags
 
 
-def tripod_rank(rank, world, case: Case, shape: Shape, batches, checkpoint: str) -> dict:
+def tripod_rank(
+    rank, world, case: Case, shape: Shape, batches, checkpoint: str, profile: bool = False
+) -> dict:
     """tripod on this rank: the same steps from megatron-core's initial checkpoint."""
-    from engine.planning.live_memory import LiveStoragePeak
     from engine.pretrain import parse
     from engine.train.iteration import train_iteration
     from engine.train.preflight import prepare
@@ -344,22 +371,24 @@ def tripod_rank(rank, world, case: Case, shape: Shape, batches, checkpoint: str)
     cfg = prepare(parse(tripod_flags(case, shape, checkpoint, len(batches))), world)
     state = ParallelState.build(case.tp, case.pp, ep=case.ep)
     run = setup(cfg, state)
-    losses, times, memory = [], [], None
+    losses, times, memory, profiled = [], [], None, None
     for step, per_rank in enumerate(batches):
         micro = [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in per_rank[state.dp_rank]]
         dist.barrier()
-        counter = LiveStoragePeak(by_origin=True) if step == 0 else contextlib.nullcontext()
+        counter = _instrument(step, profile)
         start = time.perf_counter()
         with counter:
             record = train_iteration(run, micro)
         elapsed = time.perf_counter() - start
         if step == 0:
             memory = counter
+        elif step == 1 and profile:
+            profiled = _top_ops(counter)
         else:
             times.append(elapsed)
         last = state.pp_rank == state.pp_size - 1
         losses.append(float(record.lm_loss) if last else float("nan"))
-    return _step_result(losses, times, memory)
+    return _step_result(losses, times, memory, profiled)
 
 
 def dataset_batches(prefix: str, shape: Shape, case: Case, steps: int) -> list:
@@ -388,7 +417,7 @@ def dataset_batches(prefix: str, shape: Shape, case: Case, steps: int) -> list:
     return out
 
 
-def run_case(case: Case, shape: Shape, batches, folder: str) -> dict:
+def run_case(case: Case, shape: Shape, batches, folder: str, profile: bool = False) -> dict:
     """Both engines on `case.world` gloo ranks: each one's losses (from a last pipeline
     stage), median step seconds and largest peak over the ranks, and their comparison."""
     import statistics
@@ -398,7 +427,7 @@ def run_case(case: Case, shape: Shape, batches, folder: str) -> dict:
     checkpoint = os.path.join(folder, case.name)
     engines = {}
     for name, fn in (("megatron", megatron_rank), ("tripod", tripod_rank)):
-        results = run_local(fn, case.world, case, shape, batches, checkpoint, timeout=1800)
+        results = run_local(fn, case.world, case, shape, batches, checkpoint, profile, timeout=1800)
         last = results[-1]  # the last rank is on the last pipeline stage
         engines[name] = {
             "losses": last["losses"],
@@ -406,6 +435,7 @@ def run_case(case: Case, shape: Shape, batches, folder: str) -> dict:
                                         for k in range(len(last["step_s"]))),
             "peak_bytes": max(r["peak_bytes"] for r in results),
             "at_peak": max(results, key=lambda r: r["peak_bytes"])["at_peak"],
+            "profile": last["profile"],
         }  # fmt: skip
     ours, theirs = engines["tripod"], engines["megatron"]
     loss_error = max(
