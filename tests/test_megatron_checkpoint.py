@@ -29,6 +29,7 @@ from engine.errors import InputError
 from engine.model import BuildContext, GPTModel
 from tests.distributed import rel_err, run_ranks
 from tests.test_training import ROOT
+from tools import megatron_cpu
 from tools.megatron_cpu import cuda_queries_on_cpu
 
 SEQ, VOCAB = 16, 64
@@ -79,21 +80,9 @@ STYLES["qwen2-scaled"] = dict(
 )
 
 
-# megatron-core's TransformerConfig on the CPU: no fused kernels, fp32, no dropout, weights
-# large enough (std 0.2) that every one shows in the logits
-CPU_CONFIG = dict(
-    use_cpu_initialization=True,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    masked_softmax_fusion=False,
-    bias_activation_fusion=False,
-    gradient_accumulation_fusion=False,
-    persist_layer_norm=False,
-    bias_dropout_fusion=False,
-    apply_rope_fusion=False,
-    pipeline_dtype=torch.float32,
-    init_method_std=0.2,
-)
+# megatron-core's TransformerConfig on the CPU in fp32, weights large enough (std 0.2) that
+# every one shows in the logits
+CPU_CONFIG = dict(megatron_cpu.CPU_CONFIG, pipeline_dtype=torch.float32, init_method_std=0.2)
 
 
 def _megatron_model(style: str, tp: int, pp: int, vocab: int = VOCAB):

@@ -9,6 +9,20 @@ from __future__ import annotations
 
 import torch
 
+# megatron-core's TransformerConfig on the CPU: weights made on the CPU, no fused kernels (each
+# needs CUDA, apex or Transformer Engine), no dropout
+CPU_CONFIG = dict(
+    use_cpu_initialization=True,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    masked_softmax_fusion=False,
+    bias_activation_fusion=False,
+    gradient_accumulation_fusion=False,
+    persist_layer_norm=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+)
+
 
 def cuda_queries_on_cpu() -> None:
     """What megatron-core's model asks CUDA while building and running on the CPU:

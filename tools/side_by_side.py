@@ -136,6 +136,8 @@ def _megatron_model(shape: Shape, case: Case):
     )
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from tools.megatron_cpu import CPU_CONFIG
+
     dtype = torch.bfloat16 if shape.bf16 else torch.float32
     moe = {}
     if case.moe:
@@ -156,16 +158,7 @@ def _megatron_model(shape: Shape, case: Case):
         activation_func=F.silu,
         normalization="RMSNorm",
         add_bias_linear=False,
-        # on the CPU: no fused kernels, fp32, no dropout
-        use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
+        **CPU_CONFIG,
         bf16=shape.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
