@@ -37,6 +37,7 @@ import time
 import torch
 
 from engine.cli import run_main
+from engine.errors import ConfigError
 from engine.monitor.metrics import device_peak_tflops
 from engine.planning.bench_setup import corpus_dataset
 from engine.planning.bench_variants import MODELS, bench_variant
@@ -182,6 +183,13 @@ def side_by_side(args) -> int:
     from tools.side_by_side import CASES, Shape, dataset_batches, run_case
 
     names = list(CASES) if "all" in args.layouts else args.layouts
+    needed = 3 if args.profile else 2  # the memory step, the profiled one, a timed one
+    if args.steps < needed:
+        profiled = ", the second is profiled" if args.profile else ""
+        raise ConfigError(
+            f"--steps {args.steps}: --layouts needs at least {needed} (the first step counts "
+            f"memory{profiled}, the rest are timed)"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         if args.data_path:
             prefix, vocab = args.data_path, args.data_vocab_size
