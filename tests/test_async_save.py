@@ -30,13 +30,15 @@ def _gated_async_save(rank, world, folder):
     from parallel.state import ParallelState
 
     copy_gate, write_gate = threading.Event(), threading.Event()
-    copy_started = threading.Event()
+    copy_started, copy_done = threading.Event(), threading.Event()
     real_copy, real_write = HostStaging.copy_from, Checkpointer._write
 
     def gated_copy(self, state, ready):
         copy_started.set()
         assert copy_gate.wait(GATE_TIMEOUT_S), "the copy's gate was never opened"
-        return real_copy(self, state, ready)
+        staged = real_copy(self, state, ready)
+        copy_done.set()
+        return staged
 
     def gated_write(self, *args, **kwargs):
         assert write_gate.wait(GATE_TIMEOUT_S), "the write's gate was never opened"
@@ -66,16 +68,32 @@ def _gated_async_save(rank, world, folder):
         thread.start()
         return thread
 
+    # when the step reaches the update's wait for the copy, and when the update itself runs
+    waiting, updated = threading.Event(), threading.Event()
+    wait_for_copy, optimizer_step = run.checkpointer.wait_for_copy, run.optimizer.step
+
+    def noting_the_wait():
+        waiting.set()
+        wait_for_copy()
+
+    def noting_the_update(*args, **kwargs):
+        updated.set()
+        return optimizer_step(*args, **kwargs)
+
+    run.checkpointer.wait_for_copy, run.optimizer.step = noting_the_wait, noting_the_update
     seen = {}
     train_iteration(run, batch)
     run.progress.counters.iteration = 1
     saved = params()
+    waiting.clear()
+    updated.clear()
     save(run)  # returns with the copy still held back
-    seen["save_returned_before_the_copy"] = not copy_gate.is_set()
+    seen["save_returned_before_the_copy"] = not copy_done.is_set()
     assert copy_started.wait(GATE_TIMEOUT_S)
     step = step_in_thread()
-    step.join(1.0)
-    seen["update_waits_for_the_copy"] = step.is_alive()
+    assert waiting.wait(GATE_TIMEOUT_S)  # forward and backward done: at the update
+    step.join(1.0)  # an update that did not wait would run within microseconds of this
+    seen["update_waits_for_the_copy"] = not updated.is_set() and step.is_alive()
     seen["weights_kept_while_waiting"] = all(torch.equal(p, saved[n]) for n, p in params().items())
     copy_gate.set()
     step.join(GATE_TIMEOUT_S)

@@ -55,6 +55,7 @@ def launch(
         DATA=data_folder,
         PYTHON=sys.executable,
     )
+    env.pop("MASTER_PORT", None)  # torchrun's --standalone picks a free port
     return subprocess.run(
         ["bash", f"examples/{script}", *SMALL, *args],
         capture_output=True,

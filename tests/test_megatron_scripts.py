@@ -298,6 +298,7 @@ def run_script(body: str, env: dict, tmp_path) -> subprocess.CompletedProcess:
         PYTHON=sys.executable,
         PYTHONPATH=ROOT,
     )
+    environment.pop("MASTER_PORT", None)  # torchrun's --standalone picks a free port
     return subprocess.run(
         ["bash", str(script)],
         capture_output=True,

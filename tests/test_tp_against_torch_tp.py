@@ -129,5 +129,5 @@ def test_every_gradient_equals_torch_tensor_parallel_on_transformers(tmp_path, s
             # embeddings, output layer, final norm and, in each of the 4 layers, 9 tensors (4 of
             # attention, 3 of the MLP, 2 norms; qwen2 adds 3 biases): none left out
             assert len(grads) == 3 + 4 * (9 + 3 * (style == "qwen2")), sorted(grads)
-            worst = max(grads.items(), key=lambda kv: kv[1] if isinstance(kv[1], float) else 1e9)
-            assert worst[1] != "missing" and worst[1] < 1e-5, (result["sp"], worst)
+            bad = {n: e for n, e in grads.items() if not (isinstance(e, float) and e < 1e-5)}
+            assert not bad, (result["sp"], bad)  # "missing", NaN or too far

@@ -709,6 +709,7 @@ def test_end_to_end_through_the_launcher(dataset_prefix, tokenizer_model, tmp_pa
         DATA=str(data),
         PYTHON=sys.executable,
     )
+    env.pop("MASTER_PORT", None)  # torchrun's --standalone picks a free port
     result = subprocess.run(
         [
             "bash",

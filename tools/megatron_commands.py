@@ -325,9 +325,9 @@ def train(command: Command, data: str, folders: dict[str, str], timeout: int) ->
         NPROC_PER_NODE=str(command.world),
         DATA=data,
         PYTHON=sys.executable,
-        MASTER_PORT=str(29500 + os.getpid() % 1000),
         CUDA_VISIBLE_DEVICES="",
     )
+    env.pop("MASTER_PORT", None)  # one machine: torchrun's --standalone picks a free port
     done = subprocess.run(
         ["bash", os.path.join(ROOT, "examples", "pretrain_gpt.sh"), *_fill(command.flags, folders)],
         capture_output=True,

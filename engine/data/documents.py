@@ -33,7 +33,7 @@ class DocumentLayout:
     def allowed_attention(self) -> torch.Tensor:
         """[..., s, s] bool: query i may attend to key j (j <= i, the same document)."""
         s = self.document_ids.shape[-1]
-        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        causal = torch.ones(s, s, dtype=torch.bool, device=self.document_ids.device).tril()
         same = self.document_ids[..., :, None] == self.document_ids[..., None, :]
         return causal & same
 
@@ -48,7 +48,7 @@ def document_layout(
 ) -> DocumentLayout:
     """The layout of input tokens [..., s] (a sample's first s tokens) under the three flags."""
     is_eod = tokens == eod
-    index = torch.arange(tokens.shape[-1]).expand_as(tokens)
+    index = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
     # EODs strictly before each token: the index of its document (an EOD ends its own)
     before = torch.cumsum(is_eod.long(), dim=-1) - is_eod.long()
     document_ids = before if reset_attention_mask else torch.zeros_like(before)
@@ -59,7 +59,7 @@ def document_layout(
         reached = torch.cummax(next_start, dim=-1).values
         start = torch.cat([torch.zeros_like(reached[..., :1]), reached[..., :-1]], dim=-1)
         position_ids = index - start
-    loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
+    loss_mask = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
     if eod_mask_loss:
         loss_mask[is_eod] = 0.0
     return DocumentLayout(document_ids, position_ids, loss_mask)

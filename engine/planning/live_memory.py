@@ -32,6 +32,8 @@ class LiveStoragePeak(TorchDispatchMode):
         self.by_origin = by_origin
         self._bytes: dict[int, int] = {}  # id of a storage -> its bytes when last seen
         self._origin: dict[int, str] = {}
+        self._by_origin: dict[str, int] = {}  # live bytes per origin, kept as they change
+        self._finalizers: list[weakref.finalize] = []
         self.current = 0
         self.peak = 0
         self.at_peak: dict[str, int] = {}
@@ -40,23 +42,25 @@ class LiveStoragePeak(TorchDispatchMode):
         key, size = id(storage), storage.nbytes()
         known = self._bytes.get(key)
         if known is None:
-            weakref.finalize(storage, self._freed, key)
+            self._finalizers.append(weakref.finalize(storage, self._freed, key))
             self._origin[key] = origin
         elif known == size:
             return
         self._bytes[key] = size
-        self.current += size - (known or 0)
+        self._add(self._origin[key], size - (known or 0))
         if self.current > self.peak:
             self.peak = self.current
             if self.by_origin:
-                self.at_peak = {}
-                for live, held in self._bytes.items():
-                    where = self._origin[live]
-                    self.at_peak[where] = self.at_peak.get(where, 0) + held
+                self.at_peak = {k: v for k, v in self._by_origin.items() if v}
+
+    def _add(self, origin: str, change: int) -> None:
+        self.current += change
+        if self.by_origin:
+            self._by_origin[origin] = self._by_origin.get(origin, 0) + change
 
     def _freed(self, key: int) -> None:
-        self.current -= self._bytes.pop(key, 0)
-        self._origin.pop(key, None)
+        size = self._bytes.pop(key, 0)
+        self._add(self._origin.pop(key, ""), -size)
 
     def _see_tensor(self, value, origin: str) -> None:
         if isinstance(value, torch.Tensor) and value.device.type == self.device_type:
@@ -66,14 +70,21 @@ class LiveStoragePeak(TorchDispatchMode):
                 pass
 
     def __enter__(self):
+        gc.collect()  # what is already garbage is not counted as live
         with warnings.catch_warnings():  # isinstance() on deprecated module proxies warns
             warnings.simplefilter("ignore")
             for obj in gc.get_objects():
                 try:
                     self._see_tensor(obj, "before")
-                except ReferenceError:  # a dead weak proxy
+                except Exception:  # noqa: BLE001 - a dead proxy, an object whose class raises
                     continue
         return super().__enter__()
+
+    def __exit__(self, *exc):
+        for finalizer in self._finalizers:  # the counts stay as they were at the end
+            finalizer.detach()
+        self._finalizers.clear()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
