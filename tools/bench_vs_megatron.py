@@ -43,6 +43,8 @@ from engine.planning.bench_setup import corpus_dataset
 from engine.planning.bench_variants import MODELS, bench_variant
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as `python tools/bench_vs_megatron.py`: its sibling modules
+    sys.path.insert(0, ROOT)
 
 
 def megatron_step(args, micro_batch: int) -> dict:
@@ -255,13 +257,15 @@ def side_by_side(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tools.side_by_side import CASES
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--layouts",
         nargs="+",
-        choices=["tp1", "tp2-sp", "pp2-1f1b", "dp2-distopt", "ep2-moe", "all"],
+        choices=[*CASES, "all"],
         help="side by side on gloo ranks, these layouts",
     )
     parser.add_argument("--tiny", action="store_true", help="--layouts at the suite's size")

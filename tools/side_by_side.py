@@ -202,12 +202,30 @@ def _top_ops(profiler) -> list[tuple[str, float, int]]:
     return [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in events]
 
 
-def _step_result(losses, times, counter, profiled) -> dict:
-    top = sorted(counter.at_peak.items(), key=lambda kv: -kv[1])[:10]
+def _measured_steps(batches, profile: bool, take_step) -> dict:
+    """`take_step(per_rank)` for each step's batches, every rank starting it together; it
+    returns a function giving the step's loss, called once the clock has stopped. The first
+    step counts memory, the second is profiled with `profile`, the others are timed."""
+    losses, times, memory, profiled = [], [], None, None
+    for step, per_rank in enumerate(batches):
+        dist.barrier()
+        counter = _instrument(step, profile)
+        start = time.perf_counter()
+        with counter:
+            loss_of = take_step(per_rank)
+        elapsed = time.perf_counter() - start
+        if step == 0:
+            memory = counter
+        elif step == 1 and profile:
+            profiled = _top_ops(counter)
+        else:
+            times.append(elapsed)
+        losses.append(loss_of())
+    top = sorted(memory.at_peak.items(), key=lambda kv: -kv[1])[:10]
     return {
         "losses": losses,
         "step_s": times,
-        "peak_bytes": counter.peak,
+        "peak_bytes": memory.peak,
         "at_peak": dict(top),
         "profile": profiled,
     }
@@ -290,41 +308,39 @@ def megatron_rank(
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_group = parallel_state.get_data_parallel_group()
-    losses, times, memory, profiled = [], [], None, None
-    for step, per_rank in enumerate(batches):
+
+    def take_step(per_rank):
         for group in optimizer.param_groups:  # what OptimizerParamScheduler sets each step
             group["weight_decay"] = WEIGHT_DECAY * group["wd_mult"]
-        dist.barrier()
-        counter = _instrument(step, profile)
-        start = time.perf_counter()
-        with counter:
-            ddp.zero_grad_buffer()
-            optimizer.zero_grad()
-            reports = forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=iter(per_rank[dp_rank]),
-                model=[ddp],
-                num_microbatches=shape.microbatches,
-                seq_length=s,
-                micro_batch_size=shape.micro_batch_size,
-                forward_only=False,
-            )
-            updated, _, _ = optimizer.step()
-        elapsed = time.perf_counter() - start
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(per_rank[dp_rank]),
+            model=[ddp],
+            num_microbatches=shape.microbatches,
+            seq_length=s,
+            micro_batch_size=shape.micro_batch_size,
+            forward_only=False,
+        )
+        updated, _, _ = optimizer.step()
         assert updated, "megatron-core skipped a step"
-        if step == 0:
-            memory = counter
-        elif step == 1 and profile:
-            profiled = _top_ops(counter)
-        else:
-            times.append(elapsed)
-        loss = torch.tensor(float("nan"))
-        if parallel_state.is_pipeline_last_stage():
-            loss = torch.stack([r["lm loss"] for r in reports]).mean()
-            dist.all_reduce(loss, group=dp_group)
-            loss /= dist.get_world_size(dp_group)
-        losses.append(loss.item())
-    return _step_result(losses, times, memory, profiled)
+        return lambda: _megatron_loss(reports, dp_group)
+
+    return _measured_steps(batches, profile, take_step)
+
+
+def _megatron_loss(reports, dp_group) -> float:
+    """The step's loss as Megatron-LM logs it: the micro-batches' mean, averaged over the
+    data-parallel ranks (NaN off the last pipeline stage)."""
+    from megatron.core import parallel_state
+
+    loss = torch.tensor(float("nan"))
+    if parallel_state.is_pipeline_last_stage():
+        loss = torch.stack([r["lm loss"] for r in reports]).mean()
+        dist.all_reduce(loss, group=dp_group)
+        loss /= dist.get_world_size(dp_group)
+    return loss.item()
 
 
 def tripod_flags(case: Case, shape: Shape, checkpoint: str, steps: int) -> list[str]:
@@ -364,24 +380,14 @@ def tripod_rank(
     cfg = prepare(parse(tripod_flags(case, shape, checkpoint, len(batches))), world)
     state = ParallelState.build(case.tp, case.pp, ep=case.ep)
     run = setup(cfg, state)
-    losses, times, memory, profiled = [], [], None, None
-    for step, per_rank in enumerate(batches):
+    last = state.pp_rank == state.pp_size - 1
+
+    def take_step(per_rank):
         micro = [{"tokens": t[:, :-1], "labels": t[:, 1:]} for t in per_rank[state.dp_rank]]
-        dist.barrier()
-        counter = _instrument(step, profile)
-        start = time.perf_counter()
-        with counter:
-            record = train_iteration(run, micro)
-        elapsed = time.perf_counter() - start
-        if step == 0:
-            memory = counter
-        elif step == 1 and profile:
-            profiled = _top_ops(counter)
-        else:
-            times.append(elapsed)
-        last = state.pp_rank == state.pp_size - 1
-        losses.append(float(record.lm_loss) if last else float("nan"))
-    return _step_result(losses, times, memory, profiled)
+        record = train_iteration(run, micro)
+        return lambda: float(record.lm_loss) if last else float("nan")
+
+    return _measured_steps(batches, profile, take_step)
 
 
 def dataset_batches(prefix: str, shape: Shape, case: Case, steps: int) -> list:

@@ -85,17 +85,11 @@ def fewshot_picks(count: int, index: int, num_fewshot: int, seed: int) -> list[i
 
 
 def fewshot_prefix(
-    questions: list[Question],
-    index: int,
-    num_fewshot: int,
-    seed: int,
-    target_delimiter: str,
-    fewshot_delimiter: str,
+    questions: list[Question], picked: list[int], target_delimiter: str, fewshot_delimiter: str
 ) -> str:
-    """The solved examples that precede question `index` (never itself)."""
-    if num_fewshot == 0:
+    """The solved examples `picked` (fewshot_picks) written out before a question."""
+    if not picked:
         return ""
-    picked = fewshot_picks(len(questions), index, num_fewshot, seed)
     shots = [
         questions[i].context + target_delimiter + questions[i].choices[questions[i].gold]
         for i in picked
@@ -118,9 +112,8 @@ def score(
     details = []
     count = len(questions)
     for index, question in enumerate(questions):
-        prefix = fewshot_prefix(
-            questions, index, num_fewshot, seed, target_delimiter, fewshot_delimiter
-        )
+        shots = fewshot_picks(count, index, num_fewshot, seed) if num_fewshot else []
+        prefix = fewshot_prefix(questions, shots, target_delimiter, fewshot_delimiter)
         context = prefix + question.context
         lls = []
         for choice in question.choices:
@@ -135,7 +128,6 @@ def score(
         best_norm = max(range(len(lls)), key=normalised.__getitem__)
         right += best == question.gold
         right_norm += best_norm == question.gold
-        shots = fewshot_picks(count, index, num_fewshot, seed) if num_fewshot else []
         details.append(
             {"loglikelihoods": lls, "pick": best, "pick_norm": best_norm, "shots": shots}
         )
