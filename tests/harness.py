@@ -260,10 +260,13 @@ def engine_grads(
     trace=False,
     first_stage_layers=None,
     last_stage_layers=None,
+    packing=None,
+    per_token_loss=False,
 ):
     """One forward/backward of the global batch through the engine: (losses, full grads).
     Under context parallelism the losses are this CP rank's shares. `trace`: stats get the
-    runtime's 'events'."""
+    runtime's 'events'. `packing`: engine/data/documents.py's, applied to every micro-batch
+    as the loop does."""
     chunks = build_model_chunks(
         cfg,
         state,
@@ -288,9 +291,11 @@ def engine_grads(
         trace,
     )
     batches = micro_batches(tokens, mbs, state.dp_rank, state.dp_size)
+    if packing is not None:
+        batches = [packing.annotate(b) for b in batches]
     for ddp in ddps:
         ddp.zero_grad_buffer()
-    losses = run_schedule(ddps, batches, schedule, state=state)
+    losses = run_schedule(ddps, batches, schedule, state=state, per_token_loss=per_token_loss)
     shared = [w for d in ddps if (w := d.module.shared_embedding_weight()) is not None]
     finalize_model_grads(ddps, state.tp_group, state.embedding_group, shared)
     grads = {}

@@ -16,11 +16,24 @@ from parallel.context_parallel.attention import (
     split_sequence,
     visible,
 )
-from parallel.context_parallel.ring import quarters
+from parallel.context_parallel.ring import ChunkDocuments, quarters
 from tests.distributed import rel_err, run_ranks
 
 B, HEADS, GROUPS, SEQ, D = 2, 8, 4, 32, 8
 WINDOWS = (None, 5, 13)
+DOCUMENTS = (False, True)
+
+
+def _document_ids() -> torch.Tensor:
+    """Sample 0: documents across the chunk boundaries (of 2 and 4 ranks); sample 1: short
+    documents, the last one ending at the last token."""
+    from engine.data.documents import document_layout
+
+    tokens = torch.ones(B, SEQ, dtype=torch.long)
+    tokens[0, [5, 6, 20]] = 0
+    tokens[1, 2::3] = 0
+    tokens[1, -1] = 0
+    return document_layout(tokens, 0, reset_attention_mask=True).document_ids
 
 
 def _inputs():
@@ -32,12 +45,15 @@ def _inputs():
     return q, k, v, out_grad
 
 
-def _reference(window):
+def _reference(window, documents=False):
     q, k, v, out_grad = _inputs()
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     positions = torch.arange(SEQ)
     back = positions[:, None] - positions[None, :]
     mask = (back >= 0) & (back <= window) if window is not None else back >= 0
+    if documents:
+        ids = _document_ids()
+        mask = (mask & (ids[:, :, None] == ids[:, None, :]))[:, None]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     out.backward(out_grad)
     return out.detach(), q.grad, k.grad, v.grad
@@ -51,27 +67,31 @@ def _context_parallel(rank, world):
     results = {}
     for comm_type in COMM_TYPES:
         for window in WINDOWS:
-            mine = [
-                split_sequence(t, 2, world, rank).clone().requires_grad_(True) for t in (q, k, v)
-            ]
-            out = context_parallel_attention(*mine, group, comm_type, window)
-            out.backward(split_sequence(out_grad, 2, world, rank))
-            results[comm_type, window] = (out.detach(), *(t.grad for t in mine))
+            for documents in DOCUMENTS:
+                ids = _document_ids() if documents else None
+                mine = [
+                    split_sequence(t, 2, world, rank).clone().requires_grad_(True)
+                    for t in (q, k, v)
+                ]
+                out = context_parallel_attention(*mine, group, comm_type, window, document_ids=ids)
+                out.backward(split_sequence(out_grad, 2, world, rank))
+                results[comm_type, window, documents] = (out.detach(), *(t.grad for t in mine))
     return results
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_attention_matches_one_process(world):
-    expected = {window: _reference(window) for window in WINDOWS}
+    """Each comm type, with windows and documents (--reset-attention-mask), in fp64."""
+    expected = {(w, d): _reference(w, d) for w in WINDOWS for d in DOCUMENTS}
     for rank, results in enumerate(run_ranks(_context_parallel, world)):
-        assert set(results) == {(c, w) for c in COMM_TYPES for w in WINDOWS}
-        for (comm_type, window), got in results.items():
+        assert set(results) == {(c, *key) for c in COMM_TYPES for key in expected}
+        for (comm_type, window, documents), got in results.items():
             for name, mine, full in zip(
-                ("out", "dq", "dk", "dv"), got, expected[window], strict=True
+                ("out", "dq", "dk", "dv"), got, expected[window, documents], strict=True
             ):
                 want = split_sequence(full, 2, world, rank)
                 err = rel_err(mine, want)
-                assert err < 1e-10, (comm_type, window, rank, name, err)
+                assert err < 1e-10, (comm_type, window, documents, rank, name, err)
 
 
 def _ring_in_tiles(rank, world):
@@ -141,6 +161,54 @@ def test_ring_quarters_are_exactly_the_visible_ones(cp, window):
                         assert quarter.full == bool(part.all())
                         assert quarter.query_start == rank_positions(seq, cp, query_rank)[rows][0]
                         assert quarter.key_start == rank_positions(seq, cp, key_rank)[cols][0]
+
+
+@pytest.mark.parametrize("layout", ["one", "boundaries", "tiny", "long-then-short"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_quarters_with_documents_skip_exactly_the_pairs_without_a_shared_document(cp, layout):
+    """With documents, a quarter is computed only where some query sees some key of its own
+    document (in some sample), without a mask only where every query sees every key; the
+    quarters skipped for the documents are counted against the causal ring's."""
+    from engine.data.documents import document_layout
+
+    chunk = 6
+    seq = 2 * cp * chunk
+    tokens = torch.ones(2, seq, dtype=torch.long)
+    if layout == "boundaries":  # documents ending exactly at chunk boundaries
+        tokens[:, chunk - 1 :: chunk] = 0
+    elif layout == "tiny":
+        tokens[:, ::2] = 0
+    elif layout == "long-then-short":  # sample 0: one long document; sample 1: short ones
+        tokens[1, 3::5] = 0
+    ids = document_layout(tokens, 0, reset_attention_mask=True).document_ids
+    documents = ChunkDocuments.of(ids, cp)
+    computed = causal = 0
+    for query_rank in range(cp):
+        for key_rank in range(cp):
+            query_pos = rank_positions(seq, cp, query_rank)
+            key_pos = rank_positions(seq, cp, key_rank)
+            same = ids[:, query_pos, None] == ids[:, None, key_pos]
+            mask = visible(query_pos, key_pos, None) & same  # [b, queries, keys]
+            kept = {
+                (q.rows.start, q.cols.start): q
+                for q in quarters(cp, query_rank, key_rank, chunk, None, documents)
+            }
+            computed += len(kept)
+            causal += len(quarters(cp, query_rank, key_rank, chunk, None))
+            for rows in (slice(0, chunk), slice(chunk, 2 * chunk)):
+                for cols in (slice(0, chunk), slice(chunk, 2 * chunk)):
+                    part = mask[:, rows, cols]
+                    quarter = kept.get((rows.start, cols.start))
+                    assert (quarter is not None) == bool(part.any())
+                    if quarter is not None:
+                        assert quarter.full == bool(part.all())
+                        if not quarter.by_document:  # then the documents remove nothing
+                            causal_part = visible(query_pos, key_pos, None)[rows, cols]
+                            assert bool((part == causal_part).all())
+    if layout in ("one", "long-then-short"):  # sample 0 is one document: nothing skipped
+        assert computed == causal
+    else:
+        assert computed < causal
 
 
 def test_load_balanced_chunks():

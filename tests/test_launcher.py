@@ -42,6 +42,11 @@ def data_folder(dataset_prefix, tokenizer_model, tmp_path_factory) -> str:
         for _ in range(200):
             builder.add_document(np.append(rng.integers(0, 2000, 60), 50256))
         builder.finalize()
+    # documents of the tokenizer's ids without its EOD at their ends (no --append-eod)
+    with IndexedDatasetBuilder(folder / "no_eod_text_document", np.uint16) as builder:
+        for _ in range(200):
+            builder.add_document(rng.integers(10, 2000, 60))
+        builder.finalize()
     return str(folder)
 
 
@@ -94,6 +99,11 @@ def test_configuration_errors_are_one_line_before_any_rank(data_folder, tmp_path
         ),
         (["--save", str(a_file / "ckpt")], "--save: "),
         (["--data-path", str(tmp_path / "nothing")], "nothing.idx: no such file"),
+        (
+            ["--data-path", os.path.join(data_folder, "no_eod_text_document"), "--eod-mask-loss"],
+            "--eod-mask-loss: " + os.path.join(data_folder, "no_eod_text_document") + " has no "
+            "end-of-document token",
+        ),
     ]
     for extra, message in cases:
         result = launch(data_folder, *extra)

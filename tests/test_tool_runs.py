@@ -2,7 +2,7 @@
 tools/show_schedule.py prints every rank's actions and the bubble the schedule's formula gives,
 tools/make_corpus.py writes the same documents as JSONL and Parquet, tools/bench_memory.py
 measures what its formulas say at a tiny size, tools/bench_checkpoint.py times a checkpoint of
-the size its model has."""
+the size its model has, tools/bench_attention.py counts the attention work its masks leave."""
 
 from __future__ import annotations
 
@@ -102,3 +102,27 @@ def test_bench_checkpoint_times_a_save_of_the_models_size(tmp_path):
     assert all(value > 0 for key, value in seconds.items() if key != "async_slowdown"), seconds
     assert seconds["async_call"] <= seconds["async_stall"]  # the stall includes the call
     assert "synchronous (step stalled)" in result.stdout
+
+
+def test_bench_attention_counts_the_work_its_masks_leave(tmp_path):
+    """tools/bench_attention.py --tiny: a row per sequence length and CP size; the work kept
+    by documents is the explicit mask's share of the causal one, and the CP ranks' causal
+    work is exactly even (the load-balanced chunks)."""
+    from engine.model.document_attention import allowed
+    from engine.planning.attention_work import document_ids, mixed_documents
+
+    out = tmp_path / "attention.json"
+    result = run_tool("bench_attention.py", "--tiny", "--json", str(out), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["seq"], r["cp"]) for r in rows] == [(256, 1), (256, 2), (512, 1), (512, 2)]
+    for row in rows:
+        layout = mixed_documents(1, row["seq"], 60, seed=row["seq"])
+        within = allowed(document_ids(layout)).sum().item()
+        causal = row["seq"] * (row["seq"] + 1) // 2
+        assert row["work_kept"] == pytest.approx(within / causal)
+        assert row["work_kept"] < 0.9 and row["documents_per_sample"] > 1
+        assert row["causal_rank_imbalance"] == pytest.approx(1.0)
+        assert row["documents_rank_imbalance"] >= 1.0
+        assert row["causal_s"] > 0 and row["documents_s"] > 0
+    assert re.search(r"^\s+512\s+2\s", result.stdout, re.M), result.stdout

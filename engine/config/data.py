@@ -60,11 +60,27 @@ class DataConfig:
         choices=["indexed", "parquet"],
     )
     parquet_text_column: str = option("text", "the Parquet column that holds the documents")
+    reset_position_ids: bool = option(
+        False, "positions start again at 0 after each end-of-document token of a sample"
+    )
+    reset_attention_mask: bool = option(
+        False,
+        "a token attends only to earlier tokens of its own document (documents end at the "
+        "end-of-document token)",
+    )
+    eod_mask_loss: bool = option(
+        False, "no loss on the prediction made at an end-of-document token"
+    )
     parquet_shuffle_buffer: int = option(
         4096,
         "Parquet streaming: rows read, tokenized, packed and shuffled together (the bounded "
         "shuffle buffer, in documents)",
     )
+
+    @property
+    def masks_documents(self) -> bool:
+        """Whether a sample's end-of-document tokens change its positions, attention or loss."""
+        return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
 
     @property
     def per_split_paths(self) -> tuple[list[str], list[str], list[str]] | None:

@@ -40,6 +40,11 @@ class TrainingConfig:
         None, "samples to train for (instead of --train-iters): global-batch steps that fit"
     )
     seed: int = option(1234, "random seed (initialisation, data order, dropout)")
+    calculate_per_token_loss: bool = option(
+        False,
+        "the loss is the global batch's summed token losses over its count of tokens that "
+        "carry loss (default: each micro-batch's mean, averaged)",
+    )
 
     def validate(self) -> None:
         for name in ("micro_batch_size", "train_iters", "train_samples"):

@@ -10,8 +10,10 @@ carries no loss: megatron-core's GPTDataset computes the same three from the sam
 (tests/test_documents.py compares them sample by sample). Computed without [s, s] masks:
 `allowed_attention` builds one only as the explicit reference for tests.
 
-Not yet used by training: the three flags are refused until attention, positions and the loss
-take them (the packed-sequences issue).
+A run's `Packing` (the three flags and the tokenizer's EOD) adds them to every micro-batch on
+its device (engine/train/batches.py): `position_ids` (RoPE and learned positions),
+`document_ids` (attention within documents: engine/model/document_attention.py; under context
+parallelism the whole sequence's, parallel/context_parallel/) and `loss_mask`.
 """
 
 from __future__ import annotations
@@ -63,3 +65,40 @@ def document_layout(
     if eod_mask_loss:
         loss_mask[is_eod] = 0.0
     return DocumentLayout(document_ids, position_ids, loss_mask)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """What a run makes of the end-of-document token `eod` in its samples (Megatron-LM's
+    --reset-position-ids, --reset-attention-mask, --eod-mask-loss)."""
+
+    eod: int
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+    @property
+    def every_stage(self) -> bool:
+        """Whether every pipeline stage needs the batch (positions or documents for its
+        layers), not only the first and last."""
+        return self.reset_position_ids or self.reset_attention_mask
+
+    def annotate(self, batch: dict) -> dict:
+        """The micro-batch with `position_ids`, `document_ids` and `loss_mask` [b, s] added
+        where the flags ask for them (a mask already there is multiplied in)."""
+        layout = document_layout(
+            batch["tokens"],
+            self.eod,
+            reset_position_ids=self.reset_position_ids,
+            reset_attention_mask=self.reset_attention_mask,
+            eod_mask_loss=self.eod_mask_loss,
+        )
+        out = dict(batch)
+        if self.reset_position_ids:
+            out["position_ids"] = layout.position_ids
+        if self.reset_attention_mask:
+            out["document_ids"] = layout.document_ids
+        if self.eod_mask_loss:
+            kept = batch.get("loss_mask")
+            out["loss_mask"] = layout.loss_mask if kept is None else layout.loss_mask * kept
+        return out

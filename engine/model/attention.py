@@ -6,6 +6,8 @@ projection is row-parallel. The attention kernel is chosen per layer when the mo
 (engine/model/attention_kernel.py: SDPA, or FlexAttention for sliding windows on GPUs) and
 named at start; under context parallelism, this rank's queries attend over the
 whole sequence through parallel/context_parallel/attention.py (ring, all-to-all or all-gather).
+Given the micro-batch's `Documents` (--reset-attention-mask), a token attends only within its
+own document, on every one of these paths.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.attention_kernel import AttentionKernel, choose_kernel
+from engine.model.attention_kernel import AttentionKernel, choose_document_kernel, choose_kernel
 from engine.model.context import BuildContext
+from engine.model.document_attention import Documents
 from engine.model.norm import Norm
 from engine.model.qk_norm import ProjectionRMSNorm
 from parallel.context_parallel.attention import context_parallel_attention
@@ -67,24 +70,35 @@ class SelfAttention(nn.Module):
         kind = choose_kernel(
             ctx.device, ctx.params_dtype, grouped, cfg.attention_window, cfg.attention_dropout
         )
-        self.kernel = AttentionKernel(kind, cfg.attention_window, grouped, ctx.attention_masks)
+        document_kind = choose_document_kernel(ctx.device, cfg.attention_dropout)
+        self.kernel = AttentionKernel(
+            kind, cfg.attention_window, grouped, ctx.attention_masks, document_kind
+        )
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _core(self, q, k, v, documents: Documents | None = None) -> torch.Tensor:
         ctx = self.ctx
         if ctx.cp_size == 1:
-            return self._attend(q, k, v)
+            return self._attend(q, k, v, documents)
         comm_type = ctx.cp_comm_type_of(self.layer_number)
         window = ctx.config.attention_window
-        return context_parallel_attention(q, k, v, ctx.cp_group, comm_type, window, self._attend)
+        ids = documents.ids if documents is not None else None
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v over whole sequences [b, heads, s, d], causal, with
-        dropout drawn from the per-TP-rank stream (heads are split over TP)."""
+        def attend(q, k, v):  # a2a: whole sequences in natural order, this rank's heads
+            return self._attend(q, k, v, documents)
+
+        return context_parallel_attention(
+            q, k, v, ctx.cp_group, comm_type, window, attend, document_ids=ids
+        )
+
+    def _attend(self, q, k, v, documents: Documents | None = None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v over whole sequences [b, heads, s, d], causal (within
+        documents where they are given), with dropout drawn from the per-TP-rank stream (heads
+        are split over TP)."""
         p = self.ctx.config.attention_dropout if self.training else 0.0
         if p > 0.0 and self.ctx.tracker is not None:
             with self.ctx.tracker.fork():
-                return self.kernel(q, k, v, p)
-        return self.kernel(q, k, v, p)
+                return self.kernel(q, k, v, p, documents)
+        return self.kernel(q, k, v, p, documents)
 
     def _keeps_little(self) -> bool:
         """Ring attention keeps only q, k, v, output and log-sum-exp for backward: selective
@@ -113,7 +127,12 @@ class SelfAttention(nn.Module):
         out[..., 0::2], out[..., 1::2] = turned[..., : width // 2], turned[..., width // 2 :]
         return out
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        documents: Documents | None = None,
+    ):
         qkv = self.linear_qkv(x)  # [s, b, (heads + 2 groups) * d / tp]
         s, b = qkv.shape[:2]
         d, nh, ng = self.head_dim, self.local_heads, self.local_groups
@@ -127,8 +146,8 @@ class SelfAttention(nn.Module):
             q, k = self._rotate(q, rotary), self._rotate(k, rotary)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.selective_recompute and self.training and not self._keeps_little():
-            out = checkpoint(self._core, self.ctx.tracker, q, k, v)
+            out = checkpoint(self._core, self.ctx.tracker, q, k, v, documents)
         else:
-            out = self._core(q, k, v)
+            out = self._core(q, k, v, documents)
         out = out.permute(2, 0, 1, 3).reshape(s, b, nh * d)
         return self.linear_proj(out)

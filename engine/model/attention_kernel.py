@@ -10,6 +10,10 @@
   outside the window, so the work grows with the window, not the sequence.
 - "sdpa-mask": a sliding window elsewhere (CPU, or with attention dropout, which FlexAttention
   has not): SDPA with a boolean mask made once per sequence length.
+- "flex-documents" and "sdpa-documents": with --reset-attention-mask, a micro-batch whose
+  document ids are given attends within documents (engine/model/document_attention.py):
+  FlexAttention's block mask on CUDA without dropout, one SDPA call per document elsewhere.
+  Without document ids (generation, a single document) the layer's kernel above runs.
 
 Masks and the compiled FlexAttention are made once per model (`AttentionMasks`, held by the
 BuildContext), not per layer. `describe(kinds, layers)` is the start-up line naming each
@@ -21,7 +25,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.model.document_attention import attend_by_document
+
 KINDS = ("sdpa-causal", "sdpa-expanded", "flex-window", "sdpa-mask")
+DOCUMENT_KINDS = ("flex-documents", "sdpa-documents")
 
 
 def choose_kernel(
@@ -33,6 +40,12 @@ def choose_kernel(
     if grouped and cuda and dtype == torch.float32:
         return "sdpa-expanded"
     return "sdpa-causal"
+
+
+def choose_document_kernel(device: torch.device, dropout: float) -> str:
+    """The kernel of attention within documents (--reset-attention-mask)."""
+    cuda = torch.device(device).type == "cuda"
+    return "flex-documents" if cuda and dropout == 0.0 else "sdpa-documents"
 
 
 def describe(kinds: list[str], layers: list[int]) -> str:
@@ -89,14 +102,27 @@ class AttentionMasks:
 
 
 class AttentionKernel:
-    """One layer's attention over whole sequences [b, heads, s, d] (the kind chosen above)."""
+    """One layer's attention over whole sequences [b, heads, s, d] (the kinds chosen above:
+    `document_kind` runs when the call is given the micro-batch's Documents)."""
 
-    def __init__(self, kind: str, window: int | None, grouped: bool, masks: AttentionMasks):
+    def __init__(
+        self,
+        kind: str,
+        window: int | None,
+        grouped: bool,
+        masks: AttentionMasks,
+        document_kind: str | None = None,
+    ):
         if kind not in KINDS:
             raise ValueError(f"attention kernel {kind!r} is not one of {', '.join(KINDS)}")
+        if document_kind is not None and document_kind not in DOCUMENT_KINDS:
+            raise ValueError(f"attention kernel {document_kind!r} is not one of {DOCUMENT_KINDS}")
         self.kind, self.window, self.grouped, self.masks = kind, window, grouped, masks
+        self.document_kind = document_kind
 
-    def __call__(self, q, k, v, dropout: float) -> torch.Tensor:
+    def __call__(self, q, k, v, dropout: float, documents=None) -> torch.Tensor:
+        if documents is not None and self.document_kind is not None:
+            return self._within_documents(q, k, v, dropout, documents)
         if self.kind == "flex-window":
             mask = self.masks.mask(self.kind, q.shape[-2], self.window, q.device)
             flex = self.masks.flex_attention(q.is_cuda)
@@ -112,3 +138,10 @@ class AttentionKernel:
         else:
             kwargs["is_causal"] = True
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, **kwargs)
+
+    def _within_documents(self, q, k, v, dropout: float, documents) -> torch.Tensor:
+        if self.document_kind == "flex-documents":
+            flex = self.masks.flex_attention(q.is_cuda)
+            mask = documents.block_mask(self.window)
+            return flex(q, k, v, block_mask=mask, enable_gqa=self.grouped)
+        return attend_by_document(q, k, v, documents, self.window, dropout, self.grouped)

@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.config.model import ModelConfig
 from engine.model.context import BuildContext
+from engine.model.document_attention import Documents
 from engine.model.layer import TransformerLayer
 from engine.model.norm import Norm
 from engine.model.rope import RotaryEmbedding
@@ -55,13 +56,19 @@ class Embedding(nn.Module):
         else:
             self.position_embeddings = None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None):
+        """tokens [b, s] -> [s(/tp), b, h]; position_ids [b, s]: each sample's own positions
+        (--reset-position-ids), by default the tokens' places in the sequence."""
         x = self.word_embeddings(tokens.t())  # [s(/tp), b, h]
         if self.position_embeddings is not None:
             s = x.shape[0]
             start = self.tp_rank * s if self.ctx.sequence_parallel else 0
-            positions = self.ctx.token_positions(tokens.shape[1], x.device)[start : start + s]
-            x = x + self.position_embeddings(positions).unsqueeze(1)
+            if position_ids is not None:
+                table = self.position_embeddings(position_ids.t()[start : start + s])
+                x = x + table  # [s(/tp), b, h]
+            else:
+                positions = self.ctx.token_positions(tokens.shape[1], x.device)
+                x = x + self.position_embeddings(positions[start : start + s]).unsqueeze(1)
         p = self.ctx.config.hidden_dropout
         if self.training and p > 0.0:
             with self.ctx.dropout_stream():
@@ -181,7 +188,7 @@ class GPTModel(nn.Module):
             self._rotary_tables = (key, self.rotary(positions, seq * self.ctx.cp_size))
         return self._rotary_tables[1]
 
-    def _run_layers(self, x: torch.Tensor, rotary) -> torch.Tensor:
+    def _run_layers(self, x: torch.Tensor, rotary, documents) -> torch.Tensor:
         cfg = self.config
         layers = list(self.layers.values())
         full = cfg.recompute_granularity == "full" and self.training
@@ -189,13 +196,13 @@ class GPTModel(nn.Module):
             chunk = cfg.recompute_num_layers
             for start in range(0, len(layers), chunk):
                 group = layers[start : start + chunk]
-                x = checkpoint(_run_group(group), self.ctx.tracker, x, *(rotary or ()))
+                x = checkpoint(_run_group(group), self.ctx.tracker, x, documents, *(rotary or ()))
             return x
         for index, layer in enumerate(layers):
             if full and index < cfg.recompute_num_layers:  # block: the first N of this stage
-                x = checkpoint(_run_group([layer]), self.ctx.tracker, x, *(rotary or ()))
+                x = checkpoint(_run_group([layer]), self.ctx.tracker, x, documents, *(rotary or ()))
             else:
-                x = layer(x, rotary)
+                x = layer(x, rotary, documents)
         return x
 
     def forward(
@@ -203,19 +210,27 @@ class GPTModel(nn.Module):
         tokens: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """position_ids [b, s(/cp)]: each sample's positions, this rank's part of them
+        (--reset-position-ids); document_ids [b, s]: each token's document in its sample, the
+        whole sequence's (--reset-attention-mask; engine/data/documents.py makes both)."""
         if self.pre_process:
-            x = self.embedding(tokens)
+            x = self.embedding(tokens, position_ids)
         else:
             if hidden is None:
                 raise ValueError("a stage without the embedding needs the previous stage's hidden")
             x = hidden
         rotary = None
-        if self.rotary is not None:
+        if self.rotary is not None and position_ids is not None:
+            rotary = self.rotary(position_ids, position_ids.shape[1] * self.ctx.cp_size)
+        elif self.rotary is not None:
             rotary = self._rotary(
                 x.shape[0] * (self.ctx.tp_size if self.ctx.sequence_parallel else 1), x.device
             )
-        x = self._run_layers(x, rotary)
+        documents = Documents(document_ids) if document_ids is not None else None
+        x = self._run_layers(x, rotary, documents)
         if not self.post_process:
             return x
         logits = self._logits(self.final_layernorm(x))  # [s, b, V/tp]
@@ -240,9 +255,9 @@ class GPTModel(nn.Module):
 
 
 def _run_group(layers: list[TransformerLayer]):
-    def run(x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+    def run(x: torch.Tensor, documents, *rotary: torch.Tensor) -> torch.Tensor:
         for layer in layers:
-            x = layer(x, rotary or None)
+            x = layer(x, rotary or None, documents)
         return x
 
     return run

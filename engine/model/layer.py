@@ -52,9 +52,9 @@ class TransformerLayer(nn.Module):
             return checkpoint(function, self.ctx.tracker, x)
         return function(x)
 
-    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary=None, documents=None) -> torch.Tensor:
         normed = self._recomputed("layernorm", self.input_layernorm, x)
-        x = x + self._dropout(self.self_attention(normed, rotary))
+        x = x + self._dropout(self.self_attention(normed, rotary, documents))
         normed = self._recomputed("layernorm", self.pre_mlp_layernorm, x)
         mlp = "moe" if isinstance(self.mlp, MoELayer) else "mlp"
         return x + self._dropout(self._recomputed(mlp, self.mlp, normed))

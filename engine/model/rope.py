@@ -98,7 +98,8 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, seq_length: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables [s, 1, 1, d] for positions [s] (0..s-1 without context parallelism);
+        """Tables [s, 1, 1, d] for positions [s] (0..s-1 without context parallelism), or
+        [s, b, 1, d] for each sample's own positions [b, s] (--reset-position-ids);
         seq_length: the whole sequence's (dynamic scaling; default the last position + 1)."""
         device = positions.device
         positions = positions.to(torch.float32)
@@ -108,8 +109,12 @@ class RotaryEmbedding(nn.Module):
         elif self.kind == "dynamic":
             length = seq_length if seq_length is not None else int(positions.max()) + 1
             inv_freq = self._dynamic_inv_freq(length)
-        freqs = torch.outer(positions, inv_freq.to(device))
-        angles = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [s, 1, 1, d]
+        freqs = positions[..., None] * inv_freq.to(device)
+        angles = torch.cat([freqs, freqs], dim=-1)  # [s, d] or [b, s, d]
+        if angles.dim() == 2:
+            angles = angles[:, None, None, :]  # [s, 1, 1, d]
+        else:
+            angles = angles.transpose(0, 1)[:, :, None, :]  # [s, b, 1, d]
         if self.attention_factor != 1.0:
             return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
         return angles.cos(), angles.sin()

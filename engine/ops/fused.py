@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engine.ops.torch_ops import rotary as torch_rotary
 from parallel.comm import all_reduce, group_rank
 from parallel.tensor_parallel.regions import measure_tp_comm
 
@@ -157,6 +158,8 @@ class FusedOps:
 
     @torch.compiler.disable
     def rotary(self, x, cos, sin):
+        if cos.shape[1] != 1:  # each sample's own positions: the kernel takes one table
+            return torch_rotary(x, cos, sin)
         return _Rotary.apply(x, cos, sin, self.kernels)
 
     @torch.compiler.disable

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.data.documents import Packing
 from engine.data.split import SplitIterator, TrainingSplit
 from parallel.state import ParallelState
 
@@ -25,10 +26,13 @@ def micro_batches_per_step(micro_batch_size: int, state: ParallelState, global_b
     return global_batch // (micro_batch_size * state.dp_size)
 
 
-def loads_batches(state: ParallelState) -> bool:
+def loads_batches(state: ParallelState, packing: Packing | None = None) -> bool:
     """Only the first pipeline stage (tokens) and the last (labels) read token batches, as in
-    Megatron-LM; a stage in between gets its input from the previous stage alone."""
-    return state.is_first_stage or state.is_last_stage
+    Megatron-LM; a stage in between gets its input from the previous stage alone, unless its
+    layers need the samples' positions or documents (`packing`), which it then computes from
+    the same tokens (nothing but the hidden states travels between stages)."""
+    every = packing is not None and packing.every_stage
+    return every or state.is_first_stage or state.is_last_stage
 
 
 def data_iterator(
@@ -38,10 +42,11 @@ def data_iterator(
     consumed: int,
     num_workers: int,
     position: dict | None = None,
+    packing: Packing | None = None,
 ) -> SplitIterator | None:
     """This DP rank's micro-batches of a split from `consumed` samples on (from its saved
     `position` where it keeps one); None on a pipeline stage that reads no batches."""
-    if not loads_batches(state):
+    if not loads_batches(state, packing):
         split.check_position(consumed, position)  # a bad data state fails on every rank
         return None
     pin = state.device.type == "cuda"  # page-locked batches copy to the GPU asynchronously
@@ -50,8 +55,12 @@ def data_iterator(
     )
 
 
-def next_batches(iterator, count: int, device: torch.device) -> list[dict]:
-    """`count` micro-batches on `device` (empty ones where this stage reads none)."""
+def next_batches(
+    iterator, count: int, device: torch.device, packing: Packing | None = None
+) -> list[dict]:
+    """`count` micro-batches on `device` (empty ones where this stage reads none), with their
+    documents' positions, ids and loss mask where `packing` asks for them."""
     if iterator is None:
         return [{} for _ in range(count)]
-    return [to_device(next(iterator), device) for _ in range(count)]
+    batches = [to_device(next(iterator), device) for _ in range(count)]
+    return batches if packing is None else [packing.annotate(b) for b in batches]

@@ -28,7 +28,7 @@ def evaluate(run: Run, split: int) -> tuple[float, dict] | None:
         run.batches.final, run.cfg.training.micro_batch_size
     )
     if split != 1:
-        iterator = data_iterator(state, mbs, dataset, 0, num_workers=0)
+        iterator = data_iterator(state, mbs, dataset, 0, 0, packing=run.packing)
     else:
         if c.consumed_valid_samples + eval_iters * final > len(dataset):
             # more evaluations than the split was built for (a run resumed with other flags):
@@ -36,14 +36,18 @@ def evaluate(run: Run, split: int) -> tuple[float, dict] | None:
             c.consumed_valid_samples, progress.valid_iterator = 0, None
         if progress.valid_iterator is None:  # the first evaluation of this process
             start = dataset.restart_point(c.consumed_valid_samples)
-            progress.valid_iterator = data_iterator(state, mbs, dataset, start, num_workers=0)
+            progress.valid_iterator = data_iterator(
+                state, mbs, dataset, start, 0, packing=run.packing
+            )
         iterator = progress.valid_iterator
         c.consumed_valid_samples += eval_iters * final
     names = domain_names(dataset)
     total, count = None, micro_batches_per_step(mbs, state, final)
     for _ in range(eval_iters):
-        batches = next_batches(iterator, count, state.device)
-        values = eval_step(run.chunks, batches, state, run.eval_schedule, len(names))
+        batches = next_batches(iterator, count, state.device, run.packing)
+        values = eval_step(
+            run.chunks, batches, state, run.eval_schedule, len(names), run.per_token_loss
+        )
         total = values if total is None else [a + b for a, b in zip(total, values, strict=False)]
     mean = [value / eval_iters for value in total]
     return mean[0], domain_losses(mean[1:], names) if names else {}

@@ -40,6 +40,7 @@ def train(run: Run) -> Counters:
         c.consumed_samples,
         cfg.data.num_workers,
         progress.data_state,
+        run.packing,
     )
     progress.train_iterator = iterator
     window: list[IterationResult] = []
@@ -60,7 +61,7 @@ def train(run: Run) -> Counters:
         global_batch = run.batches.at(c.consumed_samples)
         count = micro_batches_per_step(cfg.training.micro_batch_size, state, global_batch)
         with times.measure("batch-generator"):
-            batches = next_batches(iterator, count, state.device)
+            batches = next_batches(iterator, count, state.device, run.packing)
         result = train_iteration(run, batches, global_batch)
         _count(c, result)
         run.profiler.after_iteration(c.iteration)

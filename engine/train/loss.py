@@ -11,7 +11,11 @@ from parallel.comm import group_size
 
 
 def make_loss_func(
-    num_microbatches: int, loss_scale: float = 1.0, cp_group=None, num_domains: int = 0
+    num_microbatches: int,
+    loss_scale: float = 1.0,
+    cp_group=None,
+    num_domains: int = 0,
+    token_count: torch.Tensor | None = None,
 ):
     """Per-token losses [b, s] -> (mean / num_microbatches * loss_scale, detached mean).
     A (loss, z-loss) pair from the model adds the z-loss to what is differentiated only.
@@ -25,14 +29,28 @@ def make_loss_func(
     is its share of the micro-batch's mean (its tokens' sum over the whole micro-batch's token
     count), so the shares of a CP group add up to the mean. What is differentiated is scaled
     by the CP size, because gradients are averaged over DP x CP while the CP ranks' parts
-    must add up."""
+    must add up.
+
+    With `token_count` (--calculate-per-token-loss, `per_token_count`) every micro-batch's
+    summed token losses are divided by that one count instead of their own: the global batch's
+    tokens that carry loss over (micro-batches x DP). The mean over micro-batches and DP ranks
+    of these values is then the global batch's summed loss over its token count (Megatron-LM's
+    per-token loss), and so is what is differentiated."""
     cp_size = group_size(cp_group)
 
     def loss_func(output, batch: dict):
         per_token, z_term = output if isinstance(output, tuple) else (output, None)
         mask = batch.get("loss_mask")
         weights = None if mask is None else mask.to(per_token.dtype)
-        if cp_size == 1:
+        if token_count is not None:
+            count = token_count.to(per_token.dtype)
+            summed = per_token if weights is None else per_token * weights
+            share = summed.sum() / count
+            total = share
+            if z_term is not None:
+                total = total + (z_term if weights is None else z_term * weights).sum() / count
+            loss, reported = total * (cp_size * loss_scale / num_microbatches), share.detach()
+        elif cp_size == 1:
             count = per_token.numel() if weights is None else weights.sum().clamp(min=1.0)
             loss, reported = _mean_loss(per_token, z_term, mask, num_microbatches, loss_scale)
         else:
@@ -57,6 +75,25 @@ def make_loss_func(
         return loss, reported
 
     return loss_func
+
+
+def per_token_count(batches: list[dict], num_microbatches: int, state) -> torch.Tensor | None:
+    """--calculate-per-token-loss's count (make_loss_func's `token_count`): the tokens of
+    the global batch that carry loss (this DP x CP group's micro-batches `batches`, cut for
+    context parallelism, summed over the group) over (micro-batches x DP). None on a pipeline
+    stage without the loss. Collective over the last stage's DP x CP group."""
+    if state is not None and not state.is_last_stage:
+        return None
+    device = state.device if state is not None else None
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    for batch in batches:
+        mask = batch.get("loss_mask")
+        count += mask.sum() if mask is not None else batch["labels"].numel()
+    dp_size = 1
+    if state is not None and state.dp_cp_group is not None:
+        dist.all_reduce(count, group=state.dp_cp_group)
+        dp_size = state.dp_size
+    return (count / (num_microbatches * dp_size)).clamp(min=1e-30).float()
 
 
 def _mean_loss(per_token, z_term, mask, num_microbatches: int, loss_scale: float):

@@ -242,10 +242,31 @@ def _check_data(cfg: Configs) -> None:
         for prefix in sources.prefixes():
             datasets[prefix] = IndexedDataset(prefix)
             check_token_ids(datasets[prefix], m.vocab_size, source, data.data_cache_path)
+            if data.masks_documents:
+                _check_documents_end(datasets[prefix], prefix, tokenizer.eod, data)
         _check_split_shares(sources, datasets)
     finally:
         for dataset in datasets.values():
             dataset.close()
+
+
+def _check_documents_end(dataset: IndexedDataset, prefix: str, eod: int, data) -> None:
+    """With the document flags, documents must end with the tokenizer's EOD, or there is
+    nothing to reset at (data preprocessed without --append-eod, or with another tokenizer):
+    the last token of the first documents is looked at."""
+    flag = next(
+        f"--{name.replace('_', '-')}"
+        for name in ("reset_attention_mask", "reset_position_ids", "eod_mask_loss")
+        if getattr(data, name)
+    )
+    count = min(dataset.num_documents, 64)
+    ends = dataset.document_indices[1 : count + 1] - 1
+    if count and not any(len(dataset[int(k)]) and int(dataset[int(k)][-1]) == eod for k in ends):
+        raise ConfigError(
+            f"{flag}: {prefix} has no end-of-document token (id {eod}, the tokenizer's) at the "
+            f"end of its first {count} documents; preprocess it with --append-eod and this "
+            "tokenizer, or drop the flag"
+        )
 
 
 def _check_split_shares(sources: DataSources, datasets: dict[str, IndexedDataset]) -> None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from engine.checkpoint.save import Checkpointer
 from engine.config.configs import SECTIONS, Configs
+from engine.data.documents import Packing
 from engine.data.mix.schedule import train_mix
 from engine.data.sources import sources_of
 from engine.data.tokenizers import build_tokenizer
@@ -166,6 +167,8 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         progress=Progress(tracker=tracker),
         eval_prompts=_eval_prompts(cfg) if cfg.evaluation.eval_prompts else None,
         mix=mix,
+        packing=_packing(cfg),
+        per_token_loss=training.calculate_per_token_loss,
     )
     if mix is not None and len(mix.phases) > 1:
         run.writer.print(mix.describe())
@@ -178,14 +181,29 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     return run
 
 
-def _attention_kernels(chunks) -> str:
+def _packing(cfg: Configs) -> Packing | None:
+    """What the samples' end-of-document tokens change, with the tokenizer's EOD id (None
+    when none of the three flags is given)."""
+    data = cfg.data
+    if not data.masks_documents:
+        return None
+    return Packing(
+        build_tokenizer(cfg.tokenizer).eod,
+        data.reset_position_ids,
+        data.reset_attention_mask,
+        data.eod_mask_loss,
+    )
+
+
+def _attention_kernels(chunks, documents: bool) -> str:
     """The start-up line naming each of this rank's layers' attention kernel."""
     from engine.model.attention import SelfAttention
     from engine.model.attention_kernel import describe
 
     found = [m for chunk in chunks for m in chunk.modules() if isinstance(m, SelfAttention)]
     found.sort(key=lambda m: m.layer_number)
-    return describe([m.kernel.kind for m in found], [m.layer_number for m in found])
+    kinds = [m.kernel.document_kind if documents else m.kernel.kind for m in found]
+    return describe(kinds, [m.layer_number for m in found])
 
 
 def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
@@ -219,7 +237,8 @@ def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
     )
     if state.tp_rank == state.dp_rank == state.cp_rank == 0:  # one rank per pipeline stage
         stage = f" (pipeline rank {state.pp_rank})" if state.pp_size > 1 else ""
-        print(f"attention{stage}: {_attention_kernels(chunks)}", flush=True)
+        kernels = _attention_kernels(chunks, cfg.data.reset_attention_mask)
+        print(f"attention{stage}: {kernels}", flush=True)
     grad_dtype = torch.bfloat16 if runtime.bf16 and runtime.grad_reduce_in_bf16 else torch.float32
     # expert parallelism: the experts' buffers reduced over the expert data-parallel group
     experts = {"expert_dp_group": state.expert_dp_group} if par.experts_apart else {}

@@ -13,6 +13,7 @@ from engine.checkpoint.save import Checkpointer
 from engine.config.batch_schedule import BatchSchedule
 from engine.config.configs import Configs
 from engine.config.runtime import RuntimeConfig
+from engine.data.documents import Packing
 from engine.data.mix.schedule import MixSchedule
 from engine.data.split import TrainingSplit
 from engine.eval.samples import EvalPrompts
@@ -77,6 +78,8 @@ class Run:
     progress: Progress
     eval_prompts: EvalPrompts | None = None  # --eval-prompts
     mix: MixSchedule | None = None  # the train blend's weights over the run
+    packing: Packing | None = None  # what the samples' EOD tokens change (the three flags)
+    per_token_loss: bool = False  # --calculate-per-token-loss
 
 
 def params_dtype(runtime: RuntimeConfig) -> torch.dtype:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from engine.model.moe.router import routers_of
 from engine.monitor.noise_scale import LocalGradSquares, NoiseScale
-from engine.train.loss import make_loss_func
+from engine.train.loss import make_loss_func, per_token_count
 from parallel.comm import group_size
 from parallel.context_parallel.chunks import context_parallel_batches
 from parallel.data_parallel.optimizer import NormParts
@@ -91,25 +91,43 @@ class StepResult:
 
 
 def forward_step(chunk, batch: dict, input_tensor: torch.Tensor | None) -> torch.Tensor:
-    """Run one model chunk: tokens on the first stage, labels on the last."""
+    """Run one model chunk: tokens on the first stage, labels on the last, the samples'
+    positions and documents on every stage where the run computes them (engine/data/
+    documents.py's Packing)."""
     module = chunk.module if hasattr(chunk, "module") else chunk
     tokens = batch["tokens"] if module.pre_process else None
     labels = batch["labels"] if module.post_process else None
-    return chunk(tokens=tokens, labels=labels, hidden=input_tensor)
+    positions, documents = batch.get("position_ids"), batch.get("document_ids")
+    return chunk(
+        tokens=tokens,
+        labels=labels,
+        hidden=input_tensor,
+        position_ids=positions,
+        document_ids=documents,
+    )
 
 
 def run_schedule(
-    chunks, batches, schedule, forward_only=False, loss_scale=1.0, state=None, num_domains=0
+    chunks,
+    batches,
+    schedule,
+    forward_only=False,
+    loss_scale=1.0,
+    state=None,
+    num_domains=0,
+    per_token_loss=False,
 ) -> list[torch.Tensor]:
     """The schedule over the micro-batches (whole sequences: under context parallelism, given
-    `state`, each CP rank runs its chunks of them)."""
+    `state`, each CP rank runs its chunks of them); `per_token_loss`: the loss is the global
+    batch's summed token losses over its count (--calculate-per-token-loss, loss.py)."""
     cp_group = None
     if state is not None:
         batches, cp_group = context_parallel_batches(batches, state), state.cp_group
     for chunk in chunks:  # the MoE losses are differentiated as the main loss is
         module = chunk.module if hasattr(chunk, "module") else chunk
         module.ctx.moe_loss_scale.value = loss_scale * group_size(cp_group) / len(batches)
-    loss_func = make_loss_func(len(batches), loss_scale, cp_group, num_domains)
+    count = per_token_count(batches, len(batches), state) if per_token_loss else None
+    loss_func = make_loss_func(len(batches), loss_scale, cp_group, num_domains, count)
     schedule = schedule or forward_backward_no_pipelining
     return schedule(chunks, batches, forward_step, loss_func, forward_only=forward_only)
 
@@ -136,14 +154,22 @@ def shared_loss(losses: list[torch.Tensor], state, num_domains: int = 0) -> list
     return shared_loss_tensor(losses, state, num_domains).tolist()
 
 
-def eval_step(chunks, batches, state, schedule=None, num_domains: int = 0) -> list[float]:
+def eval_step(
+    chunks, batches, state, schedule=None, num_domains: int = 0, per_token_loss: bool = False
+) -> list[float]:
     """Mean loss of the batches, without gradients, on every rank: [loss] or, with
     `num_domains`, [loss, s_0 .., w_0 ..] (loss.py)."""
     for chunk in chunks:
         chunk.eval()
     try:
         losses = run_schedule(
-            chunks, batches, schedule, forward_only=True, state=state, num_domains=num_domains
+            chunks,
+            batches,
+            schedule,
+            forward_only=True,
+            state=state,
+            num_domains=num_domains,
+            per_token_loss=per_token_loss,
         )
     finally:
         for chunk in chunks:
@@ -162,6 +188,7 @@ def train_step(
     features: StepFeatures | None = None,
     hooks: StepHooks | None = None,
     samples: int | None = None,
+    per_token_loss: bool = False,
 ) -> StepResult:
     """Zero grads, forward/backward every micro-batch, reduce, set the learning rate, step.
     A non-finite gradient norm skips the update inside the optimizer, and `hooks` may decline
@@ -176,7 +203,13 @@ def train_step(
         local_squares.attach(state.device)
     domains = features.num_domains
     losses = run_schedule(
-        chunks, batches, schedule, loss_scale=scale, state=state, num_domains=domains
+        chunks,
+        batches,
+        schedule,
+        loss_scale=scale,
+        state=state,
+        num_domains=domains,
+        per_token_loss=per_token_loss,
     )
     if hooks.after_backward is not None:
         hooks.after_backward()

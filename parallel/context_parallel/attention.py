@@ -15,8 +15,11 @@ Three ways to attend over the whole sequence (Megatron-LM's `--cp-comm-type` nam
   reduce-scatters their gradients) and attends with its own queries.
 
 Masks are by global position: causal, optionally a sliding window (a token sees itself and
-`window` tokens back, Hugging Face's Mistral mask). a2a with a window and allgather build
-that mask as a [queries, keys] boolean tensor; the ring builds it per tile.
+`window` tokens back, Hugging Face's Mistral mask), and, given `document_ids` [b, s] (the
+whole sequence's: every CP rank keeps them whole), within documents. allgather builds that
+mask as a [queries, keys] boolean tensor ([b, 1, queries, keys] by document); a2a attends over
+whole sequences with `attend` (the model's kernel, which knows the documents) or that mask; the
+ring builds it per tile and skips chunk pairs that share no document.
 """
 
 from __future__ import annotations
@@ -50,24 +53,26 @@ def context_parallel_attention(
     comm_type: str = "p2p",
     window: int | None = None,
     attend=None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence; q, k, v are this
     rank's chunks, [b, heads, s_local, d] (k and v with fewer heads under GQA). `attend`
     (a2a only): attention over whole sequences in natural order, [b, h, s, d] -> same
-    (default: causal, windowed, with GQA)."""
+    (default: causal, windowed, within documents, with GQA). `document_ids` [b, s]: each
+    token's document, the whole sequence's."""
     if comm_type == "p2p":
-        return ring_attention(q, k, v, group, window)
+        return ring_attention(q, k, v, group, window, document_ids)
     if comm_type == "a2a":
-        return _ulysses(q, k, v, group, window, attend)
+        return _ulysses(q, k, v, group, window, attend or _plain_attention(window, document_ids))
     if comm_type == "allgather":
-        return _gathered(q, k, v, group, window)
+        return _gathered(q, k, v, group, window, document_ids)
     raise ValueError(f"unknown context-parallel comm type {comm_type!r}; one of {COMM_TYPES}")
 
 
 # --- allgather ---------------------------------------------------------------------------
 
 
-def _gathered(q, k, v, group, window):
+def _gathered(q, k, v, group, window, ids):
     cp_size, cp_rank = group_size(group), group_rank(group)
     seq = q.shape[-2] * cp_size
 
@@ -79,6 +84,8 @@ def _gathered(q, k, v, group, window):
     query_pos = rank_positions(seq, cp_size, cp_rank, q.device)
     key_pos = torch.cat([rank_positions(seq, cp_size, r, q.device) for r in range(cp_size)])
     mask = visible(query_pos, key_pos, window)
+    if ids is not None:
+        mask = (mask & (ids[:, query_pos, None] == ids[:, None, key_pos]))[:, None]
     kwargs = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, **kwargs)
 
@@ -147,17 +154,19 @@ def _ulysses(q, k, v, group, window, attend):
     def whole(x):
         return _SequenceToHeads.apply(x, group).index_select(2, natural)
 
-    out = (attend or _plain_attention(window))(whole(q), whole(k), whole(v))
+    out = attend(whole(q), whole(k), whole(v))
     return _HeadsToSequence.apply(out.index_select(2, order), group)
 
 
-def _plain_attention(window):
+def _plain_attention(window, ids):
     def attend(q, k, v):
         kwargs = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
-        if window is None:
+        if window is None and ids is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
         positions = torch.arange(q.shape[-2], device=q.device)
         mask = visible(positions, positions, window)
+        if ids is not None:
+            mask = (mask & (ids[:, :, None] == ids[:, None, :]))[:, None]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
 
     return attend

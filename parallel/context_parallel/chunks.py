@@ -40,14 +40,21 @@ def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) 
     return mask
 
 
+WHOLE = ("document_ids",)  # batch entries every CP rank keeps whole
+
+
 def context_parallel_batches(batches: list[dict], state) -> list[dict]:
     """This CP rank's two load-balanced chunks of every sequence in the micro-batches
     ([b, s] tensors split along s); the batches themselves when there is no CP."""
     if state.cp_size == 1:
         return batches
-    # [b, s] tensors are cut along the sequence; a per-sample `domain` [b] stays whole
+    # [b, s] tensors are cut along the sequence; a per-sample `domain` [b] stays whole, and
+    # so do `document_ids` (attention needs the keys' documents as well as the queries')
     rank, size = state.cp_rank, state.cp_size
     return [
-        {k: split_sequence(v, 1, size, rank) if v.dim() > 1 else v for k, v in b.items()}
+        {
+            k: v if k in WHOLE or v.dim() < 2 else split_sequence(v, 1, size, rank)
+            for k, v in b.items()
+        }
         for b in batches
     ]

@@ -17,6 +17,11 @@ quarter is whole or causal, and runs through torch's fused attention kernels in 
 dtype (parallel/context_parallel/blocks.py: memory-efficient on GPUs, flash on CPU), which
 return the log-sum-exp the merge needs; masked quarters (a window) are plain matmuls in fp32
 at least. Results are merged in fp32 at least.
+
+With documents (`document_ids` [b, s] of the whole sequence, --reset-attention-mask) a quarter
+whose query chunk shares no document with its key chunk in any sample is skipped as well, one
+inside a single document in every sample stays whole or causal, and the others add "same
+document" to their tile masks.
 """
 
 from __future__ import annotations
@@ -46,10 +51,45 @@ class Quarter:
     query_start: int
     key_start: int
     full: bool  # every query sees every key
+    by_document: bool = False  # the mask must say "same document" too
+
+
+@dataclass(frozen=True)
+class ChunkDocuments:
+    """The first and last document of each of the 2C chunks in every sample (documents are
+    numbered in order along a sample, so the two ends tell which documents a chunk holds)."""
+
+    first: list[list[int]]  # [b][2C]
+    last: list[list[int]]
+
+    @classmethod
+    def of(cls, document_ids: torch.Tensor, cp_size: int) -> ChunkDocuments:
+        b, s = document_ids.shape
+        chunks = document_ids.reshape(b, 2 * cp_size, s // (2 * cp_size))
+        return cls(chunks[..., 0].tolist(), chunks[..., -1].tolist())
+
+    def share(self, query_chunk: int, key_chunk: int) -> bool:
+        """Whether some sample has a document in both chunks."""
+        return any(
+            last[key_chunk] >= first[query_chunk] and first[key_chunk] <= last[query_chunk]
+            for first, last in zip(self.first, self.last, strict=True)
+        )
+
+    def single(self, query_chunk: int, key_chunk: int) -> bool:
+        """Whether both chunks lie inside one document, in every sample."""
+        return all(
+            first[query_chunk] == last[query_chunk] == first[key_chunk] == last[key_chunk]
+            for first, last in zip(self.first, self.last, strict=True)
+        )
 
 
 def quarters(
-    cp_size: int, query_rank: int, key_rank: int, chunk: int, window: int | None
+    cp_size: int,
+    query_rank: int,
+    key_rank: int,
+    chunk: int,
+    window: int | None,
+    documents: ChunkDocuments | None = None,
 ) -> list[Quarter]:
     """The quarters of a pair in which some query sees some key."""
     out = []
@@ -60,9 +100,12 @@ def quarters(
             nearest = query_start - (key_start + chunk - 1)  # the smallest
             if farthest < 0 or (window is not None and nearest > window):
                 continue
-            full = nearest >= 0 and (window is None or farthest <= window)
+            if documents is not None and not documents.share(query_chunk, key_chunk):
+                continue
+            by_document = documents is not None and not documents.single(query_chunk, key_chunk)
+            full = nearest >= 0 and (window is None or farthest <= window) and not by_document
             rows, cols = slice(i * chunk, (i + 1) * chunk), slice(j * chunk, (j + 1) * chunk)
-            out.append(Quarter(rows, cols, query_start, key_start, full))
+            out.append(Quarter(rows, cols, query_start, key_start, full, by_document))
     return out
 
 
@@ -72,13 +115,19 @@ def _query_tiles(q: torch.Tensor, keys: int) -> list[slice]:
     return [slice(start, min(start + rows, sq)) for start in range(0, sq, rows)]
 
 
-def _tile_mask(quarter: Quarter, rows: slice, keys: int, window, device) -> torch.Tensor | None:
+def _tile_mask(quarter: Quarter, rows: slice, keys: int, window, device, ids):
+    """[rows, keys] (or [b, 1, rows, keys] by document) True where a query sees a key; None
+    for a full quarter. `ids`: the whole sequence's document ids [b, s], or None."""
     if quarter.full:
         return None
     first = quarter.query_start + rows.start
     query_pos = torch.arange(first, first + rows.stop - rows.start, device=device)
     key_pos = torch.arange(quarter.key_start, quarter.key_start + keys, device=device)
-    return visible(query_pos, key_pos, window)
+    mask = visible(query_pos, key_pos, window)
+    if not quarter.by_document:
+        return mask
+    same = ids[:, query_pos, None] == ids[:, None, key_pos]
+    return (mask & same)[:, None]
 
 
 def _scores(q, keys, mask, scale):
@@ -86,11 +135,11 @@ def _scores(q, keys, mask, scale):
     return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
 
 
-def _quarter_forward(q, keys, values, quarter, window, scale):
+def _quarter_forward(q, keys, values, quarter, window, scale, ids=None):
     """(output, log-sum-exp) of queries q over one quarter's keys (expanded to q's heads)."""
     outs, lses = [], []
     for rows in _query_tiles(q, keys.shape[-2]):
-        mask = _tile_mask(quarter, rows, keys.shape[-2], window, q.device)
+        mask = _tile_mask(quarter, rows, keys.shape[-2], window, q.device, ids)
         scores = _scores(q[:, :, rows], keys, mask, scale)
         lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0)[..., None])
@@ -99,11 +148,11 @@ def _quarter_forward(q, keys, values, quarter, window, scale):
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
-def _quarter_backward(q, keys, values, dout, lse, delta, quarter, window, scale):
+def _quarter_backward(q, keys, values, dout, lse, delta, quarter, window, scale, ids=None):
     """dq, dk, dv of one quarter (dk, dv per query head: the caller sums GQA groups)."""
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(keys), torch.zeros_like(values)
     for rows in _query_tiles(q, keys.shape[-2]):
-        mask = _tile_mask(quarter, rows, keys.shape[-2], window, q.device)
+        mask = _tile_mask(quarter, rows, keys.shape[-2], window, q.device, ids)
         qt, dot = q[:, :, rows], dout[:, :, rows]
         probs = torch.exp(_scores(qt, keys, mask, scale) - lse[:, :, rows, None])
         dv += torch.matmul(probs.transpose(-1, -2), dot)
@@ -115,9 +164,11 @@ def _quarter_backward(q, keys, values, dout, lse, delta, quarter, window, scale)
 
 
 def _on_kernel(quarter: Quarter, window) -> bool:
-    """Whether a quarter runs on the fused kernels: no window, so whole or causal (the same
-    chunk's queries and keys)."""
-    return window is None and (quarter.full or quarter.query_start == quarter.key_start)
+    """Whether a quarter runs on the fused kernels: no window and no document mask, so whole
+    or causal (the same chunk's queries and keys)."""
+    if window is not None or quarter.by_document:
+        return False
+    return quarter.full or quarter.query_start == quarter.key_start
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -171,12 +222,14 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, window):
+    def forward(ctx, q, k, v, group, window, ids):
         cp_size, cp_rank = group_size(group), group_rank(group)
         ring, chunk, heads = _Ring(group), q.shape[-2] // 2, q.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
         acc = _accumulation_dtype(q.dtype)
-        qf = q.to(acc) if window is not None else None  # the matmul path's (windowed) input
+        documents = ChunkDocuments.of(ids, cp_size) if ids is not None else None
+        masked = window is not None or documents is not None  # some quarters on matmuls
+        qf = q.to(acc) if masked else None  # the matmul path's input
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kernels = block_kernels(q.device)
@@ -185,9 +238,9 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.shift(kv) if step < cp_size - 1 else None
             source = (cp_rank - step) % cp_size
             raw_keys, raw_values = (_repeat_groups(t, heads) for t in kv)
-            if window is not None:
+            if masked:
                 keys, values = raw_keys.to(acc), raw_values.to(acc)
-            for quarter in quarters(cp_size, cp_rank, source, chunk, window):
+            for quarter in quarters(cp_size, cp_rank, source, chunk, window, documents):
                 r, c = quarter.rows, quarter.cols
                 if _on_kernel(quarter, window):
                     block_out, block_lse = kernels.forward(
@@ -196,7 +249,7 @@ class _RingAttention(torch.autograd.Function):
                     block = block_out.to(acc), block_lse.to(acc)
                 else:
                     block = _quarter_forward(
-                        qf[:, :, r], keys[:, :, c], values[:, :, c], quarter, window, scale
+                        qf[:, :, r], keys[:, :, c], values[:, :, c], quarter, window, scale, ids
                     )
                 out[:, :, r], lse[:, :, r] = _merge(out[:, :, r], lse[:, :, r], *block)
             if pending is not None:
@@ -205,17 +258,20 @@ class _RingAttention(torch.autograd.Function):
         result = out.to(q.dtype)  # kept for backward in the activations' dtype, as flash does
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.group, ctx.window, ctx.scale = group, window, scale
+        ctx.ids, ctx.documents = ids, documents
         return result
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, window, scale = ctx.group, ctx.window, ctx.scale
+        ids, documents = ctx.ids, ctx.documents
         cp_size, cp_rank = group_size(group), group_rank(group)
         ring, chunk = _Ring(group), q.shape[-2] // 2
         heads, groups = q.shape[1], k.shape[1]
         acc = _accumulation_dtype(q.dtype)
-        if window is not None:  # the matmul path's (windowed) inputs
+        masked = window is not None or documents is not None
+        if masked:  # the matmul path's inputs
             qf, doutf = q.to(acc), dout.to(acc)
             delta = (doutf * out.to(acc)).sum(-1)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -226,10 +282,10 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.shift(kv) if step < cp_size - 1 else None
             source = (cp_rank - step) % cp_size
             raw_keys, raw_values = (_repeat_groups(t, heads) for t in kv)
-            if window is not None:
+            if masked:
                 keys, values = raw_keys.to(acc), raw_values.to(acc)
             mine = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this rank's part
-            for quarter in quarters(cp_size, cp_rank, source, chunk, window):
+            for quarter in quarters(cp_size, cp_rank, source, chunk, window, documents):
                 r, c = quarter.rows, quarter.cols
                 if _on_kernel(quarter, window):
                     parts = kernels.backward(
@@ -240,7 +296,7 @@ class _RingAttention(torch.autograd.Function):
                 else:
                     dq_part, dk_part, dv_part = _quarter_backward(
                         qf[:, :, r], keys[:, :, c], values[:, :, c], doutf[:, :, r],
-                        lse[:, :, r], delta[:, :, r], quarter, window, scale,
+                        lse[:, :, r], delta[:, :, r], quarter, window, scale, ids,
                     )  # fmt: skip
                 dq[:, :, r] += dq_part
                 mine[0][:, :, c] += _sum_groups(dk_part, groups)
@@ -254,10 +310,13 @@ class _RingAttention(torch.autograd.Function):
                 kv = pending[0]
         _wait(travelling[1])  # after cp_size hops each chunk's gradient is back with its rank
         dkv = travelling[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, group, window: int | None = None) -> torch.Tensor:
+def ring_attention(
+    q, k, v, group, window: int | None = None, document_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence by ring exchange;
-    q [b, heads, s_local, d], k and v [b, groups, s_local, d] (this rank's two chunks)."""
-    return _RingAttention.apply(q, k, v, group, window)
+    q [b, heads, s_local, d], k and v [b, groups, s_local, d] (this rank's two chunks);
+    `document_ids` [b, s]: the whole sequence's, to attend within documents."""
+    return _RingAttention.apply(q, k, v, group, window, document_ids)

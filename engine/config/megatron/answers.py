@@ -119,7 +119,7 @@ a memory-release detail:
     --no-clone-scatter-output-in-embedding
 already what tripod does:
     --accumulate-allreduce-grads-in-fp32 --apply-query-key-layer-scaling
-    --attention-softmax-in-fp32 --calculate-per-token-loss --dist-ckpt-optim-fully-reshardable
+    --attention-softmax-in-fp32 --dist-ckpt-optim-fully-reshardable
     --log-throughput --log-timers-to-tensorboard --log-validation-ppl-to-tensorboard
     --tokenizer-hf-use-fast --use-cpu-initialization --verify-integrity
 background checkpoint writer detail:
@@ -260,8 +260,8 @@ logging and TensorBoard options:
     --log-energy --log-memory-interval --log-progress --log-world-size-to-tensorboard
     --no-barrier-with-level-1-timing --no-log-loss-scale-to-tensorboard
     --timing-log-option
-loss masking of end-of-document and pad tokens:
-    --allow-ambiguous-pad-tokens --eod-mask-loss
+loss masking of pad tokens:
+    --allow-ambiguous-pad-tokens
 meta-device initialisation (start-up memory under FSDP):
     --init-model-with-meta-device
 expert parallelism and the rest of mixture of experts (issue 40):
@@ -297,9 +297,8 @@ non-persistent and local checkpoints:
     --replication-factor --replication-jump
 non-strict (partial) checkpoint loading:
     --disable-strict-fsdp-dtensor-load --no-strict-fsdp-dtensor-load
-packed documents (per-document attention and positions):
+packed documents beyond --reset-attention-mask (hybrid context parallelism, loader-made masks):
     --dataloader-inter-document-masking --hybrid-context-parallel --max-seqlen-per-dp-cp-rank
-    --reset-attention-mask --reset-position-ids
 parameter groups from a file:
     --dump-param-to-param-group-map
 pipeline layout options:
