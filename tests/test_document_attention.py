@@ -99,3 +99,84 @@ def test_flex_block_mask_equals_explicit_mask_forward(kind, window):
         assert pairs < causal_pairs
     if kind == "one" and window is None:
         assert pairs == causal_pairs
+
+
+def _rectangles_against_matmuls(device: str, dtype: torch.dtype, tolerance: float):
+    """A ring quarter within documents through the block kernels, one call per document's
+    rectangle (parallel/context_parallel/document_blocks.py), against ring.py's fp32 matmul
+    path with the explicit mask: forward and backward, a causal (same chunk) quarter and a
+    whole one (an earlier key chunk)."""
+    import math
+
+    from parallel.context_parallel import ring
+    from parallel.context_parallel.blocks import block_kernels
+    from parallel.context_parallel.document_blocks import (
+        document_spans,
+        rectangles,
+        rectangles_backward,
+        rectangles_forward,
+    )
+
+    gen = torch.Generator().manual_seed(3)
+    b, heads, chunk, d = 2, 4, 64, 32
+    tokens = _tokens("mixed", b, 4 * chunk, gen)
+    ids = document_layout(tokens, EOD, reset_attention_mask=True).document_ids.to(device)
+    spans = document_spans(ids)
+    kernels, scale = block_kernels(torch.device(device)), 1 / math.sqrt(d)
+    q, k, v, dout = (torch.randn(b, heads, chunk, d, generator=gen).to(device) for _ in range(4))
+    for query_start, key_start in ((2 * chunk, 2 * chunk), (3 * chunk, chunk)):
+        quarter = ring.Quarter(
+            slice(0, chunk), slice(0, chunk), query_start, key_start, False, True
+        )
+        out, lse = ring._quarter_forward(q, k, v, quarter, None, scale, ids)
+        parts = rectangles(spans, query_start, key_start, chunk)
+        low = [t.to(dtype) for t in (q, k, v, dout)]
+        got_out, got_lse = rectangles_forward(kernels, *low[:3], parts, scale, torch.float32)
+        rows = lse > float("-inf")
+        assert torch.equal(rows, got_lse > float("-inf"))
+        assert (got_out - out).abs().max() < tolerance
+        assert (got_lse[rows] - lse[rows]).abs().max() < tolerance
+        delta = (dout * out).sum(-1)
+        lse = lse.masked_fill(~rows, 0.0)  # rows seeing no key here (the ring's merged is finite)
+        expected = ring._quarter_backward(q, k, v, dout, lse, delta, quarter, None, scale, ids)
+        grads = rectangles_backward(
+            kernels, low[3], *low[:3], out.to(dtype), lse, parts, scale, torch.float32
+        )
+        for ours, theirs in zip(grads, expected, strict=True):
+            assert (ours - theirs).abs().max() < tolerance * 4
+
+
+def test_ring_rectangles_within_documents_on_the_cpu_kernels():
+    _rectangles_against_matmuls("cpu", torch.float32, 1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_ring_rectangles_within_documents_on_the_gpu_kernels(dtype, tolerance):
+    _rectangles_against_matmuls("cuda", dtype, tolerance)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("window", [None, 100])
+def test_flex_documents_on_the_gpu_equal_the_explicit_mask(dtype, tolerance, window):
+    """The CUDA kernel of --reset-attention-mask (compiled FlexAttention, block mask from the
+    documents), forward and backward, GQA, against SDPA with the explicit mask in fp32."""
+    gen = torch.Generator().manual_seed(11)
+    b, heads, groups, s, d = 2, 8, 2, 512, 64
+    ids = document_layout(_tokens("mixed", b, s, gen), EOD, reset_attention_mask=True)
+    ids = ids.document_ids.cuda()
+    inputs = [torch.randn(b, n, s, d, generator=gen).cuda() for n in (heads, groups, groups)]
+    grad = torch.randn(b, heads, s, d, generator=gen).cuda()
+    kernel = AttentionKernel("sdpa-causal", window, True, AttentionMasks(), "flex-documents")
+    low = [t.to(dtype).requires_grad_() for t in inputs]
+    out = kernel(*low, 0.0, Documents(ids))
+    out.backward(grad.to(dtype))
+    full = [t.clone().requires_grad_() for t in inputs]
+    expected = _reference(*full, ids, window)
+    expected.backward(grad)
+    assert (out.float() - expected).abs().max() < tolerance
+    for ours, theirs in zip(low, full, strict=True):
+        assert (ours.grad.float() - theirs.grad).abs().max() < tolerance * 4

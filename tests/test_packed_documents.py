@@ -269,3 +269,55 @@ def test_parquet_and_indexed_samples_cut_documents_at_the_same_places(
     assert f"documents start at tokens {', '.join(map(str, starts))}" in printed
     assert f"no loss on the predictions made at tokens {', '.join(map(str, eods))}" in printed
     assert printed.count("[document ") == len(starts)
+
+
+def test_evaluation_reads_windows_as_training_read_samples(
+    short_documents, tokenizer_model, tmp_path
+):
+    """A checkpoint trained with the three flags records them; tools/evaluate.py's perplexity
+    then scores each window's documents as if each were alone (the independent reference:
+    every document's tokens run through the model on their own, positions from 0) and leaves
+    out the predictions made at EOD tokens."""
+    import json
+
+    from engine.eval.loading import load_model
+    from engine.eval.perplexity import windows
+    from tests.cli import run_tool
+    from tests.test_training import base_args
+
+    flags = {"--reset-position-ids": True, "--reset-attention-mask": True}
+    flags |= {"--eod-mask-loss": True, "--seq-length": "64", "--train-iters": "3"}
+    ckpt = str(tmp_path / "ckpt")
+    argv = base_args(short_documents, tokenizer_model, **flags, **{"--save": ckpt})
+    run_ranks(_pretrain, 1, argv, timeout=300)
+    out = tmp_path / "eval.json"
+    result = run_tool(
+        "evaluate.py", "--load", ckpt, "--perplexity-data", short_documents,
+        "--perplexity-windows", "3", "--output-json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert found["packing"]["reset_attention_mask"] and found["packing"]["eod_mask_loss"]
+    model, tokenizer, _ = load_model(ckpt)
+    eod, total, count = tokenizer.eod, 0.0, 0
+    for window in windows(short_documents, 64, 3):
+        start = 0
+        for k, token in enumerate(window[:-1]):
+            last = k == len(window) - 2
+            if token == eod or last:  # a document's inputs end here (with its EOD)
+                piece = window[start : k + 2]  # its inputs and the tokens they predict
+                with torch.no_grad():
+                    logits = model.full_logits(model(torch.tensor([piece[:-1]])))[0].double()
+                logprobs = torch.log_softmax(logits, -1)[range(len(piece) - 1), piece[1:]]
+                keep = torch.tensor(piece[:-1]) != eod
+                total -= float(logprobs[keep].sum())
+                count += int(keep.sum())
+                start = k + 1
+    assert found["perplexity"]["tokens"] == count
+    assert found["perplexity"]["nll"] == pytest.approx(total / count, rel=1e-9)
+
+
+def _pretrain(rank, world, argv):
+    from engine.pretrain import main
+
+    return main(argv)

@@ -13,6 +13,7 @@ accuracy on local task files, by log-likelihood as lm-evaluation-harness scores 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -58,13 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("nothing to evaluate: give --tasks FILE... and/or --perplexity-data")
     if args.num_fewshot < 0 or args.perplexity_windows < 1:
         raise ConfigError("--num-fewshot must be >= 0 and --perplexity-windows >= 1")
-    from engine.eval.loading import load_model, plain_tokenizer, untrained_like
+    from engine.eval.loading import load_model, plain_tokenizer, recorded_packing, untrained_like
     from engine.eval.multiple_choice import read_task
 
     tasks = {path: read_task(path) for path in args.tasks}  # bad files fail before loading
     override = tokenizer_config(args) if tokenizer_flags_given(args) else None
     model, tokenizer, shown = load_model(args.load, args.iteration, override)
     tokenizer = plain_tokenizer(tokenizer)
+    packing = recorded_packing(args.load, args.iteration)
     length = args.seq_length or model.config.seq_length
     learned = model.config.position_embedding_type == "learned_absolute"
     if learned and length > model.config.max_position_embeddings:
@@ -73,11 +75,15 @@ def main(argv: list[str] | None = None) -> int:
             f"({model.config.max_position_embeddings})"
         )
     print(f"evaluating {shown}:")
-    results = {"model": shown} | _evaluate(model, tokenizer, tasks, length, args)
+    if packing is not None:
+        print(f"  as trained on packed documents: {_flags(packing)}")
+    results = {"model": shown} | _evaluate(model, tokenizer, tasks, length, args, packing)
+    if packing is not None:
+        results["packing"] = dataclasses.asdict(packing)
     if args.compare_untrained:
         print(f"the same model untrained (seed {args.seed}):")
         fresh = untrained_like(model, args.seed)
-        results["untrained"] = _evaluate(fresh, tokenizer, tasks, length, args)
+        results["untrained"] = _evaluate(fresh, tokenizer, tasks, length, args, packing)
     if args.output_json:  # written whole or not at all
         partial = f"{args.output_json}.partial"
         with open(partial, "w") as f:
@@ -86,8 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _evaluate(model, tokenizer, tasks: dict, length: int, args) -> dict:
-    """Perplexity and task scores of one model, printed as they come."""
+def _flags(packing) -> str:
+    names = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+    return " ".join(f"--{n.replace('_', '-')}" for n in names if getattr(packing, n))
+
+
+def _evaluate(model, tokenizer, tasks: dict, length: int, args, packing=None) -> dict:
+    """Perplexity and task scores of one model, printed as they come (`packing`: the training
+    run's document flags, applied as it applied them)."""
     from engine.eval.loading import loglikelihood_of, token_logprobs
     from engine.eval.multiple_choice import score
     from engine.eval.perplexity import perplexity
@@ -95,7 +107,7 @@ def _evaluate(model, tokenizer, tasks: dict, length: int, args) -> dict:
     results: dict = {"tasks": {}}
     if args.perplexity_data:
         found = perplexity(
-            token_logprobs, model, args.perplexity_data, length, args.perplexity_windows
+            token_logprobs, model, args.perplexity_data, length, args.perplexity_windows, packing
         )
         results["perplexity"] = found | {"data": args.perplexity_data}
         print(
@@ -103,7 +115,7 @@ def _evaluate(model, tokenizer, tasks: dict, length: int, args) -> dict:
             f"(nll {found['nll']:.4f} over {found['tokens']} tokens)"
         )
     prefix = tokenizer.bos if getattr(tokenizer, "bos", None) is not None else tokenizer.eod
-    loglikelihood = loglikelihood_of(model, length, prefix)
+    loglikelihood = loglikelihood_of(model, length, prefix, packing)
     for path, questions in tasks.items():
         found = score(
             loglikelihood,

@@ -18,7 +18,12 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from engine.eval.loading import load_model, plain_tokenizer, score_continuation
+from engine.eval.loading import (
+    load_model,
+    plain_tokenizer,
+    recorded_packing,
+    score_continuation,
+)
 from engine.eval.multiple_choice import encode_pair
 
 
@@ -38,6 +43,7 @@ class TripodLM(LM):
         super().__init__()
         iteration = int(iteration) if iteration not in (None, "") else None
         self.model, tokenizer, self.shown = load_model(load, iteration)
+        self.packing = recorded_packing(load, iteration)  # the run's document flags
         self.place = torch.device(device or "cpu")
         self.model.to(self.place)
         self.tokenizer = plain_tokenizer(tokenizer)
@@ -48,8 +54,9 @@ class TripodLM(LM):
     def _score(self, context_ids: list[int], continuation_ids: list[int]) -> tuple[float, bool]:
         """Summed log-probability of the continuation, and whether it is the greedy one."""
         return score_continuation(
-            self.model, context_ids, continuation_ids, self.max_length, self.prefix_id
-        )
+            self.model, context_ids, continuation_ids, self.max_length, self.prefix_id,
+            self.packing,
+        )  # fmt: skip
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         out = []

@@ -1,6 +1,7 @@
 """A model and its tokenizer for evaluation, in one process: from our checkpoint (saved under
 any layout) or from a Hugging Face folder (imported first, as tools/convert_checkpoint.py
---from-hf does)."""
+--from-hf does). Inputs holding several documents are scored as the run trained on them: with
+the run's --reset-position-ids / --reset-attention-mask (`recorded_packing`), within each."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from engine.checkpoint.files import find_latest, iteration_dir
 from engine.config.tokenizer import TokenizerConfig, config_from_record
+from engine.data.documents import Packing
 from engine.data.tokenizers import Tokenizer, build_tokenizer
 from engine.errors import ConfigError, InputError
 
@@ -58,6 +60,18 @@ def _from_checkpoint(path: str, override: TokenizerConfig | None, shown: str):
     return model, _tokenizer(meta, override, path), f"{shown} (iteration {meta['iteration']})"
 
 
+def recorded_packing(load: str, iteration: int | None = None) -> Packing | None:
+    """What the run that saved `load` made of its samples' EOD tokens (--reset-position-ids,
+    --reset-attention-mask, --eod-mask-loss), for evaluation to apply as training did; None
+    for a run without them and for a Hugging Face folder."""
+    from engine.checkpoint.files import read_meta
+
+    if os.path.isfile(os.path.join(load, "config.json")):
+        return None
+    recorded = read_meta(checkpoint_folder(load, iteration)).get("packing")
+    return Packing(**recorded) if recorded else None
+
+
 def _tokenizer(meta: dict, override: TokenizerConfig | None, path: str) -> Tokenizer:
     cfg = override or config_from_record(meta)
     if cfg is None:
@@ -80,33 +94,46 @@ def plain_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
 
 
 @torch.no_grad()
-def _next_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """[len(ids) - 1, V] log-probabilities of the token after each of ids[:-1], in float64."""
+def _next_logprobs(model, ids: list[int], packing: Packing | None = None) -> torch.Tensor:
+    """[len(ids) - 1, V] log-probabilities of the token after each of ids[:-1], in float64;
+    with `packing`, the inputs' documents attend and count positions as in training."""
     tokens = torch.tensor([ids[:-1]], device=next(model.parameters()).device)
-    logits = model.full_logits(model(tokens=tokens))[0].double()  # [s, V]
+    batch = packing.annotate({"tokens": tokens}) if packing is not None else {}
+    output = model(
+        tokens=tokens,
+        position_ids=batch.get("position_ids"),
+        document_ids=batch.get("document_ids"),
+    )
+    logits = model.full_logits(output)[0].double()  # [s, V]
     return torch.log_softmax(logits, dim=-1)
 
 
-def token_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """log p(ids[t] | ids[:t]) for t = 1 .. len(ids) - 1, in float64."""
-    logprobs = _next_logprobs(model, ids)
+def token_logprobs(model, ids: list[int], packing: Packing | None = None) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t = 1 .. len(ids) - 1, in float64 (within documents, with
+    `packing`)."""
+    logprobs = _next_logprobs(model, ids, packing)
     return logprobs.gather(1, torch.tensor(ids[1:], device=logprobs.device)[:, None])[:, 0]
 
 
 def score_continuation(
-    model, context_ids: list[int], continuation_ids: list[int], max_length: int, prefix_id
+    model,
+    context_ids: list[int],
+    continuation_ids: list[int],
+    max_length: int,
+    prefix_id,
+    packing: Packing | None = None,
 ) -> tuple[float, bool]:
     """(summed log-probability of the continuation, whether greedy decoding gives it). As the
     harness does, the text is cut from the left to `max_length` inputs, and an empty context
     is `prefix_id`."""
     whole = ((context_ids or [prefix_id]) + continuation_ids)[-(max_length + 1) :]
-    logprobs = _next_logprobs(model, whole)[-len(continuation_ids) :]
+    logprobs = _next_logprobs(model, whole, packing)[-len(continuation_ids) :]
     target = torch.tensor(continuation_ids, device=logprobs.device)
     picked = logprobs.gather(1, target[:, None])[:, 0]
     return float(picked.sum()), bool((logprobs.argmax(dim=-1) == target).all())
 
 
-def loglikelihood_of(model, max_length: int, prefix_id: int | None):
+def loglikelihood_of(model, max_length: int, prefix_id: int | None, packing: Packing | None = None):
     """f(context ids, continuation ids) -> summed log-probability of the continuation. As the
     harness does, the text is cut from the left to `max_length` inputs, and an empty context
     is `prefix_id` (the tokenizer's BOS, else its end-of-document token)."""
@@ -121,7 +148,9 @@ def loglikelihood_of(model, max_length: int, prefix_id: int | None):
             )
         if not context_ids and prefix_id is None:
             raise ConfigError("an empty context needs a tokenizer with a BOS or EOD id")
-        return score_continuation(model, context_ids, continuation_ids, max_length, prefix_id)[0]
+        return score_continuation(
+            model, context_ids, continuation_ids, max_length, prefix_id, packing
+        )[0]
 
     return loglikelihood
 

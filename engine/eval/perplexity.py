@@ -1,12 +1,16 @@
 """Perplexity of a model on a preprocessed dataset (.bin/.idx): the mean negative
 log-likelihood of every token of consecutive, non-overlapping windows of the dataset's token
-stream (documents joined as stored, the first token of each window only conditioned on)."""
+stream (documents joined as stored, the first token of each window only conditioned on).
+With the training run's document flags (`packing`) the windows are read as it read its
+samples: within documents, positions restarting, and with --eod-mask-loss no score for the
+predictions made at EOD tokens."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import torch
 
 from engine.data.indexed.dataset import IndexedDataset
 from engine.errors import InputError
@@ -32,11 +36,14 @@ def windows(prefix: str, length: int, count: int) -> list[list[int]]:
     return [stream[k * (length + 1) : (k + 1) * (length + 1)].tolist() for k in range(full)]
 
 
-def perplexity(token_logprobs, model, prefix: str, length: int, count: int) -> dict:
+def perplexity(token_logprobs, model, prefix: str, length: int, count: int, packing=None) -> dict:
     """{"nll": mean negative log-likelihood per token, "ppl": exp of it, "tokens": scored}."""
     total, tokens = 0.0, 0
     for window in windows(prefix, length, count):
-        logprobs = token_logprobs(model, window)
+        logprobs = token_logprobs(model, window, packing)
+        if packing is not None and packing.eod_mask_loss:
+            scored = torch.tensor(window[:-1], device=logprobs.device) != packing.eod
+            logprobs = logprobs[scored]
         total -= float(logprobs.sum())
         tokens += len(logprobs)
     nll = total / tokens

@@ -186,6 +186,8 @@ def save(run: Run) -> None:
     }
     if run.mix is not None:  # the blend's weights over the run, compared on resume
         meta["mix"] = run.mix.record()
+    if run.packing is not None:  # what evaluation applies as training did (engine/eval/)
+        meta["packing"] = dataclasses.asdict(run.packing)
     iterator = run.progress.train_iterator  # rank 0 (a first stage, which reads) writes meta
     position = iterator.state_dict() if iterator is not None else None
     if position is not None:  # a Parquet stream's position beyond the consumed count

@@ -20,8 +20,9 @@ at least. Results are merged in fp32 at least.
 
 With documents (`document_ids` [b, s] of the whole sequence, --reset-attention-mask) a quarter
 whose query chunk shares no document with its key chunk in any sample is skipped as well, one
-inside a single document in every sample stays whole or causal, and the others add "same
-document" to their tile masks.
+inside a single document in every sample stays whole or causal, and the others run each
+document's rectangle through the same kernels (parallel/context_parallel/document_blocks.py;
+with a window they add "same document" to their tile masks).
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ import torch.distributed as dist
 from parallel.comm import group_rank, group_size
 from parallel.context_parallel.blocks import block_kernels
 from parallel.context_parallel.chunks import chunk_ids, visible
+from parallel.context_parallel.document_blocks import (
+    document_spans,
+    rectangles,
+    rectangles_backward,
+    rectangles_forward,
+)
 
 # Scores computed at once: a quarter's queries are taken in tiles of rows so that its
 # temporaries stay bounded (2**25 fp32 scores: 128 MiB) at any sequence length.
@@ -61,12 +68,14 @@ class ChunkDocuments:
 
     first: list[list[int]]  # [b][2C]
     last: list[list[int]]
+    spans: list[list[tuple[int, int]]]  # each sample's documents: (start, end) positions
 
     @classmethod
     def of(cls, document_ids: torch.Tensor, cp_size: int) -> ChunkDocuments:
         b, s = document_ids.shape
         chunks = document_ids.reshape(b, 2 * cp_size, s // (2 * cp_size))
-        return cls(chunks[..., 0].tolist(), chunks[..., -1].tolist())
+        spans = document_spans(document_ids)
+        return cls(chunks[..., 0].tolist(), chunks[..., -1].tolist(), spans)
 
     def share(self, query_chunk: int, key_chunk: int) -> bool:
         """Whether some sample has a document in both chunks."""
@@ -228,7 +237,7 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         acc = _accumulation_dtype(q.dtype)
         documents = ChunkDocuments.of(ids, cp_size) if ids is not None else None
-        masked = window is not None or documents is not None  # some quarters on matmuls
+        masked = window is not None  # some quarters on matmuls
         qf = q.to(acc) if masked else None  # the matmul path's input
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
@@ -247,6 +256,14 @@ class _RingAttention(torch.autograd.Function):
                         q[:, :, r], raw_keys[:, :, c], raw_values[:, :, c], not quarter.full, scale
                     )
                     block = block_out.to(acc), block_lse.to(acc)
+                elif quarter.by_document and window is None:  # documents' rectangles
+                    parts = rectangles(
+                        documents.spans, quarter.query_start, quarter.key_start, chunk
+                    )
+                    block = rectangles_forward(
+                        kernels, q[:, :, r], raw_keys[:, :, c], raw_values[:, :, c], parts,
+                        scale, acc,
+                    )  # fmt: skip
                 else:
                     block = _quarter_forward(
                         qf[:, :, r], keys[:, :, c], values[:, :, c], quarter, window, scale, ids
@@ -270,7 +287,7 @@ class _RingAttention(torch.autograd.Function):
         ring, chunk = _Ring(group), q.shape[-2] // 2
         heads, groups = q.shape[1], k.shape[1]
         acc = _accumulation_dtype(q.dtype)
-        masked = window is not None or documents is not None
+        masked = window is not None
         if masked:  # the matmul path's inputs
             qf, doutf = q.to(acc), dout.to(acc)
             delta = (doutf * out.to(acc)).sum(-1)
@@ -293,6 +310,14 @@ class _RingAttention(torch.autograd.Function):
                         out[:, :, r], lse[:, :, r], not quarter.full, scale,
                     )  # fmt: skip
                     dq_part, dk_part, dv_part = (t.to(acc) for t in parts)
+                elif quarter.by_document and window is None:  # documents' rectangles
+                    parts = rectangles(
+                        documents.spans, quarter.query_start, quarter.key_start, chunk
+                    )
+                    dq_part, dk_part, dv_part = rectangles_backward(
+                        kernels, dout[:, :, r], q[:, :, r], raw_keys[:, :, c],
+                        raw_values[:, :, c], out[:, :, r], lse[:, :, r], parts, scale, acc,
+                    )  # fmt: skip
                 else:
                     dq_part, dk_part, dv_part = _quarter_backward(
                         qf[:, :, r], keys[:, :, c], values[:, :, c], doutf[:, :, r],
