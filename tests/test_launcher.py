@@ -99,6 +99,9 @@ def test_configuration_errors_are_one_line_before_any_rank(data_folder, tmp_path
         ),
         (["--save", str(a_file / "ckpt")], "--save: "),
         (["--data-path", str(tmp_path / "nothing")], "nothing.idx: no such file"),
+        (["--fim-data"], "--fim-prefix-token '<fim_prefix>' is not a token of the tokenizer"),
+        (["--fim-data", "--fim-rate", "1.5"], "--fim-rate 1.5: a probability, between 0 and 1"),
+        (["--fim-data", "--fim-split-sample", "x"], "--fim-split-sample needs --fim-fragment"),
         (
             ["--data-path", os.path.join(data_folder, "no_eod_text_document"), "--eod-mask-loss"],
             "--eod-mask-loss: " + os.path.join(data_folder, "no_eod_text_document") + " has no "

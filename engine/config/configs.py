@@ -10,6 +10,7 @@ from engine.config.checkpointing import CheckpointConfig
 from engine.config.data import DataConfig
 from engine.config.evaluation import EvalConfig
 from engine.config.exits import ExitConfig
+from engine.config.fim import FimConfig
 from engine.config.logs import LoggingConfig
 from engine.config.megatron.compat import MegatronFlags
 from engine.config.model import ModelConfig
@@ -29,6 +30,7 @@ class Configs:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    fim: FimConfig = field(default_factory=FimConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
@@ -47,6 +49,7 @@ SECTIONS = (
     ("parallel", ParallelConfig, "parallelism"),
     ("optimizer", OptimizerConfig, "optimizer, learning rate, loss scaling"),
     ("data", DataConfig, "data"),
+    ("fim", FimConfig, "fill-in-the-middle data"),
     ("training", TrainingConfig, "training length and batch"),
     ("runtime", RuntimeConfig, "device, precision and kernels"),
     ("evaluation", EvalConfig, "evaluation"),

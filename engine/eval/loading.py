@@ -5,7 +5,6 @@ the run's --reset-position-ids / --reset-attention-mask (`recorded_packing`), wi
 
 from __future__ import annotations
 
-import copy
 import os
 import tempfile
 
@@ -15,6 +14,7 @@ from engine.checkpoint.files import find_latest, iteration_dir
 from engine.config.tokenizer import TokenizerConfig, config_from_record
 from engine.data.documents import Packing
 from engine.data.tokenizers import Tokenizer, build_tokenizer
+from engine.data.tokenizers.base import plain
 from engine.errors import ConfigError, InputError
 
 
@@ -85,12 +85,7 @@ def _tokenizer(meta: dict, override: TokenizerConfig | None, path: str) -> Token
 def plain_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
     """The tokenizer encoding text alone, without the BOS/EOS it may add (the harness encodes
     contexts and continuations so for causal models)."""
-    plain = copy.copy(tokenizer)
-    if hasattr(plain, "add_bos"):
-        plain.add_bos = False
-    if hasattr(plain, "add_special_tokens"):
-        plain.add_special_tokens = False
-    return plain
+    return plain(tokenizer)
 
 
 @torch.no_grad()

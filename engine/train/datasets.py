@@ -8,6 +8,7 @@ import torch.distributed as dist
 from engine.config.batch_schedule import BatchSchedule
 from engine.config.configs import Configs
 from engine.data.builder import build_gpt_datasets, build_mock_datasets, build_streaming_datasets
+from engine.data.fim import FimSamples, FimTransform
 from engine.data.indexed.gpt_dataset import SPLIT_NAMES
 from engine.data.indexed.split import IndexedSplit
 from engine.data.sources import DataSources
@@ -61,6 +62,9 @@ def build_datasets(
             )
         else:
             blended = build_gpt_datasets(sources, seq, seed, samples, data.data_cache_path, mix)
+        if cfg.fim.fim_data:  # (preprocessed data only: engine/train/preflight.py)
+            transform = FimTransform(cfg.fim, build_tokenizer(cfg.tokenizer), seed)
+            blended = [FimSamples(d, transform) if d is not None else None for d in blended]
         return [IndexedSplit(d) if d is not None else None for d in blended]
 
     # Rank 0 builds the index caches (indexed and mock data); the others then load them.

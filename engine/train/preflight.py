@@ -23,6 +23,7 @@ from engine.config.configs import Configs
 from engine.config.model import ARCHITECTURE_FIELDS, ModelConfig
 from engine.config.resolve import SavedArchitecture, resolve
 from engine.config.tokenizer import TokenizerConfig, config_from_record
+from engine.data.fim import fim_tokens
 from engine.data.indexed.dataset import IndexedDataset
 from engine.data.indexed.gpt_dataset import SPLIT_NAMES, sequence_range
 from engine.data.prepare.token_ids import check_token_ids
@@ -227,6 +228,8 @@ def _check_data(cfg: Configs) -> None:
             "--mock-data generates its documents; drop --data-path and the per-split paths"
         )
     sources = sources_of(data)
+    if cfg.fim.fim_data:
+        _check_fim(cfg.fim, sources.format, tokenizer)
     if sources.format == "mock":
         return
     if sources.format == "parquet":
@@ -248,6 +251,17 @@ def _check_data(cfg: Configs) -> None:
     finally:
         for dataset in datasets.values():
             dataset.close()
+
+
+def _check_fim(fim, data_format: str, tokenizer) -> None:
+    """--fim-data: preprocessed data, and a tokenizer with every FIM token."""
+    if data_format != "indexed":
+        what = "--mock-data" if data_format == "mock" else "Parquet streams"
+        raise ConfigError(
+            f"--fim-data rearranges preprocessed (.bin/.idx) samples; {what} are not (as in "
+            "Megatron-LM); preprocess the data with tools/preprocess_data.py"
+        )
+    fim_tokens(fim, tokenizer)
 
 
 def _check_documents_end(dataset: IndexedDataset, prefix: str, eod: int, data) -> None:

@@ -235,10 +235,6 @@ experimental attention variants (DSA, gated delta net):
     --no-dsa-indexer-rotate-activation --no-dsa-indexer-scoring-relu
 fake process groups:
     --fake-process-group
-fill-in-the-middle (FIM) data:
-    --fim-data --fim-eod-token --fim-fragment-rate --fim-middle-token --fim-no-prefix
-    --fim-pad-token --fim-prefix-token --fim-rate --fim-split-sample --fim-spm-rate
-    --fim-suffix-token
 generalized tensor-parallel weight sharding:
     --tensor-parallel-num-weight-shards
 gradient-reduction and FSDP buffer dtypes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -44,6 +45,11 @@ class Tokenizer:
     def detokenize(self, ids) -> str:
         raise NotImplementedError
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the one token spelled `text` (a special token such as <fim_prefix>), or
+        None where the vocabulary has no such token."""
+        return None
+
     def save_hf(self, folder: str) -> None:
         """Write the files with which transformers' AutoTokenizer.from_pretrained(folder)
         encodes every text to the ids tokenize gives."""
@@ -61,6 +67,17 @@ class Tokenizer:
         """bos / eos / pad / unk ids for a Hugging Face config (absent ones left out)."""
         ids = {"bos": self.bos, "eos": self.eos, "pad": self.pad, "unk": self.unk}
         return {k: v for k, v in ids.items() if v is not None}
+
+
+def plain(tokenizer: Tokenizer) -> Tokenizer:
+    """The tokenizer encoding text alone, without the BOS/EOS it may add (for pieces of text
+    joined to others: the harness's contexts and continuations, fill-in-the-middle parts)."""
+    out = copy.copy(tokenizer)
+    if hasattr(out, "add_bos"):
+        out.add_bos = False
+    if hasattr(out, "add_special_tokens"):
+        out.add_special_tokens = False
+    return out
 
 
 def existing_file(path: str | None, flag: str, what: str, fix: str = "fix the path") -> str:

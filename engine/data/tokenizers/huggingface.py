@@ -56,6 +56,9 @@ class _RustTokenizer(Tokenizer):
     def detokenize(self, ids) -> str:
         return self._hf.decode([int(i) for i in ids])
 
+    def token_id(self, text: str) -> int | None:
+        return self._backend.token_to_id(text)
+
     def save_hf(self, folder: str) -> None:
         self._hf.save_pretrained(folder)
         if not self.add_special_tokens:

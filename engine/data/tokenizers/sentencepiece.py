@@ -65,6 +65,10 @@ class SentencePieceTokenizer(Tokenizer):
     def id_to_piece(self, token_id: int) -> str:
         return self._sp.IdToPiece(int(token_id))
 
+    def token_id(self, text: str) -> int | None:
+        found = self._sp.PieceToId(text)  # the unknown piece's id when there is none
+        return found if self._sp.IdToPiece(found) == text else None
+
     def save_hf(self, folder: str) -> None:
         """The model file plus a LlamaTokenizer config that encodes as we do (no dummy prefix,
         bos only where we add one)."""

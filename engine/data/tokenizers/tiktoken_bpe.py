@@ -115,6 +115,12 @@ class TikTokenizer(Tokenizer):
     def detokenize(self, ids) -> str:
         return self._encoding.decode([int(i) for i in ids])
 
+    def token_id(self, text: str) -> int | None:
+        if text in self.special_tokens:
+            return self.special_tokens.index(text)
+        ids = self._encoding.encode(text, allowed_special="all")
+        return ids[0] if len(ids) == 1 else None
+
     def save_hf(self, folder: str) -> None:
         from engine.data.tokenizers.tiktoken_to_hf import save_as_hf
 
