@@ -321,3 +321,49 @@ def _pretrain(rank, world, argv):
     from engine.pretrain import main
 
     return main(argv)
+
+
+MOE = dict(
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=24,
+    moe_aux_loss_coeff=[0.1],
+    moe_z_loss_coeff=0.1,
+)
+
+
+def _moe_per_token(rank, world):
+    state = ParallelState.build(tp=1)
+    cfg = tiny_config("llama", **MOE)
+    tokens = packed_tokens(4, MBS * 2 * state.dp_size, cfg.seq_length)
+    losses, grads = engine_grads(state, cfg, tokens, MBS, packing=PACKING, per_token_loss=True)
+    return shared_loss(losses, state)[0], {k: v.clone() for k, v in grads.items()}
+
+
+def test_per_token_loss_scales_the_moe_losses_as_megatron_core():
+    """--calculate-per-token-loss with MoE: as megatron-core, each micro-batch's router losses
+    reach the gradient summed over the global batch and divided by its token count, like the
+    main loss. DP 2 against one process that differentiates exactly that."""
+    cfg = tiny_config("llama", **MOE)
+    tokens = packed_tokens(4, MBS * 2 * 2, cfg.seq_length)
+    model = GPTModel(cfg, BuildContext(cfg, seed=1234))
+    batches = [
+        PACKING.annotate({"tokens": t[:, :-1], "labels": t[:, 1:]}) for t in tokens.split(MBS)
+    ]
+    count = sum(b["loss_mask"].sum() for b in batches)
+    model.ctx.moe_loss_scale.value = 1.0 / float(count)
+    total = 0.0
+    for b in batches:
+        per = model(
+            b["tokens"],
+            b["labels"],
+            position_ids=b["position_ids"],
+            document_ids=b["document_ids"],
+        )
+        loss = (per * b["loss_mask"]).sum() / count
+        loss.backward()
+        total += loss.item()
+    expected = {n: p.grad for n, p in model.named_parameters()}
+    for loss, grads in run_ranks(_moe_per_token, 2):
+        assert abs(loss - total) < 1e-5
+        assert max(compare_params(grads, expected).values()) < 1e-5

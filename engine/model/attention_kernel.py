@@ -139,6 +139,9 @@ class AttentionKernel:
             kwargs["is_causal"] = True
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, **kwargs)
 
+    # Outside --torch-compile's graphs: every micro-batch has documents of its own, which a
+    # compiled layer would otherwise be recompiled for (tests/test_torch_compile.py).
+    @torch.compiler.disable
     def _within_documents(self, q, k, v, dropout: float, documents) -> torch.Tensor:
         if self.document_kind == "flex-documents":
             flex = self.masks.flex_attention(q.is_cuda)

@@ -77,22 +77,23 @@ def make_loss_func(
     return loss_func
 
 
-def per_token_count(batches: list[dict], num_microbatches: int, state) -> torch.Tensor | None:
+def per_token_count(batches: list[dict], num_microbatches: int, state) -> torch.Tensor:
     """--calculate-per-token-loss's count (make_loss_func's `token_count`): the tokens of
-    the global batch that carry loss (this DP x CP group's micro-batches `batches`, cut for
-    context parallelism, summed over the group) over (micro-batches x DP). None on a pipeline
-    stage without the loss. Collective over the last stage's DP x CP group."""
-    if state is not None and not state.is_last_stage:
-        return None
+    the global batch that carry loss (the last pipeline stage's micro-batches `batches`, cut
+    for context parallelism, summed over its DP x CP group, then made known to every stage)
+    over (micro-batches x DP). Collective on every rank."""
     device = state.device if state is not None else None
     count = torch.zeros((), dtype=torch.float64, device=device)
-    for batch in batches:
-        mask = batch.get("loss_mask")
-        count += mask.sum() if mask is not None else batch["labels"].numel()
+    if state is None or state.is_last_stage:
+        for batch in batches:
+            mask = batch.get("loss_mask")
+            count += mask.sum() if mask is not None else batch["labels"].numel()
     dp_size = 1
     if state is not None and state.dp_cp_group is not None:
         dist.all_reduce(count, group=state.dp_cp_group)
         dp_size = state.dp_size
+    if state is not None and state.pp_group is not None:  # the other stages add nothing
+        dist.all_reduce(count, group=state.pp_group)
     return (count / (num_microbatches * dp_size)).clamp(min=1e-30).float()
 
 

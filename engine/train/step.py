@@ -123,13 +123,22 @@ def run_schedule(
     cp_group = None
     if state is not None:
         batches, cp_group = context_parallel_batches(batches, state), state.cp_group
+    count = per_token_count(batches, len(batches), state) if per_token_loss else None
+    moe_scale = loss_scale * group_size(cp_group) / len(batches)
+    if count is not None and any(_has_routers(c) for c in chunks):
+        # as megatron-core: each micro-batch's MoE losses, summed over the global batch, over
+        # its token count (what the main loss is divided by too)
+        moe_scale /= count.item()
     for chunk in chunks:  # the MoE losses are differentiated as the main loss is
         module = chunk.module if hasattr(chunk, "module") else chunk
-        module.ctx.moe_loss_scale.value = loss_scale * group_size(cp_group) / len(batches)
-    count = per_token_count(batches, len(batches), state) if per_token_loss else None
+        module.ctx.moe_loss_scale.value = moe_scale
     loss_func = make_loss_func(len(batches), loss_scale, cp_group, num_domains, count)
     schedule = schedule or forward_backward_no_pipelining
     return schedule(chunks, batches, forward_step, loss_func, forward_only=forward_only)
+
+
+def _has_routers(chunk) -> bool:
+    return bool(routers_of([chunk]))
 
 
 def shared_loss_tensor(losses: list[torch.Tensor], state, num_domains: int = 0) -> torch.Tensor:
