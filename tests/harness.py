@@ -13,6 +13,7 @@ from engine.monitor.grad_norm_parts import grad_norm_parts
 from engine.monitor.noise_scale import LocalGradSquares
 from engine.optim.lr_schedule import LRScheduler
 from engine.optim.optimizer import build_optimizer, no_weight_decay
+from engine.train.loss import LossReduction
 from engine.train.step import StepFeatures, run_schedule, train_step
 from parallel.data_parallel.ddp import DistributedDataParallel
 from parallel.expert_parallel.params import is_expert_parallel
@@ -295,7 +296,9 @@ def engine_grads(
         batches = [packing.annotate(b) for b in batches]
     for ddp in ddps:
         ddp.zero_grad_buffer()
-    losses = run_schedule(ddps, batches, schedule, state=state, per_token_loss=per_token_loss)
+    masked = packing is not None and packing.eod_mask_loss
+    reduction = LossReduction(per_token=per_token_loss, masked=masked)
+    losses = run_schedule(ddps, batches, schedule, state=state, reduction=reduction)
     shared = [w for d in ddps if (w := d.module.shared_embedding_weight()) is not None]
     finalize_model_grads(ddps, state.tp_group, state.embedding_group, shared)
     grads = {}

@@ -72,6 +72,15 @@ def test_sdpa_documents_equal_explicit_mask(kind, window, groups):
         assert several == bool((whole - expected).abs().max() > 1e-6)
 
 
+def _listed(counts, indices, shape) -> torch.Tensor:
+    """[b, query blocks, key blocks] True where a BlockMask's table lists the pair."""
+    listed = torch.zeros(shape, dtype=torch.bool)
+    for sample in range(shape[0]):
+        for row in range(shape[1]):
+            listed[sample, row, indices[sample, 0, row, : counts[sample, 0, row]].long()] = True
+    return listed
+
+
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
 @pytest.mark.parametrize("kind", ["one", "tiny", "mixed"])
 @pytest.mark.parametrize("window", [None, 150])
@@ -92,6 +101,16 @@ def test_flex_block_mask_equals_explicit_mask_forward(kind, window):
     out = flex_attention(q, k, v, block_mask=mask)
     expected = _reference(q, k, v, ids, window)
     assert (out - expected).abs().max() < 1e-10
+    # the block tables themselves (the CPU's eager FlexAttention applies the mask function to
+    # every pair, whatever the tables say): every block pair holding an allowed pair is listed,
+    # once, and those listed as whole hold only allowed pairs
+    dense = allowed(ids, window)[:, 0].reshape(b, s // 16, 16, s // 16, 16)
+    some, every = dense.any(4).any(2), dense.all(4).all(2)
+    partial = _listed(mask.kv_num_blocks, mask.kv_indices, some.shape)
+    whole = _listed(mask.full_kv_num_blocks, mask.full_kv_indices, some.shape)
+    assert not (partial & whole).any()
+    assert torch.equal(partial | whole, some)
+    assert not (whole & ~every).any()
     # blocks no query shares a document with are skipped
     pairs = mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()
     causal_pairs = b * (s // 16) * (s // 16 + 1) // 2

@@ -36,8 +36,9 @@ def packed_tokens(step: int, size: int, seq: int) -> torch.Tensor:
 
 
 def reference(cfg, tokens, per_token: bool):
-    """One process: the loss over the global batch's micro-batches (each micro-batch's masked
-    mean, averaged; or all tokens' sum over their count) and its gradients."""
+    """One process: the reported loss (as Megatron-LM's: all tokens' summed loss over their
+    count) and the gradients of what is differentiated (each micro-batch's masked mean,
+    averaged; or that same global loss with --calculate-per-token-loss)."""
     model = GPTModel(cfg, BuildContext(cfg, seed=1234))
     sums, counts, means = [], [], []
     for piece in tokens.split(MBS):
@@ -52,9 +53,10 @@ def reference(cfg, tokens, per_token: bool):
         sums.append((per * mask).sum())
         counts.append(mask.sum())
         means.append(sums[-1] / counts[-1])
-    loss = sum(sums) / sum(counts) if per_token else torch.stack(means).mean()
+    reported = sum(sums) / sum(counts)
+    loss = reported if per_token else torch.stack(means).mean()
     loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+    return reported.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
 LAYOUTS = {
@@ -341,9 +343,11 @@ def _moe_per_token(rank, world):
 
 
 def test_per_token_loss_scales_the_moe_losses_as_megatron_core():
-    """--calculate-per-token-loss with MoE: as megatron-core, each micro-batch's router losses
-    reach the gradient summed over the global batch and divided by its token count, like the
-    main loss. DP 2 against one process that differentiates exactly that."""
+    """--calculate-per-token-loss with MoE, as megatron-core 0.16.1 computes it: its router
+    multiplies each MoE loss by the tokens it routed (router.py, "Scale the aux_loss by the
+    number of tokens"), and finalize_model_grads divides every gradient by the global batch's
+    token count. DP 2 against one process that differentiates exactly that: each micro-batch's
+    MoE losses times MBS x seq over the count."""
     cfg = tiny_config("llama", **MOE)
     tokens = packed_tokens(4, MBS * 2 * 2, cfg.seq_length)
     model = GPTModel(cfg, BuildContext(cfg, seed=1234))
@@ -351,7 +355,7 @@ def test_per_token_loss_scales_the_moe_losses_as_megatron_core():
         PACKING.annotate({"tokens": t[:, :-1], "labels": t[:, 1:]}) for t in tokens.split(MBS)
     ]
     count = sum(b["loss_mask"].sum() for b in batches)
-    model.ctx.moe_loss_scale.value = 1.0 / float(count)
+    model.ctx.moe_loss_scale.value = MBS * cfg.seq_length / float(count)
     total = 0.0
     for b in batches:
         per = model(

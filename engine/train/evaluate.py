@@ -42,12 +42,16 @@ def evaluate(run: Run, split: int) -> tuple[float, dict] | None:
         iterator = progress.valid_iterator
         c.consumed_valid_samples += eval_iters * final
     names = domain_names(dataset)
-    total, count = None, micro_batches_per_step(mbs, state, final)
+    total, weight, count = None, 0.0, micro_batches_per_step(mbs, state, final)
     for _ in range(eval_iters):
         batches = next_batches(iterator, count, state.device, run.packing)
-        values = eval_step(
-            run.chunks, batches, state, run.eval_schedule, len(names), run.per_token_loss
+        values, tokens = eval_step(
+            run.chunks, batches, state, run.eval_schedule, len(names), run.loss_reduction
         )
+        # as Megatron-LM: over every token of the evaluation (counted where they differ)
+        tokens = 1.0 if tokens is None else tokens
+        values = [value * tokens for value in values]
         total = values if total is None else [a + b for a, b in zip(total, values, strict=False)]
-    mean = [value / eval_iters for value in total]
+        weight += tokens
+    mean = [value / weight for value in total]
     return mean[0], domain_losses(mean[1:], names) if names else {}

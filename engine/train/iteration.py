@@ -74,7 +74,7 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         features=features,
         hooks=hooks,
         samples=global_batch,
-        per_token_loss=run.per_token_loss,
+        reduction=run.loss_reduction,
     )
     faults.after_update(rank, iteration, run.chunks)
     if not early:

@@ -4,10 +4,30 @@ context parallelism each rank's share."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from parallel.comm import group_size
+
+
+@dataclass(frozen=True)
+class LossReduction:
+    """How token losses become the step's loss, as Megatron-LM reduces them.
+
+    `per_token` (--calculate-per-token-loss): what is differentiated is the global batch's
+    summed token losses over its count of tokens that carry loss; otherwise each
+    micro-batch's mean, averaged over micro-batches and DP. `masked` (--eod-mask-loss): the
+    micro-batches' counts differ, so the reported loss (Megatron-LM's, in either case the
+    global batch's sum over its count) needs the global count too."""
+
+    per_token: bool = False
+    masked: bool = False
+
+    @property
+    def counts_tokens(self) -> bool:
+        return self.per_token or self.masked
 
 
 def make_loss_func(
@@ -16,6 +36,7 @@ def make_loss_func(
     cp_group=None,
     num_domains: int = 0,
     token_count: torch.Tensor | None = None,
+    per_token: bool = False,
 ):
     """Per-token losses [b, s] -> (mean / num_microbatches * loss_scale, detached mean).
     A (loss, z-loss) pair from the model adds the z-loss to what is differentiated only.
@@ -31,31 +52,31 @@ def make_loss_func(
     by the CP size, because gradients are averaged over DP x CP while the CP ranks' parts
     must add up.
 
-    With `token_count` (--calculate-per-token-loss, `per_token_count`) every micro-batch's
-    summed token losses are divided by that one count instead of their own: the global batch's
-    tokens that carry loss over (micro-batches x DP). The mean over micro-batches and DP ranks
-    of these values is then the global batch's summed loss over its token count (Megatron-LM's
-    per-token loss), and so is what is differentiated."""
+    With `token_count` (`per_token_count`: the global batch's tokens that carry loss over
+    micro-batches x DP) the reported values divide every micro-batch's summed token losses by
+    that one count instead of its own: their mean over micro-batches and DP ranks is then the
+    global batch's summed loss over its token count, what Megatron-LM reports. With
+    `per_token` (--calculate-per-token-loss) that is also what is differentiated."""
     cp_size = group_size(cp_group)
 
     def loss_func(output, batch: dict):
-        per_token, z_term = output if isinstance(output, tuple) else (output, None)
+        token_losses, z_term = output if isinstance(output, tuple) else (output, None)
         mask = batch.get("loss_mask")
-        weights = None if mask is None else mask.to(per_token.dtype)
-        if token_count is not None:
-            count = token_count.to(per_token.dtype)
-            summed = per_token if weights is None else per_token * weights
+        weights = None if mask is None else mask.to(token_losses.dtype)
+        if per_token:
+            count = token_count.to(token_losses.dtype)
+            summed = token_losses if weights is None else token_losses * weights
             share = summed.sum() / count
             total = share
             if z_term is not None:
                 total = total + (z_term if weights is None else z_term * weights).sum() / count
             loss, reported = total * (cp_size * loss_scale / num_microbatches), share.detach()
         elif cp_size == 1:
-            count = per_token.numel() if weights is None else weights.sum().clamp(min=1.0)
-            loss, reported = _mean_loss(per_token, z_term, mask, num_microbatches, loss_scale)
+            count = token_losses.numel() if weights is None else weights.sum().clamp(min=1.0)
+            loss, reported = _mean_loss(token_losses, z_term, mask, num_microbatches, loss_scale)
         else:
             if weights is None:
-                count = float(per_token.numel() * cp_size)
+                count = float(token_losses.numel() * cp_size)
             else:
                 total_count = weights.sum().detach().clone()
                 dist.all_reduce(total_count, group=cp_group)
@@ -64,13 +85,19 @@ def make_loss_func(
             def share_of(values):
                 return (values if weights is None else values * weights).sum() / count
 
-            share = share_of(per_token)
+            share = share_of(token_losses)
             total = share if z_term is None else share + share_of(z_term)
             loss, reported = total * (cp_size * loss_scale / num_microbatches), share.detach()
+        if token_count is not None and not per_token:  # reported over the global count
+            count = token_count.to(token_losses.dtype)
+            summed = token_losses if weights is None else token_losses * weights
+            reported = (summed.sum() / count).detach()
         if num_domains and "domain" not in batch:
             raise ValueError("per-dataset losses asked for, but the batch says no sample's dataset")
         if num_domains:
-            parts = _domain_parts(per_token.detach(), weights, count, batch["domain"], num_domains)
+            parts = _domain_parts(
+                token_losses.detach(), weights, count, batch["domain"], num_domains
+            )
             reported = torch.cat([reported.reshape(1), parts])
         return loss, reported
 

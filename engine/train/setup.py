@@ -40,6 +40,7 @@ from engine.train.batches import domain_names
 from engine.train.checkpoint import resume
 from engine.train.datasets import build_datasets
 from engine.train.exit_conditions import ExitConditions, earliest_start
+from engine.train.loss import LossReduction
 from engine.train.state import Progress, Run, logging_rank, params_dtype
 from engine.train.step import StepFeatures
 from parallel.data_parallel.ddp import DistributedDataParallel
@@ -168,7 +169,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         eval_prompts=_eval_prompts(cfg) if cfg.evaluation.eval_prompts else None,
         mix=mix,
         packing=_packing(cfg),
-        per_token_loss=training.calculate_per_token_loss,
+        loss_reduction=LossReduction(training.calculate_per_token_loss, cfg.data.eod_mask_loss),
     )
     if mix is not None and len(mix.phases) > 1:
         run.writer.print(mix.describe())

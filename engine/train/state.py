@@ -21,6 +21,7 @@ from engine.monitor.metrics import MetricsWriter, SpikeDetector, Throughput
 from engine.monitor.profiler import StepProfiler
 from engine.optim.lr_schedule import LRScheduler
 from engine.train.exit_conditions import ExitConditions
+from engine.train.loss import LossReduction
 from engine.train.step import StepFeatures
 from parallel.data_parallel.ddp import DistributedDataParallel
 from parallel.data_parallel.optimizer import DistributedOptimizer
@@ -79,7 +80,7 @@ class Run:
     eval_prompts: EvalPrompts | None = None  # --eval-prompts
     mix: MixSchedule | None = None  # the train blend's weights over the run
     packing: Packing | None = None  # what the samples' EOD tokens change (the three flags)
-    per_token_loss: bool = False  # --calculate-per-token-loss
+    loss_reduction: LossReduction = field(default_factory=LossReduction)  # per token or not
 
 
 def params_dtype(runtime: RuntimeConfig) -> torch.dtype:

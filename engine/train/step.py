@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from engine.model.moe.router import routers_of
 from engine.monitor.noise_scale import LocalGradSquares, NoiseScale
-from engine.train.loss import make_loss_func, per_token_count
+from engine.train.loss import LossReduction, make_loss_func, per_token_count
 from parallel.comm import group_size
 from parallel.context_parallel.chunks import context_parallel_batches
 from parallel.data_parallel.optimizer import NormParts
@@ -115,26 +115,45 @@ def run_schedule(
     loss_scale=1.0,
     state=None,
     num_domains=0,
-    per_token_loss=False,
+    reduction: LossReduction | None = None,
 ) -> list[torch.Tensor]:
     """The schedule over the micro-batches (whole sequences: under context parallelism, given
-    `state`, each CP rank runs its chunks of them); `per_token_loss`: the loss is the global
-    batch's summed token losses over its count (--calculate-per-token-loss, loss.py)."""
+    `state`, each CP rank runs its chunks of them); `reduction`: how the token losses become
+    the loss (loss.py; by default each micro-batch's mean)."""
+    return _counted_schedule(
+        chunks, batches, schedule, forward_only, loss_scale, state, num_domains, reduction
+    )[0]
+
+
+def _counted_schedule(
+    chunks, batches, schedule, forward_only, loss_scale, state, num_domains, reduction
+):
+    """run_schedule's losses, and the global batch's count of tokens that carry loss (None
+    unless `reduction` counts them)."""
+    reduction = reduction or LossReduction()
     cp_group = None
     if state is not None:
         batches, cp_group = context_parallel_batches(batches, state), state.cp_group
-    count = per_token_count(batches, len(batches), state) if per_token_loss else None
+    count = None
+    if reduction.counts_tokens:
+        count = per_token_count(batches, len(batches), state)
     moe_scale = loss_scale * group_size(cp_group) / len(batches)
-    if count is not None and any(_has_routers(c) for c in chunks):
-        # as megatron-core: each micro-batch's MoE losses, summed over the global batch, over
-        # its token count (what the main loss is divided by too)
+    per_row = reduction.per_token and any(_has_routers(c) for c in chunks)
+    if per_row:
+        # as megatron-core: each MoE loss times its router's rows (aux_loss.py), summed over
+        # the global batch and divided by its token count, as the main loss is
         moe_scale /= count.item()
     for chunk in chunks:  # the MoE losses are differentiated as the main loss is
         module = chunk.module if hasattr(chunk, "module") else chunk
         module.ctx.moe_loss_scale.value = moe_scale
-    loss_func = make_loss_func(len(batches), loss_scale, cp_group, num_domains, count)
+        module.ctx.moe_loss_scale.per_row = per_row
+    loss_func = make_loss_func(
+        len(batches), loss_scale, cp_group, num_domains, count, reduction.per_token
+    )
     schedule = schedule or forward_backward_no_pipelining
-    return schedule(chunks, batches, forward_step, loss_func, forward_only=forward_only)
+    losses = schedule(chunks, batches, forward_step, loss_func, forward_only=forward_only)
+    dp_size = state.dp_size if state is not None else 1
+    return losses, None if count is None else count * (len(batches) * dp_size)
 
 
 def _has_routers(chunk) -> bool:
@@ -164,26 +183,26 @@ def shared_loss(losses: list[torch.Tensor], state, num_domains: int = 0) -> list
 
 
 def eval_step(
-    chunks, batches, state, schedule=None, num_domains: int = 0, per_token_loss: bool = False
-) -> list[float]:
-    """Mean loss of the batches, without gradients, on every rank: [loss] or, with
-    `num_domains`, [loss, s_0 .., w_0 ..] (loss.py)."""
+    chunks,
+    batches,
+    state,
+    schedule=None,
+    num_domains: int = 0,
+    reduction: LossReduction | None = None,
+) -> tuple[list[float], float | None]:
+    """Mean loss of the batches, without gradients, on every rank: ([loss] or, with
+    `num_domains`, [loss, s_0 .., w_0 ..] (loss.py), and the count of tokens it is the mean
+    over where `reduction` counts them, else None)."""
     for chunk in chunks:
         chunk.eval()
     try:
-        losses = run_schedule(
-            chunks,
-            batches,
-            schedule,
-            forward_only=True,
-            state=state,
-            num_domains=num_domains,
-            per_token_loss=per_token_loss,
+        losses, tokens = _counted_schedule(
+            chunks, batches, schedule, True, 1.0, state, num_domains, reduction
         )
     finally:
         for chunk in chunks:
             chunk.train()
-    return shared_loss(losses, state, num_domains)
+    return shared_loss(losses, state, num_domains), None if tokens is None else float(tokens)
 
 
 def train_step(
@@ -197,7 +216,7 @@ def train_step(
     features: StepFeatures | None = None,
     hooks: StepHooks | None = None,
     samples: int | None = None,
-    per_token_loss: bool = False,
+    reduction: LossReduction | None = None,
 ) -> StepResult:
     """Zero grads, forward/backward every micro-batch, reduce, set the learning rate, step.
     A non-finite gradient norm skips the update inside the optimizer, and `hooks` may decline
@@ -218,7 +237,7 @@ def train_step(
         loss_scale=scale,
         state=state,
         num_domains=domains,
-        per_token_loss=per_token_loss,
+        reduction=reduction,
     )
     if hooks.after_backward is not None:
         hooks.after_backward()

@@ -5,6 +5,11 @@ step differentiates the micro-batch's main loss with (loss scale x CP size / mic
 by engine/train/step.py before each schedule). A loss so reaches the gradient once per forward
 that builds a graph (with activation recomputation, the recomputed one), on any pipeline stage,
 with nothing added to the loss the last stage reports.
+
+Under --calculate-per-token-loss (`per_row`) each loss is first multiplied by the rows of the
+tensor it is attached to (the tokens the router saw on this rank), as megatron-core's router
+does, so that once the step divides everything by the global batch's token count the MoE
+losses weigh what they weigh without the flag.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ class AuxLossScale:
     """The backward factor of the MoE losses: one per model, shared by its routers."""
 
     value: float = 1.0
+    per_row: bool = False  # --calculate-per-token-loss: times the router's rows (above)
 
 
 class _Attach(torch.autograd.Function):
@@ -36,4 +42,6 @@ class _Attach(torch.autograd.Function):
 
 def attach_loss(tensor: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale) -> torch.Tensor:
     """`tensor`, carrying `loss` into the gradient (module docstring)."""
+    if scale.per_row:
+        loss = loss * tensor.shape[0]
     return _Attach.apply(tensor, loss, scale)
