@@ -82,12 +82,13 @@ class SelfAttention(nn.Module):
         comm_type = ctx.cp_comm_type_of(self.layer_number)
         window = ctx.config.attention_window
         ids = documents.ids if documents is not None else None
+        chunks = documents.chunks(ctx.cp_size) if documents is not None else None
 
         def attend(q, k, v):  # a2a: whole sequences in natural order, this rank's heads
             return self._attend(q, k, v, documents)
 
         return context_parallel_attention(
-            q, k, v, ctx.cp_group, comm_type, window, attend, document_ids=ids
+            q, k, v, ctx.cp_group, comm_type, window, attend, ids, chunks
         )
 
     def _attend(self, q, k, v, documents: Documents | None = None) -> torch.Tensor:

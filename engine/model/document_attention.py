@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from parallel.context_parallel.ring import ChunkDocuments
+
 FLEX_BLOCK = 128
 
 
@@ -35,6 +37,7 @@ class Documents:
         self.ids = ids
         self._spans: list[list[tuple[int, int]]] | None = None
         self._block_masks: dict = {}
+        self._chunks: dict = {}
 
     def spans(self) -> list[list[tuple[int, int]]]:
         """Each sample's documents as (start, end) token ranges, read once (one host sync)."""
@@ -46,6 +49,13 @@ class Documents:
                 ends = torch.cumsum(counts, 0).tolist()
                 self._spans.append(list(zip([0, *ends[:-1]], ends, strict=True)))
         return self._spans
+
+    def chunks(self, cp_size: int) -> ChunkDocuments:
+        """Where the documents are in the 2 x CP chunks of context parallelism (read once per
+        micro-batch for every layer's ring attention, not by each)."""
+        if cp_size not in self._chunks:
+            self._chunks[cp_size] = ChunkDocuments.of(self.ids, cp_size)
+        return self._chunks[cp_size]
 
     def block_mask(self, window: int | None):
         """FlexAttention's BlockMask of these documents (causal, same document, optionally

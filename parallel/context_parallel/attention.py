@@ -54,14 +54,16 @@ def context_parallel_attention(
     window: int | None = None,
     attend=None,
     document_ids: torch.Tensor | None = None,
+    chunk_documents=None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence; q, k, v are this
     rank's chunks, [b, heads, s_local, d] (k and v with fewer heads under GQA). `attend`
     (a2a only): attention over whole sequences in natural order, [b, h, s, d] -> same
     (default: causal, windowed, within documents, with GQA). `document_ids` [b, s]: each
-    token's document, the whole sequence's."""
+    token's document, the whole sequence's (p2p: `chunk_documents`, ring.ChunkDocuments of
+    them, when the caller keeps one for every layer)."""
     if comm_type == "p2p":
-        return ring_attention(q, k, v, group, window, document_ids)
+        return ring_attention(q, k, v, group, window, document_ids, chunk_documents)
     if comm_type == "a2a":
         return _ulysses(q, k, v, group, window, attend or _plain_attention(window, document_ids))
     if comm_type == "allgather":

@@ -231,12 +231,13 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, window, ids):
+    def forward(ctx, q, k, v, group, window, ids, documents):
         cp_size, cp_rank = group_size(group), group_rank(group)
         ring, chunk, heads = _Ring(group), q.shape[-2] // 2, q.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
         acc = _accumulation_dtype(q.dtype)
-        documents = ChunkDocuments.of(ids, cp_size) if ids is not None else None
+        if ids is not None and documents is None:
+            documents = ChunkDocuments.of(ids, cp_size)
         masked = window is not None  # some quarters on matmuls
         qf = q.to(acc) if masked else None  # the matmul path's input
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -335,13 +336,20 @@ class _RingAttention(torch.autograd.Function):
                 kv = pending[0]
         _wait(travelling[1])  # after cp_size hops each chunk's gradient is back with its rank
         dkv = travelling[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(
-    q, k, v, group, window: int | None = None, document_ids: torch.Tensor | None = None
+    q,
+    k,
+    v,
+    group,
+    window: int | None = None,
+    document_ids: torch.Tensor | None = None,
+    chunk_documents: ChunkDocuments | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence by ring exchange;
     q [b, heads, s_local, d], k and v [b, groups, s_local, d] (this rank's two chunks);
-    `document_ids` [b, s]: the whole sequence's, to attend within documents."""
-    return _RingAttention.apply(q, k, v, group, window, document_ids)
+    `document_ids` [b, s]: the whole sequence's, to attend within documents (and
+    `chunk_documents` where they are, if the caller has them already)."""
+    return _RingAttention.apply(q, k, v, group, window, document_ids, chunk_documents)
