@@ -235,14 +235,14 @@ def _blocks_against_matmuls(device: str, dtype: torch.dtype, tolerance: float):
     scale, kernels = 1 / math.sqrt(64), block_kernels(torch.device(device))
     for full in (True, False):
         quarter = ring.Quarter(slice(0, 64), slice(0, 64), 128 if full else 0, 0, full)
-        out, lse = ring._quarter_forward(q, k, v, quarter, None, scale)
+        out, lse = ring.quarter_forward(q, k, v, quarter, None, scale)
         low = [t.to(dtype) for t in (q, k, v, dout)]
         fused_out, fused_lse = kernels.forward(*low[:3], not full, scale)
         assert fused_lse.dtype == torch.float32 and fused_lse.shape == lse.shape
         assert (fused_out.float() - out).abs().max() < tolerance
         assert (fused_lse - lse).abs().max() < tolerance
         delta = (dout * out).sum(-1)
-        expected = ring._quarter_backward(q, k, v, dout, lse, delta, quarter, None, scale)
+        expected = ring.quarter_backward(q, k, v, dout, lse, delta, quarter, None, scale)
         # as ring.py passes them: the row's merged output (not the kernel's own) and slices
         rows = [torch.cat([t, t], 2)[:, :, 64:] for t in (*low, out.to(dtype))]
         grads = kernels.backward(rows[3], *rows[:3], rows[4], lse, not full, scale)

@@ -147,7 +147,7 @@ def _rectangles_against_matmuls(device: str, dtype: torch.dtype, tolerance: floa
         quarter = ring.Quarter(
             slice(0, chunk), slice(0, chunk), query_start, key_start, False, True
         )
-        out, lse = ring._quarter_forward(q, k, v, quarter, None, scale, ids)
+        out, lse = ring.quarter_forward(q, k, v, quarter, None, scale, ids)
         parts = rectangles(spans, query_start, key_start, chunk)
         low = [t.to(dtype) for t in (q, k, v, dout)]
         got_out, got_lse = rectangles_forward(kernels, *low[:3], parts, scale, torch.float32)
@@ -157,7 +157,7 @@ def _rectangles_against_matmuls(device: str, dtype: torch.dtype, tolerance: floa
         assert (got_lse[rows] - lse[rows]).abs().max() < tolerance
         delta = (dout * out).sum(-1)
         lse = lse.masked_fill(~rows, 0.0)  # rows seeing no key here (the ring's merged is finite)
-        expected = ring._quarter_backward(q, k, v, dout, lse, delta, quarter, None, scale, ids)
+        expected = ring.quarter_backward(q, k, v, dout, lse, delta, quarter, None, scale, ids)
         grads = rectangles_backward(
             kernels, low[3], *low[:3], out.to(dtype), lse, parts, scale, torch.float32
         )

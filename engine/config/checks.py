@@ -41,6 +41,11 @@ def check_configs(cfg: Configs, world_size: int) -> int:
     _check_eval_batches(cfg, dp)
     cfg.optimizer.validate(training.train_iters, training.train_samples, training.global_batch(dp))
     cfg.data.validate()
+    if cfg.model.has_sinks and cfg.data.reset_attention_mask:
+        raise ConfigError(
+            f"--softmax-type {cfg.model.softmax_type} with --reset-attention-mask: attention "
+            "sinks within documents are not built yet; drop one of them"
+        )
     return dp
 
 
@@ -191,6 +196,11 @@ def _check_context_parallel(m, par) -> None:
         raise ConfigError(
             f"--seq-length {m.seq_length} / --context-parallel-size {cp} is not divisible by "
             f"--tensor-model-parallel-size {tp} (--sequence-parallel splits each CP rank's part)"
+        )
+    if m.has_sinks and "a2a" in types:
+        raise ConfigError(
+            f"--softmax-type {m.softmax_type} with --cp-comm-type a2a: attention sinks under "
+            "context parallelism run with p2p or allgather here"
         )
     if m.attention_dropout > 0 and set(types) - {"a2a"}:
         raise ConfigError(

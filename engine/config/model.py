@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from engine.config.fields import FROM_CHECKPOINT, option
-from engine.config.moe import MoEOptions
+from engine.config.moe import MoEOptions, layer_interval, listed_layers
 from engine.config.rope_scaling import rope_scaling_of
 from engine.errors import ConfigError
 
@@ -188,6 +188,18 @@ class ModelConfig(MoEOptions):
         "sliding-window attention, as Megatron-LM's (left, right): each token attends to "
         "itself and the `left` tokens before it (right must be 0: causal); default: all",
     )
+    window_attn_skip_freq: str | None = option(
+        None,
+        "with --window-size, the layers that attend fully instead: N (layers N, 2N, ... counted "
+        "from 1; gpt-oss alternates, 2) or a 0/1 list per layer, 1 windowed, such as "
+        "'([1,0]*12)'",
+    )
+    softmax_type: str = option(
+        "vanilla",
+        "the attention softmax: vanilla; off-by-one (a zero logit in every row's denominator); "
+        "learnable (a learned logit per head: gpt-oss's attention sinks)",
+        choices=["vanilla", "off-by-one", "learnable"],
+    )
     add_qkv_bias: bool = option(
         False,
         "biases on the query, key and value projections only (Qwen2), with or without "
@@ -285,6 +297,27 @@ class ModelConfig(MoEOptions):
             )
         return None if left == -1 else left
 
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of layer `layer` (counted from 0; None: all earlier tokens)."""
+        window = self.attention_window
+        if window is None or self.window_attn_skip_freq is None:
+            return window
+        return window if self.windowed_layers()[layer] else None
+
+    def windowed_layers(self) -> list[int]:
+        """--window-attn-skip-freq as one 0/1 per layer, 1 windowed (Megatron-LM's meaning)."""
+        text = str(self.window_attn_skip_freq).strip()
+        flag = f"--window-attn-skip-freq {text}"
+        every = layer_interval(text, flag)
+        if every is not None:
+            return [int((layer + 1) % every != 0) for layer in range(self.num_layers)]
+        return listed_layers(text, self.num_layers, flag, "1 (windowed) or 0 (full attention)")
+
+    @property
+    def has_sinks(self) -> bool:
+        """A logit beside every attention row's scores (--softmax-type off-by-one, learnable)."""
+        return self.softmax_type != "vanilla"
+
     @property
     def rotary_dim(self) -> int:
         """Channels of a head that RoPE rotates (as Megatron-LM: int(head size x percent))."""
@@ -368,6 +401,14 @@ class ModelConfig(MoEOptions):
                 f"max-position-embeddings {self.max_positions} < seq-length {self.seq_length}"
             )
         _ = self.attention_window  # --window-size parses
+        if self.window_attn_skip_freq is not None:
+            self.windowed_layers()  # parses and fits --num-layers
+        if self.has_sinks and self.attention_dropout > 0:
+            raise ConfigError(
+                f"--softmax-type {self.softmax_type} with --attention-dropout "
+                f"{self.attention_dropout}: dropout on the probabilities of a softmax with "
+                "sinks is not built here; give --attention-dropout 0 (gpt-oss trains without)"
+            )
         scaled = self.use_rope_scaling or self.rotary_seq_len_interpolation_factor
         if (scaled or self.rope_scaling_type) and not self.uses_rope:
             raise ConfigError(

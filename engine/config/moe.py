@@ -266,6 +266,14 @@ def layer_pattern(expression: str | int, num_layers: int) -> list[int]:
     """--moe-layer-freq as one 0/1 per layer (ConfigError naming the flag when it is not)."""
     text = str(expression).strip()
     flag = f"--moe-layer-freq {text}"
+    every = layer_interval(text, flag)
+    if every is not None:
+        return [1 if layer % every == 0 else 0 for layer in range(num_layers)]
+    return listed_layers(text, num_layers, flag, "0 (dense) or 1 (MoE)")
+
+
+def layer_interval(text: str, flag: str) -> int | None:
+    """N of a per-layer flag given as an integer (None when it is a list)."""
     if "[" not in text:
         try:
             every = int(text)
@@ -275,7 +283,13 @@ def layer_pattern(expression: str | int, num_layers: int) -> list[int]:
             ) from None
         if every < 1:
             raise ConfigError(f"{flag}: N must be at least 1")
-        return [1 if layer % every == 0 else 0 for layer in range(num_layers)]
+        return every
+    return None
+
+
+def listed_layers(text: str, num_layers: int, flag: str, entries: str) -> list[int]:
+    """A per-layer flag's list ('([0]*3+[1]*11)': literals, + and *; never run as Python) as
+    one 0/1 per layer; ConfigError naming `flag` when it is not one."""
     try:
         pattern = _list_value(ast.parse(text, mode="eval").body)
     except (SyntaxError, ValueError) as err:
@@ -284,7 +298,7 @@ def layer_pattern(expression: str | int, num_layers: int) -> list[int]:
             "'([0]*3+[1]*11)'"
         ) from None
     if any(v not in (0, 1) for v in pattern):
-        raise ConfigError(f"{flag}: each layer's entry must be 0 (dense) or 1 (MoE)")
+        raise ConfigError(f"{flag}: each layer's entry must be {entries}")
     if len(pattern) != num_layers:
         raise ConfigError(
             f"{flag}: gives {len(pattern)} layers, the model has --num-layers {num_layers}"

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.model.attention_kernel import AttentionKernel, choose_document_kernel, choose_kernel
+from engine.model.attention_sinks import AttentionSinks
 from engine.model.context import BuildContext
 from engine.model.document_attention import Documents
 from engine.model.norm import Norm
@@ -67,20 +68,29 @@ class SelfAttention(nn.Module):
             self.q_layernorm = self.k_layernorm = None
         self.selective_recompute = "core_attn" in cfg.selective_modules
         grouped = n != g
+        self.window = cfg.window_of(layer_number)  # --window-size, --window-attn-skip-freq
+        self.core_attention = None
+        if cfg.has_sinks:
+            name = f"{prefix}.core_attention.softmax_offset"
+            self.core_attention = AttentionSinks(ctx, name, n, cfg.softmax_type)
         kind = choose_kernel(
-            ctx.device, ctx.params_dtype, grouped, cfg.attention_window, cfg.attention_dropout
-        )
+            ctx.device, ctx.params_dtype, grouped, self.window, cfg.attention_dropout,
+            cfg.has_sinks,
+        )  # fmt: skip
         document_kind = choose_document_kernel(ctx.device, cfg.attention_dropout)
         self.kernel = AttentionKernel(
-            kind, cfg.attention_window, grouped, ctx.attention_masks, document_kind
+            kind, self.window, grouped, ctx.attention_masks, document_kind
         )
+
+    def _sink(self) -> torch.Tensor | None:
+        return self.core_attention() if self.core_attention is not None else None
 
     def _core(self, q, k, v, documents: Documents | None = None) -> torch.Tensor:
         ctx = self.ctx
         if ctx.cp_size == 1:
             return self._attend(q, k, v, documents)
         comm_type = ctx.cp_comm_type_of(self.layer_number)
-        window = ctx.config.attention_window
+        window = self.window
         ids = documents.ids if documents is not None else None
         chunks = documents.chunks(ctx.cp_size) if documents is not None else None
 
@@ -88,7 +98,7 @@ class SelfAttention(nn.Module):
             return self._attend(q, k, v, documents)
 
         return context_parallel_attention(
-            q, k, v, ctx.cp_group, comm_type, window, attend, ids, chunks
+            q, k, v, ctx.cp_group, comm_type, window, attend, ids, chunks, self._sink()
         )
 
     def _attend(self, q, k, v, documents: Documents | None = None) -> torch.Tensor:
@@ -98,8 +108,8 @@ class SelfAttention(nn.Module):
         p = self.ctx.config.attention_dropout if self.training else 0.0
         if p > 0.0 and self.ctx.tracker is not None:
             with self.ctx.tracker.fork():
-                return self.kernel(q, k, v, p, documents)
-        return self.kernel(q, k, v, p, documents)
+                return self.kernel(q, k, v, p, documents, self._sink())
+        return self.kernel(q, k, v, p, documents, self._sink())
 
     def _keeps_little(self) -> bool:
         """Ring attention keeps only q, k, v, output and log-sum-exp for backward: selective

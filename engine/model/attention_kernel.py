@@ -14,6 +14,9 @@
   document ids are given attends within documents (engine/model/document_attention.py):
   FlexAttention's block mask on CUDA without dropout, one SDPA call per document elsewhere.
   Without document ids (generation, a single document) the layer's kernel above runs.
+- "sinks": with --softmax-type off-by-one or learnable, a logit per head beside the scores
+  (engine/model/attention_sinks.py: the block kernels that return the log-sum-exp, or the
+  tiled fp32 path with a window).
 
 Masks and the compiled FlexAttention are made once per model (`AttentionMasks`, held by the
 BuildContext), not per layer. `describe(kinds, layers)` is the start-up line naming each
@@ -25,15 +28,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.model.attention_sinks import sink_attention
 from engine.model.document_attention import attend_by_document
 
-KINDS = ("sdpa-causal", "sdpa-expanded", "flex-window", "sdpa-mask")
+KINDS = ("sdpa-causal", "sdpa-expanded", "flex-window", "sdpa-mask", "sinks")
 DOCUMENT_KINDS = ("flex-documents", "sdpa-documents")
 
 
 def choose_kernel(
-    device: torch.device, dtype: torch.dtype, grouped: bool, window: int | None, dropout: float
+    device: torch.device,
+    dtype: torch.dtype,
+    grouped: bool,
+    window: int | None,
+    dropout: float,
+    sinks: bool = False,
 ) -> str:
+    if sinks:
+        return "sinks"
     cuda = torch.device(device).type == "cuda"
     if window is not None:
         return "flex-window" if cuda and dropout == 0.0 else "sdpa-mask"
@@ -120,7 +131,9 @@ class AttentionKernel:
         self.kind, self.window, self.grouped, self.masks = kind, window, grouped, masks
         self.document_kind = document_kind
 
-    def __call__(self, q, k, v, dropout: float, documents=None) -> torch.Tensor:
+    def __call__(self, q, k, v, dropout: float, documents=None, sink=None) -> torch.Tensor:
+        if self.kind == "sinks":
+            return sink_attention(q, k, v, sink, self.window)
         if documents is not None and self.document_kind is not None:
             return self._within_documents(q, k, v, dropout, documents)
         if self.kind == "flex-window":

@@ -24,6 +24,8 @@ ring builds it per tile and skips chunk pairs that share no document.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -55,26 +57,30 @@ def context_parallel_attention(
     attend=None,
     document_ids: torch.Tensor | None = None,
     chunk_documents=None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence; q, k, v are this
     rank's chunks, [b, heads, s_local, d] (k and v with fewer heads under GQA). `attend`
     (a2a only): attention over whole sequences in natural order, [b, h, s, d] -> same
     (default: causal, windowed, within documents, with GQA). `document_ids` [b, s]: each
     token's document, the whole sequence's (p2p: `chunk_documents`, ring.ChunkDocuments of
-    them, when the caller keeps one for every layer)."""
+    them, when the caller keeps one for every layer). `sink` [heads]: a logit per head beside
+    every row's scores (attention sinks; p2p and allgather)."""
     if comm_type == "p2p":
-        return ring_attention(q, k, v, group, window, document_ids, chunk_documents)
+        return ring_attention(q, k, v, group, window, document_ids, chunk_documents, sink)
+    if sink is not None and comm_type != "allgather":
+        raise ValueError(f"--cp-comm-type {comm_type}: attention sinks run with p2p or allgather")
     if comm_type == "a2a":
         return _ulysses(q, k, v, group, window, attend or _plain_attention(window, document_ids))
     if comm_type == "allgather":
-        return _gathered(q, k, v, group, window, document_ids)
+        return _gathered(q, k, v, group, window, document_ids, sink)
     raise ValueError(f"unknown context-parallel comm type {comm_type!r}; one of {COMM_TYPES}")
 
 
 # --- allgather ---------------------------------------------------------------------------
 
 
-def _gathered(q, k, v, group, window, ids):
+def _gathered(q, k, v, group, window, ids, sink=None):
     cp_size, cp_rank = group_size(group), group_rank(group)
     seq = q.shape[-2] * cp_size
 
@@ -89,7 +95,22 @@ def _gathered(q, k, v, group, window, ids):
     if ids is not None:
         mask = (mask & (ids[:, query_pos, None] == ids[:, None, key_pos]))[:, None]
     kwargs = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    if sink is not None:
+        return _with_sink(q, keys, values, mask, sink)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, **kwargs)
+
+
+def _with_sink(q, keys, values, mask, sink):
+    """Masked attention with a sink logit per head beside every row's scores (the scores of
+    this rank's queries against the whole sequence, as the all-gather's mask already is)."""
+    heads = q.shape[1]
+    keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)
+    values = values.repeat_interleave(heads // values.shape[1], dim=1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sinks = sink.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)
 
 
 # --- a2a (Ulysses) -----------------------------------------------------------------------

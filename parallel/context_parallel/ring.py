@@ -144,7 +144,7 @@ def _scores(q, keys, mask, scale):
     return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
 
 
-def _quarter_forward(q, keys, values, quarter, window, scale, ids=None):
+def quarter_forward(q, keys, values, quarter, window, scale, ids=None):
     """(output, log-sum-exp) of queries q over one quarter's keys (expanded to q's heads)."""
     outs, lses = [], []
     for rows in _query_tiles(q, keys.shape[-2]):
@@ -157,7 +157,7 @@ def _quarter_forward(q, keys, values, quarter, window, scale, ids=None):
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
-def _quarter_backward(q, keys, values, dout, lse, delta, quarter, window, scale, ids=None):
+def quarter_backward(q, keys, values, dout, lse, delta, quarter, window, scale, ids=None):
     """dq, dk, dv of one quarter (dk, dv per query head: the caller sums GQA groups)."""
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(keys), torch.zeros_like(values)
     for rows in _query_tiles(q, keys.shape[-2]):
@@ -188,13 +188,13 @@ def _merge(out, lse, block_out, block_lse):
     return out * kept + block_out * added, total
 
 
-def _repeat_groups(x: torch.Tensor, heads: int) -> torch.Tensor:
+def repeat_groups(x: torch.Tensor, heads: int) -> torch.Tensor:
     """[b, g, s, d] -> [b, heads, s, d]: each key/value group serves heads / g query heads."""
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """The inverse of _repeat_groups for gradients: sum over the heads of a group."""
+def sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """The inverse of repeat_groups for gradients: sum over the heads of a group."""
     b, h, s, d = x.shape
     return x if h == groups else x.view(b, groups, h // groups, s, d).sum(2)
 
@@ -231,7 +231,7 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, window, ids, documents):
+    def forward(ctx, q, k, v, group, window, ids, documents, sink):
         cp_size, cp_rank = group_size(group), group_rank(group)
         ring, chunk, heads = _Ring(group), q.shape[-2] // 2, q.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -247,7 +247,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp_size):
             pending = ring.shift(kv) if step < cp_size - 1 else None
             source = (cp_rank - step) % cp_size
-            raw_keys, raw_values = (_repeat_groups(t, heads) for t in kv)
+            raw_keys, raw_values = (repeat_groups(t, heads) for t in kv)
             if masked:
                 keys, values = raw_keys.to(acc), raw_values.to(acc)
             for quarter in quarters(cp_size, cp_rank, source, chunk, window, documents):
@@ -266,22 +266,25 @@ class _RingAttention(torch.autograd.Function):
                         scale, acc,
                     )  # fmt: skip
                 else:
-                    block = _quarter_forward(
+                    block = quarter_forward(
                         qf[:, :, r], keys[:, :, c], values[:, :, c], quarter, window, scale, ids
                     )
                 out[:, :, r], lse[:, :, r] = _merge(out[:, :, r], lse[:, :, r], *block)
             if pending is not None:
                 _wait(pending[1])
                 kv = pending[0]
+        if sink is not None:  # a sink logit per head: a "block" with no value (attention_sinks)
+            sinks = sink.to(acc)[None, :, None].expand(lse.shape)
+            out, lse = _merge(out, lse, torch.zeros_like(out), sinks)
         result = out.to(q.dtype)  # kept for backward in the activations' dtype, as flash does
-        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.save_for_backward(q, k, v, result, lse, sink)
         ctx.group, ctx.window, ctx.scale = group, window, scale
         ctx.ids, ctx.documents = ids, documents
         return result
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         group, window, scale = ctx.group, ctx.window, ctx.scale
         ids, documents = ctx.ids, ctx.documents
         cp_size, cp_rank = group_size(group), group_rank(group)
@@ -299,7 +302,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp_size):
             pending = ring.shift(kv) if step < cp_size - 1 else None
             source = (cp_rank - step) % cp_size
-            raw_keys, raw_values = (_repeat_groups(t, heads) for t in kv)
+            raw_keys, raw_values = (repeat_groups(t, heads) for t in kv)
             if masked:
                 keys, values = raw_keys.to(acc), raw_values.to(acc)
             mine = torch.zeros(kv.shape, dtype=acc, device=q.device)  # this rank's part
@@ -320,13 +323,13 @@ class _RingAttention(torch.autograd.Function):
                         raw_values[:, :, c], out[:, :, r], lse[:, :, r], parts, scale, acc,
                     )  # fmt: skip
                 else:
-                    dq_part, dk_part, dv_part = _quarter_backward(
+                    dq_part, dk_part, dv_part = quarter_backward(
                         qf[:, :, r], keys[:, :, c], values[:, :, c], doutf[:, :, r],
                         lse[:, :, r], delta[:, :, r], quarter, window, scale, ids,
                     )  # fmt: skip
                 dq[:, :, r] += dq_part
-                mine[0][:, :, c] += _sum_groups(dk_part, groups)
-                mine[1][:, :, c] += _sum_groups(dv_part, groups)
+                mine[0][:, :, c] += sum_groups(dk_part, groups)
+                mine[1][:, :, c] += sum_groups(dv_part, groups)
             if travelling is not None:  # the other ranks' parts for this chunk pair
                 _wait(travelling[1])
                 mine += travelling[0]
@@ -336,7 +339,13 @@ class _RingAttention(torch.autograd.Function):
                 kv = pending[0]
         _wait(travelling[1])  # after cp_size hops each chunk's gradient is back with its rank
         dkv = travelling[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dsink = None
+        if sink is not None:  # -sum over this rank's rows of p_sink x (dout . out)
+            rows = (dout.to(acc) * out.to(acc)).sum(-1)
+            dsink = -(torch.exp(sink.to(acc)[None, :, None] - lse) * rows).sum(dim=(0, 2))
+            dsink = dsink.to(sink.dtype)
+        dq, dk, dv = dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        return dq, dk, dv, None, None, None, None, dsink
 
 
 def ring_attention(
@@ -347,9 +356,11 @@ def ring_attention(
     window: int | None = None,
     document_ids: torch.Tensor | None = None,
     chunk_documents: ChunkDocuments | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence by ring exchange;
     q [b, heads, s_local, d], k and v [b, groups, s_local, d] (this rank's two chunks);
     `document_ids` [b, s]: the whole sequence's, to attend within documents (and
-    `chunk_documents` where they are, if the caller has them already)."""
-    return _RingAttention.apply(q, k, v, group, window, document_ids, chunk_documents)
+    `chunk_documents` where they are, if the caller has them already); `sink` [heads]: a
+    logit per head beside every row's scores (attention sinks)."""
+    return _RingAttention.apply(q, k, v, group, window, document_ids, chunk_documents, sink)

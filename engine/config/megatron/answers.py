@@ -204,7 +204,7 @@ activation-function variants:
 activation-recomputation options:
     --distribute-saved-activations
 attention variants:
-    --attention-output-gate --qk-l2-norm --softmax-type --window-attn-skip-freq
+    --attention-output-gate --qk-l2-norm
 batch-invariant kernels:
     --batch-invariant-mode
 batch-size adjustment:

@@ -47,6 +47,16 @@ ARCHITECTURES = {
 LLAMA_FAMILY = (LLAMA, MISTRAL, QWEN2, QWEN3, *MOE_ARCHITECTURES)  # (engine/interop/hf/moe.py)
 
 
+def refused_attention(cfg: ModelConfig) -> str | None:
+    """The flag of gpt-oss's attention a model uses (sinks, windows on some layers only),
+    which neither interop direction writes yet (issue 44), or None."""
+    if cfg.has_sinks:
+        return f"--softmax-type {cfg.softmax_type}"
+    if cfg.window_attn_skip_freq is not None and cfg.attention_window is not None:
+        return f"--window-attn-skip-freq {cfg.window_attn_skip_freq}"
+    return None
+
+
 def _llama_family_member(cfg: ModelConfig) -> str:
     if cfg.qk_layernorm_across_heads:
         raise ConfigError(
@@ -73,6 +83,9 @@ def _llama_family_member(cfg: ModelConfig) -> str:
 def style_of(cfg: ModelConfig) -> str:
     """'llama', 'qwen2', 'qwen3' or 'gpt2', or ConfigError naming the first option the
     target cannot express."""
+    gpt_oss_only = refused_attention(cfg)
+    if gpt_oss_only:
+        raise ConfigError(f"{gpt_oss_only}: GptOssForCausalLM export is not built yet")
     llama_like = cfg.uses_rope
     if cfg.is_moe and not llama_like:
         raise ConfigError(

@@ -34,6 +34,7 @@ import torch
 from engine.config.model import ModelConfig
 from engine.config.rope_scaling import rope_scaling_of
 from engine.errors import ConfigError, InputError, UserError
+from engine.interop.hf.architectures import refused_attention
 from engine.interop.megatron.layout import join_parts, megatron_layer_parts
 from parallel.errors import describe_os_error, root_cause
 
@@ -313,6 +314,9 @@ def export_to_megatron(
     path = checkpoint_path(load, iteration)
     meta = verify_checkpoint(path, digests=verify)
     cfg = ModelConfig.from_record(meta["model"])
+    refused = refused_attention(cfg)
+    if refused:
+        raise ConfigError(f"{refused}: exporting it to Megatron-LM is not built yet")
     scaling = (
         cfg.rope_scaling_low_freq_factor,
         cfg.rope_scaling_high_freq_factor,

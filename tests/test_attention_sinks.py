@@ -1,0 +1,182 @@
+"""Attention sinks (--softmax-type off-by-one / learnable) and windows on some layers only
+(--window-attn-skip-freq), gpt-oss's attention: the kernel against transformers' GptOss
+attention and megatron-core 0.16.1's DotProductAttention on the same inputs (fp64, forward and
+backward, the sinks' gradient included), and the model under TP2 (the sinks split with the
+heads), CP2 (ring and all-gather) and PP2 against one process."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from engine.model.attention_sinks import sink_attention
+from parallel.state import ParallelState
+from tests.distributed import run_ranks
+from tests.harness import compare_params, engine_grads, global_batch, reference_grads, tiny_config
+from tests.requirements import require
+
+B, HEADS, GROUPS, SEQ, D = 2, 4, 2, 24, 8
+
+
+def _inputs(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(B, HEADS, SEQ, D), (B, GROUPS, SEQ, D), (B, GROUPS, SEQ, D), (HEADS,)]
+    return [torch.randn(*s, generator=gen, dtype=torch.float64).requires_grad_() for s in shapes]
+
+
+def _allowed(window):
+    pos = torch.arange(SEQ)
+    allowed = pos[:, None] >= pos[None, :]
+    if window is not None:
+        allowed &= pos[:, None] - pos[None, :] <= window
+    return allowed
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("off_by_one", [False, True])
+def test_sink_attention_equals_transformers_gpt_oss_attention(window, off_by_one):
+    modeling = require("transformers.models.gpt_oss.modeling_gpt_oss")
+    q, k, v, sink = _inputs()
+    if off_by_one:
+        sink = torch.zeros(HEADS, dtype=torch.float64, requires_grad=True)
+    out = sink_attention(q, k, v, sink, window)
+    module = types.SimpleNamespace(sinks=sink, num_key_value_groups=HEADS // GROUPS, training=False)
+    mask = torch.zeros(SEQ, SEQ, dtype=torch.float64).masked_fill(~_allowed(window), -torch.inf)
+    theirs, _ = modeling.eager_attention_forward(module, q, k, v, mask, D**-0.5)
+    theirs = theirs.transpose(1, 2)
+    assert (out - theirs).abs().max() < 1e-12
+    grad = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v, sink), grad)
+    expected = torch.autograd.grad(theirs, (q, k, v, sink), grad)
+    for name, a, b in zip("qkvs", ours, expected, strict=True):
+        assert (a - b).abs().max() < 1e-12, name
+    plain = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=_allowed(window), enable_gqa=True
+    )
+    assert (plain - out).abs().max() > 1e-3  # the sink takes probability away
+
+
+def _megatron(rank, world, window):
+    """megatron-core's DotProductAttention (its PyTorch path) with a learnable softmax offset
+    and the same window, on the same inputs: output and the offset's gradient."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from tools.megatron_cpu import CPU_CONFIG, cuda_queries_on_cpu, cuda_tensors_on_cpu
+
+    cuda_queries_on_cpu()
+    cuda_tensors_on_cpu()
+    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    get_cuda_rng_tracker().add("model-parallel-rng", 1234)  # (no dropout: never drawn from)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=HEADS * D, num_attention_heads=HEADS,
+        num_query_groups=GROUPS, softmax_type="learnable", params_dtype=torch.float64,
+        window_size=None if window is None else (window, 0), window_attn_skip_freq=2,
+        **CPU_CONFIG,
+    )  # fmt: skip
+    # layer 1 (counted from 1) is windowed with skip-frequency 2, layer 2 attends fully
+    attention = DotProductAttention(config, 1, AttnMaskType.causal, "self")
+    q, k, v, sink = _inputs()
+    with torch.no_grad():
+        attention.softmax_offset.copy_(sink)
+    causal = ~_allowed(None)[None, None]
+    mine = [t.permute(2, 0, 1, 3).detach().requires_grad_() for t in (q, k, v)]  # [s, b, h, d]
+    out = attention(*mine, causal)  # [s, b, h * d]
+    out.backward(torch.ones_like(out))
+    return out.detach(), attention.softmax_offset.grad
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_sink_attention_equals_megatron_cores_softmax_offset(window):
+    require("megatron.core")
+    ((theirs, their_grad),) = run_ranks(_megatron, 1, window)
+    q, k, v, sink = _inputs()
+    out = sink_attention(q, k, v, sink, window)
+    ours = out.permute(2, 0, 1, 3).reshape(SEQ, B, HEADS * D)
+    assert (ours - theirs).abs().max() < 1e-12
+    ours.backward(torch.ones_like(ours))
+    assert (sink.grad - their_grad).abs().max() < 1e-10
+
+
+def test_skip_frequency_picks_megatron_cores_windowed_layers():
+    utils = require("megatron.core.transformer.utils")
+    for freq, text in ((2, "2"), (3, "3"), ([1, 0, 0, 1], "([1,0]+[0,1])")):
+        cfg = tiny_config("llama", window_size="(4, 0)", window_attn_skip_freq=text)
+        for layer in range(cfg.num_layers):  # megatron-core counts layers from 1
+            theirs = utils.is_layer_window_attention((4, 0), freq, layer + 1)
+            assert (cfg.window_of(layer) == 4) == theirs, (freq, layer)
+
+
+LAYOUTS = {
+    "tp2": dict(tp=2),
+    "cp2-p2p": dict(cp=2, comm="p2p"),
+    "cp2-allgather": dict(cp=2, comm="allgather"),
+    "pp2": dict(pp=2),
+}
+
+
+def _config():
+    return tiny_config(
+        "llama", softmax_type="learnable", window_size="(5, 0)", window_attn_skip_freq="2"
+    )
+
+
+def _layout(rank, world, name):
+    layout = LAYOUTS[name]
+    state = ParallelState.build(
+        tp=layout.get("tp", 1), pp=layout.get("pp", 1), cp=layout.get("cp", 1)
+    )
+    cfg = _config()
+    tokens = global_batch(5, 4 * state.dp_size, cfg.seq_length)
+    ref_loss, ref_grads = reference_grads(cfg, tokens)
+    _, grads = engine_grads(
+        state, cfg, tokens, 2, cp_comm_type=(layout.get("comm", "p2p"),),
+        sequence_parallel=layout.get("tp", 1) > 1,
+    )  # fmt: skip
+    sinks = [n for n in grads if n.endswith("softmax_offset")]
+    return max(compare_params(grads, ref_grads).values()), sinks
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_sinks_and_alternating_windows_match_one_process(name):
+    found = []
+    for error, sinks in run_ranks(_layout, 2, name):
+        assert error < 1e-5, (name, error)
+        found += sinks
+    assert any("core_attention.softmax_offset" in n for n in found)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "--softmax-type learnable with --attention-dropout 0.1: dropout on the"),
+        (
+            ["--attention-dropout", "0", "--window-size", "(8, 0)", "--window-attn-skip-freq",
+             "([1,0]*3)"],
+            "--window-attn-skip-freq ([1,0]*3): gives 6 layers, the model has --num-layers 4",
+        ),
+        (
+            ["--attention-dropout", "0", "--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+            "--softmax-type learnable with --cp-comm-type a2a: attention sinks under",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_sink_and_window_flags_are_one_line(extra, message):
+    from tests.cli import one_line_error, run_python
+
+    argv = [
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+        "--train-iters", "3", "--softmax-type", "learnable", *extra,
+    ]  # fmt: skip
+    env = {"WORLD_SIZE": "2", "RANK": "0"} if "--context-parallel-size" in extra else None
+    assert message in one_line_error(run_python("-m", "engine.pretrain", *argv, env=env))
