@@ -180,3 +180,42 @@ def test_bad_sink_and_window_flags_are_one_line(extra, message):
     ]  # fmt: skip
     env = {"WORLD_SIZE": "2", "RANK": "0"} if "--context-parallel-size" in extra else None
     assert message in one_line_error(run_python("-m", "engine.pretrain", *argv, env=env))
+
+
+def test_quick_geglu_with_clamp_and_offset_is_gpt_oss_experts_activation():
+    """--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value 7: an expert's MLP
+    equals transformers' GptOssExperts on the same weights (its gate and up columns
+    interleaved, ours stacked), forward and backward, with values past the clamp."""
+    from engine.model import BuildContext
+    from engine.model.mlp import MLP
+
+    modeling = require("transformers.models.gpt_oss.modeling_gpt_oss")
+    transformers = require("transformers")
+    hidden, ffn = 16, 12
+    cfg = tiny_config(
+        "llama", hidden_size=hidden, ffn_hidden_size=ffn, swiglu=False, quick_geglu=True,
+        glu_linear_offset=1.0, activation_func_clamp_value=7.0, add_bias_linear=True,
+    )  # fmt: skip
+    ours = MLP(BuildContext(cfg, params_dtype=torch.float64), 0)
+    config = transformers.GptOssConfig(
+        hidden_size=hidden, intermediate_size=ffn, num_local_experts=1, swiglu_limit=7.0
+    )
+    theirs = modeling.GptOssExperts(config).double()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+        gate_up, bias = theirs.gate_up_proj[0], theirs.gate_up_proj_bias[0]  # [h, 2f], [2f]
+        ours.linear_fc1.weight.copy_(torch.cat([gate_up[:, ::2], gate_up[:, 1::2]], 1).t())
+        ours.linear_fc1.bias.copy_(torch.cat([bias[::2], bias[1::2]]))
+        ours.linear_fc2.weight.copy_(theirs.down_proj[0].t())
+        ours.linear_fc2.bias.copy_(theirs.down_proj_bias[0])
+    x = (3 * torch.randn(10, hidden, generator=gen, dtype=torch.float64)).requires_grad_()
+    expected = theirs(
+        x, torch.zeros(10, 1, dtype=torch.long), torch.ones(10, 1, dtype=torch.float64)
+    )
+    got = ours(x[:, None])[:, 0]  # [s, b, h]
+    assert (got - expected).abs().max() < 1e-10
+    assert (ours.linear_fc1(x[:, None]).abs() > 7).any()  # the clamp is reached
+    grads = [torch.autograd.grad(y.sum(), x)[0] for y in (got, expected)]
+    assert (grads[0] - grads[1]).abs().max() < 1e-10

@@ -171,6 +171,17 @@ class ModelConfig(MoEOptions):
         action="store_false",
     )
     squared_relu: bool = option(False, "squared ReLU, relu(x)^2, instead of GELU in the MLP")
+    quick_geglu: bool = option(
+        False, "a gated MLP with quick GELU, x sigmoid(1.702 x), on the gate (gpt-oss's)"
+    )
+    glu_linear_offset: float = option(
+        0.0, "a gated MLP's activation(gate) x (up + offset) (gpt-oss: 1)"
+    )
+    activation_func_clamp_value: float | None = option(
+        None,
+        "a gated MLP clamps its gate to at most this and its up projection to [-this, this] "
+        "before the activation (gpt-oss: 7)",
+    )
     add_bias_linear: bool = option(
         True, "no biases in linear layers", flag="--disable-bias-linear", action="store_false"
     )
@@ -297,6 +308,11 @@ class ModelConfig(MoEOptions):
             )
         return None if left == -1 else left
 
+    @property
+    def gated_linear_unit(self) -> bool:
+        """The MLP's up projection makes a gate and an up half (--swiglu, --quick-geglu)."""
+        return self.swiglu or self.quick_geglu
+
     def window_of(self, layer: int) -> int | None:
         """The attention window of layer `layer` (counted from 0; None: all earlier tokens)."""
         window = self.attention_window
@@ -363,6 +379,15 @@ class ModelConfig(MoEOptions):
             raise ConfigError(
                 "--qk-layernorm-across-heads normalises with --qk-layernorm and --normalization "
                 "RMSNorm (as OLMoE); add both or drop it"
+            )
+        if self.quick_geglu and (self.swiglu or self.squared_relu):
+            other = "--swiglu" if self.swiglu else "--squared-relu"
+            raise ConfigError(f"--quick-geglu and {other} are two activations; give one")
+        glu_options = self.glu_linear_offset != 0.0 or self.activation_func_clamp_value is not None
+        if glu_options and not self.gated_linear_unit:
+            raise ConfigError(
+                "--glu-linear-offset and --activation-func-clamp-value shape a gated MLP; add "
+                "--swiglu or --quick-geglu"
             )
         if self.squared_relu and (self.swiglu or self.openai_gelu):
             flag = "--swiglu" if self.swiglu else "--openai-gelu"

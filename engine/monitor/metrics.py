@@ -54,7 +54,7 @@ def model_flops_per_token(cfg: ModelConfig, padded_vocab: int) -> float:
     h, n, k = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups
     d = cfg.head_dim
     attention = 2 * h * n * d + 2 * h * k * d  # Q, O and K, V (= 2h^2 + 2h^2 k/n when d = h/n)
-    g = 3 if cfg.swiglu else 2
+    g = 3 if cfg.gated_linear_unit else 2
     moe_layers = sum(cfg.moe_layer_pattern(cfg.num_layers))
     mlp = (cfg.num_layers - moe_layers) * g * h * cfg.ffn_size
     if moe_layers:

@@ -94,7 +94,7 @@ def layer_activation_bytes(
     total += a * tokens * n * d + 4 * tokens * n  # attention output, log-sum-exp
     if cfg.hidden_dropout:
         total += 2 * mask_bytes * between * h
-    total += a * tokens * f * (4 if cfg.swiglu else 2)
+    total += a * tokens * f * (4 if cfg.gated_linear_unit else 2)
     return total
 
 

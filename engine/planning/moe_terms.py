@@ -40,7 +40,7 @@ from engine.config.model import ModelConfig
 def _mlp_parameters(cfg: ModelConfig, hidden: int, ffn: int, split: int) -> int:
     """One MLP of width `ffn` split over `split` ranks (biases of the first projection split,
     the second's whole)."""
-    fc1 = ffn * (2 if cfg.swiglu else 1)
+    fc1 = ffn * (2 if cfg.gated_linear_unit else 1)
     count = hidden * fc1 // split + ffn // split * hidden
     if cfg.add_bias_linear:
         count += fc1 // split + hidden
@@ -72,7 +72,7 @@ def routed_expert_parameters(cfg: ModelConfig, ep: int, etp: int) -> int:
 def _mlp_activation_bytes(cfg: ModelConfig, rows: int, ffn: int, a: int) -> int:
     """What an MLP of width `ffn` (one rank's share) keeps beyond its input (the dense
     layer's terms: GELU its input and output, SwiGLU the fused projection, SiLU and product)."""
-    return a * rows * ffn * (4 if cfg.swiglu else 2)
+    return a * rows * ffn * (4 if cfg.gated_linear_unit else 2)
 
 
 def moe_mlp_activation_bytes(
@@ -123,13 +123,13 @@ def moe_mlp_seconds(cfg: ModelConfig, layout, machine, rows: int) -> dict[str, f
     ep, etp = layout.ep, layout.expert_tp
     received = rows * k * etp
     f = cfg.expert_ffn_size // etp
-    fc1 = f * (2 if cfg.swiglu else 1)
+    fc1 = f * (2 if cfg.gated_linear_unit else 1)
     experts = cfg.num_experts // ep
     per_expert = max(1, received // experts)
     gemm = machine.gemm_seconds(per_expert, fc1, h) + machine.gemm_seconds(per_expert, h, f)
     gemm *= experts
     gemm += machine.gemm_seconds(rows, cfg.num_experts, h)  # the router
-    memory = 3 * (2 * 3 * a * rows * k * h + (5 if cfg.swiglu else 2) * a * received * f)
+    memory = 3 * (2 * 3 * a * rows * k * h + (5 if cfg.gated_linear_unit else 2) * a * received * f)
     parts = {"gemm": 3 * gemm, "memory": memory / machine.memory_bytes_per_s}
     exchange = a * rows * k * h
     parts["a2a_comm"] = 4 * all_to_all_s(exchange, ep, etp, machine)

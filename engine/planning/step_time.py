@@ -88,7 +88,7 @@ def layer_memory_bytes(
     if cfg.position_embedding_type == "rope":
         total += 3 * 2 * a * tokens * (n + g) * d
     total += 2 * a * tokens * (n + 2 * g) * d + 2 * a * tokens * n * d
-    total += (5 if cfg.swiglu else 2) * a * tokens * f
+    total += (5 if cfg.gated_linear_unit else 2) * a * tokens * f
     return total
 
 
@@ -109,7 +109,7 @@ def _layer_parts(
     ffn = (cfg.moe_shared_expert_intermediate_size or 0) if moe else cfg.ffn_size
     n, g, f = cfg.num_attention_heads // tp, cfg.query_groups // tp, ffn // tp
     T, a = shape.tokens, shape.a
-    fc1 = f * (2 if cfg.swiglu else 1)
+    fc1 = f * (2 if cfg.gated_linear_unit else 1)
     qkv = machine.gemm_seconds(T, (n + 2 * g) * d, h)
     fc1_s = machine.gemm_seconds(T, fc1, h) if f else 0.0
     column = qkv + fc1_s

@@ -199,8 +199,6 @@ activation and optimizer CPU offloading:
     --no-pin-cpu-grads --no-pin-cpu-params --offload-modules --optimizer-cpu-offload
     --optimizer-offload-fraction --overlap-cpu-optimizer-d2h-h2d
     --use-torch-optimizer-for-cpu-offload
-activation-function variants:
-    --activation-func-clamp-value --glu-linear-offset --quick-geglu
 activation-recomputation options:
     --distribute-saved-activations
 attention variants:

@@ -48,8 +48,10 @@ LLAMA_FAMILY = (LLAMA, MISTRAL, QWEN2, QWEN3, *MOE_ARCHITECTURES)  # (engine/int
 
 
 def refused_attention(cfg: ModelConfig) -> str | None:
-    """The flag of gpt-oss's attention a model uses (sinks, windows on some layers only),
-    which neither interop direction writes yet (issue 44), or None."""
+    """The flag of gpt-oss's a model uses (sinks, windows on some layers only, its gated
+    MLP), which neither interop direction writes yet (issue 44), or None."""
+    if cfg.quick_geglu or cfg.glu_linear_offset or cfg.activation_func_clamp_value is not None:
+        return "--quick-geglu / --glu-linear-offset / --activation-func-clamp-value"
     if cfg.has_sinks:
         return f"--softmax-type {cfg.softmax_type}"
     if cfg.window_attn_skip_freq is not None and cfg.attention_window is not None:
