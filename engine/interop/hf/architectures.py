@@ -1,7 +1,7 @@
 """How our model maps onto Hugging Face's LlamaForCausalLM, MistralForCausalLM,
 Qwen2ForCausalLM, Qwen3ForCausalLM and GPT2LMHeadModel, and with mixtures of experts onto
 MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM
-(engine/interop/hf/moe.py).
+(engine/interop/hf/moe.py) and GptOssForCausalLM (engine/interop/hf/gpt_oss.py).
 
 The Llama family (RoPE, RMSNorm, SwiGLU, no biases on the MLP and the output projection)
 shares its tensor names; a model is exported as Qwen2 when it has biases on q, k and v only
@@ -23,6 +23,14 @@ from dataclasses import replace
 
 from engine.config.model import ModelConfig
 from engine.errors import ConfigError
+from engine.interop.hf.gpt_oss import ARCHITECTURE as GPT_OSS_ARCHITECTURE
+from engine.interop.hf.gpt_oss import (
+    GPT_OSS,
+    check_gpt_oss,
+    gpt_oss_config,
+    gpt_oss_options,
+    gpt_oss_tensors,
+)
 from engine.interop.hf.hf_tensor import HFTensor
 from engine.interop.hf.moe import (
     MOE_ARCHITECTURES,
@@ -43,13 +51,15 @@ ARCHITECTURES = {
     QWEN2: "Qwen2ForCausalLM",
     QWEN3: "Qwen3ForCausalLM",
     GPT2: "GPT2LMHeadModel",
+    GPT_OSS: GPT_OSS_ARCHITECTURE,
 } | MOE_ARCHITECTURES
 LLAMA_FAMILY = (LLAMA, MISTRAL, QWEN2, QWEN3, *MOE_ARCHITECTURES)  # (engine/interop/hf/moe.py)
 
 
 def refused_attention(cfg: ModelConfig) -> str | None:
     """The flag of gpt-oss's a model uses (sinks, windows on some layers only, its gated
-    MLP), which neither interop direction writes yet (issue 44), or None."""
+    MLP), which only GptOssForCausalLM expresses (Megatron-LM checkpoints of it are not
+    written yet, issue 44), or None."""
     if cfg.quick_geglu or cfg.glu_linear_offset or cfg.activation_func_clamp_value is not None:
         return "--quick-geglu / --glu-linear-offset / --activation-func-clamp-value"
     if cfg.has_sinks:
@@ -85,9 +95,9 @@ def _llama_family_member(cfg: ModelConfig) -> str:
 def style_of(cfg: ModelConfig) -> str:
     """'llama', 'qwen2', 'qwen3' or 'gpt2', or ConfigError naming the first option the
     target cannot express."""
-    gpt_oss_only = refused_attention(cfg)
-    if gpt_oss_only:
-        raise ConfigError(f"{gpt_oss_only}: GptOssForCausalLM export is not built yet")
+    if refused_attention(cfg):  # sinks, per-layer windows, gpt-oss's MLP
+        check_gpt_oss(cfg)
+        return GPT_OSS
     llama_like = cfg.uses_rope
     if cfg.is_moe and not llama_like:
         raise ConfigError(
@@ -156,6 +166,8 @@ def hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
 
 
 def _hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
+    if style == GPT_OSS:
+        return gpt_oss_tensors(cfg)
     out = []
     if style in LLAMA_FAMILY:
         moe_layers = cfg.moe_layer_pattern(cfg.num_layers)
@@ -244,6 +256,8 @@ def hf_config_dict(cfg: ModelConfig, style: str, special_ids: dict, dtype: str) 
         "pad_token_id": special_ids.get("pad"),
         "dtype": dtype,
     }
+    if style == GPT_OSS:
+        return common | gpt_oss_config(cfg)
     if style in LLAMA_FAMILY:
         out = common | {
             "model_type": style,
@@ -293,6 +307,8 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
     """Our ModelConfig for a Hugging Face config.json (the Llama family, its MoE members, or
     GPT-2), and the style."""
     kind = hf.get("model_type")
+    if kind == GPT_OSS:
+        return ModelConfig(**gpt_oss_options(hf)), GPT_OSS
     if kind in LLAMA_FAMILY:
         if kind == LLAMA and (hf.get("attention_bias") or hf.get("mlp_bias")):
             raise ConfigError("Llama checkpoints with attention_bias/mlp_bias are not supported")
@@ -364,5 +380,5 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
     raise ConfigError(
         f"model_type {kind!r} is not supported; import LlamaForCausalLM, MistralForCausalLM, "
         "Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
-        "Qwen3MoeForCausalLM, OlmoeForCausalLM or GPT2LMHeadModel"
+        "Qwen3MoeForCausalLM, OlmoeForCausalLM, GptOssForCausalLM or GPT2LMHeadModel"
     )

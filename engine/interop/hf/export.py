@@ -23,6 +23,7 @@ from engine.data.tokenizers import Tokenizer, build_tokenizer
 from engine.errors import CheckpointError, ConfigError, UserError
 from engine.files.outputs import replace_folder
 from engine.interop.hf.architectures import QWEN2, hf_config_dict, hf_tensors, style_of
+from engine.interop.hf.hf_tensor import pack, packed_shape
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -105,6 +106,8 @@ def export_to_hf(
             raise CheckpointError(f"{path}: tensor {missing[0][len('model/') :]} is missing")
         rows = sum(stored[k].size[0] for k in keys)
         shape = (rows,) + tuple(stored[keys[0]].size[1:])
+        if tensor.layout is not None:
+            shape = packed_shape(tensor.layout, [tuple(stored[k].size) for k in keys])
         if tensor.transpose:
             shape = shape[::-1]
         plan.append((tensor, keys, shape))
@@ -137,7 +140,10 @@ def export_to_hf(
                 read_tensor(path, k, stored[k].size, stored[k].properties.dtype, reader)
                 for k in keys
             ]
-            value = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+            if tensor.layout is not None:  # experts packed in one tensor (GptOss)
+                value = pack(tensor.layout, parts)
+            else:
+                value = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
             value = value.t() if tensor.transpose else value
             if tensor.shift:
                 value = value.float() + tensor.shift

@@ -24,6 +24,7 @@ from engine.config.tokenizer import TokenizerConfig, tokenizer_record
 from engine.data.tokenizers import build_tokenizer
 from engine.errors import InputError, UserError
 from engine.interop.hf.architectures import hf_tensors, model_config_from_hf
+from engine.interop.hf.hf_tensor import packed_shape, unpack
 from parallel.checkpoint.dcp import LazyTensor
 from parallel.errors import one_line
 from parallel.pipeline.layout import stage_layers
@@ -145,6 +146,9 @@ def _plan(folder: str, files: _SafetensorsFolder, cfg, style: str) -> dict:
         full = shape[::-1] if tensor.transpose else shape
         parts = [f"model/{part}" for part in tensor.parts]
         wanted = [expected[key] for key in parts]
+        if tensor.layout is not None:  # experts packed in one tensor (GptOss)
+            state |= _packed_parts(folder, files, tensor, parts, wanted, shape, dtype)
+            continue
         stacked = (sum(w[0] for w in wanted),) + wanted[0][1:]
         if tuple(full) != stacked:
             hf_shape = stacked[::-1] if tensor.transpose else stacked
@@ -166,6 +170,24 @@ def _plan(folder: str, files: _SafetensorsFolder, cfg, style: str) -> dict:
             state[key] = LazyTensor(torch.Size(shape_of_part), dtype, load)
             offset += rows
     return state
+
+
+def _packed_parts(folder, files, tensor, parts, wanted, shape, dtype) -> dict:
+    """The LazyTensors of our parts of an HF tensor of packed experts (hf_tensor.pack)."""
+    expected = packed_shape(tensor.layout, wanted)
+    if tuple(shape) != tuple(expected):
+        raise InputError(
+            f"{folder}: tensor {tensor.name} has shape {list(shape)}, but config.json "
+            f"describes {list(expected)}; the weights do not belong to this config"
+        )
+    out = {}
+    for index, (key, shape_of_part) in enumerate(zip(parts, wanted, strict=True)):
+
+        def load(name=tensor.name, layout=tensor.layout, index=index):
+            return unpack(layout, files.get(name))[index].contiguous()
+
+        out[key] = LazyTensor(torch.Size(shape_of_part), dtype, load)
+    return out
 
 
 def import_from_hf(folder: str, output: str, tp: int = 1, pp: int = 1) -> dict:
