@@ -2,7 +2,8 @@
 alternating sliding-window and full layers, biased attention, router and experts, the clamped
 gated unit, YaRN) comes back bit-identical after import and export, gives transformers'
 logits imported in one process and with its experts over two expert-parallel ranks, and loads
-back into transformers from our export with the same logits."""
+back into transformers from our export with the same logits; a gpt-oss trained here under
+EP2 x PP2 gives the same logits and greedy tokens in transformers."""
 
 from __future__ import annotations
 
@@ -102,3 +103,49 @@ def test_gpt_oss_imported_with_expert_parallelism(tmp_path):
         expected = hf(TOKENS).logits
     for logits in run_ranks(_ep2_logits, 2, ckpt, TOKENS):
         assert rel_err(logits, expected) < 1e-5
+
+
+GPT_OSS_FLAGS = {
+    "--num-experts": "4", "--moe-router-topk": "2", "--moe-ffn-hidden-size": "48",
+    "--quick-geglu": True, "--glu-linear-offset": "1", "--activation-func-clamp-value": "7",
+    "--softmax-type": "learnable", "--window-size": "(7, 0)", "--window-attn-skip-freq": "2",
+    "--position-embedding-type": "yarn", "--rotary-scaling-factor": "4",
+    "--yarn-original-max-position-embeddings": "16", "--normalization": "RMSNorm",
+    "--untie-embeddings-and-output-weights": True, "--group-query-attention": True,
+    "--num-query-groups": "2", "--attention-dropout": "0.0", "--hidden-dropout": "0.0",
+    "--expert-model-parallel-size": "2", "--pipeline-model-parallel-size": "2",
+    "--train-iters": "6", "--lr-warmup-iters": "1",
+}  # fmt: skip
+
+
+def test_a_gpt_oss_trained_here_generates_the_same_in_transformers(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    """A tiny gpt-oss trained 6 steps under EP2 x PP2 exports as GptOssForCausalLM with the
+    engine's logits and greedy tokens."""
+    transformers = require("transformers")
+    from engine.checkpoint.files import find_latest
+    from engine.eval.generate import greedy_generate
+    from engine.model import BuildContext, GPTModel
+    from tests.test_training import base_args, pretrain
+
+    ckpt = str(tmp_path / "ckpt")
+    flags = GPT_OSS_FLAGS | {"--save": ckpt}
+    pretrain(4, base_args(dataset_prefix, tokenizer_model, **flags))
+    export_to_hf(ckpt, str(tmp_path / "hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "GptOssForCausalLM"
+    path = iteration_dir(ckpt, find_latest(ckpt))
+    cfg = ModelConfig(**read_meta(path)["model"])
+    ours = GPTModel(cfg, BuildContext(cfg))
+    load_model_weights(path, ours.eval())
+    tokens = torch.randint(3, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours.full_logits(ours(tokens=tokens))
+        assert rel_err(hf(tokens).logits, expected) < 1e-5
+    prompt = tokens[0, :6].tolist()
+    hf.generation_config.eos_token_id = None  # no early stop: compare 12 tokens each
+    theirs = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=3
+    )[0].tolist()
+    assert greedy_generate(ours, prompt, 12) == theirs
