@@ -109,7 +109,8 @@ def _with_sink(q, keys, values, mask, sink):
     scores = torch.matmul(q, keys.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~mask, float("-inf"))
     sinks = sink.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
-    probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+    probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1, dtype=torch.float32)
+    probs = probs[..., :-1]
     return torch.matmul(probs.to(values.dtype), values)
 
 

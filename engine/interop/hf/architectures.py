@@ -307,6 +307,12 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
     """Our ModelConfig for a Hugging Face config.json (the Llama family, its MoE members, or
     GPT-2), and the style."""
     kind = hf.get("model_type")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "quantized")
+        raise ConfigError(
+            f"{kind} checkpoint with {method} weights (quantization_config): only unquantized "
+            "weights are imported; save a dequantized copy with transformers first"
+        )
     if kind == GPT_OSS:
         return ModelConfig(**gpt_oss_options(hf)), GPT_OSS
     if kind in LLAMA_FAMILY:

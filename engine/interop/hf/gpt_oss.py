@@ -122,7 +122,9 @@ def gpt_oss_config(cfg: ModelConfig) -> dict:
         "router_aux_loss_coef": cfg.aux_loss_coeff("aux_loss") or 0.0,
         "swiglu_alpha": QUICK_GELU_ALPHA,
         "swiglu_limit": cfg.activation_func_clamp_value,
-        "sliding_window": None if window is None else window + 1,  # itself and `window` back
+        # itself and `window` back; without a window no layer slides, but transformers builds
+        # the sliding mask anyway and needs a size: the longest sequence
+        "sliding_window": cfg.max_positions if window is None else window + 1,
         "layer_types": _layer_types(cfg),
         "attention_bias": True,
         "max_position_embeddings": cfg.max_positions,

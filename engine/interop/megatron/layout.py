@@ -37,6 +37,10 @@ def model_config_from_args(args) -> ModelConfig:
         )
     unsupported = {
         "window_attn_skip_freq": get("window_attn_skip_freq"),
+        "softmax_type": get("softmax_type") not in (None, "vanilla"),
+        "quick_geglu": get("quick_geglu"),
+        "glu_linear_offset": get("glu_linear_offset"),
+        "activation_func_clamp_value": get("activation_func_clamp_value") is not None,
         "apply_residual_connection_post_layernorm": get("apply_residual_connection_post_layernorm"),
     }
     for name, used in unsupported.items():
