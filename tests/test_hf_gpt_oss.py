@@ -7,7 +7,6 @@ EP2 x PP2 gives the same logits and greedy tokens in transformers."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -20,6 +19,7 @@ from engine.interop.hf.export import export_to_hf
 from engine.interop.hf.import_hf import import_from_hf
 from tests.distributed import rel_err, run_ranks
 from tests.requirements import require
+from tests.test_hf_moe import same_tensors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -52,7 +52,6 @@ def _random_gpt_oss(folder, windows: bool = True):
 @pytest.mark.parametrize("windows", [True, False])
 def test_gpt_oss_round_trip_and_logits(tmp_path, windows):
     transformers = require("transformers")
-    from safetensors.torch import load_file
 
     from engine.model import BuildContext, GPTModel
 
@@ -70,15 +69,7 @@ def test_gpt_oss_round_trip_and_logits(tmp_path, windows):
         ours = model.full_logits(model(tokens=TOKENS))
     assert rel_err(ours, expected) < 1e-5
     export_to_hf(str(tmp_path / "ours"), str(tmp_path / "again"))
-    original = load_file(tmp_path / "hf" / "model.safetensors")
-    again = load_file(tmp_path / "again" / "model.safetensors")
-    assert original.keys() == again.keys()
-    for key, value in original.items():
-        assert torch.equal(value, again[key]), key
-    with open(tmp_path / "hf" / "config.json") as f:
-        before = json.load(f)
-    with open(tmp_path / "again" / "config.json") as f:
-        after = json.load(f)
+    before, after = same_tensors(tmp_path / "hf", tmp_path / "again")
     for key in ("layer_types", "sliding_window", "swiglu_limit", "num_local_experts"):
         if key != "sliding_window" or windows:  # (no layer slides: any size, unused)
             assert after[key] == before[key], key

@@ -77,21 +77,12 @@ TOKENS = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(
 @pytest.mark.parametrize("style", STYLES)
 def test_hf_moe_round_trip_and_logits(tmp_path, style):
     import transformers
-    from safetensors.torch import load_file
 
     hf = _random_hf_moe(style, tmp_path / "hf")
     summary = import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
     assert summary["architecture"] == style
     export_to_hf(str(tmp_path / "ours"), str(tmp_path / "again"))
-    original = load_file(tmp_path / "hf" / "model.safetensors")
-    again = load_file(tmp_path / "again" / "model.safetensors")
-    assert original.keys() == again.keys()
-    for key, value in original.items():
-        assert torch.equal(value, again[key]), key
-    with open(tmp_path / "hf" / "config.json") as f:
-        before = json.load(f)
-    with open(tmp_path / "again" / "config.json") as f:
-        after = json.load(f)
+    before, after = same_tensors(tmp_path / "hf", tmp_path / "again")
     experts = [c.get("num_experts", c.get("num_local_experts")) for c in (before, after)]
     assert experts[0] == experts[1] == 4
     moe_keys = (
@@ -110,6 +101,22 @@ def test_hf_moe_round_trip_and_logits(tmp_path, style):
     with torch.no_grad():
         expected = hf(TOKENS).logits
         assert rel_err(reloaded(TOKENS).logits, expected) < 1e-6
+
+
+def same_tensors(folder, again) -> tuple[dict, dict]:
+    """Assert the two HF folders hold bit-identical tensors; their config.json files."""
+    from safetensors.torch import load_file
+
+    original = load_file(folder / "model.safetensors")
+    other = load_file(again / "model.safetensors")
+    assert original.keys() == other.keys()
+    for key, value in original.items():
+        assert torch.equal(value, other[key]), key
+    configs = []
+    for where in (folder, again):
+        with open(where / "config.json") as f:
+            configs.append(json.load(f))
+    return configs[0], configs[1]
 
 
 def _tp2_ep2_logits(rank, world, ckpt, tokens):

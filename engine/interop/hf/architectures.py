@@ -23,6 +23,7 @@ from dataclasses import replace
 
 from engine.config.model import ModelConfig
 from engine.errors import ConfigError
+from engine.interop.hf.decoder_shape import decoder_shape
 from engine.interop.hf.gpt_oss import ARCHITECTURE as GPT_OSS_ARCHITECTURE
 from engine.interop.hf.gpt_oss import (
     GPT_OSS,
@@ -42,7 +43,7 @@ from engine.interop.hf.moe import (
     moe_options_from_hf,
     moe_style_of,
 )
-from engine.interop.hf.rope import rope_options, rope_parameters
+from engine.interop.hf.rope import rope_parameters
 
 LLAMA, MISTRAL, QWEN2, QWEN3, GPT2 = "llama", "mistral", "qwen2", "qwen3", "gpt2"
 ARCHITECTURES = {
@@ -327,23 +328,10 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{kind} hidden_act {hf['hidden_act']!r} is not supported (silu)")
         window = hf.get("sliding_window") if kind == MISTRAL else None
-        heads = hf["num_attention_heads"]
         moe = moe_options_from_hf(hf, kind) if kind in MOE_ARCHITECTURES else {}
         qkv_bias = kind == QWEN2 or (kind == QWEN2_MOE and hf.get("qkv_bias", True))
-        options = dict(
-            num_layers=hf["num_hidden_layers"],
-            hidden_size=hf["hidden_size"],
-            num_attention_heads=heads,
-            group_query_attention=True,
-            num_query_groups=hf.get("num_key_value_heads", heads),
+        options = decoder_shape(hf, 1e-6) | dict(
             ffn_hidden_size=hf["intermediate_size"],
-            kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-            seq_length=hf.get("max_position_embeddings", 2048),
-            max_position_embeddings=hf.get("max_position_embeddings"),
-            vocab_size=hf["vocab_size"],
-            **{"position_embedding_type": "rope"} | rope_options(hf),
-            normalization="RMSNorm",
-            norm_epsilon=hf.get("rms_norm_eps", 1e-6),
             swiglu=True,
             add_bias_linear=False,
             add_qkv_bias=qkv_bias,

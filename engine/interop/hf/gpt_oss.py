@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from engine.config.model import ModelConfig
 from engine.errors import ConfigError
+from engine.interop.hf.decoder_shape import decoder_shape
 from engine.interop.hf.hf_tensor import HFTensor
-from engine.interop.hf.rope import rope_options, rope_parameters
+from engine.interop.hf.rope import rope_parameters
 
 GPT_OSS = "gpt_oss"
 ARCHITECTURE = "GptOssForCausalLM"
@@ -144,25 +145,13 @@ def gpt_oss_options(hf: dict) -> dict:
         raise ConfigError(f"gpt_oss swiglu_alpha {alpha} is not supported (1.702, quick GELU's)")
     if not hf.get("attention_bias", True):
         raise ConfigError("gpt_oss without attention_bias is not supported")
-    heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+    layers = hf["num_hidden_layers"]
     kinds = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
     ]
     window = hf.get("sliding_window")
     windowed = [int(kind == "sliding_attention") for kind in kinds]
-    return dict(
-        num_layers=layers,
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=heads,
-        group_query_attention=True,
-        num_query_groups=hf.get("num_key_value_heads", heads),
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-        seq_length=hf.get("max_position_embeddings", 2048),
-        max_position_embeddings=hf.get("max_position_embeddings"),
-        vocab_size=hf["vocab_size"],
-        **{"position_embedding_type": "rope"} | rope_options(hf),
-        normalization="RMSNorm",
-        norm_epsilon=hf.get("rms_norm_eps", 1e-5),
+    return decoder_shape(hf, 1e-5) | dict(
         add_bias_linear=True,
         quick_geglu=True,
         glu_linear_offset=1.0,
