@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from parallel.context_parallel.document_blocks import document_spans
 from parallel.context_parallel.ring import ChunkDocuments
 
 FLEX_BLOCK = 128
@@ -42,12 +43,7 @@ class Documents:
     def spans(self) -> list[list[tuple[int, int]]]:
         """Each sample's documents as (start, end) token ranges, read once (one host sync)."""
         if self._spans is None:
-            ids = self.ids.cpu()
-            self._spans = []
-            for row in ids:
-                _, counts = torch.unique_consecutive(row, return_counts=True)
-                ends = torch.cumsum(counts, 0).tolist()
-                self._spans.append(list(zip([0, *ends[:-1]], ends, strict=True)))
+            self._spans = document_spans(self.ids)
         return self._spans
 
     def chunks(self, cp_size: int) -> ChunkDocuments:
