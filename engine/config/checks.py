@@ -197,6 +197,13 @@ def _check_context_parallel(m, par) -> None:
             f"--seq-length {m.seq_length} / --context-parallel-size {cp} is not divisible by "
             f"--tensor-model-parallel-size {tp} (--sequence-parallel splits each CP rank's part)"
         )
+    if m.multi_latent_attention and set(types) - {"p2p"}:
+        other = sorted(set(types) - {"p2p"})[0]
+        raise ConfigError(
+            f"--cp-comm-type {other} with --multi-latent-attention: as megatron-core, "
+            "multi-latent attention under context parallelism exchanges keys and values "
+            "around the ring only; give --cp-comm-type p2p"
+        )
     if m.has_sinks and "a2a" in types:
         raise ConfigError(
             f"--softmax-type {m.softmax_type} with --cp-comm-type a2a: attention sinks under "

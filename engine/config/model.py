@@ -6,12 +6,22 @@ import math
 from dataclasses import dataclass
 
 from engine.config.fields import FROM_CHECKPOINT, option
+from engine.config.latent_attention import LatentAttentionOptions
 from engine.config.moe import MoEOptions, layer_interval, listed_layers
+from engine.config.positions import PositionOptions
 from engine.config.rope_scaling import rope_scaling_of
 from engine.errors import ConfigError
 
-# --recompute-modules' choices (megatron-core's, less mla_up_proj: no multi-latent attention)
-RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_experts")
+# --recompute-modules' choices (megatron-core's)
+RECOMPUTE_MODULES = (
+    "core_attn",
+    "moe_act",
+    "layernorm",
+    "mla_up_proj",
+    "mlp",
+    "moe",
+    "shared_experts",
+)
 
 # Fields that define the model's tensors; --use-checkpoint-args takes them from the checkpoint.
 ARCHITECTURE_FIELDS = (
@@ -42,6 +52,16 @@ ARCHITECTURE_FIELDS = (
     "untie_embeddings_and_output_weights",
     "qk_layernorm",
     "qk_layernorm_across_heads",
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
     "num_experts",
     "moe_ffn_hidden_size",
     "moe_layer_freq",
@@ -58,7 +78,7 @@ ARCHITECTURE_FIELDS = (
 
 
 @dataclass(frozen=True)
-class ModelConfig(MoEOptions):
+class ModelConfig(MoEOptions, LatentAttentionOptions, PositionOptions):
     """The decoder's shape and style (GPT-2 or Llama-like are combinations of these; the
     mixture-of-experts fields come from MoEOptions)."""
 
@@ -101,62 +121,6 @@ class ModelConfig(MoEOptions):
     )
     make_vocab_size_divisible_by: int = option(
         128, "pad the vocabulary to a multiple of this times the tensor-parallel size"
-    )
-    position_embedding_type: str = option(
-        "learned_absolute",
-        "position encoding (yarn: RoPE with YaRN scaling, Megatron-LM's spelling)",
-        choices=["learned_absolute", "rope", "yarn"],
-        switches={"--use-rotary-position-embeddings": "rope"},
-    )
-    rotary_base: int = option(10000, "RoPE base (theta)")
-    rotary_interleaved: bool = option(
-        False,
-        "RoPE rotates adjacent channel pairs (0, 1), (2, 3), ... instead of channel i with "
-        "i + d/2 (as Megatron-LM)",
-    )
-    use_rope_scaling: bool = option(
-        False, "Llama 3.x RoPE scaling: low frequencies slowed by --rope-scaling-factor"
-    )
-    rope_scaling_factor: float = option(8.0, "with --use-rope-scaling: the scaling factor")
-    rope_scaling_low_freq_factor: float = option(
-        1.0, "with --use-rope-scaling: wavelengths above original length / this are scaled"
-    )
-    rope_scaling_high_freq_factor: float = option(
-        4.0, "with --use-rope-scaling: wavelengths below original length / this are kept"
-    )
-    rope_scaling_original_max_position_embeddings: int = option(
-        8192, "with --use-rope-scaling: the context length the model was first trained at"
-    )
-    rotary_seq_len_interpolation_factor: float | None = option(
-        None, "linear RoPE scaling (position interpolation): positions divided by this"
-    )
-    rope_scaling_type: str | None = option(
-        None,
-        "RoPE scaling by Hugging Face's rope_type name, with --rope-scaling-factor (and, for "
-        "llama3 and yarn, --rope-scaling-original-max-position-embeddings): llama3 (as "
-        "--use-rope-scaling), linear, dynamic (NTK: the base grows with a sequence longer "
-        "than --max-position-embeddings), yarn",
-        choices=["llama3", "linear", "dynamic", "yarn"],
-    )
-    rotary_scaling_factor: float = option(
-        1.0, "with --position-embedding-type yarn: the YaRN scaling factor"
-    )
-    yarn_original_max_position_embeddings: int | None = option(
-        None, "with --position-embedding-type yarn: the length first trained at (default 4096)"
-    )
-    yarn_beta_fast: float | None = option(None, "YaRN: rotations where extrapolation ends (32)")
-    yarn_beta_slow: float | None = option(None, "YaRN: rotations where interpolation starts (1)")
-    mscale: float = option(1.0, "YaRN: the attention scale's log(factor) coefficient / 0.1")
-    mscale_all_dim: float = option(0.0, "YaRN: the same for its denominator (0: none)")
-    yarn_correction_range_round_to_int: bool = option(
-        True,
-        "YaRN: keep the correction range's ends unrounded",
-        flag="--no-yarn-correction-range-round-to-int",
-        action="store_false",
-        switches={"--yarn-correction-range-round-to-int": True},
-    )
-    rotary_percent: float = option(
-        1.0, "the share of each head's channels RoPE rotates (the first ones); the rest pass"
     )
     normalization: str = option("LayerNorm", "norm type", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = option(1e-5, "epsilon of the norms")
@@ -339,16 +303,6 @@ class ModelConfig(MoEOptions):
         return self.softmax_type != "vanilla"
 
     @property
-    def rotary_dim(self) -> int:
-        """Channels of a head that RoPE rotates (as Megatron-LM: int(head size x percent))."""
-        return int(self.head_dim * self.rotary_percent)
-
-    @property
-    def uses_rope(self) -> bool:
-        """Rotary positions (rope, or yarn: RoPE with YaRN scaling)."""
-        return self.position_embedding_type in ("rope", "yarn")
-
-    @property
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
 
@@ -438,29 +392,7 @@ class ModelConfig(MoEOptions):
                 f"{self.attention_dropout}: dropout on the probabilities of a softmax with "
                 "sinks is not built here; give --attention-dropout 0 (gpt-oss trains without)"
             )
-        scaled = self.use_rope_scaling or self.rotary_seq_len_interpolation_factor
-        if (scaled or self.rope_scaling_type) and not self.uses_rope:
-            raise ConfigError(
-                "--use-rope-scaling, --rotary-seq-len-interpolation-factor and "
-                "--rope-scaling-type scale RoPE; add --position-embedding-type rope"
-            )
-        if self.use_rope_scaling and (
-            self.rope_scaling_factor < 1
-            or not 0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor
-        ):
-            raise ConfigError(
-                "--use-rope-scaling needs --rope-scaling-factor >= 1 and 0 < "
-                "--rope-scaling-low-freq-factor < --rope-scaling-high-freq-factor"
-            )
-        if (self.rotary_seq_len_interpolation_factor or 1) < 1:
-            raise ConfigError("--rotary-seq-len-interpolation-factor must be at least 1")
-        if not 0.0 < self.rotary_percent <= 1.0:
-            raise ConfigError(f"--rotary-percent {self.rotary_percent} must be in (0, 1]")
-        if self.uses_rope and (self.rotary_dim < 2 or self.rotary_dim % 2):
-            raise ConfigError(
-                f"RoPE needs an even number of rotated channels per head, got {self.rotary_dim} "
-                f"(head size {self.head_dim} x --rotary-percent {self.rotary_percent})"
-            )
+        self.validate_positions()
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1)")
@@ -489,3 +421,4 @@ class ModelConfig(MoEOptions):
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError("--make-vocab-size-divisible-by must be at least 1")
         self.validate_moe(self.num_layers)
+        self.validate_latent_attention(tp)

@@ -33,7 +33,10 @@ from engine.errors import ConfigError
 
 def rope_scaling_of(cfg) -> dict | None:
     """The RoPE scaling cfg asks for, as config.json's rope_parameters would hold it (without
-    rope_theta), or None; ConfigError (one line) when two flags ask for different ones."""
+    rope_theta), or None; ConfigError (one line) when two flags ask for different ones.
+    Multi-latent attention's is its own (--rope-type, engine/config/latent_attention.py)."""
+    if getattr(cfg, "multi_latent_attention", False):
+        return cfg.latent_rope_scaling()
     asked = []
     if cfg.use_rope_scaling:
         asked.append(("llama3", "--use-rope-scaling"))

@@ -66,13 +66,19 @@ class SelfAttention(nn.Module):
             self.k_layernorm = Norm(cfg.normalization, d, cfg.norm_epsilon, partial, **kwargs)
         else:
             self.q_layernorm = self.k_layernorm = None
+        self._build_core(grouped=n != g)
+
+    def _build_core(self, grouped: bool) -> None:
+        """The attention proper between the projections: its kernel (chosen for the device,
+        window, grouping, dropout and sinks), its sink logits, selective recomputation."""
+        ctx, cfg, layer_number = self.ctx, self.ctx.config, self.layer_number
         self.selective_recompute = "core_attn" in cfg.selective_modules
-        grouped = n != g
         self.window = cfg.window_of(layer_number)  # --window-size, --window-attn-skip-freq
         self.core_attention = None
         if cfg.has_sinks:
-            name = f"{prefix}.core_attention.softmax_offset"
-            self.core_attention = AttentionSinks(ctx, name, n, cfg.softmax_type)
+            name = f"layers.{layer_number}.self_attention.core_attention.softmax_offset"
+            heads = cfg.num_attention_heads
+            self.core_attention = AttentionSinks(ctx, name, heads, cfg.softmax_type)
         kind = choose_kernel(
             ctx.device, ctx.params_dtype, grouped, self.window, cfg.attention_dropout,
             cfg.has_sinks,
@@ -117,6 +123,12 @@ class SelfAttention(nn.Module):
         ctx = self.ctx
         return ctx.cp_size > 1 and ctx.cp_comm_type_of(self.layer_number) == "p2p"
 
+    def _core_maybe_recomputed(self, q, k, v, documents: Documents | None):
+        """The core attention, rerun in backward where --recompute-modules names core_attn."""
+        if self.selective_recompute and self.training and not self._keeps_little():
+            return checkpoint(self._core, self.ctx.tracker, q, k, v, documents)
+        return self._core(q, k, v, documents)
+
     def _rotate(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE on the first channels of each head that the tables cover (all of them unless
         --rotary-percent is below 1); the rest pass through unrotated."""
@@ -156,9 +168,6 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q, k = self._rotate(q, rotary), self._rotate(k, rotary)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        if self.selective_recompute and self.training and not self._keeps_little():
-            out = checkpoint(self._core, self.ctx.tracker, q, k, v, documents)
-        else:
-            out = self._core(q, k, v, documents)
+        out = self._core_maybe_recomputed(q, k, v, documents)
         out = out.permute(2, 0, 1, 3).reshape(s, b, nh * d)
         return self.linear_proj(out)

@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.model.attention import SelfAttention
 from engine.model.context import BuildContext
+from engine.model.latent_attention import LatentAttention
 from engine.model.mlp import MLP
 from engine.model.moe.layer import MoELayer
 from engine.model.norm import Norm
@@ -32,7 +33,8 @@ class TransformerLayer(nn.Module):
             "zero_centered": cfg.apply_layernorm_1p,
         }
         self.input_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, **norm)
-        self.self_attention = SelfAttention(ctx, layer_number)
+        attention = LatentAttention if cfg.multi_latent_attention else SelfAttention
+        self.self_attention = attention(ctx, layer_number)
         self.pre_mlp_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, **norm)
         is_moe = cfg.moe_layer_pattern(cfg.num_layers)[layer_number]
         self.mlp = MoELayer(ctx, layer_number) if is_moe else MLP(ctx, layer_number)

@@ -140,8 +140,8 @@ moves the output layer's weight-gradient GEMMs to the pipeline flush (the same g
     --defer-embedding-wgrad-compute --wgrad-deferral-limit
 picks a kernel or fusion:
     --attention-backend --cross-entropy-loss-fusion --disable-jit-fuser --moe-deepep-num-sms
-    --moe-enable-deepep --moe-flex-dispatcher-backend --moe-hybridep-num-sms
-    --moe-permute-fusion --moe-router-fusion --moe-use-legacy-grouped-gemm
+    --mla-down-proj-fusion --moe-enable-deepep --moe-flex-dispatcher-backend
+    --moe-hybridep-num-sms --moe-permute-fusion --moe-router-fusion --moe-use-legacy-grouped-gemm
     --no-bias-dropout-fusion --no-bias-swiglu-fusion --no-masked-softmax-fusion
     --no-persist-layer-norm --no-rope-fusion --use-flash-attn
 retired Megatron-LM flag it ignores itself:
@@ -190,7 +190,7 @@ NCCL flight-recorder dumps:
 QK-clip (MuonClip):
     --log-max-attention-logit --qk-clip --qk-clip-alpha --qk-clip-threshold
 RoPE variants:
-    --no-rope-freq --rope-type
+    --no-rope-freq
 activation and optimizer CPU offloading:
     --activation-offload-fraction --cpu-offloading-num-layers
     --cpu-offloading-retain-pinned-cpu-buffers --delay-offload-until-cuda-graph
@@ -279,9 +279,6 @@ expert parallelism and the rest of mixture of experts (issue 40):
 muP parametrization:
     --mup-attn-scale-power --mup-base-head-dim --mup-base-hidden-size --mup-embedding-mult
     --mup-output-mult --mup-width-mult --use-mup
-multi-latent attention (MLA):
-    --cache-mla-latents --kv-lora-rank --mla-down-proj-fusion --multi-latent-attention
-    --q-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim
 multi-token prediction (MTP):
     --mtp-detach-heads --mtp-hybrid-override-pattern --mtp-loss-scaling-factor --mtp-num-layers
     --mtp-standalone --mtp-use-repeated-layer
@@ -376,7 +373,8 @@ checkpoint conversion:
 embedding Megatron-LM in another framework:
     --lazy-mpu-init
 inference and text generation:
-    --decode-only-cuda-graphs --disable-chunked-prefill --enable-chunked-prefill --flash-decode
+    --cache-mla-latents --decode-only-cuda-graphs --disable-chunked-prefill
+    --enable-chunked-prefill --flash-decode
     --inference-batch-times-seqlen-threshold --inference-coordinator-port
     --inference-cuda-graph-all-prefills --inference-cuda-graph-max-tokens
     --inference-cuda-graph-scope --inference-disable-ep-consensus
