@@ -24,6 +24,14 @@ from dataclasses import replace
 from engine.config.model import ModelConfig
 from engine.errors import ConfigError
 from engine.interop.hf.decoder_shape import decoder_shape
+from engine.interop.hf.deepseek_v3 import ARCHITECTURE as DEEPSEEK_V3_ARCHITECTURE
+from engine.interop.hf.deepseek_v3 import (
+    DEEPSEEK_V3,
+    check_deepseek_v3,
+    deepseek_v3_config,
+    deepseek_v3_options,
+    deepseek_v3_tensors,
+)
 from engine.interop.hf.gpt_oss import ARCHITECTURE as GPT_OSS_ARCHITECTURE
 from engine.interop.hf.gpt_oss import (
     GPT_OSS,
@@ -53,6 +61,7 @@ ARCHITECTURES = {
     QWEN3: "Qwen3ForCausalLM",
     GPT2: "GPT2LMHeadModel",
     GPT_OSS: GPT_OSS_ARCHITECTURE,
+    DEEPSEEK_V3: DEEPSEEK_V3_ARCHITECTURE,
 } | MOE_ARCHITECTURES
 LLAMA_FAMILY = (LLAMA, MISTRAL, QWEN2, QWEN3, *MOE_ARCHITECTURES)  # (engine/interop/hf/moe.py)
 
@@ -96,6 +105,9 @@ def _llama_family_member(cfg: ModelConfig) -> str:
 def style_of(cfg: ModelConfig) -> str:
     """'llama', 'qwen2', 'qwen3' or 'gpt2', or ConfigError naming the first option the
     target cannot express."""
+    if cfg.multi_latent_attention:
+        check_deepseek_v3(cfg)
+        return DEEPSEEK_V3
     if refused_attention(cfg):  # sinks, per-layer windows, gpt-oss's MLP
         check_gpt_oss(cfg)
         return GPT_OSS
@@ -169,6 +181,8 @@ def hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
 def _hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
     if style == GPT_OSS:
         return gpt_oss_tensors(cfg)
+    if style == DEEPSEEK_V3:
+        return deepseek_v3_tensors(cfg)
     out = []
     if style in LLAMA_FAMILY:
         moe_layers = cfg.moe_layer_pattern(cfg.num_layers)
@@ -259,6 +273,8 @@ def hf_config_dict(cfg: ModelConfig, style: str, special_ids: dict, dtype: str) 
     }
     if style == GPT_OSS:
         return common | gpt_oss_config(cfg)
+    if style == DEEPSEEK_V3:
+        return common | deepseek_v3_config(cfg)
     if style in LLAMA_FAMILY:
         out = common | {
             "model_type": style,
@@ -316,6 +332,8 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
         )
     if kind == GPT_OSS:
         return ModelConfig(**gpt_oss_options(hf)), GPT_OSS
+    if kind == DEEPSEEK_V3:
+        return ModelConfig(**deepseek_v3_options(hf)), DEEPSEEK_V3
     if kind in LLAMA_FAMILY:
         if kind == LLAMA and (hf.get("attention_bias") or hf.get("mlp_bias")):
             raise ConfigError("Llama checkpoints with attention_bias/mlp_bias are not supported")
@@ -374,5 +392,6 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
     raise ConfigError(
         f"model_type {kind!r} is not supported; import LlamaForCausalLM, MistralForCausalLM, "
         "Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
-        "Qwen3MoeForCausalLM, OlmoeForCausalLM, GptOssForCausalLM or GPT2LMHeadModel"
+        "Qwen3MoeForCausalLM, OlmoeForCausalLM, GptOssForCausalLM, DeepseekV3ForCausalLM or "
+        "GPT2LMHeadModel"
     )

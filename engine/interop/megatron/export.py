@@ -315,6 +315,8 @@ def export_to_megatron(
     meta = verify_checkpoint(path, digests=verify)
     cfg = ModelConfig.from_record(meta["model"])
     refused = refused_attention(cfg)
+    if cfg.multi_latent_attention:
+        refused = "--multi-latent-attention"
     if refused:
         raise ConfigError(f"{refused}: exporting it to Megatron-LM is not built yet")
     scaling = (

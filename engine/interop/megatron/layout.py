@@ -43,6 +43,12 @@ def model_config_from_args(args) -> ModelConfig:
         "activation_func_clamp_value": get("activation_func_clamp_value") is not None,
         "apply_residual_connection_post_layernorm": get("apply_residual_connection_post_layernorm"),
     }
+    if get("multi_latent_attention") or get("mtp_num_layers"):
+        flag = "--multi-latent-attention" if get("multi_latent_attention") else "--mtp-num-layers"
+        raise InputError(
+            f"the checkpoint's model uses {flag}: reading Megatron-LM checkpoints of it is not "
+            "built yet (Hugging Face's DeepseekV3ForCausalLM is: tools/convert_checkpoint.py)"
+        )
     for name, used in unsupported.items():
         if used:
             raise InputError(

@@ -1,0 +1,174 @@
+"""Hugging Face's DeepseekV3ForCausalLM in and out: a random model made by transformers
+(multi-latent attention with and without the query latent, YaRN with its softmax-scale
+correction, dense first layers then experts behind the sigmoid router with its correction bias,
+group-limited routing and shared experts) comes back bit-identical after import and export,
+gives transformers' logits imported in one process and under TP2 x EP2 x PP2, and loads back
+into transformers from our export with the same logits."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.checkpoint.files import iteration_dir, read_meta
+from engine.checkpoint.load import load_model_weights
+from engine.config.model import ModelConfig
+from engine.interop.hf.export import export_to_hf
+from engine.interop.hf.import_hf import import_from_hf
+from tests.distributed import rel_err, run_ranks
+from tests.requirements import require
+from tests.test_hf_moe import same_tensors
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def _random_deepseek_v3(folder, q_lora_rank):
+    transformers = require("transformers")
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=500, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=2, topk_group=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 16,
+        },
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    model = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():  # every tensor away from its initial value (norms, correction bias)
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.add_(torch.randn(8) * 0.1)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_deepseek_v3_round_trip_and_logits(tmp_path, q_lora_rank):
+    transformers = require("transformers")
+
+    from engine.model import BuildContext, GPTModel
+
+    hf = _random_deepseek_v3(tmp_path / "hf", q_lora_rank)
+    summary = import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    assert summary["architecture"] == "deepseek_v3"
+    path = iteration_dir(str(tmp_path / "ours"), 0)
+    cfg = ModelConfig(**read_meta(path)["model"])
+    assert cfg.multi_latent_attention and cfg.q_lora_rank == q_lora_rank
+    assert cfg.moe_layer_pattern(4) == [0, 1, 1, 1] and cfg.moe_router_num_groups == 2
+    model = GPTModel(cfg, BuildContext(cfg))
+    load_model_weights(path, model.eval())
+    with torch.no_grad():
+        expected = hf(TOKENS).logits
+        ours = model.full_logits(model(tokens=TOKENS))
+    assert rel_err(ours, expected) < 1e-5
+    export_to_hf(str(tmp_path / "ours"), str(tmp_path / "again"))
+    before, after = same_tensors(tmp_path / "hf", tmp_path / "again")
+    for key in ("first_k_dense_replace", "n_group", "topk_group", "q_lora_rank", "kv_lora_rank"):
+        assert after[key] == before[key], key
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    with torch.no_grad():
+        assert rel_err(reloaded(TOKENS).logits, expected) < 1e-6
+
+
+def _parallel_logits(rank, world, ckpt, tokens):
+    from engine.model.builder import build_model_chunks
+    from parallel.pipeline.p2p import P2P
+    from parallel.state import ParallelState
+
+    state = ParallelState.build(tp=2, pp=2, ep=2, etp=1)  # the experts of EP2 out of TP2
+    path = iteration_dir(ckpt, 0)
+    cfg = ModelConfig(**read_meta(path)["model"])
+    (model,) = build_model_chunks(cfg, state, sequence_parallel=True)
+    load_model_weights(path, model.eval())
+    p2p = P2P(state, (tokens.shape[1] // 2, tokens.shape[0], cfg.hidden_size), torch.float32)
+    with torch.no_grad():
+        if state.is_first_stage:
+            p2p.send_forward(model(tokens=tokens))
+            return None
+        return model.full_logits(model(hidden=p2p.recv_forward()))
+
+
+def test_deepseek_v3_imported_under_tp2_ep2_pp2(tmp_path):
+    hf = _random_deepseek_v3(tmp_path / "hf", 24)
+    ckpt = str(tmp_path / "ours")
+    import_from_hf(str(tmp_path / "hf"), ckpt)
+    with torch.no_grad():
+        expected = hf(TOKENS).logits
+    results = run_ranks(_parallel_logits, 4, ckpt, TOKENS)
+    for logits in results[2:]:  # the last pipeline stage
+        assert rel_err(logits, expected) < 1e-5
+
+
+DEEPSEEK_V3_FLAGS = {
+    "--multi-latent-attention": True, "--q-lora-rank": "24", "--kv-lora-rank": "16",
+    "--qk-head-dim": "16", "--qk-pos-emb-head-dim": "8", "--v-head-dim": "12",
+    "--qk-layernorm": True, "--position-embedding-type": "rope", "--rotary-scaling-factor": "4",
+    "--mscale-all-dim": "1", "--yarn-original-max-position-embeddings": "16",
+    "--num-experts": "4", "--moe-layer-freq": "([0]*1+[1]*3)", "--moe-ffn-hidden-size": "24",
+    "--moe-shared-expert-intermediate-size": "24", "--moe-router-score-function": "sigmoid",
+    "--moe-router-enable-expert-bias": True, "--moe-router-topk": "2",
+    "--moe-router-topk-scaling-factor": "2.5", "--moe-router-num-groups": "2",
+    "--moe-router-group-topk": "1", "--swiglu": True, "--disable-bias-linear": True,
+    "--normalization": "RMSNorm", "--norm-epsilon": "1e-6",
+    "--untie-embeddings-and-output-weights": True,
+    "--attention-dropout": "0.0", "--hidden-dropout": "0.0",
+    "--expert-model-parallel-size": "2", "--pipeline-model-parallel-size": "2",
+    "--recompute-granularity": "selective", "--recompute-modules": ["mla_up_proj", "core_attn"],
+    "--train-iters": "6", "--lr-warmup-iters": "1",
+}  # fmt: skip
+
+
+def test_a_deepseek_v3_trained_here_generates_the_same_in_transformers(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    """A tiny DeepSeek-V3 trained 6 steps under EP2 x PP2 (its up projections recomputed)
+    exports as DeepseekV3ForCausalLM with the engine's logits and greedy tokens."""
+    transformers = require("transformers")
+    from engine.checkpoint.files import find_latest
+    from engine.eval.generate import greedy_generate
+    from engine.model import BuildContext, GPTModel
+    from tests.test_training import base_args, pretrain
+
+    ckpt = str(tmp_path / "ckpt")
+    flags = DEEPSEEK_V3_FLAGS | {"--save": ckpt}
+    pretrain(4, base_args(dataset_prefix, tokenizer_model, **flags))
+    export_to_hf(ckpt, str(tmp_path / "hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    path = iteration_dir(ckpt, find_latest(ckpt))
+    cfg = ModelConfig(**read_meta(path)["model"])
+    ours = GPTModel(cfg, BuildContext(cfg))
+    load_model_weights(path, ours.eval())
+    tokens = torch.randint(3, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours.full_logits(ours(tokens=tokens))
+        assert rel_err(hf(tokens).logits, expected) < 1e-5
+    prompt = tokens[0, :6].tolist()
+    hf.generation_config.eos_token_id = None  # no early stop: compare 12 tokens each
+    theirs = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=3
+    )[0].tolist()
+    assert greedy_generate(ours, prompt, 12) == theirs
+
+
+def test_megatron_checkpoints_of_latent_attention_are_refused_in_one_line():
+    import argparse
+
+    from engine.errors import InputError
+    from engine.interop.megatron.layout import model_config_from_args
+
+    for name in ("multi_latent_attention", "mtp_num_layers"):
+        args = argparse.Namespace(position_embedding_type="rope", normalization="RMSNorm")
+        setattr(args, name, 1)
+        with pytest.raises(InputError, match=f"--{name.replace('_', '-')}: reading Megatron-LM"):
+            model_config_from_args(args)
