@@ -2,7 +2,7 @@
 model_flops_per_token) against torch.utils.flop_counter.FlopCounterMode on a real forward and
 backward of the engine's model: GPT-2 style, Llama style with grouped-query attention, and a
 mixture of experts with gated shared experts and a dense layer (the routed experts counted
-top-k times, the router too). On the CPU the counter sees the GEMMs but not the attention
+top-k times, the router too), and multi-latent attention (its five projections). On the CPU the counter sees the GEMMs but not the attention
 kernel, so the count's core-attention term, 3 x 4 x layers x seq x heads x head size per token
 (Megatron-LM's, causal masking not halved), is set beside it apart: everything else is equal,
 exactly."""
@@ -28,10 +28,23 @@ MOE = dict(
 )
 
 
+MLA = dict(
+    group_query_attention=False,
+    num_query_groups=None,
+    multi_latent_attention=True,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_head_dim=12,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=10,
+    qk_layernorm=True,
+)
+
+
 @pytest.mark.parametrize(
     "style, options",
-    [("gpt2", {}), ("llama", {}), ("llama", MOE)],
-    ids=["gpt2", "llama-gqa", "moe"],
+    [("gpt2", {}), ("llama", {}), ("llama", MOE), ("llama", MLA)],
+    ids=["gpt2", "llama-gqa", "moe", "multi-latent"],
 )
 def test_the_flop_count_equals_torchs_counter_on_a_real_step(style, options):
     cfg = tiny_config(style, **SHAPE, **options)
@@ -41,6 +54,9 @@ def test_the_flop_count_equals_torchs_counter_on_a_real_step(style, options):
         model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
     counted = counter.get_total_flops()
     n = tokens[:, 1:].numel()
-    attention = 3 * 4 * cfg.num_layers * cfg.seq_length * cfg.num_attention_heads * cfg.head_dim
+    widths = 2 * cfg.head_dim  # (query/key and value widths per head)
+    if cfg.multi_latent_attention:
+        widths = cfg.latent_query_head_dim + cfg.v_head_dim
+    attention = 3 * 2 * cfg.num_layers * cfg.seq_length * cfg.num_attention_heads * widths
     ours = model_flops_per_token(cfg, cfg.padded_vocab_size(1))
     assert counted > 0 and (ours - attention) * n == counted

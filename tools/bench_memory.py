@@ -16,6 +16,10 @@ per CP rank at 8K and 32K tokens per sample, CP 1, 2 and 4, for each --cp-comm-t
 CP 1's bytes / C. allgather runs at the shorter length only: on CPU, torch's attention with a
 mask falls back to the explicit [heads, s/C, s] probabilities, which is what it measures.
 
+Multi-latent attention: activation bytes of one layer with DeepSeek-V3's attention against a
+grouped-query layer of the same hidden size, with and without --recompute-modules mla_up_proj,
+at TP 1 and TP 2 with SP, against the planner's count.
+
 Prints tables and writes JSON.
 """
 
@@ -120,6 +124,75 @@ def _context_parallel_table(args) -> list[dict]:
     return table
 
 
+LATENT_CASES = {  # DeepSeek-V3's proportions at hidden 512 (it: 7168, 128 heads)
+    "GQA (8 heads of 64, 2 key/value groups)": dict(
+        group_query_attention=True, num_query_groups=2
+    ),
+    "MLA (q latent 192, kv latent 64, heads 64+32 / 64)": dict(
+        multi_latent_attention=True, q_lora_rank=192, kv_lora_rank=64, qk_head_dim=64,
+        qk_pos_emb_head_dim=32, v_head_dim=64, qk_layernorm=True,
+    ),
+}  # fmt: skip
+LATENT_RECOMPUTE = {
+    "none": {},
+    "mla_up_proj": dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]),
+}
+
+
+def _latent_configs(args):
+    """(attention, recomputation, config) of every latent-attention comparison row."""
+    out = []
+    for name, attention in LATENT_CASES.items():
+        for recompute, options in LATENT_RECOMPUTE.items():
+            if recompute != "none" and "multi_latent_attention" not in attention:
+                continue
+            cfg = ModelConfig(
+                num_layers=1, hidden_size=512, num_attention_heads=8,
+                seq_length=args.seq_length, max_position_embeddings=args.seq_length,
+                vocab_size=1024, hidden_dropout=0.0, attention_dropout=0.0,
+                position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                add_bias_linear=False, **attention, **options,
+            )  # fmt: skip
+            out.append((name, recompute, cfg))
+    return out
+
+
+def _measure_latent(rank, world, args):
+    state = ParallelState.build(tp=world)
+    sp = world > 1
+    return [
+        measure_layer(cfg, state.tp_group, world, sp, args.micro_batch_size)
+        for _, _, cfg in _latent_configs(args)
+    ]
+
+
+def _latent_table(args) -> list[dict]:
+    from engine.planning.activations import layers_activation_bytes
+
+    mib = 2**20
+    print(
+        f"Multi-latent against grouped-query attention: activation bytes per layer and rank, "
+        f"hidden 512, s={args.seq_length} b={args.micro_batch_size}, bf16, SwiGLU MLP "
+        "(the planner's count: engine/planning/activations.py)"
+    )
+    print("| attention | recompute | TP (SP) | measured MiB | planner MiB | measured / planner |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    table = []
+    for tp in (1, 2):
+        measured = run_local(_measure_latent, tp, args)[0]
+        for (name, recompute, cfg), value in zip(_latent_configs(args), measured, strict=True):
+            planned = layers_activation_bytes(cfg, 1, tp, tp > 1, args.micro_batch_size)
+            table.append(
+                {"attention": name, "recompute": recompute, "tp": tp}
+                | {"measured": value, "planner": planned}
+            )
+            print(
+                f"| {name} | {recompute} | {tp} | {value / mib:.2f} | {planned / mib:.2f} | "
+                f"{value / planned:.3f} |"
+            )
+    return table
+
+
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 DP_SIZES = (1, 2, 4)
 
@@ -214,6 +287,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cp-hidden-size", type=int, default=256)
     parser.add_argument("--json", default="bench_memory.json")
     args = parser.parse_args(argv)
+    latent = _latent_table(args)
+    print()
     states = _state_table(args)
     print()
     context_parallel = _context_parallel_table(args)
@@ -236,7 +311,8 @@ def main(argv=None) -> int:
     with open(args.json, "w") as f:
         shape = {"s": s, "b": b, "h": h, "a": a}
         record = {"states": states, "activations": table, "shape": shape}
-        json.dump(record | {"context_parallel": context_parallel}, f, indent=1)
+        record |= {"context_parallel": context_parallel, "latent_attention": latent}
+        json.dump(record, f, indent=1)
     return 0
 
 

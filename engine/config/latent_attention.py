@@ -67,6 +67,23 @@ class LatentAttentionOptions:
     def latent_rope_type(self) -> str:
         return self.rope_type or "yarn"
 
+    def latent_projections(self) -> list[tuple[int, int, bool]]:
+        """(input size, output size, split over TP) of each linear of a multi-latent attention
+        layer, in forward order: the down projections are replicated, the up and output
+        projections split with the heads (the planner and the FLOP count read these)."""
+        h, n = self.hidden_size, self.num_attention_heads
+        query = n * self.latent_query_head_dim
+        if self.q_lora_rank is None:
+            out = [(h, query, True)]
+        else:
+            out = [(h, self.q_lora_rank, False), (self.q_lora_rank, query, True)]
+        out += [
+            (h, self.kv_lora_rank + self.qk_pos_emb_head_dim, False),
+            (self.kv_lora_rank, n * (self.qk_head_dim + self.v_head_dim), True),
+            (n * self.v_head_dim, h, True),
+        ]
+        return out
+
     def latent_softmax_scale(self) -> float:
         """megatron-core's MLA softmax scale: mscale(factor, mscale_all_dim)^2 / sqrt(q dim),
         with YaRN's mscale(f, m) = 0.1 m ln f + 1 for f > 1 (else 1)."""

@@ -16,8 +16,10 @@ shared RoPE key is gathered along the sequence. RoPE pairs each head's channel 2
 With --recompute-modules mla_up_proj, the up projections and RoPE are run without keeping
 anything but the latents, their outputs (the full queries, keys and values) are freed once core
 attention has run, and recomputed just before its backward (parallel/discarded_outputs.py):
-the memory MLA saves. Under context parallelism (ring exchange only, as megatron-core allows
-for MLA) the values are padded with zeros to the query width, which the ring's kernels need.
+the memory MLA saves. Context parallelism exchanges keys and values around the ring only, as
+megatron-core allows for MLA. Where a kernel needs queries, keys and values of one width (the
+ring's, the CPU's flash kernel) the values are padded with zeros to the query width
+(`padded_width`); CUDA's fused kernels take them as they are.
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ class ReplicatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+def padded_width(cfg, device, cp_size: int) -> int | None:
+    """The one head width queries, keys and values are padded to (with zeros, which change
+    no score and no output), or None: under context parallelism (the ring's kernels) and on
+    the CPU (whose flash kernel) the three must be as wide; CUDA's fused kernels take
+    narrower values as they are."""
+    widths = (cfg.latent_query_head_dim, cfg.v_head_dim)
+    if widths[0] == widths[1] or (cp_size == 1 and torch.device(device).type == "cuda"):
+        return None
+    return max(widths)
 
 
 class LatentAttention(SelfAttention):
@@ -99,8 +112,7 @@ class LatentAttention(SelfAttention):
         self.linear_proj = ctx.row_linear(
             f"{prefix}.linear_proj", n * self.v_dim, h, bias=cfg.add_bias_linear
         )
-        # the ring's kernels take one head width for queries, keys and values
-        self.width = max(query_dim, self.v_dim) if ctx.cp_size > 1 else None
+        self.width = padded_width(cfg, ctx.device, ctx.cp_size)
         # the kernels scale by 1 / sqrt(width of q); the queries carry the rest of MLA's scale
         width = self.width or query_dim
         self.query_scale = cfg.latent_softmax_scale() * math.sqrt(width)
@@ -130,6 +142,22 @@ class LatentAttention(SelfAttention):
             return gather_from_sequence_parallel_region(k_pos, ctx.tp_group, True, ctx.times)
         return copy_to_tensor_parallel_region(k_pos, ctx.tp_group, ctx.times)
 
+    def _latents(self, x: torch.Tensor):
+        """(query latent, key/value latent, shared RoPE key) of the hidden states x; each its
+        own tensor, so that keeping one keeps no other (the down projection's output is one)."""
+        cfg = self.ctx.config
+        q_latent = x
+        if self.linear_q_down_proj is not None:
+            q_latent = self.linear_q_down_proj(x)
+            if self.q_layernorm is not None:
+                q_latent = self.q_layernorm(q_latent)
+        kv_latent, k_pos = self.linear_kv_down_proj(x).split(
+            [cfg.kv_lora_rank, self.pos_dim], dim=-1
+        )
+        if self.kv_layernorm is not None:
+            kv_latent = self.kv_layernorm(kv_latent)
+        return q_latent, kv_latent.contiguous(), self._whole_sequence(k_pos).contiguous()
+
     def _turn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on channel pairs (2i, 2i+1), taken into halves first (module docstring)."""
         halves = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1).contiguous()
@@ -149,7 +177,7 @@ class LatentAttention(SelfAttention):
         key = torch.cat([k_plain, k_pos], dim=-1)
         if self.query_scale != 1.0:
             query = query * self.query_scale
-        if self.width is not None:  # one width for the ring (zero channels change nothing)
+        if self.width is not None:  # one width for the kernels (padded_width)
             query, key, value = (
                 F.pad(t, (0, self.width - t.shape[-1])) for t in (query, key, value)
             )
@@ -161,19 +189,7 @@ class LatentAttention(SelfAttention):
         rotary: tuple[torch.Tensor, torch.Tensor],
         documents: Documents | None = None,
     ):
-        cfg = self.ctx.config
-        q_latent = x
-        if self.linear_q_down_proj is not None:
-            q_latent = self.linear_q_down_proj(x)
-            if self.q_layernorm is not None:
-                q_latent = self.q_layernorm(q_latent)
-        kv_latent, k_pos = self.linear_kv_down_proj(x).split(
-            [cfg.kv_lora_rank, self.pos_dim], dim=-1
-        )
-        if self.kv_layernorm is not None:
-            kv_latent = self.kv_layernorm(kv_latent)
-        k_pos = self._whole_sequence(k_pos)
-        args = (q_latent, kv_latent, k_pos, *rotary)
+        args = (*self._latents(x), *rotary)
         discarding = OutputDiscarding() if self.recompute_up and self.training else None
         q, k, v = discarding.run(self._up, *args) if discarding else self._up(*args)
         out = self._core_maybe_recomputed(q, k, v, documents)

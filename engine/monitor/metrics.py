@@ -10,6 +10,8 @@ groups, FFN size f, sequence s, padded vocabulary V; a multiply-add is 2 FLOPs):
                          for the causal mask, as Megatron-LM does)
     training per token = 3 * forward (recomputation is not model FLOPs)
 
+Multi-latent attention's weights are its five projections (engine/config/latent_attention.py:
+latent_projections), and its 4*s*h becomes 2*s*n*(query/key + value width per head).
 A mixture-of-experts layer's MLP term counts what a token computes: the router (h*E), its
 top-k experts (k * g*h*f_expert; not the E experts a layer holds), the shared experts
 (g*h*f_shared) and their gate (h).
@@ -54,6 +56,10 @@ def model_flops_per_token(cfg: ModelConfig, padded_vocab: int) -> float:
     h, n, k = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups
     d = cfg.head_dim
     attention = 2 * h * n * d + 2 * h * k * d  # Q, O and K, V (= 2h^2 + 2h^2 k/n when d = h/n)
+    scores = 4 * cfg.seq_length * n * d
+    if cfg.multi_latent_attention:  # its projections; query/key and value widths per head
+        attention = sum(i * o for i, o, _ in cfg.latent_projections())
+        scores = 2 * cfg.seq_length * n * (cfg.latent_query_head_dim + cfg.v_head_dim)
     g = 3 if cfg.gated_linear_unit else 2
     moe_layers = sum(cfg.moe_layer_pattern(cfg.num_layers))
     mlp = (cfg.num_layers - moe_layers) * g * h * cfg.ffn_size
@@ -63,7 +69,7 @@ def model_flops_per_token(cfg: ModelConfig, padded_vocab: int) -> float:
         active += g * h * shared + (h if cfg.moe_shared_expert_gate else 0)
         mlp += moe_layers * active
     forward = 2 * (cfg.num_layers * attention + mlp + h * padded_vocab)
-    forward += 4 * cfg.num_layers * cfg.seq_length * n * d
+    forward += cfg.num_layers * scores
     return 3.0 * forward
 
 

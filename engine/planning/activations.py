@@ -39,6 +39,7 @@ from engine.config.model import ModelConfig
 from engine.errors import ConfigError
 
 ACTIVATION_BYTES = 2  # bf16 / fp16
+ACTIVATION_DEVICE = "cpu"  # what the terms are measured on (CUDA's fused kernels keep less)
 
 
 def _norm_bytes(cfg: ModelConfig, rows: int, width: int) -> int:
@@ -69,10 +70,10 @@ def layer_activation_bytes(
             "the activation model assumes --attention-dropout 0 (as modern recipes run); pass "
             "--attention-dropout 0.0"
         )
-    if cfg.selective_modules - {"core_attn"}:
+    if cfg.selective_modules - {"core_attn", "mla_up_proj"}:
         raise ConfigError(
-            "the activation model covers selective recomputation of core attention only "
-            "(--recompute-modules core_attn, the default); drop the other modules"
+            "the activation model covers selective recomputation of core attention and MLA's "
+            "up projections only (--recompute-modules core_attn mla_up_proj); drop the others"
         )
     if cfg.rotary_percent != 1.0 or cfg.window_size is not None:
         raise ConfigError(
@@ -84,6 +85,11 @@ def layer_activation_bytes(
     tokens, between = _tokens(cfg, tp, sequence_parallel, micro_batch_size, cp)
     total = 2 * _norm_bytes(cfg, between, h)  # input and pre-MLP norms
     total += 2 * a * between * h  # the inputs kept by the QKV and first MLP linears
+    if cfg.multi_latent_attention:
+        total += _latent_attention_bytes(cfg, tokens, between, n, s, cp)
+        if cfg.hidden_dropout:
+            total += 2 * mask_bytes * between * h
+        return total + a * tokens * f * (4 if cfg.gated_linear_unit else 2)
     total += a * tokens * (n + 2 * g) * d  # the fused QKV output
     if cfg.qk_layernorm_across_heads:  # one row per token over this rank's heads
         total += _norm_bytes(cfg, tokens, n * d) + _norm_bytes(cfg, tokens, g * d)
@@ -96,6 +102,41 @@ def layer_activation_bytes(
         total += 2 * mask_bytes * between * h
     total += a * tokens * f * (4 if cfg.gated_linear_unit else 2)
     return total
+
+
+def _latent_attention_bytes(cfg, tokens: int, between: int, n: int, s: int, cp: int) -> int:
+    """What multi-latent attention keeps besides its input (module docstring): the latent
+    norms and the latents the up projections keep (T_r rows), the queries, keys and values
+    (one padded width on the CPU and under CP, engine/model/latent_attention.py), or with
+    mla_up_proj only the shared RoPE key, and the attention output and log-sum-exp."""
+    from engine.model.latent_attention import padded_width
+
+    a, c, p = ACTIVATION_BYTES, cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim
+    total = a * between * c + (_norm_bytes(cfg, between, c) if cfg.qk_layernorm else 0)
+    if cfg.q_lora_rank is not None:
+        q = cfg.q_lora_rank
+        total += a * between * q + (_norm_bytes(cfg, between, q) if cfg.qk_layernorm else 0)
+    width = padded_width(cfg, ACTIVATION_DEVICE, cp)
+    query, value = (width, width) if width else (cfg.latent_query_head_dim, cfg.v_head_dim)
+    if "mla_up_proj" in cfg.selective_modules:
+        total += a * tokens * p  # the shared RoPE key, the up projections' one other input
+    else:
+        total += a * tokens * n * (2 * query + value)
+    total += 2 * 4 * s * p  # RoPE's cos and sin (a chunk's, counted once there)
+    total += a * tokens * n * value + 4 * tokens * n  # output, log-sum-exp
+    if width:  # the output projection keeps its own copy of the output's unpadded part
+        total += a * tokens * n * cfg.v_head_dim
+    return total
+
+
+def _recomputed_core_bytes(cfg: ModelConfig, tokens: int, n: int, cp: int) -> int:
+    """What selective recomputation of core attention does not keep: its log-sum-exp and,
+    where multi-latent attention's output is padded (its projection keeps a copy), the
+    output itself."""
+    from engine.model.latent_attention import padded_width
+
+    width = padded_width(cfg, ACTIVATION_DEVICE, cp) if cfg.multi_latent_attention else None
+    return 4 * tokens * n + (ACTIVATION_BYTES * tokens * n * width if width else 0)
 
 
 def layers_activation_bytes(
@@ -113,7 +154,7 @@ def layers_activation_bytes(
         return 0
     a, s, h = ACTIVATION_BYTES, cfg.seq_length // cp, cfg.hidden_size
     layer = layer_activation_bytes(cfg, tp, sequence_parallel, micro_batch_size, mask_bytes, cp)
-    tables = 2 * 4 * s * cfg.head_dim if cfg.position_embedding_type == "rope" else 0
+    tables = 2 * 4 * s * cfg.rotary_dim if cfg.position_embedding_type == "rope" else 0
     layer -= tables  # counted once for the chunk, below
     tokens, between = _tokens(cfg, tp, sequence_parallel, micro_batch_size, cp)
     group_input = a * between * h
@@ -124,7 +165,7 @@ def layers_activation_bytes(
         recomputed = min(n, num_layers)  # block: the first N of the chunk
         return recomputed * group_input + (num_layers - recomputed) * layer + tables
     if "core_attn" in cfg.selective_modules:
-        layer -= 4 * tokens * (cfg.num_attention_heads // tp)  # the log-sum-exp
+        layer -= _recomputed_core_bytes(cfg, tokens, cfg.num_attention_heads // tp, cp)
     return num_layers * layer + tables
 
 

@@ -91,8 +91,12 @@ def layer_parameters(cfg: ModelConfig, tp: int, moe: bool = False) -> int:
     """Parameters of one transformer layer on one TP rank, the routed experts of an MoE
     layer (`moe`) aside."""
     h, n, g, d = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
-    qkv_out = (n + 2 * g) * d
     count = _norm(cfg, h) * 2  # input and pre-MLP norms
+    if cfg.multi_latent_attention:
+        count += _latent_attention_parameters(cfg, tp)
+        mlp = moe_mlp_dense_parameters(cfg, tp) if moe else dense_mlp_parameters(cfg, tp)
+        return count + mlp
+    qkv_out = (n + 2 * g) * d
     count += h * qkv_out // tp + (qkv_out // tp if cfg.add_bias_linear or cfg.add_qkv_bias else 0)
     if cfg.qk_layernorm_across_heads:  # one weight over all heads, split with them
         count += (n + g) * d // tp
@@ -102,6 +106,15 @@ def layer_parameters(cfg: ModelConfig, tp: int, moe: bool = False) -> int:
     if moe:
         return count + moe_mlp_dense_parameters(cfg, tp)
     return count + dense_mlp_parameters(cfg, tp)
+
+
+def _latent_attention_parameters(cfg: ModelConfig, tp: int) -> int:
+    """Multi-latent attention's weights on one TP rank: replicated down projections and
+    latent norms, up and output projections split with the heads, the output's bias."""
+    count = sum(i * o // (tp if split else 1) for i, o, split in cfg.latent_projections())
+    if cfg.qk_layernorm:
+        count += _norm(cfg, cfg.kv_lora_rank) + _norm(cfg, cfg.q_lora_rank or 0)
+    return count + (cfg.hidden_size if cfg.add_bias_linear else 0)
 
 
 def check_layout(cfg: ModelConfig, layout: Layout, pp_rank: int) -> None:

@@ -41,19 +41,21 @@ def storage_key(tensor: torch.Tensor) -> int:
 def saved_activation_bytes(
     fn: Callable[[], torch.Tensor], parameters: Iterable[torch.Tensor]
 ) -> tuple[torch.Tensor, int]:
-    """(fn(), bytes of the distinct storages autograd saved for backward while it ran),
-    parameters left out. Views of one storage count once, as they take memory once."""
+    """(fn(), bytes of the distinct storages autograd saved for backward while it ran, as
+    large as they are when it returns), parameters left out. Views of one storage count once,
+    as they take memory once; a storage freed before fn returned (an output-discarding
+    recomputation's, parallel/discarded_outputs.py) counts nothing."""
     skip = {storage_key(p) for p in parameters}
-    seen: dict[int, int] = {}
+    seen: dict[int, torch.UntypedStorage] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         if storage_key(tensor) not in skip:
-            seen[storage_key(tensor)] = tensor.untyped_storage().nbytes()
+            seen[storage_key(tensor)] = tensor.untyped_storage()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = fn()
-    return out, sum(seen.values())
+    return out, sum(storage.nbytes() for storage in seen.values())
 
 
 class PeakSavedBytes:

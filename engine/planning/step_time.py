@@ -111,10 +111,22 @@ def _layer_parts(
     T, a = shape.tokens, shape.a
     fc1 = f * (2 if cfg.gated_linear_unit else 1)
     qkv = machine.gemm_seconds(T, (n + 2 * g) * d, h)
+    out_proj = machine.gemm_seconds(T, h, n * d)
+    attention_flops = 4 * T * cfg.seq_length * n * d  # a CP rank's queries against all keys
+    if cfg.multi_latent_attention:  # down projections on T_r rows whole, the rest split
+        *inputs, (width, _, _) = cfg.latent_projections()
+        qkv = sum(
+            machine.gemm_seconds(T, o // tp, i)
+            if split
+            else machine.gemm_seconds(shape.between, o, i)
+            for i, o, split in inputs
+        )
+        out_proj = machine.gemm_seconds(T, h, width // tp)
+        widths = cfg.latent_query_head_dim + cfg.v_head_dim
+        attention_flops = 2 * T * cfg.seq_length * n * widths
     fc1_s = machine.gemm_seconds(T, fc1, h) if f else 0.0
     column = qkv + fc1_s
-    row = machine.gemm_seconds(T, h, n * d) + (machine.gemm_seconds(T, h, f) if f else 0.0)
-    attention_flops = 4 * T * cfg.seq_length * n * d  # a CP rank's queries against all keys
+    row = out_proj + (machine.gemm_seconds(T, h, f) if f else 0.0)
     attention = 3 * attention_flops / machine.attention_flops
     memory = layer_memory_bytes(cfg, T, shape.between, tp, a, ffn)
     memory = 3 * memory / machine.memory_bytes_per_s
@@ -149,6 +161,8 @@ def _layer_parts(
     cp = layout.cp
     if cp > 1:
         kv = 2 * T * g * d * a
+        if cfg.multi_latent_attention:  # every head's keys and values, padded to one width
+            kv = 2 * T * n * max(cfg.latent_query_head_dim, cfg.v_head_dim) * a
         ring = machine.link(tp * cp)
         passes = (cp - 1) * ring.seconds(kv) + 2 * (cp - 1) * ring.seconds(kv)
         parts["cp_comm"] = max(0.0, passes - (attention if machine.overlaps_comm else 0.0))
