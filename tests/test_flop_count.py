@@ -1,11 +1,11 @@
 """The FLOP count behind tokens/s, TFLOP/s and MFU (engine/monitor/metrics.py:
 model_flops_per_token) against torch.utils.flop_counter.FlopCounterMode on a real forward and
-backward of the engine's model: GPT-2 style, Llama style with grouped-query attention, and a
+backward of the engine's model: GPT-2 style, Llama style with grouped-query attention, a
 mixture of experts with gated shared experts and a dense layer (the routed experts counted
-top-k times, the router too), and multi-latent attention (its five projections). On the CPU the counter sees the GEMMs but not the attention
-kernel, so the count's core-attention term, 3 x 4 x layers x seq x heads x head size per token
-(Megatron-LM's, causal masking not halved), is set beside it apart: everything else is equal,
-exactly."""
+top-k times, the router too), and multi-latent attention (its five projections). On the CPU
+the counter sees the GEMMs but not the attention kernel, so the count's core-attention term,
+3 x 2 x layers x seq x heads x (query/key + value width per head) per token (Megatron-LM's,
+causal masking not halved), is set beside it apart: everything else is equal, exactly."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from engine.config.fields import FROM_CHECKPOINT, option
 from engine.config.latent_attention import LatentAttentionOptions
 from engine.config.moe import MoEOptions, layer_interval, listed_layers
+from engine.config.multi_token import MultiTokenOptions
 from engine.config.positions import PositionOptions
 from engine.config.rope_scaling import rope_scaling_of
 from engine.errors import ConfigError
@@ -59,6 +60,7 @@ ARCHITECTURE_FIELDS = (
     "qk_pos_emb_head_dim",
     "v_head_dim",
     "rope_type",
+    "mtp_num_layers",
     "rotary_scaling_factor",
     "mscale",
     "mscale_all_dim",
@@ -78,7 +80,7 @@ ARCHITECTURE_FIELDS = (
 
 
 @dataclass(frozen=True)
-class ModelConfig(MoEOptions, LatentAttentionOptions, PositionOptions):
+class ModelConfig(MoEOptions, MultiTokenOptions, LatentAttentionOptions, PositionOptions):
     """The decoder's shape and style (GPT-2 or Llama-like are combinations of these; the
     mixture-of-experts fields come from MoEOptions)."""
 
@@ -422,3 +424,4 @@ class ModelConfig(MoEOptions, LatentAttentionOptions, PositionOptions):
             raise ConfigError("--make-vocab-size-divisible-by must be at least 1")
         self.validate_moe(self.num_layers)
         self.validate_latent_attention(tp)
+        self.validate_multi_token()

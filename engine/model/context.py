@@ -137,7 +137,7 @@ class BuildContext:
 
     def cp_comm_type_of(self, layer_number: int) -> str:
         types = self.cp_comm_type
-        return types[0] if len(types) == 1 else types[layer_number]
+        return types[min(layer_number, len(types) - 1)]  # (MTP layers: the last layer's)
 
     def token_positions(self, local_length: int, device) -> torch.Tensor:
         """Global positions of the `local_length` tokens of a sample this rank holds (its two

@@ -19,6 +19,7 @@ from engine.config.model import ModelConfig
 from engine.model.context import BuildContext
 from engine.model.document_attention import Documents
 from engine.model.layer import TransformerLayer
+from engine.model.multi_token import MultiTokenPrediction
 from engine.model.norm import Norm
 from engine.model.rope import RotaryEmbedding
 from parallel.random import checkpoint
@@ -26,6 +27,7 @@ from parallel.tensor_parallel.init import draw_full
 from parallel.tensor_parallel.layers import (
     gather_logits,
 )
+from parallel.tensor_parallel.regions import scatter_to_sequence_parallel_region
 from parallel.tensor_parallel.sharding import mark_tp_partial_grad
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
@@ -106,11 +108,15 @@ class GPTModel(nn.Module):
             range(config.num_layers) if layer_numbers is None else layer_numbers
         )
         self.tied = not config.untie_embeddings_and_output_weights
+        # the word embeddings are also the last stage's where it predicts from them
+        # (tied) or embeds with them (multi-token prediction)
+        self.shares_embedding = self.tied or config.mtp_depths > 0
         self.embedding = Embedding(ctx, tp_rank) if pre_process else None
         self.rotary = RotaryEmbedding.for_config(config, ctx.device) if config.uses_rope else None
         self._rotary_tables: tuple | None = None  # ((length, device), tables) of the last call
         self.layers = nn.ModuleDict({str(n): TransformerLayer(ctx, n) for n in self.layer_numbers})
         self.final_layernorm = self.output_layer = self.word_embeddings_for_head = None
+        self.mtp = MultiTokenPrediction(ctx) if post_process and config.mtp_depths else None
         if post_process:
             self.final_layernorm = Norm(
                 config.normalization,
@@ -132,8 +138,8 @@ class GPTModel(nn.Module):
                     initialized_rows=config.vocab_size,
                 )
                 self.output_layer.weight.is_embedding_or_output_parameter = True
-            elif not pre_process:
-                # The last stage keeps its own copy of the tied embedding, drawn from the same
+            if self.shares_embedding and not pre_process:
+                # The last stage keeps its own copy of the embedding, drawn from the same
                 # seed; the pipeline keeps the copies equal by all-reducing their gradients.
                 self.word_embeddings_for_head = ctx.vocab_embedding(WORD_EMBEDDINGS, scatter=False)
                 weight = self.word_embeddings_for_head.weight
@@ -148,8 +154,9 @@ class GPTModel(nn.Module):
     # --- pieces ------------------------------------------------------------------------
 
     def shared_embedding_weight(self) -> nn.Parameter | None:
-        """The tied word-embedding weight this stage holds (first or last stage), if any."""
-        if not self.tied:
+        """The word-embedding weight this stage holds (first or last stage) when the last
+        stage shares it (tied, or multi-token prediction), if any."""
+        if not self.shares_embedding:
             return None
         if self.embedding is not None:
             return self.embedding.word_embeddings.weight
@@ -166,6 +173,7 @@ class GPTModel(nn.Module):
             units += [self.embedding, self.embedding.word_embeddings]
         units += list(self.layers.values())
         units += [self.final_layernorm, self.output_layer, self.word_embeddings_for_head]
+        units += list(self.mtp.layers) if self.mtp is not None else []
         return [unit for unit in units if unit is not None]
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,6 +186,30 @@ class GPTModel(nn.Module):
         if head is None:
             head = self.embedding.word_embeddings
         return head(x, tied_output="gather" if self.ctx.sequence_parallel else "copy")
+
+    def _embed_ahead(self, ids: torch.Tensor) -> torch.Tensor:
+        """Multi-token prediction's embedding of tokens ids [b, s]: [s(/tp), b, h], as the
+        first stage embeds (the last stage's copy of the weights where it is another)."""
+        if self.embedding is not None:
+            return self.embedding(ids)
+        ctx = self.ctx
+        x = self.word_embeddings_for_head(ids.t())  # [s, b, h], whole
+        if ctx.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, ctx.tp_group, ctx.times)
+        p = ctx.config.hidden_dropout
+        if self.training and p > 0.0:
+            with ctx.dropout_stream():
+                x = F.dropout(x, p, training=True)
+        return x
+
+    def _token_losses(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The output layer's cross entropy of labels [b, s] from hidden states: [b, s]."""
+        logits = self._logits(hidden)
+        ctx = self.ctx
+        loss = ctx.ops.cross_entropy(
+            logits, labels.t(), ctx.tp_group, self.config.vocab_size, times=ctx.times
+        )
+        return loss.t()
 
     def _rotary(self, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos/sin tables of this rank's positions of a length-seq chunk, made once per
@@ -212,10 +244,13 @@ class GPTModel(nn.Module):
         hidden: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        mtp_targets: dict | None = None,
     ) -> torch.Tensor:
         """position_ids [b, s(/cp)]: each sample's positions, this rank's part of them
         (--reset-position-ids); document_ids [b, s]: each token's document in its sample, the
-        whole sequence's (--reset-attention-mask; engine/data/documents.py makes both)."""
+        whole sequence's (--reset-attention-mask; engine/data/documents.py makes both);
+        mtp_targets: multi-token prediction's (engine/data/multi_token.py), with which the
+        last stage returns (token losses, z-loss term or None, the depths' losses)."""
         if self.pre_process:
             x = self.embedding(tokens, position_ids)
         else:
@@ -233,7 +268,8 @@ class GPTModel(nn.Module):
         x = self._run_layers(x, rotary, documents)
         if not self.post_process:
             return x
-        logits = self._logits(self.final_layernorm(x))  # [s, b, V/tp]
+        normed = self.final_layernorm(x)
+        logits = self._logits(normed)  # [s, b, V/tp]
         if labels is None:
             return logits
         coeff = self.config.z_loss_coeff
@@ -245,9 +281,14 @@ class GPTModel(nn.Module):
             return_logsumexp=True,
             times=self.ctx.times,
         )
-        if coeff > 0.0:
-            return loss.t(), (coeff * lse.square()).t()
-        return loss.t()  # [b, s]
+        z_term = (coeff * lse.square()).t() if coeff > 0.0 else None
+        if self.mtp is not None and mtp_targets is not None:
+            token_losses, depths = self.mtp(
+                loss.t(), normed, mtp_targets, rotary, documents, self._embed_ahead,
+                self._token_losses,
+            )  # fmt: skip
+            return token_losses, z_term, depths
+        return loss.t() if z_term is None else (loss.t(), z_term)  # [b, s]
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[b, s, V] logits over the real vocabulary, gathered over TP (inference, tests)."""

@@ -36,7 +36,9 @@ class TransformerLayer(nn.Module):
         attention = LatentAttention if cfg.multi_latent_attention else SelfAttention
         self.self_attention = attention(ctx, layer_number)
         self.pre_mlp_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, **norm)
-        is_moe = cfg.moe_layer_pattern(cfg.num_layers)[layer_number]
+        pattern = cfg.moe_layer_pattern(cfg.num_layers)
+        # (a multi-token-prediction layer, numbered after the decoder's, is built as its last)
+        is_moe = pattern[min(layer_number, len(pattern) - 1)]
         self.mlp = MoELayer(ctx, layer_number) if is_moe else MLP(ctx, layer_number)
         self.recompute = cfg.selective_modules
 

@@ -180,6 +180,8 @@ def tensorboard_scalars(record: dict, split: str | None = None) -> list[tuple[st
                 continue
         else:
             tag = f"lm loss{suffix}" if suffix else MEGATRON_TAGS.get(key, key)
+            if key.startswith("mtp_") and key.endswith("_loss"):  # Megatron-LM's mtp_<k> loss
+                tag = f"{key.removesuffix('_loss')} loss"
             if base == "time" and domain:  # Megatron-LM's timer tags: <name>-time
                 tag = f"{domain}-time"
         out.append((tag, value, "iteration"))

@@ -55,7 +55,10 @@ def chosen_losses(cfg: ModelConfig) -> list[str]:
 
 def step_metrics(chunks, cfg: ModelConfig, state, sequence_parallel: bool) -> MoEStepMetrics:
     """This step's measurements (module docstring), the same on every rank."""
-    moe_layers = [n for n, is_moe in enumerate(cfg.moe_layer_pattern(cfg.num_layers)) if is_moe]
+    pattern = cfg.moe_layer_pattern(cfg.num_layers)
+    moe_layers = [n for n, is_moe in enumerate(pattern) if is_moe]
+    if pattern[-1]:  # multi-token prediction's layers, built as the last one
+        moe_layers += list(range(cfg.num_layers, cfg.num_layers + cfg.mtp_depths))
     position = {layer: i for i, layer in enumerate(moe_layers)}
     experts, names = cfg.num_experts, LOSS_NAMES
     device = state.device

@@ -35,6 +35,7 @@ class IterationResult:
     num_zeros: int | None = None  # --log-num-zeros-in-grad
     params_norm: float | None = None  # --log-params-norm
     moe: object = None  # an MoE model's engine.monitor.moe_metrics.MoEStepMetrics
+    mtp_losses: list[float] | None = None  # multi-token prediction's, one per depth
 
 
 def train_iteration(run: Run, batches: list[dict], global_batch: int | None = None):
@@ -105,4 +106,5 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         num_zeros=out.num_zeros,
         params_norm=out.params_norm,
         moe=out.moe,
+        mtp_losses=out.mtp_losses,
     )

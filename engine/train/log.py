@@ -54,6 +54,7 @@ def log_window(run: Run, window: list[IterationResult], tokens: int) -> None:
         record["gradient_noise_scale"] = scales[-1].gradient_noise_scale
         record["local_grad_norm"] = scales[-1].local_grad_norm
     record |= _window_domain_losses(updated or window, run.features.domain_names)
+    record |= _window_mtp_losses(updated or window)
     per_layer = run.cfg.logging.moe_per_layer_logging
     record |= moe_log_keys([r.moe for r in window if r.moe is not None], per_layer)
     record |= _mix_keys(run)
@@ -108,6 +109,11 @@ def _write(run: Run, record: dict, loss: float) -> None:
         f"{record['tokens_per_sec']:,.0f} tokens/s | {record['tflops_per_device']:.3f} "
         f"TFLOP/s/device{mfu} | skipped {c.skipped_iters} | mem {record['mem_gb']:.2f} GB"
         + _moe_text(record)
+        + "".join(
+            f" | {key.removesuffix('_loss')} loss {value:.4f}"
+            for key, value in record.items()
+            if key.startswith("mtp_") and key.endswith("_loss")
+        )
         + _domains_text(record)
     )
 
@@ -151,6 +157,16 @@ def _window_domain_losses(window: list[IterationResult], names: tuple[str, ...])
         return {}
     summed = [sum(values) / len(found) for values in zip(*found, strict=False)]
     return _domain_keys(domain_losses(summed, names))
+
+
+def _window_mtp_losses(window: list[IterationResult]) -> dict:
+    """Multi-token prediction's loss of each depth over the window (`mtp_<k>_loss`, written
+    to TensorBoard as Megatron-LM's `mtp_<k> loss`)."""
+    found = [r.mtp_losses for r in window if r.mtp_losses]
+    if not found:
+        return {}
+    means = [sum(values) / len(found) for values in zip(*found, strict=True)]
+    return {f"mtp_{depth}_loss": value for depth, value in enumerate(means, start=1)}
 
 
 def _domain_keys(domains: dict) -> dict:

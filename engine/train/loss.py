@@ -39,7 +39,9 @@ def make_loss_func(
     per_token: bool = False,
 ):
     """Per-token losses [b, s] -> (mean / num_microbatches * loss_scale, detached mean).
-    A (loss, z-loss) pair from the model adds the z-loss to what is differentiated only.
+    A (loss, z-loss) pair from the model adds the z-loss to what is differentiated only; a
+    triple's third part, multi-token prediction's losses [D] (already in the gradient through
+    the token losses), is appended to the detached values.
 
     With `num_domains` (a blend whose batches say each sample's dataset, `domain`), the
     detached value is [mean, s_0 .. s_{D-1}, w_0 .. w_{D-1}]: w_d is the share of the mean's
@@ -60,7 +62,7 @@ def make_loss_func(
     cp_size = group_size(cp_group)
 
     def loss_func(output, batch: dict):
-        token_losses, z_term = output if isinstance(output, tuple) else (output, None)
+        token_losses, z_term, side = _parts(output)
         mask = batch.get("loss_mask")
         weights = None if mask is None else mask.to(token_losses.dtype)
         if per_token:
@@ -99,9 +101,20 @@ def make_loss_func(
                 token_losses.detach(), weights, count, batch["domain"], num_domains
             )
             reported = torch.cat([reported.reshape(1), parts])
+        if side is not None:  # multi-token prediction's depths, reported after the rest
+            reported = torch.cat([reported.reshape(-1), side.to(reported.dtype)])
         return loss, reported
 
     return loss_func
+
+
+def _parts(output) -> tuple:
+    """(token losses [b, s], z-loss term or None, the multi-token-prediction depths' losses
+    as reported or None) of what the last stage returns: the token losses alone, or a pair
+    with the z-loss term, or a triple (engine/model/gpt.py)."""
+    if not isinstance(output, tuple):
+        return output, None, None
+    return (*output, None)[:3]
 
 
 def per_token_count(batches: list[dict], num_microbatches: int, state) -> torch.Tensor:

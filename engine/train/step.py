@@ -17,7 +17,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from engine.data.multi_token import multi_token_targets
 from engine.model.moe.router import routers_of
+from engine.model.multi_token import TARGET_KEYS
 from engine.monitor.noise_scale import LocalGradSquares, NoiseScale
 from engine.train.loss import LossReduction, make_loss_func, per_token_count
 from parallel.comm import group_size
@@ -88,22 +90,36 @@ class StepResult:
     num_zeros: int | None = None  # with num_zeros, of an update taken
     params_norm: float | None = None  # with params_norm
     moe: object = None  # with moe_metrics: its MoEStepMetrics
+    mtp_losses: list[float] | None = None  # multi-token prediction's depths' losses
+
+
+def _module(chunk):
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+def _mtp_depths(chunk) -> int:
+    """The multi-token-prediction depths of the model a chunk is part of (0: none)."""
+    return getattr(getattr(_module(chunk), "config", None), "mtp_depths", 0)
 
 
 def forward_step(chunk, batch: dict, input_tensor: torch.Tensor | None) -> torch.Tensor:
     """Run one model chunk: tokens on the first stage, labels on the last, the samples'
     positions and documents on every stage where the run computes them (engine/data/
-    documents.py's Packing)."""
-    module = chunk.module if hasattr(chunk, "module") else chunk
+    documents.py's Packing), and multi-token prediction's targets where its layers are."""
+    module = _module(chunk)
     tokens = batch["tokens"] if module.pre_process else None
     labels = batch["labels"] if module.post_process else None
     positions, documents = batch.get("position_ids"), batch.get("document_ids")
+    extra = {}
+    if getattr(module, "mtp", None) is not None and "mtp_tokens" in batch:
+        extra["mtp_targets"] = {key: batch[key] for key in TARGET_KEYS}
     return chunk(
         tokens=tokens,
         labels=labels,
         hidden=input_tensor,
         position_ids=positions,
         document_ids=documents,
+        **extra,
     )
 
 
@@ -131,13 +147,16 @@ def _counted_schedule(
     """run_schedule's losses, and the global batch's count of tokens that carry loss (None
     unless `reduction` counts them)."""
     reduction = reduction or LossReduction()
+    depths = 0 if forward_only else max(_mtp_depths(c) for c in chunks)
+    if depths:  # (before context parallelism cuts the samples)
+        batches = [multi_token_targets(b, depths) if "labels" in b else b for b in batches]
     cp_group = None
     if state is not None:
         batches, cp_group = context_parallel_batches(batches, state), state.cp_group
     count = None
     if reduction.counts_tokens:
         count = per_token_count(batches, len(batches), state)
-    moe_scale = loss_scale * group_size(cp_group) / len(batches)
+    moe_scale = step_factor = loss_scale * group_size(cp_group) / len(batches)
     per_row = reduction.per_token and any(_has_routers(c) for c in chunks)
     if per_row:
         # as megatron-core: each MoE loss times its router's rows (aux_loss.py), summed over
@@ -145,8 +164,9 @@ def _counted_schedule(
         moe_scale /= count.item()
     for chunk in chunks:  # the MoE losses are differentiated as the main loss is
         module = chunk.module if hasattr(chunk, "module") else chunk
-        module.ctx.moe_loss_scale.value = moe_scale
-        module.ctx.moe_loss_scale.per_row = per_row
+        scale = module.ctx.moe_loss_scale
+        scale.value, scale.per_row, scale.step_factor = moe_scale, per_row, step_factor
+        scale.token_count = count.item() if reduction.per_token else None
     loss_func = make_loss_func(
         len(batches), loss_scale, cp_group, num_domains, count, reduction.per_token
     )
@@ -160,13 +180,16 @@ def _has_routers(chunk) -> bool:
     return bool(routers_of([chunk]))
 
 
-def shared_loss_tensor(losses: list[torch.Tensor], state, num_domains: int = 0) -> torch.Tensor:
+def shared_loss_tensor(
+    losses: list[torch.Tensor], state, num_domains: int = 0, mtp_depths: int = 0
+) -> torch.Tensor:
     """Mean of the last stage's micro-batch losses over the DP ranks (the sum of the CP
     ranks' shares), made known to every rank (the other pipeline stages contribute nothing
-    to the sum): [loss], or with `num_domains` [loss, s_0 .., w_0 ..] (loss.py), on the
-    rank's device and not yet read (reading it waits for the device). Collective on all
-    ranks."""
-    value = torch.zeros(1 + 2 * num_domains, dtype=torch.float64, device=state.device)
+    to the sum): [loss], or with `num_domains` [loss, s_0 .., w_0 ..] (loss.py), then the
+    `mtp_depths` multi-token-prediction losses, on the rank's device and not yet read
+    (reading it waits for the device). Collective on all ranks."""
+    size = 1 + 2 * num_domains + mtp_depths
+    value = torch.zeros(size, dtype=torch.float64, device=state.device)
     if losses:
         value += torch.stack([x.reshape(-1) for x in losses]).double().mean(dim=0)
     if state.dp_cp_group is not None:
@@ -252,15 +275,18 @@ def train_step(
     with measure(times, "loss-sync"):
         # read after the update (the norm's read waits for the device anyway), unless a hook
         # must see the loss first: one host synchronisation per step, not two
-        loss_tensor = shared_loss_tensor(losses, state, domains)
+        depths = max(_mtp_depths(c) for c in chunks)
+        loss_tensor = shared_loss_tensor(losses, state, domains, depths)
         early = loss_tensor.tolist() if hooks.should_step is not None else None
     with measure(times, "optimizer"):
         lr = scheduler.apply(optimizer)
     loss_scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else None
     if early is not None and not hooks.should_step(early[0]):
+        parts, mtp = early[1 : 1 + 2 * domains], early[1 + 2 * domains :]
         return StepResult(
-            early[0], None, lr, False, loss_scale, None, own, early[1:] or None, moe=moe
-        )
+            early[0], None, lr, False, loss_scale, None, own, parts or None, moe=moe,
+            mtp_losses=mtp or None,
+        )  # fmt: skip
     if hooks.before_update is not None:
         with measure(times, "save-checkpoint"):  # an asynchronous save's copy still running
             hooks.before_update()
@@ -273,6 +299,7 @@ def train_step(
         scheduler.advance(samples)
     norm = result.grad_norm if math.isfinite(result.grad_norm) else None
     loss, *parts = early if early is not None else loss_tensor.tolist()
+    parts, mtp = parts[: 2 * domains], parts[2 * domains :]
     return StepResult(
         loss,
         norm,
@@ -285,4 +312,5 @@ def train_step(
         result.num_zeros,
         params_norm,
         moe,
+        mtp or None,
     )

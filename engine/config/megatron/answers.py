@@ -279,9 +279,8 @@ expert parallelism and the rest of mixture of experts (issue 40):
 muP parametrization:
     --mup-attn-scale-power --mup-base-head-dim --mup-base-hidden-size --mup-embedding-mult
     --mup-output-mult --mup-width-mult --use-mup
-multi-token prediction (MTP):
-    --mtp-detach-heads --mtp-hybrid-override-pattern --mtp-loss-scaling-factor --mtp-num-layers
-    --mtp-standalone --mtp-use-repeated-layer
+multi-token prediction beyond DeepSeek-V3's (detached heads, standalone stages, shared layer):
+    --mtp-detach-heads --mtp-hybrid-override-pattern --mtp-standalone --mtp-use-repeated-layer
 non-persistent and local checkpoints:
     --non-persistent-ckpt-type --non-persistent-global-ckpt-dir --non-persistent-local-ckpt-algo
     --non-persistent-local-ckpt-dir --non-persistent-save-interval --replication

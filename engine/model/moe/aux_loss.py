@@ -21,10 +21,21 @@ import torch
 
 @dataclass
 class AuxLossScale:
-    """The backward factor of the MoE losses: one per model, shared by its routers."""
+    """The backward factor of the MoE losses: one per model, shared by its routers; and of
+    the multi-token-prediction losses (engine/model/multi_token.py), which `side_factor`
+    gives."""
 
     value: float = 1.0
     per_row: bool = False  # --calculate-per-token-loss: times the router's rows (above)
+    step_factor: float = 1.0  # the main loss's factor: loss scale x CP size / micro-batches
+    token_count: float | None = None  # --calculate-per-token-loss: the global batch's count
+
+    def side_factor(self) -> float:
+        """The factor of a loss that is a sum over tokens with --calculate-per-token-loss (the
+        step then divides by the global batch's token count), a mean over them without."""
+        if self.token_count is None:
+            return self.step_factor
+        return self.step_factor / self.token_count
 
 
 class _Attach(torch.autograd.Function):

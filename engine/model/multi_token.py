@@ -1,0 +1,115 @@
+"""Multi-token prediction (DeepSeek-V3's; megatron-core's MultiTokenPredictionBlock, with its
+parameter names): D more layers on the last pipeline stage, sharing the model's embedding and
+output layer.
+
+Depth k (0-based here) normalises the embedding of each position's token k+1 places ahead
+(`enorm`) and the hidden state from the depth before (`hnorm`; the decoder's output after its
+final norm for the first), projects the two side by side back to the hidden size (`eh_proj`,
+column-parallel, gathered), runs one transformer layer built as the decoder's last one is, and
+normalises (`final_layernorm`); the shared output layer then predicts the token k+2 places
+ahead. The targets and masks come with the micro-batch (engine/data/multi_token.py).
+
+The depths' losses reach the gradient as megatron-core's MTPLossAutoScaler makes them: each
+depth's masked mean over the micro-batch's positions (under --calculate-per-token-loss its sum,
+divided with the main loss by the global batch's token count), their mean times
+--mtp-loss-scaling-factor, differentiated with the main loss's factor
+(engine/model/moe/aux_loss.py's AuxLossScale, set by each step) and attached to the main loss
+without changing its value. Each depth's loss is reported beside the main one (`mtp_1 loss`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.context import BuildContext
+from engine.model.layer import TransformerLayer
+from engine.model.moe.aux_loss import AuxLossScale
+from engine.model.norm import Norm
+from parallel.random import checkpoint
+from parallel.tensor_parallel.regions import (
+    gather_from_tensor_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+
+TARGET_KEYS = ("mtp_tokens", "mtp_labels", "mtp_mask", "mtp_counts")
+
+
+class MultiTokenLayer(nn.Module):
+    def __init__(self, ctx: BuildContext, depth: int):
+        super().__init__()
+        cfg = ctx.config
+        self.ctx = ctx
+        self.enorm, self.hnorm = self._norm(), self._norm()
+        h = cfg.hidden_size
+        self.eh_proj = ctx.column_linear(f"mtp.layers.{depth}.eh_proj", 2 * h, h, bias=False)
+        # numbered after the decoder's layers (its seeds and names differ from theirs), built
+        # as the decoder's last layer is (dense or a mixture of experts)
+        self.transformer_layer = TransformerLayer(ctx, cfg.num_layers + depth)
+        self.final_layernorm = self._norm()
+
+    def _norm(self) -> Norm:
+        cfg, ctx = self.ctx.config, self.ctx
+        return Norm(
+            cfg.normalization,
+            cfg.hidden_size,
+            cfg.norm_epsilon,
+            partial_grad=ctx.sequence_parallel,
+            params_dtype=ctx.params_dtype,
+            device=ctx.device,
+            ops=ctx.ops,
+            zero_centered=cfg.apply_layernorm_1p,
+        )
+
+    def forward(self, hidden, embedded, documents, *rotary) -> torch.Tensor:
+        """hidden and embedded [s(/tp), b, h] -> this depth's normalised output, the same."""
+        ctx = self.ctx
+        x = torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1)
+        x = gather_from_tensor_parallel_region(self.eh_proj(x), ctx.tp_group, ctx.times)
+        if ctx.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, ctx.tp_group, ctx.times)
+        x = self.transformer_layer(x, rotary or None, documents)
+        return self.final_layernorm(x)
+
+
+class _AttachSideLoss(torch.autograd.Function):
+    """Passes `tensor` through; in backward gives `loss` the gradient scale.side_factor()."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale):
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale.side_factor()), None
+
+
+class MultiTokenPrediction(nn.Module):
+    def __init__(self, ctx: BuildContext):
+        super().__init__()
+        self.ctx = ctx
+        depths = ctx.config.mtp_depths
+        self.layers = nn.ModuleList(MultiTokenLayer(ctx, depth) for depth in range(depths))
+
+    def forward(self, token_losses, hidden, targets: dict, rotary, documents, embed, loss_of):
+        """(token_losses with the depths' loss attached, their losses [D] as reported):
+        `hidden` the decoder's normalised output, `embed(ids [b, s])` the model's embedding
+        ([s(/tp), b, h]), `loss_of(hidden)` the output layer's token losses [b, s] of the
+        labels it is given (module docstring)."""
+        cfg, scale = self.ctx.config, self.ctx.moe_loss_scale
+        recompute = cfg.recompute_granularity == "full" and self.training
+        side, reports = token_losses.new_zeros(()), []
+        for depth, layer in enumerate(self.layers):
+            embedded = embed(targets["mtp_tokens"][..., depth])
+            args = (hidden, embedded, documents, *(rotary or ()))
+            hidden = checkpoint(layer, self.ctx.tracker, *args) if recompute else layer(*args)
+            losses = loss_of(hidden, targets["mtp_labels"][..., depth])
+            summed = (losses * targets["mtp_mask"][..., depth].to(losses.dtype)).sum()
+            count = targets["mtp_counts"][depth].to(losses.dtype).clamp(min=1.0)
+            reports.append((summed / count).detach())
+            side = side + (summed if scale.token_count is not None else summed / count)
+        side = side * (cfg.mtp_loss_scaling_factor / len(self.layers))
+        return _AttachSideLoss.apply(token_losses, side, scale), torch.stack(reports)
