@@ -41,22 +41,35 @@ MLA = dict(
 )
 
 
+MTP = MOE | dict(moe_layer_freq="[0,1]", mtp_num_layers=2)
+
+
 @pytest.mark.parametrize(
     "style, options",
-    [("gpt2", {}), ("llama", {}), ("llama", MOE), ("llama", MLA)],
-    ids=["gpt2", "llama-gqa", "moe", "multi-latent"],
+    [("gpt2", {}), ("llama", {}), ("llama", MOE), ("llama", MLA), ("llama", MTP)],
+    ids=["gpt2", "llama-gqa", "moe", "multi-latent", "multi-token"],
 )
 def test_the_flop_count_equals_torchs_counter_on_a_real_step(style, options):
     cfg = tiny_config(style, **SHAPE, **options)
     model = GPTModel(cfg, BuildContext(cfg, seed=1))
     tokens = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(2))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    extra = {}
+    if cfg.mtp_depths:  # (each depth's layer, projection and head)
+        from engine.data.multi_token import multi_token_targets
+        from engine.model.multi_token import TARGET_KEYS
+
+        batch = multi_token_targets(batch, cfg.mtp_depths)
+        extra = {"mtp_targets": {key: batch[key] for key in TARGET_KEYS}}
     with FlopCounterMode(display=False) as counter:
-        model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+        output = model(batch["tokens"], batch["labels"], **extra)
+        (output[0] if isinstance(output, tuple) else output).mean().backward()
     counted = counter.get_total_flops()
     n = tokens[:, 1:].numel()
     widths = 2 * cfg.head_dim  # (query/key and value widths per head)
     if cfg.multi_latent_attention:
         widths = cfg.latent_query_head_dim + cfg.v_head_dim
-    attention = 3 * 2 * cfg.num_layers * cfg.seq_length * cfg.num_attention_heads * widths
+    layers = cfg.num_layers + cfg.mtp_depths
+    attention = 3 * 2 * layers * cfg.seq_length * cfg.num_attention_heads * widths
     ours = model_flops_per_token(cfg, cfg.padded_vocab_size(1))
     assert counted > 0 and (ours - attention) * n == counted

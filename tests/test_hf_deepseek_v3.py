@@ -124,15 +124,17 @@ DEEPSEEK_V3_FLAGS = {
     "--attention-dropout": "0.0", "--hidden-dropout": "0.0",
     "--expert-model-parallel-size": "2", "--pipeline-model-parallel-size": "2",
     "--recompute-granularity": "selective", "--recompute-modules": ["mla_up_proj", "core_attn"],
-    "--train-iters": "6", "--lr-warmup-iters": "1",
+    "--mtp-num-layers": "1", "--train-iters": "6", "--lr-warmup-iters": "1",
 }  # fmt: skip
 
 
 def test_a_deepseek_v3_trained_here_generates_the_same_in_transformers(
     dataset_prefix, tokenizer_model, tmp_path
 ):
-    """A tiny DeepSeek-V3 trained 6 steps under EP2 x PP2 (its up projections recomputed)
-    exports as DeepseekV3ForCausalLM with the engine's logits and greedy tokens."""
+    """A tiny DeepSeek-V3 trained 6 steps under EP2 x PP2 (its up projections recomputed,
+    one multi-token-prediction depth) exports as DeepseekV3ForCausalLM with the engine's
+    logits and greedy tokens; its MTP layer is written as DeepSeek-V3's checkpoints keep it
+    (model.layers.<L>) and comes back from the export unchanged."""
     transformers = require("transformers")
     from engine.checkpoint.files import find_latest
     from engine.eval.generate import greedy_generate
@@ -159,6 +161,16 @@ def test_a_deepseek_v3_trained_here_generates_the_same_in_transformers(
         torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=3
     )[0].tolist()
     assert greedy_generate(ours, prompt, 12) == theirs
+    import_from_hf(str(tmp_path / "hf"), str(tmp_path / "again"))
+    again = iteration_dir(str(tmp_path / "again"), 0)
+    assert ModelConfig(**read_meta(again)["model"]).mtp_num_layers == 1
+    back = GPTModel(cfg, BuildContext(cfg))
+    load_model_weights(again, back)
+    mtp = {n: p for n, p in back.named_parameters() if n.startswith("mtp.")}
+    assert len(mtp) > 10 and "mtp.layers.0.eh_proj.weight" in mtp
+    trained = dict(ours.named_parameters())
+    for name, param in back.named_parameters():
+        assert torch.equal(param, trained[name]), name
 
 
 def test_megatron_checkpoints_of_latent_attention_are_refused_in_one_line():

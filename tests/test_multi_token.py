@@ -226,3 +226,33 @@ def test_mtp_loss_is_logged_beside_lm_loss(dataset_prefix, tokenizer_model, tmp_
             assert math.isclose(one[key], four[key], rel_tol=1e-5), key
     tags = {tag for tag, _, _ in tensorboard_scalars(found[1][0])}
     assert {"mtp_1 loss", "mtp_2 loss", "lm loss"} <= tags
+
+
+def _last_stage_bytes(depths):
+    from engine.data.multi_token import multi_token_targets
+    from engine.planning.saved_activations import saved_activation_bytes
+    from tests.harness import tiny_config
+
+    cfg = tiny_config(
+        "llama", num_layers=2, hidden_size=64, seq_length=32, hidden_dropout=0.1,
+        mtp_num_layers=depths,
+    )  # fmt: skip
+    model = GPTModel(cfg, BuildContext(cfg, params_dtype=torch.bfloat16), pre_process=False)
+    tokens = _tokens().repeat(1, 3)[:, : cfg.seq_length + 1] % cfg.vocab_size
+    batch = multi_token_targets({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}, depths or 1)
+    x = torch.randn(cfg.seq_length, B, 64).to(torch.bfloat16).requires_grad_()
+    extra = {"mtp_targets": {k: batch[k] for k in TARGET_KEYS}} if depths else {}
+    run = lambda: model.train()(hidden=x, labels=batch["labels"], **extra)  # noqa: E731
+    return cfg, saved_activation_bytes(run, model.parameters())[1]
+
+
+def test_the_planner_counts_each_depths_activations():
+    """A last stage with two depths keeps what it keeps without them plus twice the
+    planner's count of a depth (measured: to the byte but for 8)."""
+    from engine.planning.memory import Layout, _mtp_depth_bytes
+
+    _, without = _last_stage_bytes(None)
+    cfg, with_two = _last_stage_bytes(2)
+    shape = (1, False, B, 2, 1)
+    depth = _mtp_depth_bytes(cfg, Layout(), shape, cfg.padded_vocab_size(1))
+    assert abs((with_two - without) - 2 * depth) <= 16, (with_two - without, 2 * depth)

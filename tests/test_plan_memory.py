@@ -5,6 +5,7 @@ after a training step against the predicted bytes."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -54,7 +55,12 @@ def _count(rank, world, cfg, layout):
     return state.pp_rank, sum(held.values())
 
 
-@pytest.mark.parametrize("name, cfg", [("gpt2", GPT2), ("llama", LLAMA), ("mla", DEEPSEEK)])
+MTP = dataclasses.replace(DEEPSEEK, mtp_num_layers=2)
+
+
+@pytest.mark.parametrize(
+    "name, cfg", [("gpt2", GPT2), ("llama", LLAMA), ("mla", DEEPSEEK), ("mla-mtp", MTP)]
+)
 def test_parameters_per_rank_are_counted_exactly(name, cfg):
     for layout in LAYOUTS:
         for pp_rank, count in run_ranks(_count, layout.tp * layout.pp, cfg, layout):

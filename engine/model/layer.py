@@ -20,7 +20,9 @@ from parallel.random import checkpoint
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, ctx: BuildContext, layer_number: int):
+    def __init__(self, ctx: BuildContext, layer_number: int, path: str | None = None):
+        """path: the layer's place in the model, "layers.<layer_number>" unless another
+        (multi-token prediction's)."""
         super().__init__()
         cfg = ctx.config
         self.ctx = ctx
@@ -39,7 +41,7 @@ class TransformerLayer(nn.Module):
         pattern = cfg.moe_layer_pattern(cfg.num_layers)
         # (a multi-token-prediction layer, numbered after the decoder's, is built as its last)
         is_moe = pattern[min(layer_number, len(pattern) - 1)]
-        self.mlp = MoELayer(ctx, layer_number) if is_moe else MLP(ctx, layer_number)
+        self.mlp = MoELayer(ctx, layer_number, path) if is_moe else MLP(ctx, layer_number)
         self.recompute = cfg.selective_modules
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:

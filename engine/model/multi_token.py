@@ -45,7 +45,8 @@ class MultiTokenLayer(nn.Module):
         self.eh_proj = ctx.column_linear(f"mtp.layers.{depth}.eh_proj", 2 * h, h, bias=False)
         # numbered after the decoder's layers (its seeds and names differ from theirs), built
         # as the decoder's last layer is (dense or a mixture of experts)
-        self.transformer_layer = TransformerLayer(ctx, cfg.num_layers + depth)
+        path = f"mtp.layers.{depth}.transformer_layer"
+        self.transformer_layer = TransformerLayer(ctx, cfg.num_layers + depth, path)
         self.final_layernorm = self._norm()
 
     def _norm(self) -> Norm:

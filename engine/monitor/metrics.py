@@ -10,8 +10,10 @@ groups, FFN size f, sequence s, padded vocabulary V; a multiply-add is 2 FLOPs):
                          for the causal mask, as Megatron-LM does)
     training per token = 3 * forward (recomputation is not model FLOPs)
 
-Multi-latent attention's weights are its five projections (engine/config/latent_attention.py:
-latent_projections), and its 4*s*h becomes 2*s*n*(query/key + value width per head).
+Each multi-token-prediction depth adds a layer built as the last one, its projection (2h*h) and
+a head (h*V). Multi-latent attention's weights are its five projections
+(engine/config/latent_attention.py: latent_projections), and its 4*s*h becomes
+2*s*n*(query/key + value width per head).
 A mixture-of-experts layer's MLP term counts what a token computes: the router (h*E), its
 top-k experts (k * g*h*f_expert; not the E experts a layer holds), the shared experts
 (g*h*f_shared) and their gate (h).
@@ -51,6 +53,15 @@ PEAK_TFLOPS = {
 }
 
 
+def mlp_active(cfg: ModelConfig) -> int:
+    """The weights a token multiplies by in a mixture-of-experts layer's MLP: the router, its
+    top-k experts, the shared experts and their gate."""
+    h, g = cfg.hidden_size, 3 if cfg.gated_linear_unit else 2
+    shared = cfg.moe_shared_expert_intermediate_size or 0
+    active = h * cfg.num_experts + cfg.moe_router_topk * g * h * cfg.expert_ffn_size
+    return active + g * h * shared + (h if cfg.moe_shared_expert_gate else 0)
+
+
 def model_flops_per_token(cfg: ModelConfig, padded_vocab: int) -> float:
     """Training FLOPs per token (see the module docstring for what is counted)."""
     h, n, k = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups
@@ -64,12 +75,14 @@ def model_flops_per_token(cfg: ModelConfig, padded_vocab: int) -> float:
     moe_layers = sum(cfg.moe_layer_pattern(cfg.num_layers))
     mlp = (cfg.num_layers - moe_layers) * g * h * cfg.ffn_size
     if moe_layers:
-        shared = cfg.moe_shared_expert_intermediate_size or 0
-        active = h * cfg.num_experts + cfg.moe_router_topk * g * h * cfg.expert_ffn_size
-        active += g * h * shared + (h if cfg.moe_shared_expert_gate else 0)
-        mlp += moe_layers * active
+        mlp += moe_layers * mlp_active(cfg)
     forward = 2 * (cfg.num_layers * attention + mlp + h * padded_vocab)
     forward += cfg.num_layers * scores
+    if cfg.mtp_depths:  # each depth: a layer as the last, its projection (2h -> h), a head
+        last = 1 if cfg.moe_layer_pattern(cfg.num_layers)[-1] else 0
+        layer_mlp = mlp_active(cfg) if last else g * h * cfg.ffn_size
+        forward += cfg.mtp_depths * (2 * (attention + layer_mlp + 2 * h * h + h * padded_vocab))
+        forward += cfg.mtp_depths * scores
     return 3.0 * forward
 
 

@@ -42,6 +42,11 @@ ACTIVATION_BYTES = 2  # bf16 / fp16
 ACTIVATION_DEVICE = "cpu"  # what the terms are measured on (CUDA's fused kernels keep less)
 
 
+def norm_activation_bytes(cfg: ModelConfig, rows: int, width: int) -> int:
+    """What one norm over `rows` rows of `width` keeps (module docstring)."""
+    return _norm_bytes(cfg, rows, width)
+
+
 def _norm_bytes(cfg: ModelConfig, rows: int, width: int) -> int:
     a = ACTIVATION_BYTES
     if cfg.normalization == "LayerNorm":

@@ -23,6 +23,7 @@ from engine.errors import ConfigError
 from engine.planning.activations import (
     ACTIVATION_BYTES,
     layers_activation_bytes,
+    norm_activation_bytes,
     stage_ends_activation_bytes,
 )
 from engine.planning.moe_terms import (
@@ -192,6 +193,16 @@ def rank_parameter_groups(cfg: ModelConfig, layout: Layout, pp_rank: int) -> tup
         count += _norm(cfg, h)
         if cfg.untie_embeddings_and_output_weights or not first:
             count += vocab  # the output layer, or the tied embedding's copy on the last stage
+        if cfg.mtp_depths:  # its layers, built as the decoder's last, and the embedding's copy
+            moe_last = cfg.moe_layer_pattern(cfg.num_layers)[-1]
+            depth = 3 * _norm(cfg, h) + 2 * h * h // tp + layer_parameters(cfg, tp, moe_last)
+            count += cfg.mtp_depths * depth
+            if moe_last:
+                experts += cfg.mtp_depths * routed_expert_parameters(
+                    cfg, layout.ep, layout.expert_tp
+                )
+            if cfg.untie_embeddings_and_output_weights and not first:
+                count += vocab
     return count, experts
 
 
@@ -221,6 +232,26 @@ def _chunk_activation_bytes(cfg: ModelConfig, layers: list[int], layout: Layout,
     return total + moe * (moe_mlp - dense_mlp_activation_bytes(cfg, tp, tokens, a))
 
 
+def _mtp_depth_bytes(cfg: ModelConfig, layout: Layout, shape, vocab: int) -> int:
+    """One multi-token-prediction depth's bytes for one micro-batch (engine/model/
+    multi_token.py): the token ids it embeds, the embedding's dropout mask, its three norms,
+    the projection's input (2h wide), a layer built as the decoder's last, and a head as the
+    last stage's (the output layer's input, logits, cross entropy) with the depth's loss mask."""
+    tp, sp, mbs, mask_bytes, cp = shape
+    a, h = ACTIVATION_BYTES, cfg.hidden_size
+    tokens = cfg.seq_length // cp * mbs
+    between = tokens // tp if sp and tp > 1 else tokens
+    total = 8 * tokens + (mask_bytes * between * h if cfg.hidden_dropout else 0)
+    if cfg.recompute_granularity == "full":  # rerun whole: only the embedded input is new
+        total += a * between * h  # (the hidden one is the head's input before it)
+    else:
+        layer = _chunk_activation_bytes(cfg, [cfg.num_layers - 1], layout, shape)
+        layer -= 2 * 4 * (cfg.seq_length // cp) * cfg.rotary_dim  # RoPE's: the stage's
+        total += 3 * norm_activation_bytes(cfg, between, h) + 2 * a * between * h + layer
+    total += a * between * h + a * tokens * (vocab // tp) + 17 * tokens  # its head
+    return total + 4 * tokens  # the depth's loss mask
+
+
 def rank_activation_bytes(
     cfg: ModelConfig, layout: Layout, pp_rank: int, mask_bytes: int = 2
 ) -> int:
@@ -246,6 +277,8 @@ def rank_activation_bytes(
         if is_end:
             of_chunk = sum(1 for k in range(held) if (k // p) % v == chunk)
             ends = stage_ends_activation_bytes(cfg, vocab, end == 0, end == 1, *shape)
+            if end == 1:  # multi-token prediction's depths sit with the head
+                ends += cfg.mtp_depths * _mtp_depth_bytes(cfg, layout, shape, vocab)
             total += of_chunk * ends
             head = ends if end == 1 else head
     if cfg.recompute_granularity == "full":

@@ -195,6 +195,14 @@ def _stage_parts(cfg: ModelConfig, layout: Layout, machine: Machine, pp_rank: in
         parts["memory"] += head / machine.memory_bytes_per_s
         if tp > 1:
             parts["tp_comm"] += 2 * collective_s("gather", tokens * h * a, tp, 1, machine)
+        depths = cfg.mtp_depths  # each a layer built as the last, its projection and a head
+        if depths:
+            moe_last = bool(cfg.moe_layer_pattern(cfg.num_layers)[-1])
+            for k, v in _layer_parts(cfg, layout, machine, shape, moe=moe_last).items():
+                parts[k] = parts.get(k, 0.0) + depths * v
+            projection = machine.gemm_seconds(tokens, h // tp, 2 * h)
+            parts["gemm"] += depths * 3 * (machine.gemm_seconds(tokens, vocab, h) + projection)
+            parts["memory"] += depths * head / machine.memory_bytes_per_s
     if not layout.fp32_wgrad_gemm:
         held = rank_parameters(cfg, layout, pp_rank)
         parts["grad_accumulation"] = held * (a + 2 * GRAD_BYTES) / machine.memory_bytes_per_s

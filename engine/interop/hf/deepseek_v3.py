@@ -10,10 +10,15 @@ softmax-scale correction), the first `first_k_dense_replace` layers dense (--moe
 transformers scores a group by the sum of its two best experts; megatron-core by the sum of its
 top k / group-topk: the two agree only where that ratio is 2 (DeepSeek-V3's 8 / 4), and other
 ratios are refused. The experts are stored one tensor per expert and projection, as transformers
-writes them. Multi-token-prediction layers are not part of DeepseekV3ForCausalLM.
+writes them. Multi-token-prediction layers (--mtp-num-layers) are written after the decoder's as
+DeepSeek-V3's own checkpoints keep them (model.layers.<L+k>: embed_tokens, enorm, hnorm,
+eh_proj, shared_head.norm and .head, and a decoder layer) and read back where present;
+transformers' model itself leaves them out (it ignores those tensors).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from engine.config.model import ModelConfig
 from engine.errors import ConfigError
@@ -76,48 +81,78 @@ def _mlp(hf: str, ours: str) -> list[HFTensor]:
     ]
 
 
+def _layer_tensors(cfg: ModelConfig, ours: str, hf: str, moe: bool) -> list[HFTensor]:
+    """One decoder layer's tensors: ours under `ours`, HF's under `hf`."""
+    attn, hf_attn = f"{ours}.self_attention", f"{hf}.self_attn"
+    out = [HFTensor(f"{hf}.input_layernorm.weight", (f"{ours}.input_layernorm.weight",))]
+    if cfg.q_lora_rank is None:
+        out.append(HFTensor(f"{hf_attn}.q_proj.weight", (f"{attn}.linear_q_proj.weight",)))
+    else:
+        out += [
+            HFTensor(f"{hf_attn}.q_a_proj.weight", (f"{attn}.linear_q_down_proj.weight",)),
+            HFTensor(f"{hf_attn}.q_a_layernorm.weight", (f"{attn}.q_layernorm.weight",)),
+            HFTensor(f"{hf_attn}.q_b_proj.weight", (f"{attn}.linear_q_up_proj.weight",)),
+        ]
+    out += [
+        HFTensor(f"{hf_attn}.kv_a_proj_with_mqa.weight", (f"{attn}.linear_kv_down_proj.weight",)),
+        HFTensor(f"{hf_attn}.kv_a_layernorm.weight", (f"{attn}.kv_layernorm.weight",)),
+        HFTensor(f"{hf_attn}.kv_b_proj.weight", (f"{attn}.linear_kv_up_proj.weight",)),
+        HFTensor(f"{hf_attn}.o_proj.weight", (f"{attn}.linear_proj.weight",)),
+        HFTensor(f"{hf}.post_attention_layernorm.weight", (f"{ours}.pre_mlp_layernorm.weight",)),
+    ]
+    mlp, hf_mlp = f"{ours}.mlp", f"{hf}.mlp"
+    if not moe:
+        return out + _mlp(hf_mlp, mlp)
+    out += [
+        HFTensor(f"{hf_mlp}.gate.weight", (f"{mlp}.router.weight",)),
+        HFTensor(f"{hf_mlp}.gate.e_score_correction_bias", (f"{mlp}.router.expert_bias",)),
+    ]
+    for e in range(cfg.num_experts):
+        out += _mlp(f"{hf_mlp}.experts.{e}", f"{mlp}.experts.local_experts.{e}")
+    return out + _mlp(f"{hf_mlp}.shared_experts", f"{mlp}.shared_experts")
+
+
+def _mtp_tensors(cfg: ModelConfig, depth: int) -> list[HFTensor]:
+    """Multi-token-prediction depth `depth` as DeepSeek-V3's checkpoints keep it: a layer after
+    the decoder's with its own copies of the embedding and output layer (written, not read)."""
+    ours, hf = f"mtp.layers.{depth}", f"model.layers.{cfg.num_layers + depth}"
+    moe = bool(cfg.moe_layer_pattern(cfg.num_layers)[-1])  # built as the decoder's last
+    copies = [
+        HFTensor(f"{hf}.embed_tokens.weight", ("embedding.word_embeddings.weight",), copy=True),
+        HFTensor(f"{hf}.shared_head.head.weight", ("output_layer.weight",), copy=True),
+    ]
+    return copies + [
+        HFTensor(f"{hf}.enorm.weight", (f"{ours}.enorm.weight",)),
+        HFTensor(f"{hf}.hnorm.weight", (f"{ours}.hnorm.weight",)),
+        HFTensor(f"{hf}.eh_proj.weight", (f"{ours}.eh_proj.weight",)),
+        HFTensor(f"{hf}.shared_head.norm.weight", (f"{ours}.final_layernorm.weight",)),
+        *_layer_tensors(cfg, f"{ours}.transformer_layer", hf, moe),
+    ]
+
+
 def deepseek_v3_tensors(cfg: ModelConfig) -> list[HFTensor]:
     out = [HFTensor("model.embed_tokens.weight", ("embedding.word_embeddings.weight",))]
     moe_layers = cfg.moe_layer_pattern(cfg.num_layers)
     for i in range(cfg.num_layers):
-        ours, hf = f"layers.{i}", f"model.layers.{i}"
-        attn, hf_attn = f"{ours}.self_attention", f"{hf}.self_attn"
-        out.append(HFTensor(f"{hf}.input_layernorm.weight", (f"{ours}.input_layernorm.weight",)))
-        if cfg.q_lora_rank is None:
-            out.append(HFTensor(f"{hf_attn}.q_proj.weight", (f"{attn}.linear_q_proj.weight",)))
-        else:
-            out += [
-                HFTensor(f"{hf_attn}.q_a_proj.weight", (f"{attn}.linear_q_down_proj.weight",)),
-                HFTensor(f"{hf_attn}.q_a_layernorm.weight", (f"{attn}.q_layernorm.weight",)),
-                HFTensor(f"{hf_attn}.q_b_proj.weight", (f"{attn}.linear_q_up_proj.weight",)),
-            ]
-        out += [
-            HFTensor(
-                f"{hf_attn}.kv_a_proj_with_mqa.weight", (f"{attn}.linear_kv_down_proj.weight",)
-            ),
-            HFTensor(f"{hf_attn}.kv_a_layernorm.weight", (f"{attn}.kv_layernorm.weight",)),
-            HFTensor(f"{hf_attn}.kv_b_proj.weight", (f"{attn}.linear_kv_up_proj.weight",)),
-            HFTensor(f"{hf_attn}.o_proj.weight", (f"{attn}.linear_proj.weight",)),
-            HFTensor(
-                f"{hf}.post_attention_layernorm.weight", (f"{ours}.pre_mlp_layernorm.weight",)
-            ),
-        ]
-        mlp, hf_mlp = f"{ours}.mlp", f"{hf}.mlp"
-        if not moe_layers[i]:
-            out += _mlp(hf_mlp, mlp)
-            continue
-        out += [
-            HFTensor(f"{hf_mlp}.gate.weight", (f"{mlp}.router.weight",)),
-            HFTensor(f"{hf_mlp}.gate.e_score_correction_bias", (f"{mlp}.router.expert_bias",)),
-        ]
-        for e in range(cfg.num_experts):
-            out += _mlp(f"{hf_mlp}.experts.{e}", f"{mlp}.experts.local_experts.{e}")
-        out += _mlp(f"{hf_mlp}.shared_experts", f"{mlp}.shared_experts")
+        out += _layer_tensors(cfg, f"layers.{i}", f"model.layers.{i}", bool(moe_layers[i]))
+    for depth in range(cfg.mtp_depths):
+        out += _mtp_tensors(cfg, depth)
     out += [
         HFTensor("model.norm.weight", ("final_layernorm.weight",)),
         HFTensor("lm_head.weight", ("output_layer.weight",)),
     ]
     return out
+
+
+def with_mtp_layers(cfg: ModelConfig, hf: dict, names) -> ModelConfig:
+    """cfg with the multi-token-prediction depths config.json names (num_nextn_predict_layers)
+    where the weights hold them (`names`: the tensors there; transformers itself keeps
+    none)."""
+    depths = int(hf.get("num_nextn_predict_layers") or 0)
+    present = depths and all(
+        f"model.layers.{cfg.num_layers + k}.eh_proj.weight" in names for k in range(depths)
+    )
+    return replace(cfg, mtp_num_layers=depths) if present else cfg
 
 
 def deepseek_v3_config(cfg: ModelConfig) -> dict:
@@ -155,7 +190,7 @@ def deepseek_v3_config(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": False,
         "attention_dropout": cfg.attention_dropout,
         "initializer_range": cfg.init_method_std,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.mtp_depths,
     }
 
 

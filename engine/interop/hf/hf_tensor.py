@@ -22,6 +22,7 @@ class HFTensor:
     transpose: bool = False
     shift: float = 0.0  # HF value = ours + shift (norm weights stored centred on zero)
     layout: str | None = None  # one of EXPERT_LAYOUTS, or None: stacked rows
+    copy: bool = False  # another HF tensor holds the same of ours: written, never read
 
 
 def pack(layout: str, parts: list[torch.Tensor]) -> torch.Tensor:

@@ -24,6 +24,7 @@ from engine.config.tokenizer import TokenizerConfig, tokenizer_record
 from engine.data.tokenizers import build_tokenizer
 from engine.errors import InputError, UserError
 from engine.interop.hf.architectures import hf_tensors, model_config_from_hf
+from engine.interop.hf.deepseek_v3 import DEEPSEEK_V3, with_mtp_layers
 from engine.interop.hf.hf_tensor import packed_shape, unpack
 from parallel.checkpoint.dcp import LazyTensor
 from parallel.errors import one_line
@@ -140,6 +141,8 @@ def _plan(folder: str, files: _SafetensorsFolder, cfg, style: str) -> dict:
     state = {}
     for tensor in hf_tensors(cfg, style):
         name = tensor.name
+        if tensor.copy:
+            continue
         if name not in files.where:
             raise InputError(f"{folder}: tensor {name} is missing from the safetensors files")
         shape, dtype = files.shape_and_dtype(name)
@@ -209,10 +212,13 @@ def import_from_hf(folder: str, output: str, tp: int = 1, pp: int = 1) -> dict:
         raise InputError(
             f"{config_path}: a field is missing or malformed ({one_line(err)})"
         ) from None
+    files = _SafetensorsFolder(folder)
+    if style == DEEPSEEK_V3:
+        cfg = with_mtp_layers(cfg, hf, files.where)
     cfg.validate(tp)
     for rank in range(pp):
         stage_layers(cfg.num_layers, pp, rank)
-    state = _plan(folder, _SafetensorsFolder(folder), cfg, style)
+    state = _plan(folder, files, cfg, style)
     tokenizer = {}
 
     def copy_tokenizer(staging: str) -> None:

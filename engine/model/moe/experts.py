@@ -24,15 +24,17 @@ from parallel.random import checkpoint
 
 
 class Experts(nn.Module):
-    def __init__(self, ctx: BuildContext, layer_number: int, expert_indices: range):
+    def __init__(self, ctx: BuildContext, layer_number: int, expert_indices: range, path: str):
+        """path: the layer's place in the model (its experts' checkpoint names go under it)."""
         super().__init__()
         cfg = ctx.config
         self.cfg = cfg
         self.expert_indices = expert_indices
-        prefix = f"layers.{layer_number}.mlp.experts.local_experts"
+        seeds = f"layers.{layer_number}.mlp.experts.local_experts"
         self.local_experts = nn.ModuleList(
-            MLP(ctx, layer_number, f"{prefix}.{e}", cfg.expert_ffn_size) for e in expert_indices
+            MLP(ctx, layer_number, f"{seeds}.{e}", cfg.expert_ffn_size) for e in expert_indices
         )
+        prefix = f"{path}.mlp.experts.local_experts"
         # the grouped GEMM reads the experts' weights without calling them: data parallelism
         # waits for their gathers before this module's forward (parallel/data_parallel/ddp.py)
         self.reads_child_parameters = True

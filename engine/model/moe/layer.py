@@ -51,7 +51,9 @@ class SharedExperts(MLP):
 
 
 class MoELayer(nn.Module):
-    def __init__(self, ctx: BuildContext, layer_number: int):
+    def __init__(self, ctx: BuildContext, layer_number: int, path: str | None = None):
+        """path: the layer's place in the model ("layers.<n>", or a multi-token-prediction
+        layer's), under which its experts' checkpoint names go."""
         super().__init__()
         cfg = ctx.config
         self.cfg = cfg
@@ -68,7 +70,8 @@ class MoELayer(nn.Module):
             sequence_parallel=False,
             tp_communication=False,
         )
-        self.experts = Experts(sharded, layer_number, range(first, first + local))
+        experts = range(first, first + local)
+        self.experts = Experts(sharded, layer_number, experts, path or f"layers.{layer_number}")
         self.shared_experts = None
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExperts(ctx, layer_number)
