@@ -263,6 +263,7 @@ def engine_grads(
     last_stage_layers=None,
     packing=None,
     per_token_loss=False,
+    stage_counts=None,
 ):
     """One forward/backward of the global batch through the engine: (losses, full grads).
     Under context parallelism the losses are this CP rank's shares. `trace`: stats get the
@@ -276,6 +277,7 @@ def engine_grads(
         cp_comm_type=cp_comm_type,
         first_stage_layers=first_stage_layers,
         last_stage_layers=last_stage_layers,
+        stage_counts=stage_counts,
         placement=PLACEMENT.get(schedule_kind, "loop"),
     )
     ddps = [DistributedDataParallel(c, state.dp_cp_group, bucket_size=2000) for c in chunks]

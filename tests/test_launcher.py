@@ -84,6 +84,33 @@ def test_the_mixtral_example_trains_a_mixture_of_experts(data_folder, tmp_path):
     assert "load_balancing_loss" in result.stdout  # on the console line
 
 
+def test_the_deepseek_v3_example_trains_with_its_pipeline_layout(data_folder, tmp_path):
+    """examples/pretrain_deepseek_v3.sh: MLA, MoE after a dense layer, one MTP depth, and
+    the layout "Ett|tt|t|tmL" over 2 ranks x 2 virtual stages."""
+    log = tmp_path / "log.jsonl"
+    env = dict(os.environ, **CPU_ONLY, NPROC_PER_NODE="2", DATA=data_folder)
+    env |= {"PYTHON": sys.executable}
+    env.pop("MASTER_PORT", None)
+    small = [
+        *("--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2"),
+        *("--global-batch-size", "4", "--train-iters", "3", "--lr-warmup-iters", "1"),
+        *("--eval-iters", "1", "--make-vocab-size-divisible-by", "16", "--split", "90,10,0"),
+        *("--log-jsonl", str(log), "--log-interval", "1"),
+    ]
+    result = subprocess.run(
+        ["bash", "examples/pretrain_deepseek_v3.sh", *small],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = [json.loads(line) for line in log.read_text().splitlines()]
+    found = [r for r in found if "split" not in r]
+    assert [r["iteration"] for r in found] == [1, 2, 3]
+    assert all(r["mtp_1_loss"] > 0 and r["seq_load_balancing_loss"] > 0 for r in found)
+    # rank 0: the embedding and layers 0-1, then layer 4; rank 1: layers 2-3, then 5 and MTP
+    assert "(pipeline rank 0): layers 0-1: sdpa-causal; 4: sdpa-causal" in result.stdout
+    assert "(pipeline rank 1): layers 2-3: sdpa-causal; 5-6: sdpa-causal" in result.stdout
+
+
 def test_configuration_errors_are_one_line_before_any_rank(data_folder, tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("")

@@ -231,6 +231,7 @@ def _check_pipeline(cfg, dp: int) -> None:
     m, par, train = cfg.model, cfg.parallel, cfg.training
     pp = par.pipeline_model_parallel_size
     virtual = par.virtual_size(m.num_layers)
+    counts = par.stage_counts(m.num_layers, m.mtp_depths)  # a layout parses and adds up
     for rank in range(pp):
         stage_layers(
             m.num_layers,
@@ -240,6 +241,7 @@ def _check_pipeline(cfg, dp: int) -> None:
             par.decoder_first_pipeline_num_layers,
             par.decoder_last_pipeline_num_layers,
             PLACEMENT.get(par.pipeline_schedule, "loop"),
+            counts,
         )
     if par.pipeline_schedule in SPLIT_BACKWARD and not par.gradient_accumulation_fusion:
         raise ConfigError(

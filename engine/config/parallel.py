@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from engine.config.fields import option
 from engine.errors import ConfigError
+from parallel.pipeline.layout_string import parse_layout, split_counts, unrolled
 from parallel.pipeline.tables import V_SHAPED
 
 
@@ -17,6 +18,21 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = option(1, "pipeline-parallel size (PP)")
     num_layers_per_virtual_pipeline_stage: int | None = option(
         None, "layers per virtual stage: interleaved 1F1B with num_layers / (PP x this) chunks"
+    )
+    num_virtual_stages_per_pipeline_rank: int | None = option(
+        None, "model chunks per pipeline rank (interleaved 1F1B), the layers split evenly"
+    )
+    pipeline_model_parallel_layout: str | None = option(
+        None,
+        "the layers of every pipeline stage, as a string: E (embedding), t (transformer "
+        "layer), m (MTP layer), L (loss), | between stages (PP x virtual stages, rank-major "
+        "per virtual stage), X*N and (...)*N to repeat, e.g. 'Et*3|(tt|)*6,mL'",
+    )
+    account_for_embedding_in_pipeline_split: bool = option(
+        False, "the embedding takes a layer's place in the first pipeline stage's split"
+    )
+    account_for_loss_in_pipeline_split: bool = option(
+        False, "the loss takes a layer's place in the last pipeline stage's split"
     )
     decoder_first_pipeline_num_layers: int | None = option(
         None, "layers on the first pipeline stage (the rest split evenly)"
@@ -127,35 +143,121 @@ class ParallelConfig:
         return self.sharding_strategy() != "no_shard"
 
     def virtual_size(self, num_layers: int) -> int:
+        """Model chunks per pipeline rank."""
+        pp = self.pipeline_model_parallel_size
+        if self.pipeline_model_parallel_layout:
+            return max(1, len(unrolled(self.pipeline_model_parallel_layout).split("|")) // pp)
+        if self.num_virtual_stages_per_pipeline_rank:
+            return self.num_virtual_stages_per_pipeline_rank
         if not self.num_layers_per_virtual_pipeline_stage:
             return 1
-        per_stage = num_layers // self.pipeline_model_parallel_size
+        split = self.account_for_embedding_in_pipeline_split
+        split += self.account_for_loss_in_pipeline_split
+        per_stage = (num_layers + split) // pp
         return per_stage // self.num_layers_per_virtual_pipeline_stage
+
+    @property
+    def virtual_stages_asked(self) -> bool:
+        """Whether a flag asks for virtual pipeline stages (interleaving)."""
+        return bool(
+            self.num_layers_per_virtual_pipeline_stage
+            or self.num_virtual_stages_per_pipeline_rank
+            or self.pipeline_model_parallel_layout
+        )
+
+    def stage_counts(self, num_layers: int, mtp_layers: int = 0) -> tuple[int, ...] | None:
+        """Decoder layers of each pipeline chunk in layout order where a flag places them
+        (--pipeline-model-parallel-layout, --account-for-*-in-pipeline-split;
+        parallel/pipeline/layout_string.py); None for the even split (or
+        --decoder-first/last-pipeline-num-layers). ConfigError for a layout that does not
+        parse or add up."""
+        pp = self.pipeline_model_parallel_size
+        if self.pipeline_model_parallel_layout:
+            text = self.pipeline_model_parallel_layout
+            return parse_layout(text, pp, num_layers, mtp_layers).counts
+        embedding = self.account_for_embedding_in_pipeline_split
+        loss = self.account_for_loss_in_pipeline_split
+        if embedding or loss:
+            return split_counts(num_layers, pp, self.virtual_size(num_layers), embedding, loss)
+        return None
+
+    def _validate_placement(self) -> None:
+        """One way of placing layers at a time, as Megatron-LM asks."""
+        virtual = [
+            flag
+            for flag, given in (
+                (
+                    "--num-layers-per-virtual-pipeline-stage",
+                    self.num_layers_per_virtual_pipeline_stage,
+                ),
+                (
+                    "--num-virtual-stages-per-pipeline-rank",
+                    self.num_virtual_stages_per_pipeline_rank,
+                ),
+                ("--pipeline-model-parallel-layout", self.pipeline_model_parallel_layout),
+            )
+            if given  # fmt: skip
+        ]
+        if len(virtual) > 1:
+            raise ConfigError(f"{virtual[0]} and {virtual[1]}: give one of them (as Megatron-LM)")
+        uneven = self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers
+        accounts = (
+            self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split
+        )
+        if self.pipeline_model_parallel_layout and (uneven or accounts):
+            raise ConfigError(
+                "--pipeline-model-parallel-layout places every layer: drop "
+                "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-split"
+            )
+        if uneven and accounts:
+            raise ConfigError(
+                "--account-for-*-in-pipeline-split with --decoder-first/last-pipeline-num-layers:"
+                " give one of them (as Megatron-LM)"
+            )
+        vpp = self.num_virtual_stages_per_pipeline_rank
+        if vpp is not None and (vpp < 1 or (vpp > 1 and self.pipeline_model_parallel_size < 2)):
+            raise ConfigError(
+                f"--num-virtual-stages-per-pipeline-rank {vpp} needs to be at least 1, and more "
+                "than 1 only with --pipeline-model-parallel-size of 2 or more"
+            )
+        if self.pipeline_model_parallel_layout and self.pipeline_schedule in V_SHAPED:
+            raise ConfigError(
+                f"--pipeline-model-parallel-layout with --pipeline-schedule "
+                f"{self.pipeline_schedule}: a layout's stages are in the interleaved order; "
+                "the V placement of these schedules is not read from one here"
+            )
 
     def validate(self, num_layers: int) -> None:
         pp = self.pipeline_model_parallel_size
         layers_per_virtual = self.num_layers_per_virtual_pipeline_stage
+        self._validate_placement()
         if layers_per_virtual:
             if pp < 2:
                 raise ConfigError(
                     "--num-layers-per-virtual-pipeline-stage needs "
                     "--pipeline-model-parallel-size of 2 or more"
                 )
-            if num_layers % (pp * layers_per_virtual):
+            extra = self.account_for_embedding_in_pipeline_split
+            extra += self.account_for_loss_in_pipeline_split
+            if (num_layers + extra) % (pp * layers_per_virtual):
+                counted = f" (+ {extra} for the embedding/loss)" if extra else ""
                 raise ConfigError(
-                    f"num-layers {num_layers} is not divisible by pipeline-model-parallel-size "
-                    f"{pp} x num-layers-per-virtual-pipeline-stage {layers_per_virtual}"
+                    f"num-layers {num_layers}{counted} is not divisible by "
+                    f"pipeline-model-parallel-size {pp} x num-layers-per-virtual-pipeline-stage "
+                    f"{layers_per_virtual}"
                 )
             if self.virtual_size(num_layers) < 2:
                 raise ConfigError(
                     f"--num-layers-per-virtual-pipeline-stage {layers_per_virtual} leaves one "
                     f"chunk per stage; use fewer layers per virtual stage or drop the flag"
                 )
-        if self.pipeline_schedule == "interleaved" and not layers_per_virtual:
+        virtual = self.virtual_size(num_layers)
+        if self.pipeline_schedule == "interleaved" and virtual < 2:
             raise ConfigError(
                 "--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage"
+                " (or --num-virtual-stages-per-pipeline-rank, or a layout of virtual stages)"
             )
-        if self.pipeline_schedule in ("gpipe", "1f1b", "zb-h1") and layers_per_virtual:
+        if self.pipeline_schedule in ("gpipe", "1f1b", "zb-h1") and virtual > 1:
             raise ConfigError(
                 f"--pipeline-schedule {self.pipeline_schedule} cannot run virtual stages; "
                 "drop --num-layers-per-virtual-pipeline-stage"
@@ -166,7 +268,7 @@ class ParallelConfig:
                 "--num-layers-per-virtual-pipeline-stage to num-layers / (2 x "
                 "pipeline-model-parallel-size)"
             )
-        if self.overlap_p2p_communication and not layers_per_virtual:
+        if self.overlap_p2p_communication and virtual < 2:
             raise ConfigError(
                 "--overlap-p2p-communication runs with the interleaved schedule only; add "
                 "--num-layers-per-virtual-pipeline-stage or drop the flag"

@@ -24,6 +24,7 @@ def build_model_chunks(
     virtual_size: int = 1,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    stage_counts: tuple[int, ...] | None = None,
     ops=None,
     torch_compile: bool = False,
     cp_comm_type: tuple[str, ...] | list[str] = ("p2p",),
@@ -37,7 +38,8 @@ def build_model_chunks(
     `cp_comm_type` (--cp-comm-type): context-parallel attention's exchange, for every layer or
     one per layer. `times` (parallel.timing.StepTimes): the layers count their tensor-parallel
     communication there. `placement`: where each chunk sits in the model
-    (parallel/pipeline/layout.py: "loop", or "v" for the zb-v schedule)."""
+    (parallel/pipeline/layout.py: "loop", or "v" for the zb-v schedule). `stage_counts`: each
+    pipeline chunk's layers where a layout places them (ParallelConfig.stage_counts)."""
     ctx = BuildContext(
         config,
         tp_group=state.tp_group,
@@ -70,6 +72,7 @@ def build_model_chunks(
         first_stage_layers,
         last_stage_layers,
         placement,
+        stage_counts,
     )
     chunks = []
     for index, numbers in enumerate(layers):

@@ -230,6 +230,7 @@ def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
         virtual_size=par.virtual_size(m.num_layers),
         first_stage_layers=par.decoder_first_pipeline_num_layers,
         last_stage_layers=par.decoder_last_pipeline_num_layers,
+        stage_counts=par.stage_counts(m.num_layers, m.mtp_depths),
         ops=ops,
         torch_compile=runtime.torch_compile,
         cp_comm_type=par.cp_comm_type,

@@ -24,24 +24,36 @@ def stage_layers(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
     placement: str = "loop",
+    counts: tuple[int, ...] | None = None,
 ) -> list[list[int]]:
     """Global layer numbers of each model chunk on this pipeline rank.
 
     Layers are cut into pp_size * virtual_size consecutive chunks; chunk c of rank r is
     global chunk `virtual_stage(placement, ...)`. --decoder-first/last-pipeline-num-layers
     give the first and last stage a different count (only without virtual stages); the rest
-    is split evenly.
+    is split evenly. `counts`: each global chunk's layers as given (a
+    --pipeline-model-parallel-layout, parallel/pipeline/layout_string.py).
     """
     if placement == "v" and virtual_size != 2:
         raise ConfigError("the V placement (zb-v) holds exactly 2 model chunks per rank")
-    if pp_size == 1 and virtual_size == 1:
+    if counts is not None:
+        if len(counts) != pp_size * virtual_size or sum(counts) != num_layers:
+            raise ConfigError(
+                f"{len(counts)} pipeline chunks of {sum(counts)} layers do not make "
+                f"{pp_size} x {virtual_size} chunks of --num-layers {num_layers}"
+            )
+        counts = list(counts)
+    elif pp_size == 1 and virtual_size == 1:
         return [list(range(num_layers))]
-    if (first_stage_layers or last_stage_layers) and virtual_size > 1:
+    elif (first_stage_layers or last_stage_layers) and virtual_size > 1:
         raise ConfigError(
-            "--decoder-first/last-pipeline-num-layers cannot be combined with "
-            "--num-layers-per-virtual-pipeline-stage"
+            "--decoder-first/last-pipeline-num-layers cannot be combined with virtual "
+            "pipeline stages"
         )
-    counts = _stage_counts(num_layers, pp_size, virtual_size, first_stage_layers, last_stage_layers)
+    else:
+        counts = _stage_counts(
+            num_layers, pp_size, virtual_size, first_stage_layers, last_stage_layers
+        )
     starts = [sum(counts[:i]) for i in range(len(counts))]
     stages = [virtual_stage(placement, pp_size, pp_rank, c) for c in range(virtual_size)]
     return [list(range(starts[s], starts[s] + counts[s])) for s in stages]

@@ -291,10 +291,6 @@ packed documents beyond --reset-attention-mask (hybrid context parallelism, load
     --dataloader-inter-document-masking --hybrid-context-parallel --max-seqlen-per-dp-cp-rank
 parameter groups from a file:
     --dump-param-to-param-group-map
-pipeline layout options:
-    --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split
-    --num-virtual-stages-per-pipeline-rank
-    --pipeline-model-parallel-layout
 precision switches:
     --disable-bf16-reduced-precision-matmul --fp16-lm-cross-entropy
 precision-aware optimizer (low-precision master weights and moments):
