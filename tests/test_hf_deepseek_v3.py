@@ -171,16 +171,3 @@ def test_a_deepseek_v3_trained_here_generates_the_same_in_transformers(
     trained = dict(ours.named_parameters())
     for name, param in back.named_parameters():
         assert torch.equal(param, trained[name]), name
-
-
-def test_megatron_checkpoints_of_latent_attention_are_refused_in_one_line():
-    import argparse
-
-    from engine.errors import InputError
-    from engine.interop.megatron.layout import model_config_from_args
-
-    for name in ("multi_latent_attention", "mtp_num_layers"):
-        args = argparse.Namespace(position_embedding_type="rope", normalization="RMSNorm")
-        setattr(args, name, 1)
-        with pytest.raises(InputError, match=f"--{name.replace('_', '-')}: reading Megatron-LM"):
-            model_config_from_args(args)

@@ -35,6 +35,12 @@ from engine.config.model import ModelConfig
 from engine.config.rope_scaling import rope_scaling_of
 from engine.errors import ConfigError, InputError, UserError
 from engine.interop.hf.architectures import refused_attention
+from engine.interop.megatron.latent_layout import (
+    latent_args,
+    latent_extra_state_modules,
+    mtp_depth_keys,
+    mtp_layer_key,
+)
 from engine.interop.megatron.layout import join_parts, megatron_layer_parts
 from parallel.errors import describe_os_error, root_cause
 
@@ -83,6 +89,13 @@ def _qk_layernorm(cfg: ModelConfig) -> bool:
 
 def _rope_scaling_args(cfg: ModelConfig) -> dict:
     """Megatron-LM's arguments for our RoPE scaling (whichever flags asked for it)."""
+    if cfg.multi_latent_attention:  # its RoPE is its own (latent_layout.py: latent_args)
+        return {
+            "position_embedding_type": "rope",
+            "use_rope_scaling": False,
+            "rope_scaling_factor": cfg.rope_scaling_factor,
+            "rotary_seq_len_interpolation_factor": None,
+        }
     scaling = rope_scaling_of(cfg) or {"rope_type": None}
     kind = scaling["rope_type"]
     if kind == "dynamic":
@@ -175,6 +188,7 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
         merge_file=tokenizer.get("merge_file"),
         tiktoken_pattern=tokenizer.get("tiktoken_pattern"),
         **_moe_args(cfg),
+        **latent_args(cfg),
         fp16=dtype == "float16",
         bf16=dtype == "bfloat16",
         params_dtype=getattr(torch, dtype),
@@ -249,7 +263,7 @@ def _state(path: str, reader, stored, cfg: ModelConfig, padded_vocab: int) -> di
         return (len(experts), *shape) if None not in experts else shape, entry_of(name)
 
     if all(pattern) or not any(pattern):  # one kind of layer: megatron-core stacks them
-        for key, parts in megatron_layer_parts(cfg, cfg.is_moe).items():
+        for key, parts in megatron_layer_parts(cfg, cfg.is_moe, cfg.multi_latent_attention).items():
             shape, entry = layer_shape(0, parts)
 
             def load_layer(layer: int, parts=parts) -> torch.Tensor:
@@ -259,7 +273,9 @@ def _state(path: str, reader, stored, cfg: ModelConfig, padded_vocab: int) -> di
             state[key] = LazyLayers(torch.Size([layers, *shape]), dtype, load_layer)
     else:  # dense and MoE layers: megatron-core keys each layer's tensors on their own
         for layer, is_moe in enumerate(pattern):
-            for key, parts in megatron_layer_parts(cfg, bool(is_moe)).items():
+            for key, parts in megatron_layer_parts(
+                cfg, bool(is_moe), cfg.multi_latent_attention
+            ).items():
                 shape, entry = layer_shape(layer, parts)
 
                 def load(layer=layer, parts=parts) -> torch.Tensor:
@@ -267,8 +283,49 @@ def _state(path: str, reader, stored, cfg: ModelConfig, padded_vocab: int) -> di
 
                 mine = key.replace("decoder.layers.", f"decoder.layers.{layer}.", 1)
                 state[mine] = LazyTensor(torch.Size(shape), entry.properties.dtype, load)
+    state |= _mtp_state(cfg, pattern, ours, entry_of)
     for key in _extra_state_keys(cfg, pattern):
         state[key] = [None]  # megatron-core stores each object as its values on the saving rank
+    return state
+
+
+def _mtp_state(cfg: ModelConfig, pattern: list[int], ours, entry_of) -> dict:
+    """Multi-token prediction's tensors under megatron-core's keys (latent_layout.py): each
+    depth's norms and projection, and its layer's tensors keyed per depth."""
+    from parallel.checkpoint.dcp import LazyTensor
+
+    state: dict = {}
+    for depth in range(cfg.mtp_depths):
+        for name, key in mtp_depth_keys(depth).items():
+            entry = entry_of(name)
+            state[key] = LazyTensor(
+                torch.Size(entry.size), entry.properties.dtype, lambda name=name: ours(name)
+            )
+        prefix = f"mtp.layers.{depth}.transformer_layer"
+        for key, parts in megatron_layer_parts(
+            cfg, bool(pattern[-1]), cfg.multi_latent_attention
+        ).items():
+            experts = sorted({e for e, _ in parts}, key=lambda e: -1 if e is None else e)
+            first = {p: n for (e, p), n in parts.items() if e == experts[0]}
+            probes = {
+                p: torch.empty(tuple(entry_of(f"{prefix}.{n}").size), device="meta")
+                for p, n in first.items()
+            }
+            shape = tuple(join_parts(probes, cfg).shape)
+            shape = shape if experts == [None] else (len(experts), *shape)
+
+            def load(parts=parts, experts=experts, prefix=prefix) -> torch.Tensor:
+                stacked = [
+                    join_parts(
+                        {p: ours(f"{prefix}.{n}") for (e, p), n in parts.items() if e == expert},
+                        cfg,
+                    )
+                    for expert in experts
+                ]
+                return (stacked[0] if experts == [None] else torch.stack(stacked)).contiguous()
+
+            dtype = entry_of(f"{prefix}.{next(iter(first.values()))}").properties.dtype
+            state[mtp_layer_key(key, depth)] = LazyTensor(torch.Size(shape), dtype, load)
     return state
 
 
@@ -278,10 +335,18 @@ def _extra_state_keys(cfg: ModelConfig, pattern: list[int]) -> list[str]:
     layers, experts = len(pattern), cfg.num_experts or 0
     stacked = all(pattern) or not any(pattern)
     out = []
-    for layer, is_moe in enumerate(pattern):
-        prefix = "decoder.layers." if stacked else f"decoder.layers.{layer}."
-        shard = f"shard_{layer}_{layers}" if stacked else "shard_0_1"
-        modules = list(_ATTENTION_EXTRA_STATE)
+    attention = _ATTENTION_EXTRA_STATE
+    if cfg.multi_latent_attention:
+        attention = tuple(latent_extra_state_modules(cfg))
+    # the decoder's layers, then multi-token prediction's (keyed per depth, as the last)
+    mtp = [(f"mtp.layers.{d}.transformer_layer.", pattern[-1]) for d in range(cfg.mtp_depths)]
+    for layer, (prefix, is_moe) in enumerate(
+        [("decoder.layers." if stacked else f"decoder.layers.{n}.", m) for n, m in
+         enumerate(pattern)] + mtp
+    ):  # fmt: skip
+        own = layer >= layers or not stacked  # keyed on its own: no layer axis
+        shard = "shard_0_1" if own else f"shard_{layer}_{layers}"
+        modules = list(attention)
         if not is_moe:
             modules += _MLP_EXTRA_STATE
         elif cfg.moe_shared_expert_intermediate_size:
@@ -290,10 +355,11 @@ def _extra_state_keys(cfg: ModelConfig, pattern: list[int]) -> list[str]:
         if is_moe:
             for n in (1, 2):
                 for e in range(experts):
-                    where = f"{layer}.{e}_{layers}.{experts}" if stacked else f"{e}_{experts}"
+                    where = f"{e}_{experts}" if own else f"{layer}.{e}_{layers}.{experts}"
                     out.append(
                         f"{prefix}mlp.experts.experts.linear_fc{n}._extra_state/shard_{where}"
                     )
+    out += [f"mtp.layers.{d}.eh_proj._extra_state/shard_0_1" for d in range(cfg.mtp_depths)]
     return out
 
 
@@ -315,8 +381,6 @@ def export_to_megatron(
     meta = verify_checkpoint(path, digests=verify)
     cfg = ModelConfig.from_record(meta["model"])
     refused = refused_attention(cfg)
-    if cfg.multi_latent_attention:
-        refused = "--multi-latent-attention"
     if refused:
         raise ConfigError(f"{refused}: exporting it to Megatron-LM is not built yet")
     scaling = (

@@ -14,6 +14,12 @@ import torch
 
 from engine.config.model import ModelConfig
 from engine.errors import InputError
+from engine.interop.megatron.latent_layout import (
+    latent_attention_sources,
+    latent_options_from_args,
+    mtp_depth_keys,
+    mtp_layer_key,
+)
 from engine.interop.megatron.moe_layout import moe_layer_sources, moe_options_from_args
 from parallel.checkpoint.dcp import SafeFileSystemReader
 from parallel.errors import CheckpointError
@@ -43,12 +49,6 @@ def model_config_from_args(args) -> ModelConfig:
         "activation_func_clamp_value": get("activation_func_clamp_value") is not None,
         "apply_residual_connection_post_layernorm": get("apply_residual_connection_post_layernorm"),
     }
-    if get("multi_latent_attention") or get("mtp_num_layers"):
-        flag = "--multi-latent-attention" if get("multi_latent_attention") else "--mtp-num-layers"
-        raise InputError(
-            f"the checkpoint's model uses {flag}: reading Megatron-LM checkpoints of it is not "
-            "built yet (Hugging Face's DeepseekV3ForCausalLM is: tools/convert_checkpoint.py)"
-        )
     for name, used in unsupported.items():
         if used:
             raise InputError(
@@ -93,6 +93,7 @@ def model_config_from_args(args) -> ModelConfig:
         attention_dropout=float(get("attention_dropout") or 0.0),
         init_method_std=float(get("init_method_std") or 0.02),
         **moe_options_from_args(get),
+        **latent_options_from_args(get),
     )
 
 
@@ -182,6 +183,10 @@ def _layer_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, str]]]:
             out[f"self_attention.{norm}.weight"] = [(f"{attn}.{norm}.weight", "")]
             if cfg.normalization == "LayerNorm":
                 out[f"self_attention.{norm}.bias"] = [(f"{attn}.{norm}.bias", "")]
+    if cfg.multi_latent_attention:  # its own attention tensors (latent_layout.py)
+        attention = ("self_attention.", "input_layernorm.")
+        out = {k: v for k, v in out.items() if not k.startswith(attention)}
+        out |= latent_attention_sources(cfg)
     return out
 
 
@@ -223,13 +228,18 @@ def join_parts(parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor
     return parts[""]
 
 
-def megatron_layer_parts(cfg: ModelConfig, moe: bool) -> dict[str, dict[tuple, str]]:
-    """megatron-core's layer-stacked key (its canonical name) -> {(expert or None, part): our
-    tensor within a layer}, for a dense layer or an MoE one."""
+def megatron_layer_parts(
+    cfg: ModelConfig, moe: bool, every_name: bool = False
+) -> dict[str, dict[tuple, str]]:
+    """megatron-core's layer-stacked key (its canonical name; with `every_name` its other
+    names too) -> {(expert or None, part): our tensor within a layer}, for a dense layer or an
+    MoE one. Multi-latent attention's norms are named differently by megatron-core's
+    TransformerEngine layers and its local ones (which map no names for MLA): a checkpoint
+    written under both names loads into either."""
     out: dict[str, dict[tuple, str]] = {}
     for ours, sources in layer_sources(cfg, moe).items():
-        key, part, expert = sources[0]
-        out.setdefault(key, {})[(expert, part)] = ours
+        for key, part, expert in sources if every_name else sources[:1]:
+            out.setdefault(key, {})[(expert, part)] = ours
     return out
 
 
@@ -303,6 +313,14 @@ class MegatronCheckpoint:
                 self._present(key)
                 index = () if per_layer else (layer,)
                 plan[f"model/layers.{layer}.{ours}"] = (key, index + as_index(expert), part)
+        for depth in range(cfg.mtp_depths):  # built as the decoder's last layer, keyed per depth
+            for ours, key in mtp_depth_keys(depth).items():
+                plan[f"model/{ours}"] = (self._present(key), (), "")
+            prefix = f"mtp.layers.{depth}.transformer_layer"
+            for ours, sources in kinds[pattern[-1]].items():
+                found = [(mtp_layer_key(key, depth), part, e) for key, part, e in sources]
+                key, part, expert = next((f for f in found if f[0] in self.stored), found[0])
+                plan[f"model/{prefix}.{ours}"] = (self._present(key), as_index(expert), part)
         return plan
 
     def _present(self, key: str) -> str:
