@@ -1,7 +1,7 @@
 """Hugging Face's GptOssForCausalLM in and out: a random model made by transformers (sinks,
 alternating sliding-window and full layers, biased attention, router and experts, the clamped
 gated unit, YaRN) comes back bit-identical after import and export, gives transformers'
-logits imported in one process and with its experts over two expert-parallel ranks, and loads
+logits imported in one process and under TP2 x EP2 x PP2, and loads
 back into transformers from our export with the same logits; a gpt-oss trained here under
 EP2 x PP2 gives the same logits and greedy tokens in transformers."""
 
@@ -78,29 +78,6 @@ def test_gpt_oss_round_trip_and_logits(tmp_path, windows):
         assert rel_err(reloaded(TOKENS).logits, expected) < 1e-6
 
 
-def _ep2_logits(rank, world, ckpt, tokens):
-    from engine.model.builder import build_model_chunks
-    from parallel.state import ParallelState
-
-    state = ParallelState.build(tp=1, ep=2)
-    path = iteration_dir(ckpt, 0)
-    cfg = ModelConfig(**read_meta(path)["model"])
-    (model,) = build_model_chunks(cfg, state)
-    load_model_weights(path, model.eval())
-    with torch.no_grad():
-        return model.full_logits(model(tokens=tokens))
-
-
-def test_gpt_oss_imported_with_expert_parallelism(tmp_path):
-    hf = _random_gpt_oss(tmp_path / "hf")
-    ckpt = str(tmp_path / "ours")
-    import_from_hf(str(tmp_path / "hf"), ckpt)
-    with torch.no_grad():
-        expected = hf(TOKENS).logits
-    for logits in run_ranks(_ep2_logits, 2, ckpt, TOKENS):
-        assert rel_err(logits, expected) < 1e-5
-
-
 GPT_OSS_FLAGS = {
     "--num-experts": "4", "--moe-router-topk": "2", "--moe-ffn-hidden-size": "48",
     "--quick-geglu": True, "--glu-linear-offset": "1", "--activation-func-clamp-value": "7",
@@ -169,3 +146,34 @@ def test_what_cannot_be_loaded_as_the_same_model_is_refused():
         setattr(args, name, value)
         with pytest.raises(InputError, match=f"--{name.replace('_', '-')}"):
             model_config_from_args(args)
+
+
+def _tp2_ep2_pp2_logits(rank, world, ckpt, tokens):
+    from engine.model.builder import build_model_chunks
+    from parallel.pipeline.p2p import P2P
+    from parallel.state import ParallelState
+
+    state = ParallelState.build(tp=2, pp=2, ep=2, etp=1)  # experts whole: EP2 out of TP2
+    path = iteration_dir(ckpt, 0)
+    cfg = ModelConfig(**read_meta(path)["model"])
+    (model,) = build_model_chunks(cfg, state, sequence_parallel=True)
+    load_model_weights(path, model.eval())
+    p2p = P2P(state, (tokens.shape[1] // 2, tokens.shape[0], cfg.hidden_size), torch.float32)
+    with torch.no_grad():
+        if state.is_first_stage:
+            p2p.send_forward(model(tokens=tokens))
+            return None
+        return model.full_logits(model(hidden=p2p.recv_forward()))
+
+
+def test_gpt_oss_imported_under_tp2_ep2_pp2(tmp_path):
+    """Attention heads and sinks split over TP2 (with SP), the experts (with their biases)
+    whole on each of EP2's ranks (ETP 1), the layers over PP2."""
+    hf = _random_gpt_oss(tmp_path / "hf")
+    ckpt = str(tmp_path / "ours")
+    import_from_hf(str(tmp_path / "hf"), ckpt)
+    with torch.no_grad():
+        expected = hf(TOKENS).logits
+    results = run_ranks(_tp2_ep2_pp2_logits, 4, ckpt, TOKENS)
+    for logits in results[2:]:  # the last pipeline stage
+        assert rel_err(logits, expected) < 1e-5
