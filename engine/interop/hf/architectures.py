@@ -68,8 +68,7 @@ LLAMA_FAMILY = (LLAMA, MISTRAL, QWEN2, QWEN3, *MOE_ARCHITECTURES)  # (engine/int
 
 def refused_attention(cfg: ModelConfig) -> str | None:
     """The flag of gpt-oss's a model uses (sinks, windows on some layers only, its gated
-    MLP), which only GptOssForCausalLM expresses (Megatron-LM checkpoints of it are not
-    written yet, issue 44), or None."""
+    MLP), which of Hugging Face's families only GptOssForCausalLM expresses, or None."""
     if cfg.quick_geglu or cfg.glu_linear_offset or cfg.activation_func_clamp_value is not None:
         return "--quick-geglu / --glu-linear-offset / --activation-func-clamp-value"
     if cfg.has_sinks:

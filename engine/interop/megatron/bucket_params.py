@@ -61,7 +61,7 @@ def _linear(name: str, key: str, split: str, bias: bool, bias_split: str, expert
 
 
 def _mlp(cfg: ModelConfig, name: str, key: str, expert: int | None = None) -> list[_Spec]:
-    fc1 = "swiglu" if cfg.swiglu else "rows"
+    fc1 = "swiglu" if cfg.gated_linear_unit else "rows"
     bias = cfg.add_bias_linear
     return _linear(f"{name}.linear_fc1", f"{key}.linear_fc1", fc1, bias, fc1, expert) + _linear(
         f"{name}.linear_fc2", f"{key}.linear_fc2", "columns", bias, "", expert

@@ -34,7 +34,6 @@ import torch
 from engine.config.model import ModelConfig
 from engine.config.rope_scaling import rope_scaling_of
 from engine.errors import ConfigError, InputError, UserError
-from engine.interop.hf.architectures import refused_attention
 from engine.interop.megatron.latent_layout import (
     latent_args,
     latent_extra_state_modules,
@@ -65,7 +64,7 @@ def _gelu_args(cfg: ModelConfig) -> dict:
     """Megatron-LM's arguments for our GELU: its models compute GELU's tanh approximation only
     through the fused bias-GELU, with linear biases (its --openai-gelu reaches only its legacy
     models)."""
-    gelu = not (cfg.swiglu or cfg.squared_relu)
+    gelu = not (cfg.gated_linear_unit or cfg.squared_relu)
     fused = cfg.bias_gelu_fusion and cfg.add_bias_linear
     if gelu and cfg.gelu_tanh and not fused:
         raise ConfigError(
@@ -122,6 +121,21 @@ def _rope_scaling_args(cfg: ModelConfig) -> dict:
     return args
 
 
+def _gpt_oss_args(cfg: ModelConfig) -> dict:
+    """Megatron-LM's arguments for gpt-oss's attention and MLP (our fields have its names;
+    --window-attn-skip-freq as it parses it: an integer, or the 0/1 list per layer)."""
+    skip = cfg.window_attn_skip_freq
+    if skip is not None:
+        skip = int(skip) if str(skip).strip().isdigit() else cfg.windowed_layers()
+    return {
+        "window_attn_skip_freq": skip,
+        "softmax_type": cfg.softmax_type,
+        "quick_geglu": cfg.quick_geglu,
+        "glu_linear_offset": cfg.glu_linear_offset,
+        "activation_func_clamp_value": cfg.activation_func_clamp_value,
+    }
+
+
 def _moe_args(cfg: ModelConfig) -> dict:
     """Megatron-LM's MoE arguments (our fields have its names): --moe-layer-freq as it parses
     it (1, or the list of 0/1 per layer), its multi-valued flags single values when one."""
@@ -165,6 +179,7 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
         rotary_percent=cfg.rotary_percent,
         rotary_interleaved=cfg.rotary_interleaved,
         window_size=None if cfg.attention_window is None else (cfg.attention_window, 0),
+        **_gpt_oss_args(cfg),
         **_rope_scaling_args(cfg),
         normalization=cfg.normalization,
         norm_epsilon=cfg.norm_epsilon,
@@ -380,9 +395,6 @@ def export_to_megatron(
     path = checkpoint_path(load, iteration)
     meta = verify_checkpoint(path, digests=verify)
     cfg = ModelConfig.from_record(meta["model"])
-    refused = refused_attention(cfg)
-    if refused:
-        raise ConfigError(f"{refused}: exporting it to Megatron-LM is not built yet")
     scaling = (
         cfg.rope_scaling_low_freq_factor,
         cfg.rope_scaling_high_freq_factor,

@@ -42,11 +42,6 @@ def model_config_from_args(args) -> ModelConfig:
             "LayerNorm/RMSNorm are available here"
         )
     unsupported = {
-        "window_attn_skip_freq": get("window_attn_skip_freq"),
-        "softmax_type": get("softmax_type") not in (None, "vanilla"),
-        "quick_geglu": get("quick_geglu"),
-        "glu_linear_offset": get("glu_linear_offset"),
-        "activation_func_clamp_value": get("activation_func_clamp_value") is not None,
         "apply_residual_connection_post_layernorm": get("apply_residual_connection_post_layernorm"),
     }
     for name, used in unsupported.items():
@@ -87,6 +82,7 @@ def model_config_from_args(args) -> ModelConfig:
         add_bias_linear=bool(get("add_bias_linear", True)),
         add_qkv_bias=bool(get("add_qkv_bias")),
         window_size=str(tuple(get("window_size"))) if get("window_size") else None,
+        **_gpt_oss_options(get),
         untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
         qk_layernorm=bool(get("qk_layernorm")),
         hidden_dropout=float(get("hidden_dropout") or 0.0),
@@ -95,6 +91,20 @@ def model_config_from_args(args) -> ModelConfig:
         **moe_options_from_args(get),
         **latent_options_from_args(get),
     )
+
+
+def _gpt_oss_options(get) -> dict:
+    """gpt-oss's attention and MLP fields from Megatron-LM's saved arguments (the same names;
+    --window-attn-skip-freq, an integer or a 0/1 list there, our string form)."""
+    skip = get("window_attn_skip_freq")
+    offset, clamp = get("glu_linear_offset"), get("activation_func_clamp_value")
+    return {
+        "window_attn_skip_freq": None if skip is None else str(skip),
+        "softmax_type": get("softmax_type") or "vanilla",
+        "quick_geglu": bool(get("quick_geglu")),
+        "glu_linear_offset": float(offset or 0.0),
+        "activation_func_clamp_value": None if clamp is None else float(clamp),
+    }
 
 
 def _yarn_options(get) -> dict:
@@ -153,7 +163,7 @@ def _layer_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, str]]]:
         "self_attention.linear_proj.weight": [(f"{attn}.linear_proj.weight", "")],
         "mlp.linear_fc2.weight": [(f"{mlp}.linear_fc2.weight", "")],
     }
-    if cfg.swiglu:
+    if cfg.gated_linear_unit:
         out["mlp.linear_fc1.weight.gate"] = [(f"{mlp}.linear_fc1.weight", "gate")]
         out["mlp.linear_fc1.weight.up"] = [(f"{mlp}.linear_fc1.weight", "up")]
     else:
@@ -173,7 +183,7 @@ def _layer_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, str]]]:
     if cfg.add_bias_linear:
         out["self_attention.linear_proj.bias"] = [(f"{attn}.linear_proj.bias", "")]
         out["mlp.linear_fc2.bias"] = [(f"{mlp}.linear_fc2.bias", "")]
-        if cfg.swiglu:
+        if cfg.gated_linear_unit:
             out["mlp.linear_fc1.bias.gate"] = [(f"{mlp}.linear_fc1.bias", "gate")]
             out["mlp.linear_fc1.bias.up"] = [(f"{mlp}.linear_fc1.bias", "up")]
         else:
@@ -183,6 +193,9 @@ def _layer_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, str]]]:
             out[f"self_attention.{norm}.weight"] = [(f"{attn}.{norm}.weight", "")]
             if cfg.normalization == "LayerNorm":
                 out[f"self_attention.{norm}.bias"] = [(f"{attn}.{norm}.bias", "")]
+    if cfg.softmax_type == "learnable":  # gpt-oss's sinks, a logit per head
+        key = f"{attn}.core_attention.softmax_offset"
+        out["self_attention.core_attention.softmax_offset"] = [(key, "")]
     if cfg.multi_latent_attention:  # its own attention tensors (latent_layout.py)
         attention = ("self_attention.", "input_layernorm.")
         out = {k: v for k, v in out.items() if not k.startswith(attention)}

@@ -45,7 +45,7 @@ def _mlp(cfg: ModelConfig, ours: str, theirs: str, expert: int | None) -> dict[s
     out = {f"{ours}.linear_fc2.weight": [(f"{theirs}.linear_fc2.weight", "", expert)]}
     kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
     for kind in kinds:
-        if cfg.swiglu:
+        if cfg.gated_linear_unit:
             for part in ("gate", "up"):
                 out[f"{ours}.linear_fc1.{kind}.{part}"] = [
                     (f"{theirs}.linear_fc1.{kind}", part, expert)
