@@ -119,6 +119,7 @@ LAYOUTS = {
     "tp2": dict(tp=2),
     "cp2-p2p": dict(cp=2, comm="p2p"),
     "cp2-allgather": dict(cp=2, comm="allgather"),
+    "cp2-a2a": dict(cp=2, comm="a2a"),
     "pp2": dict(pp=2),
 }
 
@@ -162,10 +163,6 @@ def test_sinks_and_alternating_windows_match_one_process(name):
             ["--attention-dropout", "0", "--window-size", "(8, 0)", "--window-attn-skip-freq",
              "([1,0]*3)"],
             "--window-attn-skip-freq ([1,0]*3): gives 6 layers, the model has --num-layers 4",
-        ),
-        (
-            ["--attention-dropout", "0", "--context-parallel-size", "2", "--cp-comm-type", "a2a"],
-            "--softmax-type learnable with --cp-comm-type a2a: attention sinks under",
         ),
     ],
 )  # fmt: skip

@@ -204,11 +204,6 @@ def _check_context_parallel(m, par) -> None:
             "multi-latent attention under context parallelism exchanges keys and values "
             "around the ring only; give --cp-comm-type p2p"
         )
-    if m.has_sinks and "a2a" in types:
-        raise ConfigError(
-            f"--softmax-type {m.softmax_type} with --cp-comm-type a2a: attention sinks under "
-            "context parallelism run with p2p or allgather here"
-        )
     if m.attention_dropout > 0 and set(types) - {"a2a"}:
         raise ConfigError(
             f"--attention-dropout {m.attention_dropout}: dropout inside context-parallel "

@@ -100,22 +100,34 @@ class SelfAttention(nn.Module):
         ids = documents.ids if documents is not None else None
         chunks = documents.chunks(ctx.cp_size) if documents is not None else None
 
-        def attend(q, k, v):  # a2a: whole sequences in natural order, this rank's heads
-            return self._attend(q, k, v, documents)
+        # a2a: whole sequences in natural order for this CP rank's block of the heads (and of
+        # their sink logits; each CP rank's gradient is then its block's, and the DP x CP
+        # reduction adds them up)
+        heads = q.shape[1] // ctx.cp_size
+        block = slice(ctx.cp_rank * heads, (ctx.cp_rank + 1) * heads)
 
+        def attend(q, k, v):
+            return self._attend(q, k, v, documents, block)
+
+        sink = None if comm_type == "a2a" else self._sink()
         return context_parallel_attention(
-            q, k, v, ctx.cp_group, comm_type, window, attend, ids, chunks, self._sink()
+            q, k, v, ctx.cp_group, comm_type, window, attend, ids, chunks, sink
         )
 
-    def _attend(self, q, k, v, documents: Documents | None = None) -> torch.Tensor:
+    def _attend(
+        self, q, k, v, documents: Documents | None = None, heads: slice | None = None
+    ) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v over whole sequences [b, heads, s, d], causal (within
         documents where they are given), with dropout drawn from the per-TP-rank stream (heads
-        are split over TP)."""
+        are split over TP); `heads`: which of the layer's heads (and sink logits) q holds."""
         p = self.ctx.config.attention_dropout if self.training else 0.0
+        sink = self._sink()
+        if sink is not None and heads is not None:
+            sink = sink[heads]
         if p > 0.0 and self.ctx.tracker is not None:
             with self.ctx.tracker.fork():
-                return self.kernel(q, k, v, p, documents, self._sink())
-        return self.kernel(q, k, v, p, documents, self._sink())
+                return self.kernel(q, k, v, p, documents, sink)
+        return self.kernel(q, k, v, p, documents, sink)
 
     def _keeps_little(self) -> bool:
         """Ring attention keeps only q, k, v, output and log-sum-exp for backward: selective

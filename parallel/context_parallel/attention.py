@@ -65,7 +65,8 @@ def context_parallel_attention(
     (default: causal, windowed, within documents, with GQA). `document_ids` [b, s]: each
     token's document, the whole sequence's (p2p: `chunk_documents`, ring.ChunkDocuments of
     them, when the caller keeps one for every layer). `sink` [heads]: a logit per head beside
-    every row's scores (attention sinks; p2p and allgather)."""
+    every row's scores (attention sinks; p2p and allgather: under a2a, `attend` applies the
+    sinks of the heads it is given)."""
     if comm_type == "p2p":
         return ring_attention(q, k, v, group, window, document_ids, chunk_documents, sink)
     if sink is not None and comm_type != "allgather":
