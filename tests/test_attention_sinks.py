@@ -216,3 +216,60 @@ def test_quick_geglu_with_clamp_and_offset_is_gpt_oss_experts_activation():
     assert (ours.linear_fc1(x[:, None]).abs() > 7).any()  # the clamp is reached
     grads = [torch.autograd.grad(y.sum(), x)[0] for y in (got, expected)]
     assert (grads[0] - grads[1]).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_sinks_within_documents_equal_the_explicit_softmax(window):
+    """Sinks beside each row's own document's scores (--reset-attention-mask): fp64, forward
+    and backward, against the scores masked to the document (and window) with the sink
+    column, softmaxed, the sink's share dropped."""
+    from engine.model.attention_kernel import AttentionKernel, AttentionMasks
+    from engine.model.document_attention import Documents, allowed
+
+    q, k, v, sink = _inputs(1)
+    ids = torch.tensor([[0] * 7 + [1] * 10 + [2] * 7, [0] * 24])
+    kernel = AttentionKernel("sinks", window, True, AttentionMasks(), "sdpa-documents")
+    out = kernel(q, k, v, 0.0, Documents(ids), sink)
+    grads = torch.autograd.grad(out.sum(), (q, k, v, sink))
+    keys, values = (t.repeat_interleave(HEADS // GROUPS, dim=1) for t in (k, v))
+    scores = q @ keys.transpose(-1, -2) / D**0.5
+    scores = scores.masked_fill(~allowed(ids, window), float("-inf"))
+    column = sink[None, :, None, None].expand(B, HEADS, SEQ, 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    expected = probs @ values
+    assert (out - expected).abs().max() < 1e-12
+    wanted = torch.autograd.grad(expected.sum(), (q, k, v, sink))
+    for got, want in zip(grads, wanted, strict=True):
+        assert (got - want).abs().max() < 1e-10
+
+
+DOCUMENT_LAYOUTS = {
+    "one": dict(),
+    "cp2-p2p": dict(cp=2, comm="p2p"),
+    "cp2-a2a": dict(cp=2, comm="a2a"),
+    "cp2-allgather": dict(cp=2, comm="allgather"),
+    "pp2": dict(pp=2),
+    "tp2-sp": dict(tp=2),
+}
+
+
+def _within_documents(rank, world, name):
+    from tests.test_packed_documents import PACKING, packed_tokens
+
+    layout = DOCUMENT_LAYOUTS[name]
+    tp = layout.get("tp", 1)
+    state = ParallelState.build(tp=tp, pp=layout.get("pp", 1), cp=layout.get("cp", 1))
+    cfg = _config()
+    tokens = packed_tokens(3, 4, cfg.seq_length)
+    _, grads = engine_grads(
+        state, cfg, tokens, 4 // state.dp_size, cp_comm_type=(layout.get("comm", "p2p"),),
+        sequence_parallel=tp > 1, packing=PACKING, per_token_loss=True,
+    )  # fmt: skip
+    return grads
+
+
+@pytest.mark.parametrize("name", [n for n in DOCUMENT_LAYOUTS if n != "one"])
+def test_sinks_within_documents_match_one_process(name):
+    (reference,) = run_ranks(_within_documents, 1, "one")
+    for grads in run_ranks(_within_documents, 2, name):
+        assert max(compare_params(grads, reference).values()) < 1e-5, name

@@ -41,11 +41,6 @@ def check_configs(cfg: Configs, world_size: int) -> int:
     _check_eval_batches(cfg, dp)
     cfg.optimizer.validate(training.train_iters, training.train_samples, training.global_batch(dp))
     cfg.data.validate()
-    if cfg.model.has_sinks and cfg.data.reset_attention_mask:
-        raise ConfigError(
-            f"--softmax-type {cfg.model.softmax_type} with --reset-attention-mask: attention "
-            "sinks within documents are not built yet; drop one of them"
-        )
     return dp
 
 

@@ -132,6 +132,8 @@ class AttentionKernel:
         self.document_kind = document_kind
 
     def __call__(self, q, k, v, dropout: float, documents=None, sink=None) -> torch.Tensor:
+        if self.kind == "sinks" and documents is not None:
+            return _sinks_by_document(q, k, v, sink, self.window, documents)
         if self.kind == "sinks":
             return sink_attention(q, k, v, sink, self.window)
         if documents is not None and self.document_kind is not None:
@@ -161,3 +163,17 @@ class AttentionKernel:
             mask = documents.block_mask(self.window)
             return flex(q, k, v, block_mask=mask, enable_gqa=self.grouped)
         return attend_by_document(q, k, v, documents, self.window, dropout, self.grouped)
+
+
+@torch.compiler.disable
+def _sinks_by_document(q, k, v, sink, window, documents) -> torch.Tensor:
+    """Attention with sinks within documents: one document at a time (each row's sink beside
+    its own document's scores), as the CPU's per-document path runs."""
+    rows = []
+    for sample, spans in enumerate(documents.spans()):
+        parts = [
+            sink_attention(*(t[sample : sample + 1, :, a:b] for t in (q, k, v)), sink, window)
+            for a, b in spans
+        ]
+        rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+    return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
