@@ -1,9 +1,9 @@
-"""Hugging Face's GptOssForCausalLM in and out: a random model made by transformers (sinks,
-alternating sliding-window and full layers, biased attention, router and experts, the clamped
-gated unit, YaRN) comes back bit-identical after import and export, gives transformers'
-logits imported in one process and under TP2 x EP2 x PP2, and loads
-back into transformers from our export with the same logits; a gpt-oss trained here under
-EP2 x PP2 gives the same logits and greedy tokens in transformers."""
+"""Hugging Face's GptOssForCausalLM in and out (its MXFP4 experts too): a random model made by
+transformers (sinks, alternating sliding-window and full layers, biased attention, router and
+experts, the clamped gated unit, YaRN) comes back bit-identical after import and export, gives
+transformers' logits imported in one process and under TP2 x EP2 x PP2, and loads back into
+transformers from our export with the same logits; a gpt-oss trained here under EP2 x PP2
+gives the same logits and greedy tokens in transformers."""
 
 from __future__ import annotations
 
@@ -26,14 +26,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TOKENS = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
-def _random_gpt_oss(folder, windows: bool = True):
+def _random_gpt_oss(folder, windows: bool = True, intermediate: int = 48, experts=None):
+    """experts(model): sets the experts' weights before saving (default: perturbed)."""
     transformers = require("transformers")
     torch.manual_seed(0)
     kinds = None if windows else ["full_attention"] * 4  # (default: alternating from sliding)
     config = transformers.GptOssConfig(
         layer_types=kinds,
         hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=48, vocab_size=500, max_position_embeddings=64,
+        head_dim=16, intermediate_size=intermediate, vocab_size=500, max_position_embeddings=64,
         num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
         rope_parameters={
             "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
@@ -45,6 +46,8 @@ def _random_gpt_oss(folder, windows: bool = True):
     with torch.no_grad():  # every parameter away from its initial value (biases, sinks, norms)
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
+        if experts is not None:
+            experts(model)
     model.save_pretrained(folder)
     return model.eval()
 
@@ -124,13 +127,14 @@ def test_a_gpt_oss_trained_here_generates_the_same_in_transformers(
     assert greedy_generate(ours, prompt, 12) == theirs
 
 
-def test_quantized_experts_are_refused_in_one_line():
-    """Quantized (MXFP4) experts from the Hub are a one-line error."""
+def test_other_quantized_weights_are_refused_in_one_line():
+    """Quantized weights other than gpt-oss's MXFP4 experts (DeepSeek-V3's published FP8,
+    say) are a one-line error."""
     from engine.errors import ConfigError
     from engine.interop.hf.architectures import model_config_from_hf
 
-    quantized = {"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}}
-    with pytest.raises(ConfigError, match="gpt_oss checkpoint with mxfp4 weights"):
+    quantized = {"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}}
+    with pytest.raises(ConfigError, match="deepseek_v3 checkpoint with fp8 weights"):
         model_config_from_hf(quantized)
 
 
@@ -163,3 +167,59 @@ def test_gpt_oss_imported_under_tp2_ep2_pp2(tmp_path):
     results = run_ranks(_tp2_ep2_pp2_logits, 4, ckpt, TOKENS)
     for logits in results[2:]:  # the last pipeline stage
         assert rel_err(logits, expected) < 1e-5
+
+
+def test_mxfp4_experts_import_as_transformers_dequantizes_them(tmp_path):
+    """OpenAI's MXFP4 experts (name_blocks, name_scales; quantization_config mxfp4) import as
+    the weights transformers' own dequantization makes of them: a folder with random MXFP4
+    experts gives our checkpoint the tensors of the same model saved dequantized by
+    transformers, bit for bit, and transformers' logits."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    mxfp4 = require("transformers.integrations.mxfp4")
+    gen = torch.Generator().manual_seed(5)
+    packed = {}
+
+    def random_mxfp4(model):
+        for i, layer in enumerate(model.model.layers):
+            for name in ("gate_up_proj", "down_proj"):
+                weight = getattr(layer.mlp.experts, name)  # [E, in, out]
+                e, cols, rows = weight.shape
+                blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=gen)
+                scales = torch.randint(118, 128, (e, rows, cols // 32), generator=gen)
+                blocks, scales = blocks.to(torch.uint8), scales.to(torch.uint8)
+                value = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+                weight.copy_(value.to(weight.dtype))
+                packed[f"model.layers.{i}.mlp.experts.{name}"] = (blocks, scales)
+
+    hf = _random_gpt_oss(tmp_path / "hf", intermediate=64, experts=random_mxfp4)
+    quantized = tmp_path / "mxfp4"
+    quantized.mkdir()
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    for name, (blocks, scales) in packed.items():
+        del tensors[name]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, quantized / "model.safetensors")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (quantized / "config.json").write_text(json.dumps(config))
+    import_from_hf(str(tmp_path / "hf"), str(tmp_path / "plain"))
+    import_from_hf(str(quantized), str(tmp_path / "ours"))
+
+    from engine.model import BuildContext, GPTModel
+
+    models = []
+    for name in ("plain", "ours"):
+        path = iteration_dir(str(tmp_path / name), 0)
+        cfg = ModelConfig(**read_meta(path)["model"])
+        model = GPTModel(cfg, BuildContext(cfg))
+        load_model_weights(path, model.eval())
+        models.append(model)
+    plain, ours = (dict(m.named_parameters()) for m in models)
+    for name, param in ours.items():
+        assert torch.equal(param, plain[name]), name
+    with torch.no_grad():
+        logits = models[1].full_logits(models[1](tokens=TOKENS))
+        assert rel_err(logits, hf(TOKENS).logits) < 1e-5

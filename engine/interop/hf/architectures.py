@@ -51,6 +51,7 @@ from engine.interop.hf.moe import (
     moe_options_from_hf,
     moe_style_of,
 )
+from engine.interop.hf.mxfp4 import QUANT_METHOD as MXFP4
 from engine.interop.hf.rope import rope_parameters
 
 LLAMA, MISTRAL, QWEN2, QWEN3, GPT2 = "llama", "mistral", "qwen2", "qwen3", "gpt2"
@@ -325,10 +326,12 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
     kind = hf.get("model_type")
     if hf.get("quantization_config"):
         method = hf["quantization_config"].get("quant_method", "quantized")
-        raise ConfigError(
-            f"{kind} checkpoint with {method} weights (quantization_config): only unquantized "
-            "weights are imported; save a dequantized copy with transformers first"
-        )
+        if not (kind == GPT_OSS and method == MXFP4):  # (its experts: engine/interop/hf/mxfp4.py)
+            raise ConfigError(
+                f"{kind} checkpoint with {method} weights (quantization_config): only "
+                "unquantized weights (and gpt-oss's MXFP4 experts) are imported; save a "
+                "dequantized copy with transformers first"
+            )
     if kind == GPT_OSS:
         return ModelConfig(**gpt_oss_options(hf)), GPT_OSS
     if kind == DEEPSEEK_V3:

@@ -26,6 +26,7 @@ from engine.errors import InputError, UserError
 from engine.interop.hf.architectures import hf_tensors, model_config_from_hf
 from engine.interop.hf.deepseek_v3 import DEEPSEEK_V3, with_mtp_layers
 from engine.interop.hf.hf_tensor import packed_shape, unpack
+from engine.interop.hf.mxfp4 import BLOCKS, SCALES, dequantize, dequantized_shape
 from parallel.checkpoint.dcp import LazyTensor
 from parallel.errors import one_line
 from parallel.pipeline.layout import stage_layers
@@ -76,9 +77,29 @@ class _SafetensorsFolder:
                 f"{folder}: no model.safetensors or model.safetensors.index.json (only "
                 "safetensors are read)"
             )
+        # MXFP4 tensors (gpt-oss's experts): the weight `name` from name_blocks, name_scales
+        self.mxfp4 = {
+            name.removesuffix(BLOCKS): name
+            for name in self.where
+            if name.endswith(BLOCKS) and name.removesuffix(BLOCKS) + SCALES in self.where
+        }
+        self.where |= {base: self.where[blocks] for base, blocks in self.mxfp4.items()}
         self._cached: tuple[str, torch.Tensor] | None = None
 
+    def _raw(self, name: str) -> torch.Tensor:
+        with _safe_open(self.where[name]) as f:
+            try:
+                return f.get_tensor(name)
+            except Exception as err:  # noqa: BLE001 - truncated or damaged data
+                raise InputError(
+                    f"{self.where[name]}: tensor {name} cannot be read ({one_line(err)})"
+                ) from None
+
     def shape_and_dtype(self, name: str):
+        if name in self.mxfp4:
+            with _safe_open(self.where[name]) as f:
+                blocks = tuple(f.get_slice(self.mxfp4[name]).get_shape())
+            return dequantized_shape(blocks), torch.bfloat16
         with _safe_open(self.where[name]) as f:
             try:
                 part = f.get_slice(name)
@@ -96,13 +117,14 @@ class _SafetensorsFolder:
 
     def get(self, name: str) -> torch.Tensor:
         if self._cached is None or self._cached[0] != name:
-            with _safe_open(self.where[name]) as f:
+            if name in self.mxfp4:
+                blocks, scales = self._raw(name + BLOCKS), self._raw(name + SCALES)
                 try:
-                    self._cached = (name, f.get_tensor(name))
-                except Exception as err:  # noqa: BLE001 - truncated or damaged data
-                    raise InputError(
-                        f"{self.where[name]}: tensor {name} cannot be read ({one_line(err)})"
-                    ) from None
+                    self._cached = (name, dequantize(blocks, scales))
+                except ValueError as err:
+                    raise InputError(f"{self.where[name]}: tensor {name}: {err}") from None
+            else:
+                self._cached = (name, self._raw(name))
         return self._cached[1]
 
 
