@@ -171,3 +171,58 @@ def test_a_deepseek_v3_trained_here_generates_the_same_in_transformers(
     trained = dict(ours.named_parameters())
     for name, param in back.named_parameters():
         assert torch.equal(param, trained[name]), name
+
+
+QUANTIZED = r"\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+def test_block_scaled_fp8_weights_import_dequantized(tmp_path):
+    """DeepSeek-V3's published FP8 weights (E4M3 in 16 x 16 blocks here, each with its
+    weight_scale_inv; quantization_config fp8): imported as the same model saved with
+    transformers' own dequantization (computed in fp32, rounded to bfloat16), bit for bit, and
+    to transformers' logits."""
+    import json
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.model import BuildContext, GPTModel
+
+    fp8 = require("transformers.integrations.finegrained_fp8")
+    transformers = require("transformers")
+    _random_deepseek_v3(tmp_path / "hf", 24)
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    plain, quantized = dict(tensors), dict(tensors)
+    for name, weight in tensors.items():
+        if not re.search(QUANTIZED + r"\.weight$", name):
+            continue
+        rows, cols = weight.shape  # (some not multiples of 16: partial blocks at the edges)
+        padded = torch.nn.functional.pad(weight.float(), (0, -cols % 16, 0, -rows % 16))
+        blocks = padded.reshape(padded.shape[0] // 16, 16, padded.shape[1] // 16, 16)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0  # E4M3's largest value
+        spread = scale.repeat_interleave(16, 0).repeat_interleave(16, 1)[:rows, :cols]
+        values = (weight.float() / spread).to(torch.float8_e4m3fn)
+        quantized[name], quantized[name + "_scale_inv"] = values, scale
+        back = fp8._dequantize_fp8_weight(values, scale, [16, 16], torch.float32)
+        plain[name] = back.to(torch.bfloat16).to(weight.dtype)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for name, content, extra in (("plain", plain, {}), ("fp8", quantized, {
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}
+    })):  # fmt: skip
+        (tmp_path / name).mkdir()
+        save_file(content, tmp_path / name / "model.safetensors")
+        (tmp_path / name / "config.json").write_text(json.dumps(config | extra))
+        import_from_hf(str(tmp_path / name), str(tmp_path / f"ours-{name}"))
+    models = []
+    for name in ("ours-plain", "ours-fp8"):
+        path = iteration_dir(str(tmp_path / name), 0)
+        cfg = ModelConfig(**read_meta(path)["model"])
+        models.append(GPTModel(cfg, BuildContext(cfg)))
+        load_model_weights(path, models[-1].eval())
+    reference = dict(models[0].named_parameters())
+    for name, param in models[1].named_parameters():
+        assert torch.equal(param, reference[name]), name
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain").eval()
+    with torch.no_grad():
+        ours = models[1].full_logits(models[1](tokens=TOKENS))
+        assert rel_err(ours, hf(TOKENS).logits) < 1e-5

@@ -128,13 +128,13 @@ def test_a_gpt_oss_trained_here_generates_the_same_in_transformers(
 
 
 def test_other_quantized_weights_are_refused_in_one_line():
-    """Quantized weights other than gpt-oss's MXFP4 experts (DeepSeek-V3's published FP8,
-    say) are a one-line error."""
+    """Quantized weights other than gpt-oss's MXFP4 experts and block-scaled FP8 ones are a
+    one-line error."""
     from engine.errors import ConfigError
     from engine.interop.hf.architectures import model_config_from_hf
 
-    quantized = {"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8"}}
-    with pytest.raises(ConfigError, match="deepseek_v3 checkpoint with fp8 weights"):
+    quantized = {"model_type": "llama", "quantization_config": {"quant_method": "awq"}}
+    with pytest.raises(ConfigError, match="llama checkpoint with awq weights"):
         model_config_from_hf(quantized)
 
 

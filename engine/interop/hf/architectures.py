@@ -32,6 +32,7 @@ from engine.interop.hf.deepseek_v3 import (
     deepseek_v3_options,
     deepseek_v3_tensors,
 )
+from engine.interop.hf.fp8 import QUANT_METHOD as FP8
 from engine.interop.hf.gpt_oss import ARCHITECTURE as GPT_OSS_ARCHITECTURE
 from engine.interop.hf.gpt_oss import (
     GPT_OSS,
@@ -326,11 +327,13 @@ def model_config_from_hf(hf: dict) -> tuple[ModelConfig, str]:
     kind = hf.get("model_type")
     if hf.get("quantization_config"):
         method = hf["quantization_config"].get("quant_method", "quantized")
-        if not (kind == GPT_OSS and method == MXFP4):  # (its experts: engine/interop/hf/mxfp4.py)
+        # gpt-oss's MXFP4 experts and block-scaled FP8 weights are read dequantized
+        # (engine/interop/hf/mxfp4.py, fp8.py)
+        if not ((kind == GPT_OSS and method == MXFP4) or method == FP8):
             raise ConfigError(
                 f"{kind} checkpoint with {method} weights (quantization_config): only "
-                "unquantized weights (and gpt-oss's MXFP4 experts) are imported; save a "
-                "dequantized copy with transformers first"
+                "unquantized weights, block-scaled FP8 ones and gpt-oss's MXFP4 experts are "
+                "imported; save a dequantized copy with transformers first"
             )
     if kind == GPT_OSS:
         return ModelConfig(**gpt_oss_options(hf)), GPT_OSS

@@ -25,6 +25,10 @@ from engine.data.tokenizers import build_tokenizer
 from engine.errors import InputError, UserError
 from engine.interop.hf.architectures import hf_tensors, model_config_from_hf
 from engine.interop.hf.deepseek_v3 import DEEPSEEK_V3, with_mtp_layers
+from engine.interop.hf.fp8 import QUANT_METHOD as FP8
+from engine.interop.hf.fp8 import SCALE as FP8_SCALE
+from engine.interop.hf.fp8 import block_size as fp8_block_size
+from engine.interop.hf.fp8 import dequantize as fp8_dequantize
 from engine.interop.hf.hf_tensor import packed_shape, unpack
 from engine.interop.hf.mxfp4 import BLOCKS, SCALES, dequantize, dequantized_shape
 from parallel.checkpoint.dcp import LazyTensor
@@ -64,7 +68,8 @@ class _SafetensorsFolder:
     """Lazy access to the tensors of a folder of safetensors files (one cached at a time,
     since fused HF tensors such as GPT-2's c_attn feed several of ours in a row)."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, quantization: dict | None = None):
+        """quantization: config.json's quantization_config (block-scaled FP8 weights)."""
         index = os.path.join(folder, "model.safetensors.index.json")
         single = os.path.join(folder, "model.safetensors")
         if os.path.isfile(index):
@@ -84,6 +89,14 @@ class _SafetensorsFolder:
             if name.endswith(BLOCKS) and name.removesuffix(BLOCKS) + SCALES in self.where
         }
         self.where |= {base: self.where[blocks] for base, blocks in self.mxfp4.items()}
+        # block-scaled FP8 weights (engine/interop/hf/fp8.py): name beside name_scale_inv
+        self.fp8, self.block = {}, None
+        if (quantization or {}).get("quant_method") == FP8:
+            try:
+                self.block = fp8_block_size(quantization)
+            except ValueError as err:
+                raise InputError(f"{folder}/config.json: quantization_config: {err}") from None
+            self.fp8 = {name for name in self.where if name + FP8_SCALE in self.where}
         self._cached: tuple[str, torch.Tensor] | None = None
 
     def _raw(self, name: str) -> torch.Tensor:
@@ -100,6 +113,9 @@ class _SafetensorsFolder:
             with _safe_open(self.where[name]) as f:
                 blocks = tuple(f.get_slice(self.mxfp4[name]).get_shape())
             return dequantized_shape(blocks), torch.bfloat16
+        if name in self.fp8:
+            with _safe_open(self.where[name]) as f:
+                return tuple(f.get_slice(name).get_shape()), torch.bfloat16
         with _safe_open(self.where[name]) as f:
             try:
                 part = f.get_slice(name)
@@ -121,6 +137,12 @@ class _SafetensorsFolder:
                 blocks, scales = self._raw(name + BLOCKS), self._raw(name + SCALES)
                 try:
                     self._cached = (name, dequantize(blocks, scales))
+                except ValueError as err:
+                    raise InputError(f"{self.where[name]}: tensor {name}: {err}") from None
+            elif name in self.fp8:
+                weight, scales = self._raw(name), self._raw(name + FP8_SCALE)
+                try:
+                    self._cached = (name, fp8_dequantize(weight, scales, self.block))
                 except ValueError as err:
                     raise InputError(f"{self.where[name]}: tensor {name}: {err}") from None
             else:
@@ -234,7 +256,7 @@ def import_from_hf(folder: str, output: str, tp: int = 1, pp: int = 1) -> dict:
         raise InputError(
             f"{config_path}: a field is missing or malformed ({one_line(err)})"
         ) from None
-    files = _SafetensorsFolder(folder)
+    files = _SafetensorsFolder(folder, hf.get("quantization_config"))
     if style == DEEPSEEK_V3:
         cfg = with_mtp_layers(cfg, hf, files.where)
     cfg.validate(tp)
