@@ -256,8 +256,12 @@ def _layout(rank, world, name, recompute):
     state = ParallelState.build(
         tp=layout.get("tp", 1), pp=layout.get("pp", 1), cp=layout.get("cp", 1)
     )
-    extra = dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"])
-    cfg = _model_config(**(extra if recompute else {}))
+    extra = {
+        "up": dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]),
+        "full": dict(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=1),
+    }.get(recompute, {})  # fmt: skip
+    cfg = _model_config(**extra)
     tokens = global_batch(3, 4, cfg.seq_length)
     _, ref_grads = reference_grads(_model_config(), tokens)
     _, grads = engine_grads(
@@ -271,8 +275,9 @@ def _layout(rank, world, name, recompute):
 def test_latent_attention_model_matches_one_process(name):
     """Loss gradients of every weight under TP2 (with and without SP: the replicated down
     projections and latent norms, the shared RoPE key), CP2 (ring, values padded), PP2 and
-    DP2 equal one process's; with the up projections recomputed under TP2+SP."""
-    for recompute in (False, True) if name == "tp2-sp" else (False,):
+    DP2 equal one process's; with the up projections, or whole layers, recomputed under
+    TP2+SP."""
+    for recompute in (None, "up", "full") if name == "tp2-sp" else (None,):
         for error in run_ranks(_layout, 2, name, recompute):
             assert error < 1e-5, (name, recompute, error)
 
