@@ -18,6 +18,7 @@ from engine.config.model import ModelConfig
 from engine.interop.hf.export import export_to_hf
 from engine.interop.hf.import_hf import import_from_hf
 from tests.distributed import rel_err, run_ranks
+from tests.hf_checks import tp2_ep2_pp2_logits, trained_matches_transformers
 from tests.requirements import require
 from tests.test_hf_moe import same_tensors
 
@@ -80,31 +81,13 @@ def test_deepseek_v3_round_trip_and_logits(tmp_path, q_lora_rank):
         assert rel_err(reloaded(TOKENS).logits, expected) < 1e-6
 
 
-def _parallel_logits(rank, world, ckpt, tokens):
-    from engine.model.builder import build_model_chunks
-    from parallel.pipeline.p2p import P2P
-    from parallel.state import ParallelState
-
-    state = ParallelState.build(tp=2, pp=2, ep=2, etp=1)  # the experts of EP2 out of TP2
-    path = iteration_dir(ckpt, 0)
-    cfg = ModelConfig(**read_meta(path)["model"])
-    (model,) = build_model_chunks(cfg, state, sequence_parallel=True)
-    load_model_weights(path, model.eval())
-    p2p = P2P(state, (tokens.shape[1] // 2, tokens.shape[0], cfg.hidden_size), torch.float32)
-    with torch.no_grad():
-        if state.is_first_stage:
-            p2p.send_forward(model(tokens=tokens))
-            return None
-        return model.full_logits(model(hidden=p2p.recv_forward()))
-
-
 def test_deepseek_v3_imported_under_tp2_ep2_pp2(tmp_path):
     hf = _random_deepseek_v3(tmp_path / "hf", 24)
     ckpt = str(tmp_path / "ours")
     import_from_hf(str(tmp_path / "hf"), ckpt)
     with torch.no_grad():
         expected = hf(TOKENS).logits
-    results = run_ranks(_parallel_logits, 4, ckpt, TOKENS)
+    results = run_ranks(tp2_ep2_pp2_logits, 4, ckpt, TOKENS)
     for logits in results[2:]:  # the last pipeline stage
         assert rel_err(logits, expected) < 1e-5
 
@@ -135,32 +118,11 @@ def test_a_deepseek_v3_trained_here_generates_the_same_in_transformers(
     one multi-token-prediction depth) exports as DeepseekV3ForCausalLM with the engine's
     logits and greedy tokens; its MTP layer is written as DeepSeek-V3's checkpoints keep it
     (model.layers.<L>) and comes back from the export unchanged."""
-    transformers = require("transformers")
-    from engine.checkpoint.files import find_latest
-    from engine.eval.generate import greedy_generate
+    ours, cfg = trained_matches_transformers(
+        dataset_prefix, tokenizer_model, tmp_path, DEEPSEEK_V3_FLAGS, "DeepseekV3ForCausalLM"
+    )
     from engine.model import BuildContext, GPTModel
-    from tests.test_training import base_args, pretrain
 
-    ckpt = str(tmp_path / "ckpt")
-    flags = DEEPSEEK_V3_FLAGS | {"--save": ckpt}
-    pretrain(4, base_args(dataset_prefix, tokenizer_model, **flags))
-    export_to_hf(ckpt, str(tmp_path / "hf"))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
-    path = iteration_dir(ckpt, find_latest(ckpt))
-    cfg = ModelConfig(**read_meta(path)["model"])
-    ours = GPTModel(cfg, BuildContext(cfg))
-    load_model_weights(path, ours.eval())
-    tokens = torch.randint(3, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = ours.full_logits(ours(tokens=tokens))
-        assert rel_err(hf(tokens).logits, expected) < 1e-5
-    prompt = tokens[0, :6].tolist()
-    hf.generation_config.eos_token_id = None  # no early stop: compare 12 tokens each
-    theirs = hf.generate(
-        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=3
-    )[0].tolist()
-    assert greedy_generate(ours, prompt, 12) == theirs
     import_from_hf(str(tmp_path / "hf"), str(tmp_path / "again"))
     again = iteration_dir(str(tmp_path / "again"), 0)
     assert ModelConfig(**read_meta(again)["model"]).mtp_num_layers == 1

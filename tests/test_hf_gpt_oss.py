@@ -18,6 +18,7 @@ from engine.config.model import ModelConfig
 from engine.interop.hf.export import export_to_hf
 from engine.interop.hf.import_hf import import_from_hf
 from tests.distributed import rel_err, run_ranks
+from tests.hf_checks import tp2_ep2_pp2_logits, trained_matches_transformers
 from tests.requirements import require
 from tests.test_hf_moe import same_tensors
 
@@ -99,32 +100,9 @@ def test_a_gpt_oss_trained_here_generates_the_same_in_transformers(
 ):
     """A tiny gpt-oss trained 6 steps under EP2 x PP2 exports as GptOssForCausalLM with the
     engine's logits and greedy tokens."""
-    transformers = require("transformers")
-    from engine.checkpoint.files import find_latest
-    from engine.eval.generate import greedy_generate
-    from engine.model import BuildContext, GPTModel
-    from tests.test_training import base_args, pretrain
-
-    ckpt = str(tmp_path / "ckpt")
-    flags = GPT_OSS_FLAGS | {"--save": ckpt}
-    pretrain(4, base_args(dataset_prefix, tokenizer_model, **flags))
-    export_to_hf(ckpt, str(tmp_path / "hf"))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert type(hf).__name__ == "GptOssForCausalLM"
-    path = iteration_dir(ckpt, find_latest(ckpt))
-    cfg = ModelConfig(**read_meta(path)["model"])
-    ours = GPTModel(cfg, BuildContext(cfg))
-    load_model_weights(path, ours.eval())
-    tokens = torch.randint(3, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = ours.full_logits(ours(tokens=tokens))
-        assert rel_err(hf(tokens).logits, expected) < 1e-5
-    prompt = tokens[0, :6].tolist()
-    hf.generation_config.eos_token_id = None  # no early stop: compare 12 tokens each
-    theirs = hf.generate(
-        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=3
-    )[0].tolist()
-    assert greedy_generate(ours, prompt, 12) == theirs
+    trained_matches_transformers(
+        dataset_prefix, tokenizer_model, tmp_path, GPT_OSS_FLAGS, "GptOssForCausalLM"
+    )
 
 
 def test_other_quantized_weights_are_refused_in_one_line():
@@ -138,24 +116,6 @@ def test_other_quantized_weights_are_refused_in_one_line():
         model_config_from_hf(quantized)
 
 
-def _tp2_ep2_pp2_logits(rank, world, ckpt, tokens):
-    from engine.model.builder import build_model_chunks
-    from parallel.pipeline.p2p import P2P
-    from parallel.state import ParallelState
-
-    state = ParallelState.build(tp=2, pp=2, ep=2, etp=1)  # experts whole: EP2 out of TP2
-    path = iteration_dir(ckpt, 0)
-    cfg = ModelConfig(**read_meta(path)["model"])
-    (model,) = build_model_chunks(cfg, state, sequence_parallel=True)
-    load_model_weights(path, model.eval())
-    p2p = P2P(state, (tokens.shape[1] // 2, tokens.shape[0], cfg.hidden_size), torch.float32)
-    with torch.no_grad():
-        if state.is_first_stage:
-            p2p.send_forward(model(tokens=tokens))
-            return None
-        return model.full_logits(model(hidden=p2p.recv_forward()))
-
-
 def test_gpt_oss_imported_under_tp2_ep2_pp2(tmp_path):
     """Attention heads and sinks split over TP2 (with SP), the experts (with their biases)
     whole on each of EP2's ranks (ETP 1), the layers over PP2."""
@@ -164,7 +124,7 @@ def test_gpt_oss_imported_under_tp2_ep2_pp2(tmp_path):
     import_from_hf(str(tmp_path / "hf"), ckpt)
     with torch.no_grad():
         expected = hf(TOKENS).logits
-    results = run_ranks(_tp2_ep2_pp2_logits, 4, ckpt, TOKENS)
+    results = run_ranks(tp2_ep2_pp2_logits, 4, ckpt, TOKENS)
     for logits in results[2:]:  # the last pipeline stage
         assert rel_err(logits, expected) < 1e-5
 

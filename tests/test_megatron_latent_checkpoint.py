@@ -25,6 +25,7 @@ from engine.model.multi_token import TARGET_KEYS
 from tests.distributed import rel_err, run_ranks
 from tests.test_megatron_checkpoint import CPU_CONFIG, SEQ, VOCAB, _args, _convert
 from tests.test_megatron_export import _to_megatron
+from tests.test_megatron_moe_checkpoint import move_norms_and_expert_bias
 from tools.megatron_cpu import cuda_queries_on_cpu, router_without_transformer_engine
 
 SHAPE = dict(
@@ -110,13 +111,7 @@ def _save(rank, world, path):
 
     torch.manual_seed(100 + rank)
     model = _megatron_model(world)
-    with torch.no_grad():  # norms and the expert bias away from their initial values
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-        for name, buffer in model.named_buffers():
-            if name.endswith("expert_bias"):
-                buffer.add_(torch.randn(buffer.shape, generator=torch.Generator()) * 0.1)
+    move_norms_and_expert_bias(model)
     state = model.sharded_state_dict(metadata={"singleton_local_shards": False})
     state |= {"args": _latent_args(), "iteration": 7, "checkpoint_version": 3.0}
     state["opt_param_scheduler"] = {"num_steps": 56}

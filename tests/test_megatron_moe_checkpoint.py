@@ -106,18 +106,24 @@ def _save(rank, world, case, tp, ep, etp, path):
 
     torch.manual_seed(100 + rank)
     model = _megatron_moe(case, tp, ep, etp)
-    with torch.no_grad():  # norms and the expert bias away from their initial values
+    move_norms_and_expert_bias(model)
+    state = model.sharded_state_dict(metadata={"singleton_local_shards": False})
+    state |= {"args": _moe_args(case), "iteration": 7, "checkpoint_version": 3.0}
+    state["opt_param_scheduler"] = {"num_steps": 56}
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save(state, path)
+
+
+def move_norms_and_expert_bias(model) -> None:
+    """Norm weights and the routers' expert bias away from their initial values (1 and 0),
+    so that a reader who mixed them up would be caught."""
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
         for name, buffer in model.named_buffers():
             if name.endswith("expert_bias"):
                 buffer.add_(torch.randn(buffer.shape, generator=torch.Generator()) * 0.1)
-    state = model.sharded_state_dict(metadata={"singleton_local_shards": False})
-    state |= {"args": _moe_args(case), "iteration": 7, "checkpoint_version": 3.0}
-    state["opt_param_scheduler"] = {"num_steps": 56}
-    os.makedirs(path, exist_ok=True)
-    dist_checkpointing.save(state, path)
 
 
 def _megatron_logits(rank, world, case, path, tokens):

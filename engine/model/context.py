@@ -11,6 +11,7 @@ import torch
 from engine.config.model import ModelConfig
 from engine.model.attention_kernel import AttentionMasks
 from engine.model.moe.aux_loss import AuxLossScale
+from engine.model.norm import Norm
 from engine.ops.torch_ops import TorchOps
 from parallel.context_parallel.attention import rank_positions
 from parallel.random import RNGStatesTracker
@@ -115,6 +116,22 @@ class BuildContext:
             device=self.device,
             times=self.times,
             communicate=self.tp_communication,
+        )
+
+    def norm(self, size: int | None = None) -> Norm:
+        """The model's norm (--normalization, --norm-epsilon, --apply-layernorm-1p) over `size`
+        channels (default the hidden size) of activations between TP blocks: under SP each TP
+        rank sees part of the sequence, and its weights' gradients are summed over TP."""
+        cfg = self.config
+        return Norm(
+            cfg.normalization,
+            cfg.hidden_size if size is None else size,
+            cfg.norm_epsilon,
+            partial_grad=self.sequence_parallel,
+            params_dtype=self.params_dtype,
+            device=self.device,
+            ops=self.ops,
+            zero_centered=cfg.apply_layernorm_1p,
         )
 
     def vocab_embedding(self, name: str, *, scatter: bool = True) -> VocabParallelEmbedding:

@@ -20,7 +20,6 @@ from engine.model.context import BuildContext
 from engine.model.document_attention import Documents
 from engine.model.layer import TransformerLayer
 from engine.model.multi_token import MultiTokenPrediction
-from engine.model.norm import Norm
 from engine.model.rope import RotaryEmbedding
 from parallel.random import checkpoint
 from parallel.tensor_parallel.init import draw_full
@@ -118,16 +117,7 @@ class GPTModel(nn.Module):
         self.final_layernorm = self.output_layer = self.word_embeddings_for_head = None
         self.mtp = MultiTokenPrediction(ctx) if post_process and config.mtp_depths else None
         if post_process:
-            self.final_layernorm = Norm(
-                config.normalization,
-                config.hidden_size,
-                config.norm_epsilon,
-                partial_grad=ctx.sequence_parallel,
-                params_dtype=ctx.params_dtype,
-                device=ctx.device,
-                zero_centered=config.apply_layernorm_1p,
-                ops=ctx.ops,
-            )
+            self.final_layernorm = ctx.norm()
             padded = config.padded_vocab_size(ctx.tp_size)
             if not self.tied:
                 self.output_layer = ctx.column_linear(

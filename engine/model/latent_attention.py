@@ -33,7 +33,6 @@ from torch import nn
 from engine.model.attention import SelfAttention
 from engine.model.context import BuildContext
 from engine.model.document_attention import Documents
-from engine.model.norm import Norm
 from parallel.discarded_outputs import OutputDiscarding
 from parallel.tensor_parallel.init import draw_full
 from parallel.tensor_parallel.regions import (
@@ -97,7 +96,7 @@ class LatentAttention(SelfAttention):
                 f"{prefix}.linear_q_up_proj", cfg.q_lora_rank, n * query_dim, bias=False
             )
             if cfg.qk_layernorm:
-                self.q_layernorm = self._latent_norm(cfg.q_lora_rank)
+                self.q_layernorm = ctx.norm(cfg.q_lora_rank)
         self.linear_kv_down_proj = ReplicatedLinear(
             ctx, f"{prefix}.linear_kv_down_proj", h, cfg.kv_lora_rank + self.pos_dim
         )
@@ -108,7 +107,7 @@ class LatentAttention(SelfAttention):
             bias=False,
         )
         if cfg.qk_layernorm:
-            self.kv_layernorm = self._latent_norm(cfg.kv_lora_rank)
+            self.kv_layernorm = ctx.norm(cfg.kv_lora_rank)
         self.linear_proj = ctx.row_linear(
             f"{prefix}.linear_proj", n * self.v_dim, h, bias=cfg.add_bias_linear
         )
@@ -118,19 +117,6 @@ class LatentAttention(SelfAttention):
         self.query_scale = cfg.latent_softmax_scale() * math.sqrt(width)
         self.recompute_up = "mla_up_proj" in cfg.selective_modules
         self._build_core(grouped=False)
-
-    def _latent_norm(self, size: int) -> Norm:
-        cfg, ctx = self.ctx.config, self.ctx
-        return Norm(
-            cfg.normalization,
-            size,
-            cfg.norm_epsilon,
-            partial_grad=ctx.sequence_parallel,
-            params_dtype=ctx.params_dtype,
-            device=ctx.device,
-            ops=ctx.ops,
-            zero_centered=cfg.apply_layernorm_1p,
-        )
 
     def _whole_sequence(self, k_pos: torch.Tensor) -> torch.Tensor:
         """The shared RoPE key for every token this rank's heads attend from: gathered along

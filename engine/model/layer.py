@@ -15,7 +15,6 @@ from engine.model.context import BuildContext
 from engine.model.latent_attention import LatentAttention
 from engine.model.mlp import MLP
 from engine.model.moe.layer import MoELayer
-from engine.model.norm import Norm
 from parallel.random import checkpoint
 
 
@@ -27,17 +26,10 @@ class TransformerLayer(nn.Module):
         cfg = ctx.config
         self.ctx = ctx
         self.layer_number = layer_number
-        norm = {
-            "partial_grad": ctx.sequence_parallel,
-            "params_dtype": ctx.params_dtype,
-            "device": ctx.device,
-            "ops": ctx.ops,
-            "zero_centered": cfg.apply_layernorm_1p,
-        }
-        self.input_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, **norm)
+        self.input_layernorm = ctx.norm()
         attention = LatentAttention if cfg.multi_latent_attention else SelfAttention
         self.self_attention = attention(ctx, layer_number)
-        self.pre_mlp_layernorm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, **norm)
+        self.pre_mlp_layernorm = ctx.norm()
         pattern = cfg.moe_layer_pattern(cfg.num_layers)
         # (a multi-token-prediction layer, numbered after the decoder's, is built as its last)
         is_moe = pattern[min(layer_number, len(pattern) - 1)]

@@ -24,8 +24,7 @@ from torch import nn
 
 from engine.model.context import BuildContext
 from engine.model.layer import TransformerLayer
-from engine.model.moe.aux_loss import AuxLossScale
-from engine.model.norm import Norm
+from engine.model.moe.aux_loss import attach_side_loss
 from parallel.random import checkpoint
 from parallel.tensor_parallel.regions import (
     gather_from_tensor_parallel_region,
@@ -40,27 +39,14 @@ class MultiTokenLayer(nn.Module):
         super().__init__()
         cfg = ctx.config
         self.ctx = ctx
-        self.enorm, self.hnorm = self._norm(), self._norm()
+        self.enorm, self.hnorm = ctx.norm(), ctx.norm()
         h = cfg.hidden_size
         self.eh_proj = ctx.column_linear(f"mtp.layers.{depth}.eh_proj", 2 * h, h, bias=False)
         # numbered after the decoder's layers (its seeds and names differ from theirs), built
         # as the decoder's last layer is (dense or a mixture of experts)
         path = f"mtp.layers.{depth}.transformer_layer"
         self.transformer_layer = TransformerLayer(ctx, cfg.num_layers + depth, path)
-        self.final_layernorm = self._norm()
-
-    def _norm(self) -> Norm:
-        cfg, ctx = self.ctx.config, self.ctx
-        return Norm(
-            cfg.normalization,
-            cfg.hidden_size,
-            cfg.norm_epsilon,
-            partial_grad=ctx.sequence_parallel,
-            params_dtype=ctx.params_dtype,
-            device=ctx.device,
-            ops=ctx.ops,
-            zero_centered=cfg.apply_layernorm_1p,
-        )
+        self.final_layernorm = ctx.norm()
 
     def forward(self, hidden, embedded, documents, *rotary) -> torch.Tensor:
         """hidden and embedded [s(/tp), b, h] -> this depth's normalised output, the same."""
@@ -71,21 +57,6 @@ class MultiTokenLayer(nn.Module):
             x = scatter_to_sequence_parallel_region(x, ctx.tp_group, ctx.times)
         x = self.transformer_layer(x, rotary or None, documents)
         return self.final_layernorm(x)
-
-
-class _AttachSideLoss(torch.autograd.Function):
-    """Passes `tensor` through; in backward gives `loss` the gradient scale.side_factor()."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale):
-        ctx.save_for_backward(loss)
-        ctx.scale = scale
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (loss,) = ctx.saved_tensors
-        return grad, torch.full_like(loss, ctx.scale.side_factor()), None
 
 
 class MultiTokenPrediction(nn.Module):
@@ -113,4 +84,4 @@ class MultiTokenPrediction(nn.Module):
             reports.append((summed / count).detach())
             side = side + (summed if scale.token_count is not None else summed / count)
         side = side * (cfg.mtp_loss_scaling_factor / len(self.layers))
-        return _AttachSideLoss.apply(token_losses, side, scale), torch.stack(reports)
+        return attach_side_loss(token_losses, side, scale), torch.stack(reports)

@@ -14,6 +14,7 @@ losses weigh what they weigh without the flag.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,20 +40,29 @@ class AuxLossScale:
 
 
 class _Attach(torch.autograd.Function):
+    """Passes `tensor` through; in backward gives `loss` the gradient factor(), read then
+    (the step sets it before each schedule)."""
+
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale):
+    def forward(ctx, tensor: torch.Tensor, loss: torch.Tensor, factor: Callable[[], float]):
         ctx.save_for_backward(loss)
-        ctx.scale = scale
+        ctx.factor = factor
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (loss,) = ctx.saved_tensors
-        return grad, torch.full_like(loss, ctx.scale.value), None
+        return grad, torch.full_like(loss, ctx.factor()), None
 
 
 def attach_loss(tensor: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale) -> torch.Tensor:
-    """`tensor`, carrying `loss` into the gradient (module docstring)."""
+    """`tensor`, carrying the MoE loss `loss` into the gradient (module docstring)."""
     if scale.per_row:
         loss = loss * tensor.shape[0]
-    return _Attach.apply(tensor, loss, scale)
+    return _Attach.apply(tensor, loss, lambda: scale.value)
+
+
+def attach_side_loss(tensor: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale):
+    """`tensor`, carrying a side loss (multi-token prediction's) into the gradient with
+    `scale.side_factor()`."""
+    return _Attach.apply(tensor, loss, scale.side_factor)
