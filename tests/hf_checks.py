@@ -1,6 +1,6 @@
-"""Checks the Hugging Face families' tests share: a model trained here a few steps, exported,
-must give transformers the engine's logits and greedy tokens; an imported model's logits under
-TP2 x EP2 x PP2."""
+"""Checks the Hugging Face families' tests share: a transformers model imported gives its logits
+and exports back bit-identical; a model trained here a few steps, exported, gives transformers
+the engine's logits and greedy tokens; an imported model's logits under TP2 x EP2 x PP2."""
 
 from __future__ import annotations
 
@@ -63,3 +63,30 @@ def tp2_ep2_pp2_logits(rank, world, ckpt, tokens):
             p2p.send_forward(model(tokens=tokens))
             return None
         return model.full_logits(model(hidden=p2p.recv_forward()))
+
+
+def round_trip(hf, tmp_path, tokens, architecture: str) -> tuple[ModelConfig, dict, dict]:
+    """Import transformers' model `hf` (saved in tmp_path/hf) to tmp_path/ours: the engine's
+    logits are transformers' (within 1e-5); export it to tmp_path/again: the same tensors, and
+    transformers' logits again. Returns (our config, config.json before, after)."""
+    transformers = require("transformers")
+    from engine.interop.hf.import_hf import import_from_hf
+    from engine.model import BuildContext, GPTModel
+    from tests.test_hf_moe import same_tensors
+
+    summary = import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    assert summary["architecture"] == architecture
+    path = iteration_dir(str(tmp_path / "ours"), 0)
+    cfg = ModelConfig(**read_meta(path)["model"])
+    model = GPTModel(cfg, BuildContext(cfg))
+    load_model_weights(path, model.eval())
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        ours = model.full_logits(model(tokens=tokens))
+    assert rel_err(ours, expected) < 1e-5
+    export_to_hf(str(tmp_path / "ours"), str(tmp_path / "again"))
+    before, after = same_tensors(tmp_path / "hf", tmp_path / "again")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    with torch.no_grad():
+        assert rel_err(reloaded(tokens).logits, expected) < 1e-6
+    return cfg, before, after
