@@ -45,6 +45,21 @@ def trained_matches_transformers(dataset_prefix, tokenizer_model, tmp_path, flag
     return ours, cfg
 
 
+def imported_under_tp2_ep2_pp2(hf, tmp_path, tokens) -> None:
+    """transformers' model `hf` (saved in tmp_path/hf), imported, gives its logits under
+    TP2 x EP2 x PP2 (tp2_ep2_pp2_logits) within 1e-5."""
+    from engine.interop.hf.import_hf import import_from_hf
+    from tests.distributed import run_ranks
+
+    ckpt = str(tmp_path / "ours")
+    import_from_hf(str(tmp_path / "hf"), ckpt)
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    results = run_ranks(tp2_ep2_pp2_logits, 4, ckpt, tokens)
+    for logits in results[2:]:  # the last pipeline stage
+        assert rel_err(logits, expected) < 1e-5
+
+
 def tp2_ep2_pp2_logits(rank, world, ckpt, tokens):
     """The last pipeline stage's full logits of checkpoint `ckpt`'s model under TP2 (SP) x
     EP2 (the experts whole: ETP 1) x PP2 on 4 ranks; None on the first stage."""

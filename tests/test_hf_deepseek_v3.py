@@ -16,8 +16,12 @@ from engine.checkpoint.files import iteration_dir, read_meta
 from engine.checkpoint.load import load_model_weights
 from engine.config.model import ModelConfig
 from engine.interop.hf.import_hf import import_from_hf
-from tests.distributed import rel_err, run_ranks
-from tests.hf_checks import round_trip, tp2_ep2_pp2_logits, trained_matches_transformers
+from tests.distributed import rel_err
+from tests.hf_checks import (
+    imported_under_tp2_ep2_pp2,
+    round_trip,
+    trained_matches_transformers,
+)
 from tests.requirements import require
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,14 +66,7 @@ def test_deepseek_v3_round_trip_and_logits(tmp_path, q_lora_rank):
 
 
 def test_deepseek_v3_imported_under_tp2_ep2_pp2(tmp_path):
-    hf = _random_deepseek_v3(tmp_path / "hf", 24)
-    ckpt = str(tmp_path / "ours")
-    import_from_hf(str(tmp_path / "hf"), ckpt)
-    with torch.no_grad():
-        expected = hf(TOKENS).logits
-    results = run_ranks(tp2_ep2_pp2_logits, 4, ckpt, TOKENS)
-    for logits in results[2:]:  # the last pipeline stage
-        assert rel_err(logits, expected) < 1e-5
+    imported_under_tp2_ep2_pp2(_random_deepseek_v3(tmp_path / "hf", 24), tmp_path, TOKENS)
 
 
 DEEPSEEK_V3_FLAGS = {

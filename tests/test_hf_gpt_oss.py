@@ -16,8 +16,12 @@ from engine.checkpoint.files import iteration_dir, read_meta
 from engine.checkpoint.load import load_model_weights
 from engine.config.model import ModelConfig
 from engine.interop.hf.import_hf import import_from_hf
-from tests.distributed import rel_err, run_ranks
-from tests.hf_checks import round_trip, tp2_ep2_pp2_logits, trained_matches_transformers
+from tests.distributed import rel_err
+from tests.hf_checks import (
+    imported_under_tp2_ep2_pp2,
+    round_trip,
+    trained_matches_transformers,
+)
 from tests.requirements import require
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -99,14 +103,7 @@ def test_other_quantized_weights_are_refused_in_one_line():
 def test_gpt_oss_imported_under_tp2_ep2_pp2(tmp_path):
     """Attention heads and sinks split over TP2 (with SP), the experts (with their biases)
     whole on each of EP2's ranks (ETP 1), the layers over PP2."""
-    hf = _random_gpt_oss(tmp_path / "hf")
-    ckpt = str(tmp_path / "ours")
-    import_from_hf(str(tmp_path / "hf"), ckpt)
-    with torch.no_grad():
-        expected = hf(TOKENS).logits
-    results = run_ranks(tp2_ep2_pp2_logits, 4, ckpt, TOKENS)
-    for logits in results[2:]:  # the last pipeline stage
-        assert rel_err(logits, expected) < 1e-5
+    imported_under_tp2_ep2_pp2(_random_gpt_oss(tmp_path / "hf"), tmp_path, TOKENS)
 
 
 def test_mxfp4_experts_import_as_transformers_dequantizes_them(tmp_path):
