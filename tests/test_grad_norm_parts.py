@@ -67,3 +67,17 @@ def test_the_log_carries_part_norms_and_loss_variance(dataset_prefix, tokenizer_
         assert len(parts) == 6  # embedding, 4 layers, final norm (tied: no output layer)
     # the breakdown of iteration 2 is in the window ending at 3, iteration 6's at 6
     assert train[0]["grad_norm/embedding"] != train[1]["grad_norm/embedding"]
+
+
+def _mtp_part_norms(rank, world):
+    state = ParallelState.build(pp=2)
+    cfg = tiny_config("llama", mtp_num_layers=1)
+    outputs, _, _ = engine_run(state, cfg, opt_config(), 1, 4, 2, zero=True, part_norms=True)
+    return outputs[0].part_norms, outputs[0].grad_norm
+
+
+def test_a_multi_token_prediction_depth_is_a_part_of_its_own():
+    for parts, norm in run_ranks(_mtp_part_norms, 2):
+        assert parts["mtp.layers.0"] > 0
+        model = sum(v**2 for k, v in parts.items() if not k.startswith("params:"))
+        assert abs(math.sqrt(model) - norm) <= 1e-6 * norm

@@ -165,3 +165,29 @@ def test_block_scaled_fp8_weights_import_dequantized(tmp_path):
     with torch.no_grad():
         ours = models[1].full_logits(models[1](tokens=TOKENS))
         assert rel_err(ours, hf(TOKENS).logits) < 1e-5
+
+
+def test_export_details_transformers_needs():
+    """Norms stored centred on zero are exported as 1 + weight, the MTP depth's too; a
+    sigmoid router's single expert is not normalised (norm_topk_prob false), and the other
+    pairing is refused on import."""
+    from engine.errors import ConfigError
+    from engine.interop.hf.architectures import hf_tensors
+    from engine.interop.hf.deepseek_v3 import deepseek_v3_config, deepseek_v3_options
+
+    cfg = ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+        multi_latent_attention=True, position_embedding_type="rope", qk_layernorm=True,
+        normalization="RMSNorm", apply_layernorm_1p=True, swiglu=True, add_bias_linear=False,
+        untie_embeddings_and_output_weights=True, num_experts=4, moe_layer_freq="[0,1]",
+        moe_router_topk=1, moe_router_score_function="sigmoid", mtp_num_layers=1,
+        moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=16,
+        moe_ffn_hidden_size=16, norm_epsilon=1e-6,
+    )  # fmt: skip
+    shifted = {t.name for t in hf_tensors(cfg, "deepseek_v3") if t.shift == 1.0}
+    assert {"model.layers.2.enorm.weight", "model.layers.2.hnorm.weight"} <= shifted
+    assert "model.layers.0.self_attn.kv_a_layernorm.weight" in shifted
+    hf = deepseek_v3_config(cfg)
+    assert hf["norm_topk_prob"] is False and hf["num_experts_per_tok"] == 1
+    with pytest.raises(ConfigError, match="norm_topk_prob true and one expert per token"):
+        deepseek_v3_options(hf | {"norm_topk_prob": True, "vocab_size": 64})

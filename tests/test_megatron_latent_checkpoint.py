@@ -170,3 +170,36 @@ def test_a_megatron_core_deepseek_checkpoint_comes_in_and_goes_out(tmp_path):
     assert torch.equal(again_loss, loss)
     for theirs, _ in GRADS:
         assert torch.equal(again_grads[theirs], grads[theirs]), theirs
+
+
+def test_layernorm_mla_and_mtp_come_back_from_megatrons_layout(tmp_path):
+    """With LayerNorm (weights and biases) on the inputs, the latents and the MTP depth, a
+    checkpoint written in Megatron-LM's layout reads back bit for bit."""
+    from tests.test_training import pretrain
+
+    argv = [
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--train-iters", "1", "--lr", "1e-3",
+        "--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "10",
+        "--qk-head-dim", "6", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "5",
+        "--qk-layernorm", "--position-embedding-type", "rope", "--mtp-num-layers", "1",
+        "--save", str(tmp_path / "ours"),
+    ]  # fmt: skip
+    assert pretrain(1, argv) == [0]
+    assert _to_megatron(str(tmp_path / "ours"), str(tmp_path / "megatron")).returncode == 0
+    result = _convert(str(tmp_path / "megatron"), str(tmp_path / "back"))
+    assert result.returncode == 0, result.stderr
+    models = []
+    for name in ("ours", "back"):
+        path = iteration_dir(str(tmp_path / name), find_latest(str(tmp_path / name)))
+        cfg = ModelConfig(**read_meta(path)["model"])
+        models.append(GPTModel(cfg, BuildContext(cfg)))
+        load_model_weights(path, models[-1])
+    assert cfg.normalization == "LayerNorm" and cfg.mtp_num_layers == 1
+    back = dict(models[1].named_parameters())
+    biases = {n for n in back if n.endswith("norm.bias")}
+    assert {"mtp.layers.0.enorm.bias", "layers.0.self_attention.kv_layernorm.bias"} <= biases
+    for name, param in models[0].named_parameters():
+        assert torch.equal(param, back[name]), name

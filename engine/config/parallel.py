@@ -181,6 +181,14 @@ class ParallelConfig:
             return split_counts(num_layers, pp, self.virtual_size(num_layers), embedding, loss)
         return None
 
+    def _virtual_flag(self) -> str:
+        """The flag that asked for virtual stages."""
+        if self.pipeline_model_parallel_layout:
+            return "the virtual stages of --pipeline-model-parallel-layout"
+        if self.num_virtual_stages_per_pipeline_rank:
+            return "--num-virtual-stages-per-pipeline-rank"
+        return "--num-layers-per-virtual-pipeline-stage"
+
     def _validate_placement(self) -> None:
         """One way of placing layers at a time, as Megatron-LM asks."""
         virtual = [
@@ -260,7 +268,7 @@ class ParallelConfig:
         if self.pipeline_schedule in ("gpipe", "1f1b", "zb-h1") and virtual > 1:
             raise ConfigError(
                 f"--pipeline-schedule {self.pipeline_schedule} cannot run virtual stages; "
-                "drop --num-layers-per-virtual-pipeline-stage"
+                f"drop {self._virtual_flag()}"
             )
         if self.pipeline_schedule in V_SHAPED and self.virtual_size(num_layers) != 2:
             raise ConfigError(
@@ -271,7 +279,8 @@ class ParallelConfig:
         if self.overlap_p2p_communication and virtual < 2:
             raise ConfigError(
                 "--overlap-p2p-communication runs with the interleaved schedule only; add "
-                "--num-layers-per-virtual-pipeline-stage or drop the flag"
+                "--num-layers-per-virtual-pipeline-stage (or --num-virtual-stages-per-pipeline-"
+                "rank, or a layout of virtual stages) or drop the flag"
             )
         if self.overlap_param_gather and not self.shards_optimizer():
             # with optim_grads_params the gathers always run ahead of the forward (prefetch)

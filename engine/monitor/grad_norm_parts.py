@@ -1,9 +1,9 @@
 """The parts --log-grad-norms-interval breaks the gradient norm into: the embeddings, each
 transformer layer (by global number, on whichever pipeline stage holds it), the final norm,
-the output layer, and each optimizer parameter group (with and without weight decay; at
---decoupled-lr too when it is set). Each part's norm counts every element once under any
-TP/PP/DP/ZeRO layout, as the global norm does, so their squares add up to its square (the
-layers' and the groups' separately)."""
+the output layer, each multi-token-prediction depth, and each optimizer parameter group (with
+and without weight decay; at --decoupled-lr too when it is set). Each part's norm counts every
+element once under any TP/PP/DP/ZeRO layout, as the global norm does, so their squares add up
+to its square (the layers' and the groups' separately)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,11 @@ OPTIMIZER_GROUPS = (
 
 
 def model_part_of(name: str) -> str:
-    """'layers.3.mlp.linear_fc1.weight' -> 'layers.3'; 'embedding.word_...' -> 'embedding'."""
+    """'layers.3.mlp.linear_fc1.weight' -> 'layers.3'; 'embedding.word_...' -> 'embedding';
+    'mtp.layers.0.eh_proj.weight' -> 'mtp.layers.0' (a multi-token-prediction depth)."""
     pieces = name.split(".")
+    if pieces[0] == "mtp":
+        return ".".join(pieces[:3])
     return ".".join(pieces[:2]) if pieces[0] == "layers" else pieces[0]
 
 
@@ -29,6 +32,7 @@ def grad_norm_parts(cfg: ModelConfig, chunks, decoupled_lr: bool = False) -> Nor
     model = ["embedding", *(f"layers.{i}" for i in range(cfg.num_layers)), "final_layernorm"]
     if cfg.untie_embeddings_and_output_weights:
         model.append("output_layer")
+    model += [f"mtp.layers.{depth}" for depth in range(cfg.mtp_depths)]
     groups = OPTIMIZER_GROUPS if decoupled_lr else OPTIMIZER_GROUPS[:2]
     labels = (*model, *(f"params: {g}" for g in groups))
     index = {label: i for i, label in enumerate(labels)}

@@ -174,9 +174,7 @@ def hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:
     tensors = _hf_tensors(cfg, style)
     if not cfg.apply_layernorm_1p:
         return tensors
-    return [
-        replace(t, shift=1.0) if t.parts[0].endswith("layernorm.weight") else t for t in tensors
-    ]
+    return [replace(t, shift=1.0) if t.parts[0].endswith("norm.weight") else t for t in tensors]
 
 
 def _hf_tensors(cfg: ModelConfig, style: str) -> list[HFTensor]:

@@ -48,7 +48,8 @@ def check_deepseek_v3(cfg: ModelConfig) -> None:
     checks = [
         (cfg.multi_latent_attention, "attention other than --multi-latent-attention"),
         (cfg.qk_layernorm, "latents without --qk-layernorm (DeepSeek-V3 normalises both)"),
-        (cfg.is_moe and _dense_layers(cfg) is not None,
+        (cfg.is_moe, "a dense model (DeepSeek-V3's layers after the first k are MoE)"),
+        (not cfg.is_moe or _dense_layers(cfg) is not None,
          f"--moe-layer-freq {cfg.moe_layer_freq} (DeepSeek-V3: k dense layers, then MoE)"),
         (cfg.swiglu, "an MLP other than --swiglu"),
         (not cfg.add_bias_linear, "linear biases"),
@@ -180,7 +181,7 @@ def deepseek_v3_config(cfg: ModelConfig) -> dict:
         "topk_group": cfg.moe_router_group_topk if grouped else 1,
         "num_experts_per_tok": cfg.moe_router_topk,
         "first_k_dense_replace": pattern.index(1),
-        "norm_topk_prob": True,
+        "norm_topk_prob": cfg.moe_router_topk > 1,  # (a sigmoid's top-1 is not normalised)
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_positions,
         "rms_norm_eps": cfg.norm_epsilon,
@@ -202,6 +203,8 @@ def deepseek_v3_options(hf: dict) -> dict:
         (hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}"),
         (not hf.get("norm_topk_prob", True) and hf.get("num_experts_per_tok", 8) > 1,
          "norm_topk_prob false"),
+        (hf.get("norm_topk_prob", True) and hf.get("num_experts_per_tok", 8) == 1,
+         "norm_topk_prob true and one expert per token (a sigmoid's top-1 is not normalised)"),
         (not hf.get("n_shared_experts", 1), "no shared experts"),
         (hf.get("rms_norm_eps", LATENT_NORM_EPSILON) != LATENT_NORM_EPSILON,
          f"rms_norm_eps {hf.get('rms_norm_eps')} (its latent norms keep {LATENT_NORM_EPSILON})"),

@@ -188,7 +188,8 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
         **_gelu_args(cfg),
         squared_relu=cfg.squared_relu,
         add_bias_linear=cfg.add_bias_linear,
-        add_qkv_bias=cfg.add_bias_linear or cfg.add_qkv_bias,
+        # (megatron-core's fused QKV takes --add-bias-linear's biases too; MLA has none)
+        add_qkv_bias=(cfg.add_bias_linear or cfg.add_qkv_bias) and not cfg.multi_latent_attention,
         qk_layernorm=_qk_layernorm(cfg),
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         hidden_dropout=cfg.hidden_dropout,
@@ -311,7 +312,7 @@ def _mtp_state(cfg: ModelConfig, pattern: list[int], ours, entry_of) -> dict:
 
     state: dict = {}
     for depth in range(cfg.mtp_depths):
-        for name, key in mtp_depth_keys(depth).items():
+        for name, key in mtp_depth_keys(cfg, depth).items():
             entry = entry_of(name)
             state[key] = LazyTensor(
                 torch.Size(entry.size), entry.properties.dtype, lambda name=name: ours(name)

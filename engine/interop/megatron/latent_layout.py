@@ -28,7 +28,11 @@ def latent_attention_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, str]
     """Our tensor (within a layer) -> [(megatron-core layer-stacked key, part)] for
     multi-latent attention, first present wins (the first is written)."""
     attn = ATTENTION
-    out = {"input_layernorm.weight": [("decoder.layers.input_layernorm.weight", "")]}
+    kinds = ("weight", "bias") if cfg.normalization == "LayerNorm" else ("weight",)
+    out = {
+        f"input_layernorm.{kind}": [(f"decoder.layers.input_layernorm.{kind}", "")]
+        for kind in kinds
+    }
     linears = ["linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
     linears += ["linear_q_proj"] if cfg.q_lora_rank is None else [
         "linear_q_down_proj", "linear_q_up_proj"
@@ -41,10 +45,10 @@ def latent_attention_sources(cfg: ModelConfig) -> dict[str, list[tuple[str, str]
         norms = [("kv_layernorm", "linear_kv_up_proj")]
         if cfg.q_lora_rank is not None:
             norms.append(("q_layernorm", "linear_q_up_proj"))
-        for norm, fused in norms:
-            out[f"self_attention.{norm}.weight"] = [
-                (f"{attn}.{fused}.layer_norm_weight", ""),
-                (f"{attn}.{norm}.weight", ""),
+        for (norm, fused), kind in ((n, k) for n in norms for k in kinds):
+            out[f"self_attention.{norm}.{kind}"] = [
+                (f"{attn}.{fused}.layer_norm_{kind}", ""),
+                (f"{attn}.{norm}.{kind}", ""),
             ]
     return out
 
@@ -58,11 +62,12 @@ def latent_extra_state_modules(cfg: ModelConfig) -> list[str]:
     return [f"self_attention.{name}" for name in names]
 
 
-def mtp_depth_keys(depth: int) -> dict[str, str]:
+def mtp_depth_keys(cfg: ModelConfig, depth: int) -> dict[str, str]:
     """Our tensor -> megatron-core's key, for a depth's own tensors (not its layer's)."""
     prefix = f"mtp.layers.{depth}"
-    out = {f"{prefix}.{norm}.weight": f"{prefix}.{norm}.weight" for norm in MTP_NORMS}
-    return out | {f"{prefix}.eh_proj.weight": f"{prefix}.eh_proj.weight"}
+    kinds = ("weight", "bias") if cfg.normalization == "LayerNorm" else ("weight",)
+    names = [f"{prefix}.{norm}.{kind}" for norm in MTP_NORMS for kind in kinds]
+    return {name: name for name in [*names, f"{prefix}.eh_proj.weight"]}
 
 
 def mtp_layer_key(stacked: str, depth: int) -> str:

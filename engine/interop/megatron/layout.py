@@ -80,7 +80,7 @@ def model_config_from_args(args) -> ModelConfig:
         squared_relu=bool(get("squared_relu")),
         rotary_interleaved=bool(get("rotary_interleaved")),
         add_bias_linear=bool(get("add_bias_linear", True)),
-        add_qkv_bias=bool(get("add_qkv_bias")),
+        add_qkv_bias=bool(get("add_qkv_bias")) and not get("multi_latent_attention"),
         window_size=str(tuple(get("window_size"))) if get("window_size") else None,
         **_gpt_oss_options(get),
         untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
@@ -327,7 +327,7 @@ class MegatronCheckpoint:
                 index = () if per_layer else (layer,)
                 plan[f"model/layers.{layer}.{ours}"] = (key, index + as_index(expert), part)
         for depth in range(cfg.mtp_depths):  # built as the decoder's last layer, keyed per depth
-            for ours, key in mtp_depth_keys(depth).items():
+            for ours, key in mtp_depth_keys(cfg, depth).items():
                 plan[f"model/{ours}"] = (self._present(key), (), "")
             prefix = f"mtp.layers.{depth}.transformer_layer"
             for ours, sources in kinds[pattern[-1]].items():
