@@ -339,7 +339,6 @@ def test_load_resumes_a_megatron_checkpoint_where_it_stopped(tmp_path):
 @pytest.mark.parametrize(
     "change, says",
     [
-        ({"window_attn_skip_freq": 2}, "--window-attn-skip-freq"),
         ({"position_embedding_type": "mrope"}, "--position-embedding-type mrope"),
         (
             {"apply_residual_connection_post_layernorm": True},
