@@ -355,7 +355,7 @@ def test_per_token_loss_scales_the_moe_losses_as_megatron_core():
         PACKING.annotate({"tokens": t[:, :-1], "labels": t[:, 1:]}) for t in tokens.split(MBS)
     ]
     count = sum(b["loss_mask"].sum() for b in batches)
-    model.ctx.moe_loss_scale.value = MBS * cfg.seq_length / float(count)
+    model.ctx.moe_loss_scale.step_factor = MBS * cfg.seq_length / float(count)
     total = 0.0
     for b in batches:
         per = model(

@@ -7,6 +7,7 @@ import zlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from engine.config.model import ModelConfig
 from engine.model.attention_kernel import AttentionMasks
@@ -163,9 +164,13 @@ class BuildContext:
             return torch.arange(local_length, device=device)
         return rank_positions(local_length * self.cp_size, self.cp_size, self.cp_rank, device)
 
-    def dropout_stream(self):
-        """RNG context for dropout on [s, b, h] activations between TP blocks: the per-rank
-        stream when they are sequence-split, else the default stream shared by the TP group."""
-        if self.sequence_parallel and self.tracker is not None:
-            return self.tracker.fork()
-        return contextlib.nullcontext()
+    def hidden_dropout(self, x: torch.Tensor, training: bool) -> torch.Tensor:
+        """--hidden-dropout on [s, b, h] activations between TP blocks (in training), drawn
+        from the per-rank stream when they are sequence-split, else from the default stream
+        shared by the TP group."""
+        p = self.config.hidden_dropout
+        if not training or p == 0.0:
+            return x
+        split = self.sequence_parallel and self.tracker is not None
+        with self.tracker.fork() if split else contextlib.nullcontext():
+            return F.dropout(x, p, training=True)

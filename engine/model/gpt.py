@@ -12,7 +12,6 @@ sequence parallelism); under context parallelism s is this rank's two chunks of 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config.model import ModelConfig
@@ -70,11 +69,7 @@ class Embedding(nn.Module):
             else:
                 positions = self.ctx.token_positions(tokens.shape[1], x.device)
                 x = x + self.position_embeddings(positions[start : start + s]).unsqueeze(1)
-        p = self.ctx.config.hidden_dropout
-        if self.training and p > 0.0:
-            with self.ctx.dropout_stream():
-                x = F.dropout(x, p, training=True)
-        return x
+        return self.ctx.hidden_dropout(x, self.training)
 
 
 class GPTModel(nn.Module):
@@ -186,11 +181,7 @@ class GPTModel(nn.Module):
         x = self.word_embeddings_for_head(ids.t())  # [s, b, h], whole
         if ctx.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, ctx.tp_group, ctx.times)
-        p = ctx.config.hidden_dropout
-        if self.training and p > 0.0:
-            with ctx.dropout_stream():
-                x = F.dropout(x, p, training=True)
-        return x
+        return ctx.hidden_dropout(x, self.training)
 
     def _token_losses(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The output layer's cross entropy of labels [b, s] from hidden states: [b, s]."""

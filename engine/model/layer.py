@@ -7,7 +7,6 @@ rerun where they are computed."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model.attention import SelfAttention
@@ -37,11 +36,7 @@ class TransformerLayer(nn.Module):
         self.recompute = cfg.selective_modules
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        p = self.ctx.config.hidden_dropout
-        if not self.training or p == 0.0:
-            return x
-        with self.ctx.dropout_stream():
-            return F.dropout(x, p, training=True)
+        return self.ctx.hidden_dropout(x, self.training)
 
     def _recomputed(self, module: str, function, x: torch.Tensor) -> torch.Tensor:
         """function(x), rerun in backward instead of kept when selective recomputation names

@@ -82,6 +82,6 @@ class MultiTokenPrediction(nn.Module):
             summed = (losses * targets["mtp_mask"][..., depth].to(losses.dtype)).sum()
             count = targets["mtp_counts"][depth].to(losses.dtype).clamp(min=1.0)
             reports.append((summed / count).detach())
-            side = side + (summed if scale.token_count is not None else summed / count)
+            side = side + (summed if scale.per_token else summed / count)
         side = side * (cfg.mtp_loss_scaling_factor / len(self.layers))
         return attach_side_loss(token_losses, side, scale), torch.stack(reports)

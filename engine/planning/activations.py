@@ -42,12 +42,8 @@ ACTIVATION_BYTES = 2  # bf16 / fp16
 ACTIVATION_DEVICE = "cpu"  # what the terms are measured on (CUDA's fused kernels keep less)
 
 
-def norm_activation_bytes(cfg: ModelConfig, rows: int, width: int) -> int:
+def norm_bytes(cfg: ModelConfig, rows: int, width: int) -> int:
     """What one norm over `rows` rows of `width` keeps (module docstring)."""
-    return _norm_bytes(cfg, rows, width)
-
-
-def _norm_bytes(cfg: ModelConfig, rows: int, width: int) -> int:
     a = ACTIVATION_BYTES
     if cfg.normalization == "LayerNorm":
         return a * rows * (width + 2)
@@ -88,7 +84,7 @@ def layer_activation_bytes(
     n, g, d, f = cfg.num_attention_heads // tp, cfg.query_groups // tp, cfg.head_dim, cfg.ffn_size
     f //= tp
     tokens, between = _tokens(cfg, tp, sequence_parallel, micro_batch_size, cp)
-    total = 2 * _norm_bytes(cfg, between, h)  # input and pre-MLP norms
+    total = 2 * norm_bytes(cfg, between, h)  # input and pre-MLP norms
     total += 2 * a * between * h  # the inputs kept by the QKV and first MLP linears
     if cfg.multi_latent_attention:
         total += _latent_attention_bytes(cfg, tokens, between, n, s, cp)
@@ -97,9 +93,9 @@ def layer_activation_bytes(
         return total + a * tokens * f * (4 if cfg.gated_linear_unit else 2)
     total += a * tokens * (n + 2 * g) * d  # the fused QKV output
     if cfg.qk_layernorm_across_heads:  # one row per token over this rank's heads
-        total += _norm_bytes(cfg, tokens, n * d) + _norm_bytes(cfg, tokens, g * d)
+        total += norm_bytes(cfg, tokens, n * d) + norm_bytes(cfg, tokens, g * d)
     elif cfg.qk_layernorm:
-        total += _norm_bytes(cfg, tokens * n, d) + _norm_bytes(cfg, tokens * g, d)
+        total += norm_bytes(cfg, tokens * n, d) + norm_bytes(cfg, tokens * g, d)
     if cfg.position_embedding_type == "rope":
         total += a * tokens * (n + g) * d + 2 * 4 * s * d
     total += a * tokens * n * d + 4 * tokens * n  # attention output, log-sum-exp
@@ -117,10 +113,10 @@ def _latent_attention_bytes(cfg, tokens: int, between: int, n: int, s: int, cp: 
     from engine.model.latent_attention import padded_width
 
     a, c, p = ACTIVATION_BYTES, cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim
-    total = a * between * c + (_norm_bytes(cfg, between, c) if cfg.qk_layernorm else 0)
+    total = a * between * c + (norm_bytes(cfg, between, c) if cfg.qk_layernorm else 0)
     if cfg.q_lora_rank is not None:
         q = cfg.q_lora_rank
-        total += a * between * q + (_norm_bytes(cfg, between, q) if cfg.qk_layernorm else 0)
+        total += a * between * q + (norm_bytes(cfg, between, q) if cfg.qk_layernorm else 0)
     width = padded_width(cfg, ACTIVATION_DEVICE, cp)
     query, value = (width, width) if width else (cfg.latent_query_head_dim, cfg.v_head_dim)
     if "mla_up_proj" in cfg.selective_modules:
@@ -200,6 +196,6 @@ def stage_ends_activation_bytes(
         if cfg.hidden_dropout:
             total += mask_bytes * between * h
     if last:
-        total += _norm_bytes(cfg, between, h) + a * between * h
+        total += norm_bytes(cfg, between, h) + a * between * h
         total += a * tokens * (padded_vocab // tp) + 17 * tokens
     return total

@@ -23,7 +23,7 @@ from engine.errors import ConfigError
 from engine.planning.activations import (
     ACTIVATION_BYTES,
     layers_activation_bytes,
-    norm_activation_bytes,
+    norm_bytes,
     stage_ends_activation_bytes,
 )
 from engine.planning.moe_terms import (
@@ -247,7 +247,7 @@ def _mtp_depth_bytes(cfg: ModelConfig, layout: Layout, shape, vocab: int) -> int
     else:
         layer = _chunk_activation_bytes(cfg, [cfg.num_layers - 1], layout, shape)
         layer -= 2 * 4 * (cfg.seq_length // cp) * cfg.rotary_dim  # RoPE's: the stage's
-        total += 3 * norm_activation_bytes(cfg, between, h) + 2 * a * between * h + layer
+        total += 3 * norm_bytes(cfg, between, h) + 2 * a * between * h + layer
     total += a * between * h + a * tokens * (vocab // tp) + 17 * tokens  # its head
     return total + 4 * tokens  # the depth's loss mask
 

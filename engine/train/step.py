@@ -156,17 +156,13 @@ def _counted_schedule(
     count = None
     if reduction.counts_tokens:
         count = per_token_count(batches, len(batches), state)
-    moe_scale = step_factor = loss_scale * group_size(cp_group) / len(batches)
-    per_row = reduction.per_token and any(_has_routers(c) for c in chunks)
-    if per_row:
-        # as megatron-core: each MoE loss times its router's rows (aux_loss.py), summed over
-        # the global batch and divided by its token count, as the main loss is
-        moe_scale /= count.item()
-    for chunk in chunks:  # the MoE losses are differentiated as the main loss is
-        module = chunk.module if hasattr(chunk, "module") else chunk
-        scale = module.ctx.moe_loss_scale
-        scale.value, scale.per_row, scale.step_factor = moe_scale, per_row, step_factor
-        scale.token_count = count.item() if reduction.per_token else None
+    # the MoE and MTP losses are differentiated as the main loss is (aux_loss.py; per token:
+    # as megatron-core, summed over the global batch and divided by its token count)
+    step_factor = loss_scale * group_size(cp_group) / len(batches)
+    token_count = count.item() if reduction.per_token else None
+    for chunk in chunks:
+        scale = _module(chunk).ctx.moe_loss_scale
+        scale.step_factor, scale.token_count = step_factor, token_count
     loss_func = make_loss_func(
         len(batches), loss_scale, cp_group, num_domains, count, reduction.per_token
     )
@@ -174,10 +170,6 @@ def _counted_schedule(
     losses = schedule(chunks, batches, forward_step, loss_func, forward_only=forward_only)
     dp_size = state.dp_size if state is not None else 1
     return losses, None if count is None else count * (len(batches) * dp_size)
-
-
-def _has_routers(chunk) -> bool:
-    return bool(routers_of([chunk]))
 
 
 def shared_loss_tensor(
@@ -282,11 +274,10 @@ def train_step(
         lr = scheduler.apply(optimizer)
     loss_scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else None
     if early is not None and not hooks.should_step(early[0]):
-        parts, mtp = early[1 : 1 + 2 * domains], early[1 + 2 * domains :]
+        parts, mtp = _split_reported(early, domains)
         return StepResult(
-            early[0], None, lr, False, loss_scale, None, own, parts or None, moe=moe,
-            mtp_losses=mtp or None,
-        )  # fmt: skip
+            early[0], None, lr, False, loss_scale, None, own, parts, moe=moe, mtp_losses=mtp
+        )
     if hooks.before_update is not None:
         with measure(times, "save-checkpoint"):  # an asynchronous save's copy still running
             hooks.before_update()
@@ -298,19 +289,26 @@ def train_step(
         # one (non-finite gradient, fp16 overflow, declined above) is retried at the same LR.
         scheduler.advance(samples)
     norm = result.grad_norm if math.isfinite(result.grad_norm) else None
-    loss, *parts = early if early is not None else loss_tensor.tolist()
-    parts, mtp = parts[: 2 * domains], parts[2 * domains :]
+    reported = early if early is not None else loss_tensor.tolist()
+    parts, mtp = _split_reported(reported, domains)
     return StepResult(
-        loss,
+        reported[0],
         norm,
         lr,
         result.updated,
         result.loss_scale,
         result.part_norms,
         own,
-        parts or None,
+        parts,
         result.num_zeros,
         params_norm,
         moe,
-        mtp or None,
+        mtp,
     )
+
+
+def _split_reported(values: list[float], domains: int) -> tuple:
+    """(a blend's [s_0 .., w_0 ..] or None, the MTP depths' losses or None) of a step's
+    reported values [loss, s_0 .., w_0 .., mtp_1 ..] (shared_loss_tensor)."""
+    parts, mtp = values[1 : 1 + 2 * domains], values[1 + 2 * domains :]
+    return parts or None, mtp or None
