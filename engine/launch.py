@@ -8,9 +8,14 @@ process it parses the pretraining flags and runs every check that needs no proce
 path or checkpoint is one line on stderr and exit code 2. Errors found later inside the ranks are
 printed once by the ranks themselves (engine/cli.py); when every failed rank exited with code 2
 (such an error) the launcher exits 2 without adding torchrun's report, otherwise it names each
-failed rank, its exit code or signal, and exits 1. The ranks' CUDA allocator uses expandable
-segments unless PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF is set. examples/pretrain_gpt.sh
-launches this way.
+failed rank, its exit code or signal, and exits 1. SIGTERM or SIGINT to the launcher (kill,
+scancel, docker stop, Ctrl-C) is passed on to the ranks alone (their data-loader workers ignore
+it), which with --exit-signal-handler save at the end of the iteration before they exit; the
+launcher waits for them (torchrun's --shutdown-timeout, 30 s by default) and exits 128 + the
+signal's number. With --max-restarts N a failed attempt restarts every rank, from the newest
+checkpoint when --load equals --save (engine/train/attempts.py says which attempt and why).
+The ranks' CUDA allocator uses expandable segments unless PYTORCH_ALLOC_CONF or
+PYTORCH_CUDA_ALLOC_CONF is set. examples/pretrain_gpt.sh launches this way.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import signal
 import sys
 
 from engine.cli import run_main
+from engine.train.attempts import AttemptReporter, exit_description, listen_to_the_agent
 from parallel.errors import one_line
 
 PRETRAIN_MODULE = "engine.pretrain"
@@ -41,20 +47,21 @@ def preflight(args) -> None:
     from engine.train.preflight import prepare
 
     per_node = determine_local_world_size(args.nproc_per_node)
+    cfg = parse(args.training_script_args)
     for world_size in _world_sizes(args):
-        prepare(parse(args.training_script_args), world_size, per_node)
+        prepare(cfg, world_size, per_node)
+    ckpt = cfg.checkpointing
+    if args.max_restarts > 0 and not (ckpt.load and ckpt.save):
+        print(
+            f"warning: --max-restarts {args.max_restarts} without --load and --save: every "
+            "restart trains again from iteration 0; give --load equal to --save to resume",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _describe(rank, failure) -> str:
-    code = failure.exitcode
-    if code is not None and code < 0:
-        try:
-            how = f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            how = f"was killed by signal {-code}"
-    else:
-        how = f"exited with code {code}"
-    return f"error: rank {rank} {how}; its output is above"
+    return f"error: rank {rank} {exit_description(failure.exitcode)}; its output is above"
 
 
 ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
@@ -71,6 +78,7 @@ def allocator_environment(environ: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import os
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
@@ -79,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.module and args.training_script == PRETRAIN_MODULE:
         preflight(args)
     # torchrun's agent logs each failed worker and the termination of the others; the ranks
-    # say what went wrong themselves, and failures are summarised below.
+    # say what went wrong themselves, a restart is one line (engine/train/attempts.py), and
+    # the final failure is summarised below.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    listen_to_the_agent(AttemptReporter())
     os.environ.update(allocator_environment(os.environ))  # the ranks inherit it
     try:
         run(args)
@@ -90,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         for rank, failure in sorted(err.failures.items()):
             print(_describe(rank, failure), file=sys.stderr, flush=True)
         return 1
+    except SignalException as err:  # the ranks were passed the signal and have ended
+        name = signal.Signals(err.sigval).name
+        print(f"stopped by {name}", file=sys.stderr, flush=True)
+        return 128 + int(err.sigval)
     except RendezvousError as err:
         print(
             f"error: the nodes did not all join ({one_line(err)}); another node may "

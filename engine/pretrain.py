@@ -15,13 +15,15 @@ import time
 import torch
 import torch.distributed as dist
 
+from engine.checkpoint.files import find_latest
 from engine.cli import run_main
 from engine.config.arguments import check_aliases, given_flags, other_names, parse_configs
 from engine.config.checks import check_configs
 from engine.config.configs import SECTIONS, Configs, configs_from
 from engine.config.megatron.compat import no_effect_line
 from engine.config.resolve import resolve
-from engine.errors import ConfigError
+from engine.errors import ConfigError, UserError
+from engine.train.attempts import attempt_line
 from engine.train.loop import NaNLimit, finish, train
 from engine.train.preflight import prepare
 from engine.train.setup import setup
@@ -70,6 +72,17 @@ def values_problem(argv: list[str]) -> str | None:
     return None
 
 
+def interrupted_line(save: str | None) -> str:
+    """'interrupted; latest checkpoint N' (the newest complete one under --save)."""
+    try:
+        latest = find_latest(save)
+    except UserError:
+        latest = None
+    if latest is None:
+        return "interrupted; no checkpoint saved" + (f" in {save}" if save else "")
+    return f"interrupted; latest checkpoint {latest} in {save}"
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.time()  # --exit-duration-in-mins counts from the process's start
     argv = sys.argv[1:] if argv is None else argv
@@ -105,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         etp=cfg.parallel.expert_tp_size,
     )
     run = setup(cfg, state, started)
+    attempt = attempt_line()  # a restart by torchrun's --max-restarts says which and why
+    if attempt:
+        run.writer.print(attempt)
     accepted = no_effect_line(cfg.megatron, cfg.model, cfg.runtime, cfg.parallel)
     if accepted:
         run.writer.print(accepted)
@@ -114,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     except NaNLimit as stop:
         run.writer.print(str(stop))
         code = 1
+    except KeyboardInterrupt:  # a second signal, or Ctrl-C without --exit-signal-handler
+        if state.rank == 0:
+            print(interrupted_line(cfg.checkpointing.save), file=sys.stderr, flush=True)
+        os._exit(130)  # peers may be in a collective and a save's threads half done
     finish(run)
     if started_here and dist.is_initialized():
         dist.destroy_process_group()

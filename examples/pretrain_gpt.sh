@@ -7,6 +7,9 @@
 #                    on a free port torchrun picks)
 #   DATA             folder with the quickstart's dataset and tokenizer (default data/quickstart)
 #   PYTHON           the interpreter with the engine installed (default: python on PATH)
+#   MAX_RESTARTS     restart every rank this many times after a failure (torchrun's
+#                    --max-restarts, default 0); each restart resumes from the newest
+#                    checkpoint when --load equals --save
 #   PRECISION        bf16 (the default with GPUs: bf16 weights and activations, fp32 master
 #                    weights and gradients) or fp32 (the default without); --fp16 or --bf16
 #                    among the arguments decide instead
@@ -75,6 +78,7 @@ OUTPUT_ARGS=(--log-interval 10 --eval-interval 100 --eval-iters 4)
 # for the world size, so a mistake is one line and exit code 2 before any rank starts; running
 # it through $PYTHON picks the right environment.
 exec "$PYTHON" -m engine.launch --nproc-per-node "$NPROC_PER_NODE" "${RENDEZVOUS_ARGS[@]}" \
+    --max-restarts "${MAX_RESTARTS:-0}" \
     -m engine.pretrain "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" \
     ${BATCH_ARGS[@]+"${BATCH_ARGS[@]}"} ${LENGTH_ARGS[@]+"${LENGTH_ARGS[@]}"} \
     ${DATA_ARGS[@]+"${DATA_ARGS[@]}"} ${TOKENIZER_ARGS[@]+"${TOKENIZER_ARGS[@]}"} \

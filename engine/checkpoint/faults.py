@@ -4,7 +4,9 @@
                                       iteration 8: its data files are written, the checkpoint's
                                       metadata and commit are not
 
-(The faults injected into training iterations are engine/train/faults.py's.)
+(The faults injected into training iterations are engine/train/faults.py's.) Every fault fires in
+each attempt of a job that torchrun restarts, unless TRIPOD_FAULT_ATTEMPT=K limits them to the
+attempt whose TORCHELASTIC_RESTART_COUNT is K (0: the first).
 """
 
 from __future__ import annotations
@@ -16,8 +18,14 @@ from parallel.checkpoint.checksums import ChecksummingWriter
 
 
 def rank_at(name: str, rank: int, iteration: int) -> bool:
-    """Whether the variable `name` is set to `rank:iteration`."""
-    return os.environ.get(name) == f"{rank}:{iteration}"
+    """Whether the variable `name` is set to `rank:iteration` (in this attempt)."""
+    return os.environ.get(name) == f"{rank}:{iteration}" and in_faulty_attempt()
+
+
+def in_faulty_attempt() -> bool:
+    """Whether faults fire in this attempt (TRIPOD_FAULT_ATTEMPT, all attempts when unset)."""
+    wanted = os.environ.get("TRIPOD_FAULT_ATTEMPT")
+    return wanted is None or wanted == os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 def storage_writer(path: str, rank: int, iteration: int):

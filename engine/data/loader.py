@@ -8,6 +8,7 @@ size) from the count of samples consumed so far.
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -99,11 +100,24 @@ def build_data_iterator(
         # Workers inherit the memory-mapped dataset by fork (it holds open files, which a
         # forkserver or spawn start would have to pickle); fork is Linux's default start anyway.
         multiprocessing_context=_worker_start_method() if num_workers > 0 else None,
+        worker_init_fn=ignore_stop_signals,
         # Its own generator: creating the iterator must not draw from the global one, or a
         # resumed run's dropout masks would be one draw off the uninterrupted run's.
         generator=torch.Generator().manual_seed(consumed_samples),
     )
     return iter(loader)
+
+
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+
+
+def ignore_stop_signals(worker_id: int | None = None) -> None:
+    """A data-loader worker's start: the signals that stop a run are the rank's to act on.
+    torchrun passes the launcher's SIGTERM/SIGINT to each rank's whole process group, so its
+    workers receive them too; a worker that died of one would end the rank with a traceback
+    before --exit-signal-handler's save. A worker ends when its rank does."""
+    for name in STOP_SIGNALS:
+        signal.signal(signal.Signals[name], signal.SIG_IGN)
 
 
 def _worker_start_method() -> str:

@@ -2,7 +2,9 @@
 wall-clock time since the processes started (the earliest rank's start; 0 means no limit, as
 there), or on a signal (SIGTERM by default) with --exit-signal-handler, the run saves
 a checkpoint at the end of the current iteration and exits with code 0, so that a preempted or
-time-limited Slurm job can be resubmitted and resume where it stopped.
+time-limited Slurm job can be resubmitted and resume where it stopped. With the handler on, SIGINT
+(Ctrl-C to engine.launch, which passes it on to the ranks) saves the same way, and a second
+signal stops at once without saving (KeyboardInterrupt: "interrupted; latest checkpoint N").
 
 Every rank must stop at the same iteration, so the decision is agreed each iteration by an
 all-reduce (max) of each rank's view: one rank that received the signal or ran out of time is
@@ -32,17 +34,21 @@ class ExitConditions:
         self.duration_minutes = duration_minutes or None  # 0: no limit, as in Megatron-LM
         self.started = time.time() if started is None else started
         self.signal_number = getattr(signal, signal_name) if signal_handler else None
-        self.received = False
-        self.previous = None
+        self.received: int | None = None  # the signal acted on at the end of the iteration
+        self.previous: dict[int, object] = {}
         if self.signal_number is not None:
-            self.previous = signal.signal(self.signal_number, self._on_signal)
+            # engine.launch (torchrun) passes the launcher's SIGINT (Ctrl-C) on to the ranks
+            for number in {self.signal_number, signal.SIGINT}:
+                self.previous[number] = signal.signal(number, self._on_signal)
 
     @property
     def active(self) -> bool:
         return self.duration_minutes is not None or self.signal_number is not None
 
     def _on_signal(self, signum, frame) -> None:
-        self.received = True  # acted on at the end of the current iteration
+        if self.received is not None:  # a second one: stop now, without saving
+            raise KeyboardInterrupt
+        self.received = signum  # acted on at the end of the current iteration
 
     def check(self, group, device: torch.device) -> str | None:
         """Collective over `group` (every rank calls it each iteration when active): why the
@@ -51,22 +57,22 @@ class ExitConditions:
             return None
         elapsed = (time.time() - self.started) / 60.0
         timed_out = self.duration_minutes is not None and elapsed > self.duration_minutes
-        views = torch.tensor([float(timed_out), float(self.received)], device=device)
+        received = float(self.received or 0)
+        views = torch.tensor([float(timed_out), received], device=device)
         if group is not None and dist.is_initialized():
             dist.all_reduce(views, op=dist.ReduceOp.MAX, group=group)
-        timed_out, received = (bool(v) for v in views.tolist())
+        timed_out, received = bool(views[0]), int(views[1])
         if received:
-            name = signal.Signals(self.signal_number).name
-            return f"received {name} (--exit-signal-handler)"
+            return f"received {signal.Signals(received).name} (--exit-signal-handler)"
         if timed_out:
             return f"ran for more than {self.duration_minutes:g} minutes (--exit-duration-in-mins)"
         return None
 
     def close(self) -> None:
-        """Give the signal back to the handler it had before."""
-        if self.signal_number is not None and self.previous is not None:
-            signal.signal(self.signal_number, self.previous)
-            self.previous = None
+        """Give the signals back to the handlers they had before."""
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        self.previous = {}
 
 
 def earliest_start(started: float, group, device: torch.device) -> float:

@@ -13,7 +13,8 @@
                                       first, or with TRIPOD_FAULT_PERTURB_WEIGHT=NAME the first
                                       whose name holds NAME
 
-(A kill in the middle of a save is engine/checkpoint/faults.py's.)
+(A kill in the middle of a save is engine/checkpoint/faults.py's, and so is TRIPOD_FAULT_ATTEMPT,
+which limits every fault to one attempt of a restarted job.)
 
 Iterations are 1-based: the iteration being computed, as logged.
 """
@@ -25,11 +26,11 @@ import signal
 
 import torch
 
-from engine.checkpoint.faults import rank_at
+from engine.checkpoint.faults import in_faulty_attempt, rank_at
 
 
 def _iterations(name: str) -> set[int]:
-    value = os.environ.get(name, "")
+    value = os.environ.get(name, "") if in_faulty_attempt() else ""
     return {int(x) for x in value.split(",") if x.strip()}
 
 
