@@ -9,11 +9,12 @@ path or checkpoint is one line on stderr and exit code 2. Errors found later ins
 printed once by the ranks themselves (engine/cli.py); when every failed rank exited with code 2
 (such an error) the launcher exits 2 without adding torchrun's report, otherwise it names each
 failed rank, its exit code or signal, and exits 1. SIGTERM or SIGINT to the launcher (kill,
-scancel, docker stop, Ctrl-C) is passed on to the ranks alone (their data-loader workers ignore
-it), which with --exit-signal-handler save at the end of the iteration before they exit; the
-launcher waits for them (torchrun's --shutdown-timeout, 30 s by default) and exits 128 + the
-signal's number. With --max-restarts N a failed attempt restarts every rank, from the newest
-checkpoint when --load equals --save (engine/train/attempts.py says which attempt and why).
+scancel, docker stop, Ctrl-C) is passed on to the ranks alone (their data-loader workers are in
+a process group of their own), which with --exit-signal-handler save at the end of the
+iteration before they exit; the launcher waits for them (torchrun's --shutdown-timeout, 30 s
+by default) and exits 128 + the signal's number. With --max-restarts N a failed attempt
+restarts every rank, from the newest checkpoint when --load equals --save
+(engine/train/attempts.py says which attempt and why).
 The ranks' CUDA allocator uses expandable segments unless PYTORCH_ALLOC_CONF or
 PYTORCH_CUDA_ALLOC_CONF is set. examples/pretrain_gpt.sh launches this way.
 """

@@ -24,6 +24,7 @@ from engine.config.megatron.compat import no_effect_line
 from engine.config.resolve import resolve
 from engine.errors import ConfigError, UserError
 from engine.train.attempts import attempt_line
+from engine.train.finite_weights import NonFiniteWeights
 from engine.train.loop import NaNLimit, finish, train
 from engine.train.preflight import prepare
 from engine.train.setup import setup
@@ -124,17 +125,20 @@ def main(argv: list[str] | None = None) -> int:
     accepted = no_effect_line(cfg.megatron, cfg.model, cfg.runtime, cfg.parallel)
     if accepted:
         run.writer.print(accepted)
-    code = 0
+    code, completed = 0, True
     try:
         train(run)
     except NaNLimit as stop:
         run.writer.print(str(stop))
         code = 1
+    except NonFiniteWeights as stop:
+        run.writer.print(str(stop))
+        code, completed = 1, False
     except KeyboardInterrupt:  # a second signal, or Ctrl-C without --exit-signal-handler
         if state.rank == 0:
             print(interrupted_line(cfg.checkpointing.save), file=sys.stderr, flush=True)
         os._exit(130)  # peers may be in a collective and a save's threads half done
-    finish(run)
+    finish(run, completed)
     if started_here and dist.is_initialized():
         dist.destroy_process_group()
     return code

@@ -211,5 +211,6 @@ def test_full_disk_during_a_save(ranks, dataset_prefix, tokenizer_model, tmp_pat
     assert f"{ckpt}: the disk is full" in lines[0]
     assert "iteration 2 stays the latest checkpoint" in lines[0]
     assert "iteration      4/4" in seen["stdout"]
-    assert seen["names"] == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    # (and the lock of the run that held the folder: engine/checkpoint/run_lock.py)
+    assert seen["names"] == [".run.lock", "iter_0000002", "latest_checkpointed_iteration.txt"]
     assert seen["latest"] == "2"

@@ -25,9 +25,9 @@ SMALL_RUN = [
     *("--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2"),
     *("--global-batch-size", "4", "--train-iters", "10", "--lr-warmup-iters", "1"),
     *("--eval-iters", "1", "--eval-interval", "100", "--split", "90,10,0"),
-    *("--log-interval", "1", "--save-interval", "4"),
+    *("--log-interval", "1"),
 ]
-TP2_RUN = [*SMALL_RUN, "--tensor-model-parallel-size", "2"]
+TP2_RUN = [*SMALL_RUN, "--tensor-model-parallel-size", "2", "--save-interval", "4"]
 
 
 def _timed_lines(command: list[str], env: dict, timeout: float) -> tuple[int, list]:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from engine.checkpoint import faults
+from engine.checkpoint import faults, run_lock
 from engine.checkpoint.files import (
     META,
     commit,
@@ -80,6 +80,22 @@ class Checkpointer:
         self._staged = threading.Event()  # set once the pending async save has its copy
         self._staged.set()
         self.copy_wait_s = 0.0
+        self._lock = None  # rank 0 holds the folder for the run (engine/checkpoint/run_lock.py)
+        problem = None
+        if rank == 0:
+            try:
+                self._lock = run_lock.hold(root)
+            except CheckpointError as err:
+                problem = str(err)
+        problem = first_error(problem, group)
+        if problem:
+            raise CheckpointError(problem, every_rank=group is not None)
+
+    def release(self) -> None:
+        """Give the --save folder back (at the end of the run; the process's end does too)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def _state(self, chunks, optimizer, tracker) -> dict:
         """Views of the live model and optimizer state, plus copies of the RNG states."""

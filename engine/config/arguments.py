@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import re
 import types
 import typing
 
@@ -62,7 +64,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, title: str) ->
         if element is bool:
             kwargs["action"] = meta.pop("action", "store_true")
         else:
-            kwargs["type"] = element
+            kwargs["type"] = finite_float if element is float else element
             if is_list:
                 kwargs["nargs"] = meta.pop("nargs", "+")
         kwargs.update(meta)
@@ -100,8 +102,28 @@ def build_configs(namespace: argparse.Namespace, classes: list[type]) -> dict[ty
     }
 
 
+def finite_float(text: str) -> float:
+    """A float flag's value: a finite number (inf or nan would train a NaN model)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number; give one such as 1e-4")
+    return value
+
+
+finite_float.__name__ = "float"  # argparse names the type in "invalid float value: 'x'"
+
+# argparse takes "-1e-3" for a flag (its own pattern knows -1 and -0.001 only): every form of a
+# negative number is a value here.
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line (exit code 2) naming the fix."""
+    """argparse that reports a bad flag as one line (exit code 2) naming the fix, and reads
+    negative numbers in any notation as values."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER
 
     def error(self, message: str):  # noqa: D401 - argparse API
         self.exit(2, f"error: {message}; see --help\n")

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from engine.config.fields import option
 from engine.errors import ConfigError
 
+# A learning rate above this is a typo: one update makes the weights useless (above float32's
+# 3.4e38 torch's optimizers cannot even hold it).
+LARGEST_LR = 1e30
+
 
 @dataclass(frozen=True)
 class OptimizerConfig:
@@ -146,6 +150,12 @@ class OptimizerConfig:
                 f"the warm-up ({given}) must be shorter than the decay length (--lr-decay-{unit}, "
                 f"default --train-{unit}); lower it or raise the decay length"
             )
+        for flag, value in (("--lr", self.lr), ("--decoupled-lr", self.decoupled_lr)):
+            if value is not None and value > LARGEST_LR:
+                raise ConfigError(
+                    f"{flag} {value:g} is beyond any usable learning rate (at most 1e30); give one "
+                    "such as 1e-4"
+                )
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
         if self.decoupled_min_lr is not None and self.decoupled_lr is None:

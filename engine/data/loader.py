@@ -8,7 +8,7 @@ size) from the count of samples consumed so far.
 
 from __future__ import annotations
 
-import signal
+import os
 import sys
 from collections.abc import Iterator
 
@@ -100,7 +100,7 @@ def build_data_iterator(
         # Workers inherit the memory-mapped dataset by fork (it holds open files, which a
         # forkserver or spawn start would have to pickle); fork is Linux's default start anyway.
         multiprocessing_context=_worker_start_method() if num_workers > 0 else None,
-        worker_init_fn=ignore_stop_signals,
+        worker_init_fn=leave_the_process_group,
         # Its own generator: creating the iterator must not draw from the global one, or a
         # resumed run's dropout masks would be one draw off the uninterrupted run's.
         generator=torch.Generator().manual_seed(consumed_samples),
@@ -108,16 +108,14 @@ def build_data_iterator(
     return iter(loader)
 
 
-STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
-
-
-def ignore_stop_signals(worker_id: int | None = None) -> None:
-    """A data-loader worker's start: the signals that stop a run are the rank's to act on.
-    torchrun passes the launcher's SIGTERM/SIGINT to each rank's whole process group, so its
-    workers receive them too; a worker that died of one would end the rank with a traceback
-    before --exit-signal-handler's save. A worker ends when its rank does."""
-    for name in STOP_SIGNALS:
-        signal.signal(signal.Signals[name], signal.SIG_IGN)
+def leave_the_process_group(worker_id: int | None = None) -> None:
+    """A data-loader worker's start: it leaves its rank's process group, so that the signals
+    which stop a run reach the rank alone. torchrun passes the launcher's SIGTERM/SIGINT to
+    each rank's whole process group (and a terminal's Ctrl-C reaches its foreground group): a
+    worker that died of one would end the rank with a traceback before --exit-signal-handler's
+    save. The worker still ends with its rank (the loader shuts it down, or it sees its parent
+    gone), and a SIGTERM sent to it alone (Python's exit-time clean-up) still ends it."""
+    os.setpgid(0, 0)
 
 
 def _worker_start_method() -> str:

@@ -9,6 +9,7 @@ from engine.checkpoint.load import load_checkpoint
 from engine.config.tokenizer import tokenizer_record
 from engine.data.mix.schedule import check_resumed_schedule
 from engine.interop.megatron.checkpoint import load_weights, megatron_latest, megatron_progress
+from engine.train.finite_weights import stop_on_non_finite_weights
 from engine.train.state import Counters, Run, layout_of
 from parallel.random import model_parallel_seed
 
@@ -164,7 +165,9 @@ def reseed(run: Run, iteration: int) -> None:
 
 
 def save(run: Run) -> None:
-    """Checkpoint the run at its current iteration into --save."""
+    """Checkpoint the run at its current iteration into --save (NonFiniteWeights, and nothing
+    written, when a weight is NaN or Inf)."""
+    stop_on_non_finite_weights(run, "found before saving")
     c = run.progress.counters
     meta = {
         "consumed_samples": c.consumed_samples,
@@ -172,6 +175,7 @@ def save(run: Run) -> None:
         "model": dataclasses.asdict(run.cfg.model),
         "dtype": str(run.dtype).replace("torch.", ""),
         "tokenizer": tokenizer_record(run.cfg.tokenizer),
+        "tokenizer_identity": run.tokenizer_identity,  # compared on resume (preflight)
         "scheduler": run.scheduler.state_dict(),
         "grad_scaler": run.optimizer.grad_scaler.state_dict()
         if run.optimizer.grad_scaler

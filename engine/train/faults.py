@@ -11,7 +11,8 @@
     TRIPOD_FAULT_PERTURB_WEIGHT_AT=1:3  rank 1 changes one of its weights after the update of
                                       iteration 3 (a replica drifting from the others): the
                                       first, or with TRIPOD_FAULT_PERTURB_WEIGHT=NAME the first
-                                      whose name holds NAME
+                                      whose name holds NAME; by 1.0, or by
+                                      TRIPOD_FAULT_PERTURB_BY (nan: a weight gone non-finite)
 
 (A kill in the middle of a save is engine/checkpoint/faults.py's, and so is TRIPOD_FAULT_ATTEMPT,
 which limits every fault to one attempt of a restarted job.)
@@ -56,7 +57,7 @@ def after_update(rank: int, iteration: int, chunks) -> None:
         part = os.environ.get("TRIPOD_FAULT_PERTURB_WEIGHT", "")
         param = next(p for n, p in ddp.module.named_parameters() if part in n)
         with ddp.gathered_parameters(), torch.no_grad():
-            param.view(-1)[0] += 1.0
+            param.view(-1)[0] += float(os.environ.get("TRIPOD_FAULT_PERTURB_BY", "1.0"))
 
 
 def after_backward(rank: int, iteration: int, chunks) -> None:

@@ -20,6 +20,7 @@ from engine.monitor.weight_hash import check_qk_norms, check_replicas
 from engine.train.batches import data_iterator, micro_batches_per_step, next_batches
 from engine.train.checkpoint import save
 from engine.train.evaluate import evaluate
+from engine.train.finite_weights import stop_on_non_finite_weights
 from engine.train.iteration import IterationResult, train_iteration
 from engine.train.log import log_eval, log_iteration, log_samples, log_window
 from engine.train.state import Counters, Run
@@ -78,6 +79,7 @@ def train(run: Run) -> Counters:
         if c.iteration % cfg.logging.log_interval == 0 or c.iteration == iterations:
             log_window(run, window, tokens_since_log)
             window, tokens_since_log = [], 0
+            stop_on_non_finite_weights(run, "found at the log line")
         every = cfg.exit.check_weight_hash_across_dp_replicas_interval
         if every and c.iteration % every == 0:
             with times.measure("weight-check"):
@@ -137,10 +139,11 @@ def _announce_mix_phase(run: Run) -> None:
     )
 
 
-def finish(run: Run) -> None:
-    """End of run: valid and test evaluation, a final checkpoint, peak memory per rank."""
+def finish(run: Run, completed: bool = True) -> None:
+    """End of run: valid and test evaluation and a final checkpoint (when the run `completed`
+    its iterations rather than stopped on broken weights), peak memory per rank."""
     c = run.progress.counters
-    if c.iteration >= run.cfg.training.train_iters:
+    if completed and c.iteration >= run.cfg.training.train_iters:
         log_eval(run, "valid", evaluate(run, 1))
         if run.eval_prompts is not None:
             log_samples(run)
@@ -149,6 +152,7 @@ def finish(run: Run) -> None:
             save(run)
     if run.checkpointer is not None:
         run.checkpointer.wait()
+        run.checkpointer.release()
     run.exit_conditions.close()
     run.profiler.close()
     peaks = torch.zeros(run.state.world_size, dtype=torch.float64, device=run.state.device)

@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from engine.checkpoint import run_lock
 from engine.checkpoint.files import find_latest, iteration_dir, read_meta
 from engine.checkpoint.load import verify_checkpoint
 from engine.config.checks import check_configs
@@ -109,12 +110,27 @@ def check(cfg: Configs, world_size: int, local_world_size: int | None = None) ->
     if load and megatron_latest(load) is None:
         iteration = find_latest(load)  # a broken latest file is reported now
         if iteration is not None:  # files present with their sizes; checksums in the ranks
-            verify_checkpoint(iteration_dir(load, iteration), digests=False)
+            meta = verify_checkpoint(iteration_dir(load, iteration), digests=False)
+            if not cfg.checkpointing.finetune:
+                _check_same_tokenizer(cfg.tokenizer, meta, iteration_dir(load, iteration))
         elif cfg.checkpointing.exit_on_missing_checkpoint:
             raise ConfigError(
                 f"--exit-on-missing-checkpoint: no checkpoint in {load}; nothing trained "
                 "(leave the flag out to start from scratch there)"
             )
+
+
+def _check_same_tokenizer(tokenizer: TokenizerConfig, meta: dict, path: str) -> None:
+    """A resumed run tokenizes as the run it continues (the same ids for the same text), or
+    its data positions and embeddings mean other things; checkpoints from before the record
+    pass."""
+    saved = meta.get("tokenizer_identity")
+    if saved is not None and saved != build_tokenizer(tokenizer).identity():
+        raise ConfigError(
+            f"--load {path} was trained with another tokenizer than the one the tokenizer flags "
+            "name (they encode the same text differently); give the run's tokenizer, or "
+            "--finetune to start a new run from its weights"
+        )
 
 
 def _check_device(runtime, local_world_size: int | None) -> None:
@@ -334,6 +350,7 @@ def _check_outputs(logging, checkpointing) -> None:
     checkpoint or log line."""
     if checkpointing.save:
         _writable_dir(checkpointing.save, "--save")
+        run_lock.check_free(checkpointing.save)  # held by rank 0 once the run starts
     if logging.tensorboard_dir:
         _writable_dir(logging.tensorboard_dir, "--tensorboard-dir")
     if logging.wandb_project:

@@ -170,6 +170,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         mix=mix,
         packing=_packing(cfg),
         loss_reduction=LossReduction(training.calculate_per_token_loss, cfg.data.eod_mask_loss),
+        tokenizer_identity=build_tokenizer(cfg.tokenizer).identity(),
     )
     if mix is not None and len(mix.phases) > 1:
         run.writer.print(mix.describe())

@@ -81,6 +81,7 @@ class Run:
     mix: MixSchedule | None = None  # the train blend's weights over the run
     packing: Packing | None = None  # what the samples' EOD tokens change (the three flags)
     loss_reduction: LossReduction = field(default_factory=LossReduction)  # per token or not
+    tokenizer_identity: str | None = None  # Tokenizer.identity(), kept in every checkpoint
 
 
 def params_dtype(runtime: RuntimeConfig) -> torch.dtype:
