@@ -76,9 +76,23 @@ def allocator_environment(environ: dict) -> dict:
     return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
+def rendezvous_network_error(args, err: Exception) -> str:
+    """One line for a rendezvous that cannot listen on or reach MASTER_ADDR:MASTER_PORT."""
+    where = f"{args.master_addr}:{args.master_port}"
+    text = str(err)
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return (
+            f"error: port {args.master_port} ({where}) is already in use; give another "
+            "MASTER_PORT (--master-port), or leave it out on one machine (--standalone picks a "
+            "free one)"
+        )
+    return f"error: the rendezvous at {where} failed ({one_line(err)}); check MASTER_ADDR/PORT"
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -105,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         name = signal.Signals(err.sigval).name
         print(f"stopped by {name}", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
+    except DistNetworkError as err:
+        print(rendezvous_network_error(args, err), file=sys.stderr, flush=True)
+        return 2
     except RendezvousError as err:
         print(
             f"error: the nodes did not all join ({one_line(err)}); another node may "

@@ -11,12 +11,12 @@ chunks share it (max / mean). Prints a table and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 
 from engine.cli import run_main
+from engine.config.arguments import ArgumentParser
 from engine.errors import InputError
 from engine.planning.attention_bench import attention_model_config, context_parallel, one_process
 from engine.planning.attention_work import attention_work, mixed_documents
@@ -52,7 +52,7 @@ def measure(seq: int, cp: int, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--seq-lengths", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="CP sizes to measure")
     parser.add_argument("--num-layers", type=int, default=2)

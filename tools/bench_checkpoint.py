@@ -12,7 +12,6 @@ step runs than a plain one because the background copy and write share the machi
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -22,6 +21,7 @@ import time
 import torch
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.planning.bench_setup import corpus_dataset, engine_flags
 from engine.pretrain import parse
 from engine.train.checkpoint import save
@@ -146,7 +146,7 @@ def _hash_seconds(state: dict) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--trials", type=int, default=3)

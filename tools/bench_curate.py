@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from engine.cli import run_main
+from engine.config.arguments import ArgumentParser
 from engine.curation import minhash, quality
 from engine.curation.config import CurateConfig
 from engine.curation.local_text import local_documents
@@ -212,7 +213,7 @@ def _table(header: list[str], rows: list[list]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.7, 0.8, 0.9])

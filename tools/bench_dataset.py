@@ -6,7 +6,6 @@ corpus with a freshly trained tokenizer. Prints a table and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -15,6 +14,7 @@ import time
 import numpy as np
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.data.indexed.dataset import IndexedDataset
 from engine.data.indexed.gpt_dataset import GPTDataset, GPTDatasetSpec
 from engine.data.indexed.helpers import build_sample_index, build_sample_index_numpy
@@ -22,7 +22,7 @@ from engine.planning.bench_setup import corpus_dataset
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--data-prefix", help="an existing .bin/.idx prefix")
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--num-samples", type=int, default=200_000)

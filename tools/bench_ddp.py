@@ -12,12 +12,12 @@ over launches, and each launch) and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.errors import InputError
 from engine.model.builder import build_model_chunks
 from engine.planning.bench_setup import bench_model_config
@@ -52,7 +52,7 @@ def _bench(rank, world, args, overlap, sharding="no_shard"):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--dp", type=int, default=2, help="data-parallel size to compare with 1")
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=256)

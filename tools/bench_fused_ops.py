@@ -12,7 +12,6 @@ fused autograd glue, no CUDA), to check the script itself.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -21,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from engine.cli import run_main
+from engine.config.arguments import ArgumentParser
 from engine.ops import TorchOps
 from engine.ops.fused import FusedOps
 
@@ -152,7 +152,7 @@ def _cell(row: dict, label: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=8 * 2048)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=16)

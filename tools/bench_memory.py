@@ -25,10 +25,10 @@ Prints tables and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
 from engine.planning.saved_activations import (
@@ -276,7 +276,7 @@ def _state_table(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-length", type=int, default=1024)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=512)

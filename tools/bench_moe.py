@@ -21,7 +21,6 @@ tables and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.model.builder import build_model_chunks
 from engine.planning.bench_setup import bench_model_config
 from engine.planning.bench_steps import bench_optimizer, timed_steps
@@ -116,7 +116,7 @@ def _median_rows(runs: dict[str, list]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--seq-length", type=int, default=256)

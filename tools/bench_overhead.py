@@ -9,7 +9,6 @@ the machine's noise; prints a table and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -18,6 +17,7 @@ import time
 import torch
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.model import BuildContext, GPTModel
 from engine.optim.optimizer import no_weight_decay
 from engine.planning.bench_setup import corpus_dataset, engine_flags
@@ -90,7 +90,7 @@ def _bench(rank, world, args, prefix, tokenizer):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--seq-length", type=int, default=256)

@@ -17,7 +17,6 @@ Prints a table and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.model import BuildContext, GPTModel
 from engine.model.builder import build_model_chunks
 from engine.planning.bench_setup import bench_model_config
@@ -107,7 +107,7 @@ def _pipeline_time(rank, world, args, kind, m):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--pp", type=int, default=4, help="pipeline stages")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--num-layers", type=int, default=8)

@@ -12,11 +12,11 @@ all-to-all). Prints both tables with their median errors and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 
 from engine.cli import run_main
+from engine.config.arguments import ArgumentParser
 from engine.errors import ConfigError
 from engine.planning.memory import Layout
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.planning.calibrate import calibrate_cpu
     from engine.planning.hardware import load_machine
 
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--calibration", help="a file from tools/plan.py --calibrate")
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=256)

@@ -24,7 +24,6 @@ Prints a table and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -35,6 +34,7 @@ import time
 from functools import partial
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.planning.bench_setup import bench_tokenizers, shifted_documents
 
 TOOL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preprocess_data.py")
@@ -179,7 +179,7 @@ def _tokenizers(tmp: str, args) -> dict[str, tuple[str, list[str], list[str]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--target-mb", type=float, default=60.0, help="input for the speed rows")
     parser.add_argument("--large-mb", type=float, default=600.0, help="second input for memory")
     parser.add_argument("--vocab-size", type=int, default=32000)

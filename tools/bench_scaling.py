@@ -19,11 +19,11 @@ from the smallest run, measured points solid, predicted dashed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 from engine.cli import run_main
+from engine.config.arguments import ArgumentParser
 from engine.errors import ConfigError
 from engine.planning.memory import Layout
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.planning.calibrate import calibrate_cpu
     from engine.planning.hardware import datasheet_machine, load_machine
 
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--mode", choices=["weak", "strong", "both"], default="both")
     parser.add_argument("--grow", choices=["dp", "tp", "pp"], default="dp")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2], help="measured")

@@ -24,13 +24,13 @@ slower tokenizer's tokens/s per core. Prints the tables and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
 import time
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.config.tokenizer import TokenizerConfig
 from engine.data.builder import build_streaming_datasets
 from engine.data.sources import data_sources
@@ -120,7 +120,7 @@ def h100_tokens_per_s(name: str, seq_length: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--target-mb", type=float, default=60.0, help="text in the shards")
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--seq-length", type=int, default=2048)

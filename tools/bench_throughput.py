@@ -13,7 +13,6 @@ writes JSON. `--tiny` runs a small model on the CPU, to check the script itself.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -22,6 +21,7 @@ import time
 import torch
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.monitor.metrics import device_peak_tflops
 from engine.planning.bench_setup import corpus_dataset, sync_device
 from engine.planning.bench_variants import MODELS, VARIANTS, bench_variant
@@ -49,7 +49,7 @@ def _ceiling(rank, world, device, size):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--model", choices=sorted(MODELS), help="a preset (sets the shape)")
     parser.add_argument("--num-layers", type=int, default=24)
     parser.add_argument("--hidden-size", type=int, default=2048)

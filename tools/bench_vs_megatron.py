@@ -37,6 +37,7 @@ import time
 import torch
 
 from engine.cli import run_main
+from engine.config.arguments import ArgumentParser
 from engine.errors import ConfigError
 from engine.monitor.metrics import device_peak_tflops
 from engine.planning.bench_setup import corpus_dataset
@@ -259,7 +260,7 @@ def side_by_side(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     from tools.side_by_side import CASES
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(

@@ -22,6 +22,7 @@ import math
 import sys
 
 from engine.cli import run_main
+from engine.config.arguments import ArgumentParser
 from engine.errors import ConfigError
 from engine.planning.budget import PUBLISHED_RUNS, Cluster, parse_amount, solve
 
@@ -81,7 +82,7 @@ def _short(value: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--parameters", help="N, e.g. 7B")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.data.tokenizers.cli import (
     add_tokenizer_arguments,
     tokenizer_config,
@@ -42,7 +43,7 @@ from engine.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--load", help="our checkpoint directory (export)")

@@ -15,14 +15,16 @@ from __future__ import annotations
 import argparse
 
 from engine.cli import run_main
+from engine.config.arguments import ArgumentParser
 from engine.curation.config import read_config
 from engine.curation.pipeline import curate
+from engine.data.prepare.preprocess import available_cpus
 from engine.data.prepare.readers import expand_inputs
 from engine.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--input", nargs="+", required=True, help="files, folders or globs")
@@ -32,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: give at least 1")
+    if args.workers > available_cpus():
+        raise ConfigError(
+            f"--workers {args.workers}: this process may use {available_cpus()} CPUs; give at "
+            f"most {available_cpus()}"
+        )
     config = read_config(args.config)
     inputs = expand_inputs(args.input)
     report = curate(inputs, args.output, config, args.workers)

@@ -18,6 +18,7 @@ import json
 import os
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.data.tokenizers.cli import (
     add_tokenizer_arguments,
     tokenizer_config,
@@ -27,7 +28,7 @@ from engine.errors import ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--load", required=True, help="our checkpoint folder or a HF folder")

@@ -24,6 +24,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from engine.config.arguments import ArgumentParser
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
 
@@ -306,7 +308,7 @@ def write_report(records: list[dict], base: str, device: str) -> tuple[str, str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--dry-run", action="store_true", help="list the steps and stop")
     parser.add_argument("--steps", nargs="+", help="run only these steps (names as listed)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiplies every limit")

@@ -12,13 +12,14 @@ it checks).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+
+from engine.config.arguments import ArgumentParser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = ["--log-interval", "10", "--eval-interval", "20", "--eval-iters", "2"]
@@ -47,7 +48,7 @@ def log_tail(path: str, lines: int = 8) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--keep", help="keep the runs in this folder")
     args = parser.parse_args(argv)
     import torch

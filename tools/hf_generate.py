@@ -4,15 +4,15 @@ top-k, repetition penalty), reproducible by --seed."""
 
 from __future__ import annotations
 
-import argparse
 import os
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True, help="folder written by convert_checkpoint.py")
     parser.add_argument("--prompt", default="def ")
     parser.add_argument("--max-new-tokens", type=int, default=40)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
-
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.data.prepare.corpus import write_corpus
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument(
         "--output-dir", default="data/corpus", help="folder for stdlib.jsonl/.parquet"
     )

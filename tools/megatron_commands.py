@@ -18,7 +18,6 @@ missing). Commands that resume read the checkpoint an earlier one saved.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -26,6 +25,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+
+from engine.config.arguments import ArgumentParser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -368,7 +369,7 @@ def run(commands, data: str, work: str, timeout: int = 600) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=os.path.join(ROOT, "data", "quickstart"))
     parser.add_argument("--only", nargs="+", help="run only these commands (names)")
     parser.add_argument("--json", help="write the rows here")

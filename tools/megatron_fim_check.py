@@ -16,7 +16,6 @@ how many samples were rearranged and how many came out equal. Exit 1 on any diff
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import types
@@ -24,6 +23,7 @@ import types
 import numpy as np
 
 from engine.cli import run_main
+from engine.config.arguments import ArgumentParser
 from engine.config.fim import FimConfig
 from engine.data.builder import build_gpt_datasets
 from engine.data.fim import FimTransform
@@ -72,7 +72,7 @@ def megatron_reader(cls, transform: FimTransform, tokenizer, sample: np.ndarray)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("checkout", help="a folder holding megatron/training/datasets/")
     parser.add_argument("--data-path", required=True, help="a preprocessed dataset prefix")
     add_tokenizer_arguments(parser)

@@ -54,6 +54,8 @@ from megatron_source_reading import (  # tools/, this script's folder
     top_level_imports,
 )
 
+from engine.config.arguments import ArgumentParser
+
 # ----------------------------------------------------------------------------------------------
 # explicit add_argument calls
 # ----------------------------------------------------------------------------------------------
@@ -407,9 +409,7 @@ def rows(args: list[Arg], with_help: bool = False) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkout", help="path to a Megatron-LM checkout (plain directory)")
     ap.add_argument(
         "--no-extras", action="store_true", help="skip pretrain_gpt.py's extra_args_provider"

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.data.indexed.dataset import IndexedDataset, IndexedDatasetBuilder, dataset_exists
 from engine.errors import InputError
 
@@ -28,7 +28,7 @@ def _prefixes(inputs: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--input", nargs="+", required=True, help="dataset prefixes or a folder")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     args = parser.parse_args(argv)

@@ -10,12 +10,11 @@ up to about 4 epochs of repeated data train almost as well as fresh data, Muenni
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from engine.cli import run_main
-from engine.config.arguments import parse_configs
+from engine.config.arguments import ArgumentParser, parse_configs
 from engine.config.data import DataConfig
 from engine.config.resolve import with_length
 from engine.config.training import TrainingConfig
@@ -24,7 +23,7 @@ from engine.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    own = argparse.ArgumentParser(description=__doc__, add_help=False)
+    own = ArgumentParser(description=__doc__, add_help=False)
     own.add_argument("--max-epochs", type=float, default=4.0)
     own.add_argument("--json", help="also write the report here")
     own.add_argument("--seq-length", type=int, required=True)

@@ -13,7 +13,6 @@ loss differs. `make gpu-check` runs it on machines with two or more GPUs (tools/
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -22,6 +21,8 @@ import sys
 import tempfile
 
 from gpu_train_check import log_tail, train_losses  # tools/, this script's folder
+
+from engine.config.arguments import ArgumentParser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = [
@@ -80,7 +81,7 @@ def _run(layout: str, device: str, folder: str, iters: int) -> tuple[int, dict, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--iters", type=int, default=4)
     parser.add_argument("--rtol", type=float, default=1e-4)

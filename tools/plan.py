@@ -25,11 +25,12 @@ import sys
 from dataclasses import replace
 
 from engine.cli import run_main
+from engine.config.arguments import ArgumentParser
 from engine.errors import ConfigError
 
 
 def _arguments(argv):
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--calibrate", metavar="OUT", help="measure this machine into OUT")

@@ -17,6 +17,7 @@ import os
 import re
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.errors import InputError
 
 _LAYER = re.compile(r"^grad_norm/layers\.(\d+)$")
@@ -152,7 +153,7 @@ def _draw_expert_load(ax, train: list[dict], label: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--log-jsonl", nargs="+", required=True, help="metrics of one or more runs")

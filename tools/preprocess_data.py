@@ -5,10 +5,10 @@ Inputs: .jsonl (.gz, .zst), .parquet, or folders of .txt; a file, a glob or a fo
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.data.prepare.preprocess import preprocess
 from engine.data.tokenizers.cli import add_tokenizer_arguments, tokenizer_config
 from engine.data.tokenizers.gigatoken_encoder import CHOICES
@@ -16,7 +16,7 @@ from engine.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     group = parser.add_argument_group("input data")
     group.add_argument("--input", nargs="+", required=True, help="file, glob or folder")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize")

@@ -11,12 +11,12 @@ to check the script itself.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 
 from engine.cli import run_main
+from engine.config.arguments import ArgumentParser
 from engine.config.model import ModelConfig
 from engine.model import BuildContext, GPTModel
 
@@ -88,7 +88,7 @@ def probe(path: str, device: torch.device, seq: int, hidden: int, heads: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--hidden-size", type=int, default=2048)
     parser.add_argument("--num-attention-heads", type=int, default=16)

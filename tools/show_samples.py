@@ -6,11 +6,10 @@ and --reset-attention-mask cuts attention) and the predictions that carry no los
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.data.builder import build_gpt_datasets, build_streaming_datasets
 from engine.data.documents import document_layout
 from engine.data.sources import data_sources
@@ -20,7 +19,7 @@ from engine.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument(
         "--data-path", nargs="+", required=True, help="prefix or weight/prefix pairs"
     )

@@ -14,9 +14,8 @@ the runtime's timestamps: per rank a bar per action, idle time left blank.
 
 from __future__ import annotations
 
-import argparse
-
 from engine.cli import run_main
+from engine.config.arguments import ArgumentParser
 from parallel.pipeline.tables import GENERATORS, PLACEMENT, build_table, default_chunks
 from parallel.pipeline.validate import simulate, validate
 
@@ -103,7 +102,7 @@ def draw(events_per_rank, title: str, path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     from parallel.local_ranks import run_local
 
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--schedule", default="1f1b", choices=list(GENERATORS))
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=8)

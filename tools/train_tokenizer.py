@@ -16,12 +16,13 @@ import argparse
 import sys
 
 from engine.cli import run_main as run
+from engine.config.arguments import ArgumentParser
 from engine.data.tokenizers.train_sentencepiece import train_tokenizer
 from engine.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--input", nargs="+", required=True, help="files, globs or folders")
     parser.add_argument(
         "--library",
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--user-defined-symbols", nargs="*", default=[])
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
+    _check_ranges(args)
     if args.library == "hf":
         report = _train_hf(args)
     else:
@@ -79,6 +81,28 @@ SENTENCEPIECE_ONLY = {
     "--user-defined-symbols": [],
     "--seed": 1234,
 }
+
+
+def _check_ranges(args) -> None:
+    """The numbers SentencePiece checks itself, refused here in one line naming the flag."""
+    if args.max_sentence_length < MIN_SENTENCE_BYTES:
+        raise ConfigError(
+            f"--max-sentence-length {args.max_sentence_length}: give at least "
+            f"{MIN_SENTENCE_BYTES} bytes (the default is 16384)"
+        )
+    if args.input_sentence_size < 0:
+        raise ConfigError(
+            f"--input-sentence-size {args.input_sentence_size}: give 0 (every line) or a "
+            "positive number of lines"
+        )
+    if not 0.98 <= args.character_coverage <= 1.0:
+        raise ConfigError(
+            f"--character-coverage {args.character_coverage}: SentencePiece takes 0.98 to 1.0 "
+            "(0.9995 for languages with many characters, 1.0 for small alphabets)"
+        )
+
+
+MIN_SENTENCE_BYTES = 10  # SentencePiece's own minimum for max_sentence_length
 
 
 def _train_hf(args):

@@ -98,7 +98,8 @@ def check_shapes(
         if tuple(stored[key].size) != whole[key]:
             raise CheckpointError(
                 f"{path} was saved from a different model: tensor {name} has shape "
-                f"{list(stored[key].size)} there and {list(whole[key])} here",
+                f"{list(stored[key].size)} there and {list(whole[key])} here; give the model "
+                "flags it was trained with (or --use-checkpoint-args)",
                 every_rank=every_rank,
             )
     return absent, extra

@@ -64,7 +64,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, title: str) ->
         if element is bool:
             kwargs["action"] = meta.pop("action", "store_true")
         else:
-            kwargs["type"] = finite_float if element is float else element
+            kwargs["type"] = element
             if is_list:
                 kwargs["nargs"] = meta.pop("nargs", "+")
         kwargs.update(meta)
@@ -117,20 +117,22 @@ finite_float.__name__ = "float"  # argparse names the type in "invalid float val
 NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line (exit code 2) naming the fix, and reads
-    negative numbers in any notation as values."""
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line (exit code 2) naming the fix, reads
+    negative numbers in any notation as values and takes only finite numbers for `type=float`.
+    Every command line of the project (the engine's and the tools') is parsed by one."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = NEGATIVE_NUMBER
+        self.register("type", float, finite_float)
 
     def error(self, message: str):  # noqa: D401 - argparse API
         self.exit(2, f"error: {message}; see --help\n")
 
 
-def make_parser(classes: list[tuple[type, str]], description: str | None = None) -> _Parser:
-    parser = _Parser(description=description, allow_abbrev=False)
+def make_parser(classes: list[tuple[type, str]], description: str | None = None) -> ArgumentParser:
+    parser = ArgumentParser(description=description, allow_abbrev=False)
     for cls, title in classes:
         if hasattr(cls, "add_arguments"):  # a class whose flags are not its fields
             cls.add_arguments(parser, title)

@@ -383,7 +383,9 @@ class ModelConfig(MoEOptions, MultiTokenOptions, LatentAttentionOptions, Positio
         dynamic = scaling is not None and scaling["rope_type"] == "dynamic"
         if self.max_positions < self.seq_length and not dynamic:
             raise ConfigError(
-                f"max-position-embeddings {self.max_positions} < seq-length {self.seq_length}"
+                f"--max-position-embeddings {self.max_positions} < --seq-length "
+                f"{self.seq_length}; raise --max-position-embeddings to at least "
+                f"{self.seq_length} or lower --seq-length"
             )
         _ = self.attention_window  # --window-size parses
         if self.window_attn_skip_freq is not None:

@@ -25,7 +25,9 @@ def read_yaml_or_json(path: str, flag: str):
             return yaml.safe_load(text)
         except yaml.YAMLError as err:
             first = str(err).strip().splitlines()[0]
-            raise ConfigError(f"{flag} {path}: not valid YAML ({first}); fix it") from None
+            mark = getattr(err, "problem_mark", None)
+            where = f", line {mark.line + 1} column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"{flag} {path}: not valid YAML ({first}{where}); fix it") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:

@@ -99,7 +99,28 @@ class Cluster:
 
 def solve(parameters=None, tokens=None, flops=None, cluster=None, days=None) -> dict:
     """The budget from any two of N, D, C and (cluster and days); C alone gives its
-    compute-optimal split by the 20-tokens rule. ConfigError when the givens contradict."""
+    compute-optimal split by the 20-tokens rule. ConfigError when the givens contradict, or
+    when what they give is beyond floating point (an infinite C, a zero N)."""
+    try:
+        out = _solve(parameters, tokens, flops, cluster, days)
+    except (ZeroDivisionError, OverflowError):
+        out = None
+    scalars = ("parameters", "tokens", "flops", "tokens_per_parameter", "loss_fitted", "days")
+    broken = (
+        list(scalars)
+        if out is None
+        else [k for k in scalars if k in out and not (math.isfinite(out[k]) and out[k] > 0)]
+    )
+    if broken:
+        what = "cannot be computed" if out is None else f"give {broken[0]} {out[broken[0]]:g}"
+        raise ConfigError(
+            f"--parameters/--tokens/--flops: these amounts {what}; give amounts of real runs "
+            "(parameters and tokens between 1e3 and 1e20)"
+        )
+    return out
+
+
+def _solve(parameters, tokens, flops, cluster, days) -> dict:
     if days is not None:
         if cluster is None:
             raise ConfigError("--days needs the cluster: --gpus and --gpu (and --mfu)")

@@ -105,8 +105,10 @@ def load_machine(path: str, flag: str = "--calibration") -> Machine:
             f"{flag} {path}: not a calibration file ({type(err).__name__}: {err}); write one "
             "with tools/plan.py --calibrate"
         ) from None
-    if not machine.gemm_rates or min(rates) <= 0:
-        raise ConfigError(f"{flag} {path}: a rate, size or count is not positive; calibrate again")
+    if not machine.gemm_rates or not all(math.isfinite(r) and r > 0 for r in rates):
+        raise ConfigError(
+            f"{flag} {path}: a rate, size or count is not a positive number; calibrate again"
+        )
     if overheads and overheads != {"step", "per_microbatch", "per_microbatch_layer"}:
         raise ConfigError(f"{flag} {path}: overheads must name step, per_microbatch and "
                           "per_microbatch_layer; calibrate again")  # fmt: skip

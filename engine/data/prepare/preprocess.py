@@ -8,11 +8,14 @@ flight, so memory stays bounded however large the input is.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -214,6 +217,38 @@ class _Progress:
         self.bar.close()
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or Slurm's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _ignore_interrupts() -> None:
+    """A worker's start: Ctrl-C is the main process's to handle (it stops the pool); the
+    worker ends by the pool's terminate (SIGTERM)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def stopped_by_sigterm():
+    """SIGTERM (kill, a scheduler) ends the work as an exception would: the workers are
+    stopped and the unfinished outputs removed, then the process exits 143."""
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def preprocess(
     inputs: str | list[str],
     output_prefix: str,
@@ -241,6 +276,14 @@ def preprocess(
     keys = list(json_keys or ["text"])
     if workers < 1:
         raise InputError(f"--workers {workers}: need at least 1")
+    available = available_cpus()
+    if workers > available:
+        raise InputError(
+            f"--workers {workers}: this process may use {available} CPUs; give at most "
+            f"{available} (more workers only wait for each other)"
+        )
+    if log_interval < 1:
+        raise InputError(f"--log-interval {log_interval}: need at least 1 document")
     files = expand_inputs(inputs)
     # Loaded before the workers fork, so each inherits it instead of loading its own copy.
     if not isinstance(tokenizer, TokenizerConfig):
@@ -271,7 +314,12 @@ def preprocess(
         # Opening the outputs first finds an unwritable --output-prefix before any work.
         for key in keys:
             builders[key] = IndexedDatasetBuilder(output_prefix_for(output_prefix, key), dtype)
-        with context.Pool(workers, maxtasksperchild=BATCHES_PER_WORKER) as pool:
+        with (
+            stopped_by_sigterm(),
+            context.Pool(
+                workers, initializer=_ignore_interrupts, maxtasksperchild=BATCHES_PER_WORKER
+            ) as pool,
+        ):
             pending: deque = deque()
             records = iter_records(files, keys, skip_bad_records, file_stats)
             for batch in _batches(records):

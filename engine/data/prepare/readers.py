@@ -17,7 +17,6 @@ import os
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from engine.errors import InputError
 from parallel.errors import describe_os_error
@@ -51,6 +50,30 @@ def _suffix_of(path: str) -> str | None:
     return None
 
 
+def _files_under(folder: str) -> list[str]:
+    """The data files under `folder`, through linked folders too (each real folder once); a
+    link to a data file that does not exist is an InputError, not a file silently left out."""
+    found, seen = [], set()
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:  # a link back to a folder already walked
+            dirs[:] = []
+            continue
+        seen.add(real)
+        for name in names:
+            path = os.path.join(root, name)
+            if not _suffix_of(path):
+                continue
+            if not os.path.exists(path):
+                raise InputError(
+                    f"{path}: a link to {os.readlink(path)}, which does not exist; fix the "
+                    "link or remove it"
+                )
+            if os.path.isfile(path):
+                found.append(path)
+    return sorted(found)
+
+
 def expand_inputs(spec: str | list[str]) -> list[str]:
     """Files named by --input: a file, a glob, a folder (searched recursively), or a list."""
     specs = [spec] if isinstance(spec, str | os.PathLike) else list(spec)
@@ -58,9 +81,7 @@ def expand_inputs(spec: str | list[str]) -> list[str]:
     for item in specs:
         item = os.fspath(item)
         if os.path.isdir(item):
-            found = sorted(
-                str(p) for p in Path(item).rglob("*") if p.is_file() and _suffix_of(str(p))
-            )
+            found = _files_under(item)
             if not found:
                 raise InputError(
                     f"{item}: folder holds no {', '.join(SUPPORTED)} files; point --input at "
@@ -264,7 +285,10 @@ def decode_record(record: Record, keys: list[str]) -> dict[str, str]:
                 "line or pass --skip-bad-records"
             ) from None
         if not isinstance(values, dict):
-            raise InputError(f"{record.where}: a JSON object was expected, found {values!r:.40}")
+            raise InputError(
+                f"{record.where}: a JSON object was expected, found {values!r:.40}; write one "
+                'object per line, such as {"text": "..."}'
+            )
     texts = {}
     for key in keys:
         if key not in values:
@@ -279,6 +303,9 @@ def decode_record(record: Record, keys: list[str]) -> dict[str, str]:
         if value is None:
             value = ""
         if not isinstance(value, str):
-            raise InputError(f"{record.where}: key {key!r} holds {type(value).__name__}, not text")
+            raise InputError(
+                f"{record.where}: key {key!r} holds {type(value).__name__}, not text; give "
+                "--json-keys the key that holds the text (or --skip-bad-records to skip it)"
+            )
         texts[key] = value
     return texts

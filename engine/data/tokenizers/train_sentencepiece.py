@@ -57,15 +57,20 @@ class TokenizerReport:
 
 
 def _chunks(line: str, max_bytes: int) -> list[str]:
-    """Split a line into pieces of at most max_bytes UTF-8 bytes, on character boundaries."""
+    """Split a line into pieces of at most max_bytes UTF-8 bytes, on character boundaries (a
+    character longer than max_bytes is a piece of its own)."""
     encoded = line.encode("utf-8")
     if len(encoded) <= max_bytes:
         return [line]
     pieces, start = [], 0
     while start < len(encoded):
-        end = min(start + max_bytes, len(encoded))
+        end = min(start + max(max_bytes, 1), len(encoded))
         while end < len(encoded) and (encoded[end] & 0xC0) == 0x80:  # inside a character
             end -= 1
+        if end == start:  # one character longer than max_bytes: take it whole
+            end += 1
+            while end < len(encoded) and (encoded[end] & 0xC0) == 0x80:
+                end += 1
         pieces.append(encoded[start:end].decode("utf-8"))
         start = end
     return pieces

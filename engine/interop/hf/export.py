@@ -52,7 +52,10 @@ def checkpoint_path(load: str, iteration: int | None) -> str:
     if iteration is None:
         iteration = find_latest(load)
         if iteration is None:
-            raise CheckpointError(f"{load}: no latest_checkpointed_iteration.txt; pass --iteration")
+            raise CheckpointError(
+                f"{load}: not a checkpoint folder (no latest_checkpointed_iteration.txt and no "
+                "iter_* folders); give the --save folder of a training run"
+            )
     path = iteration_dir(load, iteration)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint")
