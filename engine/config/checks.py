@@ -81,7 +81,8 @@ def check_layout_flags(cfg: Configs, world_size: int) -> int:
     _check_context_parallel(m, par)  # (the model's own shape: checked by resolve)
     _check_expert_parallel(m, par, dp)
     par.validate(m.num_layers)
-    for section in (cfg.runtime, cfg.logging, cfg.evaluation, cfg.checkpointing, cfg.exit, cfg.fim):
+    sections = (cfg.runtime, cfg.logging, cfg.evaluation, cfg.checkpointing, cfg.exit, cfg.fim)
+    for section in (*sections, cfg.resilience):
         section.validate()
     _check_pipeline(cfg, dp)
     return dp

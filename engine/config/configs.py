@@ -17,6 +17,7 @@ from engine.config.model import ModelConfig
 from engine.config.optimizer import OptimizerConfig
 from engine.config.parallel import ParallelConfig
 from engine.config.profiling import ProfileConfig
+from engine.config.resilience import ResilienceConfig
 from engine.config.runtime import RuntimeConfig
 from engine.config.tokenizer import TokenizerConfig
 from engine.config.training import TrainingConfig
@@ -37,6 +38,7 @@ class Configs:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpointing: CheckpointConfig = field(default_factory=CheckpointConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     profiling: ProfileConfig = field(default_factory=ProfileConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     megatron: MegatronFlags = field(default_factory=MegatronFlags)
@@ -56,6 +58,7 @@ SECTIONS = (
     ("logging", LoggingConfig, "logging"),
     ("checkpointing", CheckpointConfig, "checkpoints"),
     ("exit", ExitConfig, "exit conditions and skipped steps"),
+    ("resilience", ResilienceConfig, "hangs"),
     ("profiling", ProfileConfig, "profiling"),
     ("tokenizer", TokenizerConfig, "tokenizer"),
     ("megatron", MegatronFlags, "Megatron-LM flags without effect here, or refused"),

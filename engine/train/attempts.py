@@ -16,6 +16,8 @@ import os
 import signal
 import sys
 
+from parallel.hang_watchdog import HANG_EXIT_CODE
+
 PREVIOUS_ATTEMPT_VARIABLE = "TRIPOD_PREVIOUS_ATTEMPT_ENDED"
 AGENT_LOGGERS = (
     "torch.distributed.elastic.agent.server.api",
@@ -25,6 +27,8 @@ AGENT_LOGGERS = (
 
 def exit_description(exitcode: int | None) -> str:
     """'exited with code 1' or 'was killed by SIGKILL' (a negative code is a signal)."""
+    if exitcode == HANG_EXIT_CODE:
+        return "stopped on a hang (exit code 75, --hang-timeout-seconds)"
     if exitcode is not None and exitcode < 0:
         try:
             return f"was killed by {signal.Signals(-exitcode).name}"
@@ -42,6 +46,12 @@ class AttemptReporter(logging.Handler):
         self.first_failure: str | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._read(record)
+        except Exception:  # noqa: BLE001 - a report must never stop the agent
+            self.handleError(record)
+
+    def _read(self, record: logging.LogRecord) -> None:
         if not isinstance(record.msg, str):
             return
         if record.msg.startswith("failed (exitcode"):

@@ -5,6 +5,8 @@
     TRIPOD_FAULT_RANDOM_BATCH_AT=25   that iteration trains on uniformly random tokens
     TRIPOD_FAULT_RAISE_AT=1:3         rank 1 raises an exception at iteration 3
     TRIPOD_FAULT_KILL_AT=1:3          rank 1 kills itself (SIGKILL) at iteration 3
+    TRIPOD_FAULT_STALL_AT=1:3         rank 1 stops making progress at iteration 3 (sleeps in
+                                      compute; its peers then wait in their next collective)
     TRIPOD_FAULT_SIGTERM_AT=1:3       rank 1 is sent SIGTERM at iteration 3 (as Slurm sends it
                                       to a job it preempts or that reaches its time limit;
                                       TRIPOD_FAULT_SIGNAL=SIGUSR1 sends that signal instead)
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 
@@ -40,6 +43,9 @@ def before_iteration(rank: int, iteration: int, batches: list[dict], vocab_size:
         raise RuntimeError(f"injected failure at iteration {iteration}")
     if rank_at("TRIPOD_FAULT_KILL_AT", rank, iteration):
         os.kill(os.getpid(), signal.SIGKILL)
+    if rank_at("TRIPOD_FAULT_STALL_AT", rank, iteration):
+        while True:
+            time.sleep(60)
     if rank_at("TRIPOD_FAULT_SIGTERM_AT", rank, iteration):
         name = os.environ.get("TRIPOD_FAULT_SIGNAL", "SIGTERM")
         os.kill(os.getpid(), signal.Signals[name])

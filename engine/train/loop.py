@@ -48,6 +48,8 @@ def train(run: Run) -> Counters:
     tokens_since_log = 0
     run.throughput.reset()
     times.take()  # the time breakdown starts with the window
+    if run.watchdog is not None:
+        run.watchdog.start()
     test_mode = cfg.exit.test_mode and cfg.model.qk_layernorm
     if cfg.exit.test_mode and not test_mode:
         run.writer.print("--test-mode: no QK layernorm to compare (as in Megatron-LM)")
@@ -65,6 +67,7 @@ def train(run: Run) -> Counters:
             batches = next_batches(iterator, count, state.device, run.packing)
         result = train_iteration(run, batches, global_batch)
         _count(c, result)
+        _beat(run)
         run.profiler.after_iteration(c.iteration)
         tokens_since_log += global_batch * cfg.model.seq_length
         if result.spike_z is not None:
@@ -91,6 +94,7 @@ def train(run: Run) -> Counters:
                 log_eval(run, "valid", evaluate(run, 1))
                 if run.eval_prompts is not None:
                     log_samples(run)
+            _beat(run)
         nan_limit = cfg.exit.exit_on_nan_count
         if nan_limit and c.nan_iters >= nan_limit:
             raise NaNLimit(
@@ -105,6 +109,7 @@ def train(run: Run) -> Counters:
         ):
             with times.measure("save-checkpoint"):
                 save(run)
+            _beat(run)
         if stop:
             run.writer.print(f"exiting at iteration {c.iteration} (--exit-interval)")
             break
@@ -116,6 +121,12 @@ def train(run: Run) -> Counters:
             run.writer.print(f"exiting at iteration {c.iteration}: {reason}")
             break
     return c
+
+
+def _beat(run: Run) -> None:
+    """Progress, for the hang watchdog (--hang-timeout-seconds)."""
+    if run.watchdog is not None:
+        run.watchdog.beat()
 
 
 def _count(c: Counters, result: IterationResult) -> None:
@@ -143,6 +154,8 @@ def finish(run: Run, completed: bool = True) -> None:
     """End of run: valid and test evaluation and a final checkpoint (when the run `completed`
     its iterations rather than stopped on broken weights), peak memory per rank."""
     c = run.progress.counters
+    if run.watchdog is not None:  # the final evaluation and save are not watched
+        run.watchdog.stop()
     if completed and c.iteration >= run.cfg.training.train_iters:
         log_eval(run, "valid", evaluate(run, 1))
         if run.eval_prompts is not None:

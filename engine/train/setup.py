@@ -43,6 +43,7 @@ from engine.train.exit_conditions import ExitConditions, earliest_start
 from engine.train.loss import LossReduction
 from engine.train.state import Progress, Run, logging_rank, params_dtype
 from engine.train.step import StepFeatures
+from engine.train.watchdog import build_watchdog
 from parallel.data_parallel.ddp import DistributedDataParallel
 from parallel.pipeline.schedules import get_schedule
 from parallel.pipeline.tables import PLACEMENT
@@ -171,6 +172,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         packing=_packing(cfg),
         loss_reduction=LossReduction(training.calculate_per_token_loss, cfg.data.eod_mask_loss),
         tokenizer_identity=build_tokenizer(cfg.tokenizer).identity(),
+        watchdog=build_watchdog(cfg, state, {"checkpoint": checkpoint_group}),
     )
     if mix is not None and len(mix.phases) > 1:
         run.writer.print(mix.describe())

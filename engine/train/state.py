@@ -25,6 +25,7 @@ from engine.train.loss import LossReduction
 from engine.train.step import StepFeatures
 from parallel.data_parallel.ddp import DistributedDataParallel
 from parallel.data_parallel.optimizer import DistributedOptimizer
+from parallel.hang_watchdog import HangWatchdog
 from parallel.random import RNGStatesTracker
 from parallel.state import ParallelState
 
@@ -82,6 +83,7 @@ class Run:
     packing: Packing | None = None  # what the samples' EOD tokens change (the three flags)
     loss_reduction: LossReduction = field(default_factory=LossReduction)  # per token or not
     tokenizer_identity: str | None = None  # Tokenizer.identity(), kept in every checkpoint
+    watchdog: HangWatchdog | None = None  # --hang-timeout-seconds
 
 
 def params_dtype(runtime: RuntimeConfig) -> torch.dtype:
