@@ -30,6 +30,12 @@ MOCK = [*SMALL_RUN, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab
         (["--lr", "1e39"], "error: --lr 1e+39 is beyond any usable learning rate (at most 1e30)"),
         # argparse took -1e-3 for a flag ("expected one argument"): it is a value
         (["--lr", "-1e-3"], "error: need 0 <= --min-lr (0.0) <= --lr (-0.001)"),
+        (["--rerun-on-nan", "--fp16"], "error: --rerun-on-nan with --fp16: the loss scaler"),
+        (
+            ["--rerun-mode", "report_determinism_stats"],
+            "error: --rerun-mode report_determinism_stats (rerunning every step",
+        ),
+        (["--hang-timeout-seconds", "0"], "error: --hang-timeout-seconds 0: give a positive"),
     ],
 )
 def test_bad_numbers_are_one_line(flags, expected, capsys):

@@ -84,6 +84,16 @@ def check_layout_flags(cfg: Configs, world_size: int) -> int:
     sections = (cfg.runtime, cfg.logging, cfg.evaluation, cfg.checkpointing, cfg.exit, cfg.fim)
     for section in (*sections, cfg.resilience):
         section.validate()
+    if cfg.resilience.reruns_non_finite and cfg.runtime.fp16:
+        raise ConfigError(
+            "--rerun-on-nan with --fp16: the loss scaler already handles non-finite gradients "
+            "(overflows); leave one of them out"
+        )
+    if cfg.resilience.reruns_non_finite and m.moe_router_enable_expert_bias:
+        raise ConfigError(
+            "--rerun-on-nan does not restore the routers' expert bias, which moves every step "
+            "(--moe-router-enable-expert-bias): leave one of them out"
+        )
     _check_pipeline(cfg, dp)
     return dp
 

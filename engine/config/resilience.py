@@ -1,5 +1,6 @@
-"""Surviving the cluster (`ResilienceConfig`): the hang watchdog. Restarts are torchrun's
-(--max-restarts, docs/scale.md); stopping on a signal or a time limit is ExitConfig's."""
+"""Surviving the cluster (`ResilienceConfig`): the hang watchdog and the rerun of a step whose
+loss or gradient is NaN/Inf. Restarts are torchrun's (--max-restarts, docs/scale.md); stopping on
+a signal or a time limit is ExitConfig's."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from engine.errors import ConfigError
 
 @dataclass(frozen=True)
 class ResilienceConfig:
-    """Hang detection."""
+    """Hang detection and reruns."""
 
     hang_timeout_seconds: float | None = option(
         None,
@@ -21,7 +22,31 @@ class ResilienceConfig:
         "--max-restarts to restart (default: no watchdog)",
     )
 
+    rerun_on_nan: bool = option(
+        False,
+        "when a step's loss or gradient is NaN/Inf, compute it again from the same state and "
+        "data: finite the second time is a transient fault (logged with the rank; the step "
+        "goes on with the new result), NaN/Inf again is the data or the model (its samples are "
+        "logged; the step is skipped as without the flag)",
+    )
+    rerun_mode: str = option(
+        "disabled",
+        "Megatron-LM's result validation: validate_results is --rerun-on-nan (a reproduced "
+        "NaN/Inf is skipped here rather than checkpointed for a rerun on another GPU); "
+        "report_determinism_stats is not built",
+        choices=["disabled", "validate_results", "report_determinism_stats"],
+    )
+
+    @property
+    def reruns_non_finite(self) -> bool:
+        return self.rerun_on_nan or self.rerun_mode == "validate_results"
+
     def validate(self) -> None:
+        if self.rerun_mode == "report_determinism_stats":
+            raise ConfigError(
+                "--rerun-mode report_determinism_stats (rerunning every step to measure "
+                "non-determinism) is not built here; use validate_results or --rerun-on-nan"
+            )
         if self.hang_timeout_seconds is not None and self.hang_timeout_seconds <= 0:
             raise ConfigError(
                 f"--hang-timeout-seconds {self.hang_timeout_seconds:g}: give a positive number "

@@ -3,6 +3,8 @@
     TRIPOD_FAULT_NAN_GRAD_AT=3,4      rank 0 turns a local gradient NaN at these iterations
                                       (before the data-parallel reduction, as a real one)
     TRIPOD_FAULT_RANDOM_BATCH_AT=25   that iteration trains on uniformly random tokens
+    TRIPOD_FAULT_NAN_BATCH_AT=3       that iteration's batch is poisoned: its loss mask is NaN
+                                      (a NaN loss however often it is computed)
     TRIPOD_FAULT_RAISE_AT=1:3         rank 1 raises an exception at iteration 3
     TRIPOD_FAULT_KILL_AT=1:3          rank 1 kills itself (SIGKILL) at iteration 3
     TRIPOD_FAULT_STALL_AT=1:3         rank 1 stops making progress at iteration 3 (sleeps in
@@ -49,6 +51,9 @@ def before_iteration(rank: int, iteration: int, batches: list[dict], vocab_size:
     if rank_at("TRIPOD_FAULT_SIGTERM_AT", rank, iteration):
         name = os.environ.get("TRIPOD_FAULT_SIGNAL", "SIGTERM")
         os.kill(os.getpid(), signal.Signals[name])
+    if iteration in _iterations("TRIPOD_FAULT_NAN_BATCH_AT"):
+        for batch in (b for b in batches if "labels" in b):  # the stages that compute the loss
+            batch["loss_mask"] = torch.full(batch["labels"].shape, float("nan"))
     if iteration in _iterations("TRIPOD_FAULT_RANDOM_BATCH_AT"):
         generator = torch.Generator().manual_seed(iteration)
         for batch in (b for b in batches if "tokens" in b):  # a middle stage reads none

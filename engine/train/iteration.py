@@ -3,7 +3,8 @@
 The step is skipped (and counted) when the loss or the gradient is NaN/Inf or, with
 --skip-spike-batches, the loss is a spike (z-score over a window of recent losses). A skipped
 step does not advance the learning-rate schedule; the "lr" logged is the one the iteration's
-update used or would have.
+update used or would have. With --rerun-on-nan a NaN/Inf step is first computed again from the
+same state and data (engine/train/rerun.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from engine.train import faults
+from engine.train.rerun import StepSnapshot, local_gradients_finite, ranks_without, report
 from engine.train.state import Run
 from engine.train.step import StepHooks, train_step
 
@@ -59,30 +61,52 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
     # non-finite gradient norm, which skips the update anyway, and the loss is read after
     # the update: one wait for the device per step.
     early = run.cfg.exit.skip_spike_batches or run.optimizer.grad_scaler is not None
-    hooks = StepHooks(
-        after_backward=lambda: faults.after_backward(rank, iteration, run.chunks),
-        should_step=should_step if early else None,
-        before_update=run.checkpointer.wait_for_copy if run.checkpointer else None,
-    )
+    reruns = run.cfg.resilience.reruns_non_finite  # (not with fp16's scaler: checks.py)
+    snapshot = StepSnapshot(run) if reruns else None
+    local = {"finite": True}
+
+    def after_backward(first: bool) -> None:
+        if first:  # an injected fault is transient: it does not come back in a rerun
+            faults.after_backward(rank, iteration, run.chunks)
+        if reruns:
+            local["finite"] = local_gradients_finite(run.chunks)
+
     features = run.features.at(iteration)
-    out = train_step(
-        run.chunks,
-        run.optimizer,
-        run.scheduler,
-        batches,
-        run.state,
-        run.schedule,
-        features=features,
-        hooks=hooks,
-        samples=global_batch,
-        reduction=run.loss_reduction,
-    )
+
+    def step(first: bool):
+        hooks = StepHooks(
+            after_backward=lambda: after_backward(first),
+            should_step=should_step if early else None,
+            before_update=run.checkpointer.wait_for_copy if run.checkpointer else None,
+        )
+        out = train_step(
+            run.chunks,
+            run.optimizer,
+            run.scheduler,
+            batches,
+            run.state,
+            run.schedule,
+            features=features,
+            hooks=hooks,
+            samples=global_batch,
+            reduction=run.loss_reduction,
+        )
+        if not early:
+            spike["z"], spike["attempted"] = run.spikes.check(out.loss), True
+        # An attempted step that did not update had a non-finite gradient (with fp16 that is
+        # a loss-scale overflow, which the scaler handles and is not counted).
+        bad = spike["attempted"] and not out.updated and run.optimizer.grad_scaler is None
+        return out, not math.isfinite(out.loss) or bool(bad)
+
+    out, nan = step(first=True)
+    if reruns and nan:
+        ranks = ranks_without(local["finite"], run.state)
+        snapshot.restore(run)
+        spike.update(z=None, attempted=False)
+        out, nan = step(first=False)
+        consumed = run.progress.counters.consumed_samples
+        run.writer.print(report(iteration, ranks, out.loss, not nan, (consumed, global_batch)))
     faults.after_update(rank, iteration, run.chunks)
-    if not early:
-        spike["z"], spike["attempted"] = run.spikes.check(out.loss), True
-    # An attempted step that did not update had a non-finite gradient (with fp16 that is a
-    # loss-scale overflow, which the scaler handles and is not counted).
-    bad_gradient = spike["attempted"] and not out.updated and run.optimizer.grad_scaler is None
     noise_scale = local_norm = None
     if features.noise_scale is not None and out.grad_norm is not None:
         local_norm = math.sqrt(out.local_grad_squares)
@@ -96,7 +120,7 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         updated=out.updated,
         grad_norm=out.grad_norm,
         loss_scale=out.loss_scale,
-        nan=not math.isfinite(out.loss) or bool(bad_gradient),
+        nan=nan,
         batch_size=global_batch,
         spike_z=spike["z"],
         part_norms=out.part_norms,

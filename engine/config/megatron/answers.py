@@ -52,9 +52,7 @@ DIFFERENT_DEFAULTS: dict[str, str] = {
 
 # Values of refused flags that ask for nothing here besides Megatron-LM's default (accepted
 # without effect, as the default is).
-ACCEPTED_VALUES: dict[str, tuple[str, ...]] = {
-    "--rerun-mode": ("disabled",),  # no rerun state machine here: disabled is what runs
-}
+ACCEPTED_VALUES: dict[str, tuple[str, ...]] = {}
 
 
 def _table(text: str) -> dict[str, tuple[str, ...]]:
@@ -303,7 +301,7 @@ profiling options:
     --pytorch-profiler-collect-chakra --pytorch-profiler-collect-shapes --record-memory-history
     --record-shapes
 rerun state machine (result validation):
-    --check-for-spiky-loss --error-injection-rate --error-injection-type --rerun-mode
+    --check-for-spiky-loss --error-injection-rate --error-injection-type
     --result-rejected-tracker-filename
 residual-connection variants:
     --apply-residual-connection-post-layernorm --fp32-residual-connection

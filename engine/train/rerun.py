@@ -1,0 +1,76 @@
+"""--rerun-on-nan (Megatron-LM's --rerun-mode validate_results): a step whose loss or gradient
+is NaN/Inf is computed again from the same state and data, to tell a flaky device from a bad
+batch.
+
+A skipped step leaves the weights, the optimizer and the learning-rate schedule as they were,
+so the second computation needs only the random states (dropout) and the loss-spike history
+put back. Finite the second time: a transient fault, logged with the ranks whose own gradient
+was non-finite before the reduction spread it; the step goes on with the new result.
+Non-finite again: the data or the model; the batch's samples are logged and the step is
+skipped as without the flag (--exit-on-nan-count counts it). The cost: each step keeps a copy of
+the random states, and sums its local gradient once after backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint.state import rng_state, set_rng_state
+
+
+class StepSnapshot:
+    """What a rerun of the step puts back: the random states and the spike detector's
+    history."""
+
+    def __init__(self, run):
+        self.rank, self.tracker = run.state.rank, run.progress.tracker
+        self.rng = rng_state(self.rank, self.tracker)
+        self.spikes = list(run.spikes.history)
+
+    def restore(self, run) -> None:
+        set_rng_state({k.split("/", 2)[2]: v for k, v in self.rng.items()}, self.tracker)
+        run.spikes.history = list(self.spikes)
+
+
+def local_gradients_finite(chunks) -> bool:
+    """Whether this rank's gradient buffers hold only finite values (read after backward;
+    where the reduction overlaps backward, some buckets may already be reduced)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for ddp in chunks:
+        for buffer in ddp.buffers:
+            if buffer.grad_buffer is not None:
+                total += buffer.grad_buffer.sum(dtype=torch.float64).cpu()
+    return bool(torch.isfinite(total))
+
+
+def ranks_without(finite: bool, state) -> list[int]:
+    """The ranks whose flag is False (collective over every rank)."""
+    flags = torch.tensor([float(finite)], device=state.device)
+    if state.world_group is None:
+        return [] if finite else [state.rank]
+    every = [torch.zeros_like(flags) for _ in range(state.world_size)]
+    dist.all_gather(every, flags, group=state.world_group)
+    return [rank for rank, flag in enumerate(every) if not bool(flag.item())]
+
+
+def report(iteration: int, ranks: list[int], rerun_loss: float, finite_again: bool, samples):
+    """The console line of a rerun."""
+    where = (
+        f"non-finite local gradient on rank(s) {', '.join(map(str, ranks))}"
+        if ranks
+        else "every rank's local gradient was finite: the loss or the reduction"
+    )
+    if finite_again:
+        return (
+            f"iteration {iteration}: NaN/Inf loss or gradient ({where}); recomputed from the "
+            f"same state and data: finite (lm loss {rerun_loss:.4f}), a transient fault; the "
+            "step goes on with the recomputed result (--rerun-on-nan)"
+        )
+    first, count = samples
+    return (
+        f"iteration {iteration}: NaN/Inf loss or gradient ({where}); recomputed from the same "
+        f"state and data: NaN/Inf again, so the data or the model: the global batch of "
+        f"training samples {first} to {first + count - 1} (in the order the run reads them); "
+        "the step is skipped (--rerun-on-nan)"
+    )
