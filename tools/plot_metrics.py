@@ -80,6 +80,8 @@ def _draw_run(axes: dict, train: list[dict], evals: list[dict], label: str, colo
     axes["memory"].plot(*_series(train, "mem_gb"), color=color, label=label)
     if "imbalance" in axes:
         axes["imbalance"].plot(*_series(train, "moe_load_imbalance"), color=color, label=label)
+    if "slowest" in axes:
+        axes["slowest"].plot(*_series(train, "own_time_max_over_median"), color=color, label=label)
     axes["noise"].plot(*_series(train, "lm_loss_var"), color=color, label=f"{label} loss variance")
     scale = _series(train, "gradient_noise_scale")
     if scale[0]:
@@ -152,6 +154,20 @@ def _draw_expert_load(ax, train: list[dict], label: str) -> None:
     ax.set_title(f"expert load at iteration {iteration} ({label})")
 
 
+def _draw_rank_times(ax, train: list[dict], label: str) -> None:
+    """Each rank's own compute seconds per iteration at each log line (--log-straggler):
+    rows are ranks, so a straggler is a bright row."""
+    logged = [r for r in train if r.get("own_time_per_rank")]
+    values = list(zip(*(r["own_time_per_rank"] for r in logged), strict=True))
+    image = ax.imshow(values, aspect="auto", origin="lower", interpolation="nearest")
+    ax.figure.colorbar(image, ax=ax, label="s / iteration")
+    ticks = range(0, len(logged), max(1, len(logged) // 6))
+    ax.set_xticks(list(ticks), [str(logged[k]["iteration"]) for k in ticks])
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("rank")
+    ax.set_title(f"own compute per rank, waits left out ({label})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -168,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     moe = any(r.get("moe_expert_load") for r in runs[0][1])
-    rows = 5 if moe else 4
+    stragglers = any(r.get("own_time_per_rank") for r in runs[0][1])
+    rows = 4 + moe + stragglers
     fig, grid = plt.subplots(rows, 2, figsize=(13, 3.5 * rows))
     axes = {
         "loss": grid[0, 0], "lr": grid[0, 1], "grad": grid[1, 0], "layers": grid[1, 1],
@@ -177,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     if moe:
         axes["imbalance"] = grid[4, 1]
         _draw_expert_load(grid[4, 0], runs[0][1], _label(runs[0][0], args.log_jsonl))
+    if stragglers:
+        axes["slowest"] = grid[rows - 1, 1]
+        _draw_rank_times(grid[rows - 1, 0], runs[0][1], _label(runs[0][0], args.log_jsonl))
     axes["mfu"] = axes["speed"].twinx()
     axes["noise_scale"] = axes["noise"].twinx()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -195,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if "imbalance" in axes:
         titles["imbalance"] = ("max / mean", "expert load imbalance (the busiest expert)")
+    if "slowest" in axes:
+        titles["slowest"] = ("max / median", "the slowest rank's own compute over the median")
     for name, (ylabel, title) in titles.items():
         axes[name].set_ylabel(ylabel)
         if title:

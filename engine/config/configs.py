@@ -58,7 +58,7 @@ SECTIONS = (
     ("logging", LoggingConfig, "logging"),
     ("checkpointing", CheckpointConfig, "checkpoints"),
     ("exit", ExitConfig, "exit conditions and skipped steps"),
-    ("resilience", ResilienceConfig, "hangs"),
+    ("resilience", ResilienceConfig, "hangs, reruns and stragglers"),
     ("profiling", ProfileConfig, "profiling"),
     ("tokenizer", TokenizerConfig, "tokenizer"),
     ("megatron", MegatronFlags, "Megatron-LM flags without effect here, or refused"),

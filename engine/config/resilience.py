@@ -1,6 +1,6 @@
-"""Surviving the cluster (`ResilienceConfig`): the hang watchdog and the rerun of a step whose
-loss or gradient is NaN/Inf. Restarts are torchrun's (--max-restarts, docs/scale.md); stopping on
-a signal or a time limit is ExitConfig's."""
+"""Surviving the cluster (`ResilienceConfig`): the hang watchdog, the rerun of a step whose
+loss or gradient is NaN/Inf and straggler reports. Restarts are torchrun's (--max-restarts,
+docs/scale.md); stopping on a signal or a time limit is ExitConfig's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from engine.errors import ConfigError
 
 @dataclass(frozen=True)
 class ResilienceConfig:
-    """Hang detection and reruns."""
+    """Hang detection, reruns and straggler reports."""
 
     hang_timeout_seconds: float | None = option(
         None,
@@ -37,11 +37,33 @@ class ResilienceConfig:
         choices=["disabled", "validate_results", "report_determinism_stats"],
     )
 
+    log_straggler: bool = option(
+        False,
+        "at every log line, gather each rank's own compute time per iteration (waits for "
+        "peers left out) and name the ranks slower than the median by more than "
+        "--straggler-threshold, with their node",
+    )
+    straggler_threshold: float = option(
+        0.1, "with --log-straggler: a rank this fraction slower than the median is a straggler"
+    )
+    straggler_minmax_count: int = option(
+        1, "with --log-straggler: the slowest and fastest ranks printed at every log line"
+    )
+
     @property
     def reruns_non_finite(self) -> bool:
         return self.rerun_on_nan or self.rerun_mode == "validate_results"
 
     def validate(self) -> None:
+        if self.straggler_threshold <= 0:
+            raise ConfigError(
+                f"--straggler-threshold {self.straggler_threshold:g}: give a positive fraction "
+                "(0.1: 10% slower than the median)"
+            )
+        if self.straggler_minmax_count < 0:
+            raise ConfigError(
+                f"--straggler-minmax-count {self.straggler_minmax_count}: give 0 or more"
+            )
         if self.rerun_mode == "report_determinism_stats":
             raise ConfigError(
                 "--rerun-mode report_determinism_stats (rerunning every step to measure "

@@ -9,6 +9,7 @@
     TRIPOD_FAULT_KILL_AT=1:3          rank 1 kills itself (SIGKILL) at iteration 3
     TRIPOD_FAULT_STALL_AT=1:3         rank 1 stops making progress at iteration 3 (sleeps in
                                       compute; its peers then wait in their next collective)
+    TRIPOD_FAULT_SLOW_RANK=1:0.2      rank 1 takes 0.2 s longer to read each batch (a straggler)
     TRIPOD_FAULT_SIGTERM_AT=1:3       rank 1 is sent SIGTERM at iteration 3 (as Slurm sends it
                                       to a job it preempts or that reaches its time limit;
                                       TRIPOD_FAULT_SIGNAL=SIGUSR1 sends that signal instead)
@@ -60,6 +61,13 @@ def before_iteration(rank: int, iteration: int, batches: list[dict], vocab_size:
             noise = torch.randint(0, vocab_size, batch["tokens"].shape, generator=generator)
             batch["tokens"] = noise.to(batch["tokens"].device)
             batch["labels"] = noise.roll(-1, dims=1).to(batch["labels"].device)
+
+
+def while_reading(rank: int) -> None:
+    """Inside the timed reading of an iteration's batches."""
+    slow = os.environ.get("TRIPOD_FAULT_SLOW_RANK", "")
+    if slow and in_faulty_attempt() and slow.split(":")[0] == str(rank):
+        time.sleep(float(slow.split(":")[1]))
 
 
 def after_update(rank: int, iteration: int, chunks) -> None:

@@ -68,6 +68,12 @@ def log_window(run: Run, window: list[IterationResult], tokens: int) -> None:
     parts = times.take()
     run.throughput.reset()
     record |= {f"time/{part}": s / len(window) for part, s in sorted(parts.items())}
+    if run.stragglers is not None:  # (collective: every rank logs a window)
+        per_rank = run.stragglers.gather(parts, len(window))
+        record["own_time_per_rank"] = per_rank
+        record["own_time_max_over_median"] = max(per_rank) / max(statistics.median(per_rank), 1e-12)
+        for line in run.stragglers.lines(per_rank, run.progress.counters.iteration):
+            run.writer.print(line)
     with measure(times, "log"):
         _write(run, record, loss)
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from engine.monitor.metrics import memory_gb
 from engine.monitor.weight_hash import check_qk_norms, check_replicas
+from engine.train import faults
 from engine.train.batches import data_iterator, micro_batches_per_step, next_batches
 from engine.train.checkpoint import save
 from engine.train.evaluate import evaluate
@@ -65,6 +66,7 @@ def train(run: Run) -> Counters:
         count = micro_batches_per_step(cfg.training.micro_batch_size, state, global_batch)
         with times.measure("batch-generator"):
             batches = next_batches(iterator, count, state.device, run.packing)
+            faults.while_reading(state.rank)
         result = train_iteration(run, batches, global_batch)
         _count(c, result)
         _beat(run)

@@ -32,6 +32,7 @@ from engine.monitor.metrics import (
 from engine.monitor.moe_metrics import step_metrics
 from engine.monitor.noise_scale import LocalGradSquares, NoiseScale
 from engine.monitor.profiler import StepProfiler
+from engine.monitor.stragglers import StragglerMonitor
 from engine.monitor.wandb import WandbWriter
 from engine.ops import agree_on_ops, select_ops
 from engine.optim.lr_schedule import LRScheduler
@@ -173,6 +174,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         loss_reduction=LossReduction(training.calculate_per_token_loss, cfg.data.eod_mask_loss),
         tokenizer_identity=build_tokenizer(cfg.tokenizer).identity(),
         watchdog=build_watchdog(cfg, state, {"checkpoint": checkpoint_group}),
+        stragglers=_stragglers(cfg, state),
     )
     if mix is not None and len(mix.phases) > 1:
         run.writer.print(mix.describe())
@@ -183,6 +185,13 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     if checkpointer is not None:
         checkpointer.prepare(chunks, optimizer, run.progress.tracker)
     return run
+
+
+def _stragglers(cfg: Configs, state: ParallelState) -> StragglerMonitor | None:
+    r = cfg.resilience
+    if not r.log_straggler:
+        return None
+    return StragglerMonitor(state, r.straggler_threshold, r.straggler_minmax_count)
 
 
 def _packing(cfg: Configs) -> Packing | None:

@@ -19,6 +19,7 @@ from engine.data.split import TrainingSplit
 from engine.eval.samples import EvalPrompts
 from engine.monitor.metrics import MetricsWriter, SpikeDetector, Throughput
 from engine.monitor.profiler import StepProfiler
+from engine.monitor.stragglers import StragglerMonitor
 from engine.optim.lr_schedule import LRScheduler
 from engine.train.exit_conditions import ExitConditions
 from engine.train.loss import LossReduction
@@ -84,6 +85,7 @@ class Run:
     loss_reduction: LossReduction = field(default_factory=LossReduction)  # per token or not
     tokenizer_identity: str | None = None  # Tokenizer.identity(), kept in every checkpoint
     watchdog: HangWatchdog | None = None  # --hang-timeout-seconds
+    stragglers: StragglerMonitor | None = None  # --log-straggler
 
 
 def params_dtype(runtime: RuntimeConfig) -> torch.dtype:

@@ -317,8 +317,7 @@ resilience integrations (fault tolerance, restarts, straggler detection, fault i
     --inprocess-heartbeat-timeout --inprocess-last-call-wait --inprocess-max-iterations
     --inprocess-monitor-process-interval --inprocess-monitor-thread-interval
     --inprocess-progress-watchdog-interval --inprocess-restart --inprocess-soft-timeout
-    --inprocess-termination-grace-time --log-straggler --run-workload-inspector-server
-    --straggler-ctrlr-port --straggler-minmax-count
+    --inprocess-termination-grace-time --run-workload-inspector-server --straggler-ctrlr-port
 sequence-chunked MLP (peak memory):
     --mlp-chunks-for-training
 skipping chosen iterations:
