@@ -227,8 +227,10 @@ def available_cpus() -> int:
 
 def _ignore_interrupts() -> None:
     """A worker's start: Ctrl-C is the main process's to handle (it stops the pool); the
-    worker ends by the pool's terminate (SIGTERM)."""
+    worker ends by the pool's terminate, SIGTERM, which must kill it outright (not the main
+    process's handler, inherited through fork, that raises)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
