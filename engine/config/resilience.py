@@ -1,6 +1,6 @@
 """Surviving the cluster (`ResilienceConfig`): the hang watchdog, the rerun of a step whose
-loss or gradient is NaN/Inf and straggler reports. Restarts are torchrun's (--max-restarts,
-docs/scale.md); stopping on a signal or a time limit is ExitConfig's."""
+loss or gradient is NaN/Inf, straggler reports and the heartbeat file. Restarts are torchrun's
+(--max-restarts, docs/scale.md); stopping on a signal or a time limit is ExitConfig's."""
 
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ class ResilienceConfig:
     )
     straggler_minmax_count: int = option(
         1, "with --log-straggler: the slowest and fastest ranks printed at every log line"
+    )
+
+    heartbeat_dir: str | None = option(
+        None,
+        "the first rank of each node keeps <dir>/heartbeat_<host>.json up to date (state, "
+        "iteration, samples, tokens, time; at most once a second) for a scheduler's health check",
     )
 
     @property

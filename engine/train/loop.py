@@ -51,6 +51,7 @@ def train(run: Run) -> Counters:
     times.take()  # the time breakdown starts with the window
     if run.watchdog is not None:
         run.watchdog.start()
+    _beat(run)
     test_mode = cfg.exit.test_mode and cfg.model.qk_layernorm
     if cfg.exit.test_mode and not test_mode:
         run.writer.print("--test-mode: no QK layernorm to compare (as in Megatron-LM)")
@@ -125,10 +126,14 @@ def train(run: Run) -> Counters:
     return c
 
 
-def _beat(run: Run) -> None:
-    """Progress, for the hang watchdog (--hang-timeout-seconds)."""
+def _beat(run: Run, state: str = "training") -> None:
+    """Progress, for the hang watchdog (--hang-timeout-seconds) and the heartbeat file."""
     if run.watchdog is not None:
         run.watchdog.beat()
+    if run.heartbeat is not None:
+        c = run.progress.counters
+        tokens = c.consumed_samples * run.cfg.model.seq_length
+        run.heartbeat.beat(c.iteration, c.consumed_samples, tokens, state)
 
 
 def _count(c: Counters, result: IterationResult) -> None:
@@ -168,6 +173,9 @@ def finish(run: Run, completed: bool = True) -> None:
     if run.checkpointer is not None:
         run.checkpointer.wait()
         run.checkpointer.release()
+    done = completed and c.iteration >= run.cfg.training.train_iters
+    if run.heartbeat is not None:
+        _beat(run, "finished" if done else "stopped")
     run.exit_conditions.close()
     run.profiler.close()
     peaks = torch.zeros(run.state.world_size, dtype=torch.float64, device=run.state.device)

@@ -106,6 +106,8 @@ def check(cfg: Configs, world_size: int, local_world_size: int | None = None) ->
     _check_device(cfg.runtime, local_world_size)
     _check_data(cfg)
     _check_outputs(cfg.logging, cfg.checkpointing)
+    if cfg.resilience.heartbeat_dir:
+        _writable_dir(cfg.resilience.heartbeat_dir, "--heartbeat-dir")
     load = cfg.checkpointing.load
     if load and megatron_latest(load) is None:
         iteration = find_latest(load)  # a broken latest file is reported now

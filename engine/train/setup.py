@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import random
 import time
 
@@ -22,6 +23,7 @@ from engine.data.tokenizers import build_tokenizer
 from engine.eval.samples import EvalPrompts, read_prompts
 from engine.model.builder import build_model_chunks
 from engine.monitor.grad_norm_parts import grad_norm_parts
+from engine.monitor.heartbeat import Heartbeat
 from engine.monitor.metrics import (
     MetricsWriter,
     SpikeDetector,
@@ -175,6 +177,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         tokenizer_identity=build_tokenizer(cfg.tokenizer).identity(),
         watchdog=build_watchdog(cfg, state, {"checkpoint": checkpoint_group}),
         stragglers=_stragglers(cfg, state),
+        heartbeat=_heartbeat(cfg, state),
     )
     if mix is not None and len(mix.phases) > 1:
         run.writer.print(mix.describe())
@@ -185,6 +188,12 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     if checkpointer is not None:
         checkpointer.prepare(chunks, optimizer, run.progress.tracker)
     return run
+
+
+def _heartbeat(cfg: Configs, state: ParallelState) -> Heartbeat | None:
+    first_of_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    folder = cfg.resilience.heartbeat_dir
+    return Heartbeat(folder, state.rank) if folder and first_of_node else None
 
 
 def _stragglers(cfg: Configs, state: ParallelState) -> StragglerMonitor | None:

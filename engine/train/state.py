@@ -17,6 +17,7 @@ from engine.data.documents import Packing
 from engine.data.mix.schedule import MixSchedule
 from engine.data.split import TrainingSplit
 from engine.eval.samples import EvalPrompts
+from engine.monitor.heartbeat import Heartbeat
 from engine.monitor.metrics import MetricsWriter, SpikeDetector, Throughput
 from engine.monitor.profiler import StepProfiler
 from engine.monitor.stragglers import StragglerMonitor
@@ -86,6 +87,7 @@ class Run:
     tokenizer_identity: str | None = None  # Tokenizer.identity(), kept in every checkpoint
     watchdog: HangWatchdog | None = None  # --hang-timeout-seconds
     stragglers: StragglerMonitor | None = None  # --log-straggler
+    heartbeat: Heartbeat | None = None  # --heartbeat-dir, on the first rank of each node
 
 
 def params_dtype(runtime: RuntimeConfig) -> torch.dtype:

@@ -1,6 +1,7 @@
-"""--log-straggler on two data-parallel gloo ranks, one of them slowed (its batches take 0.3 s
-longer to read): the log names it with its node, the JSONL holds every rank's own time, the
-other rank's waits for it are not counted as its own, and the dashboard draws the ranks."""
+"""Progress for the outside, on two gloo ranks. --log-straggler with one rank slowed (its
+batches take 0.3 s longer to read): the log names it with its node, the JSONL holds every rank's
+own time, the other rank's waits for it are not counted as its own, and the dashboard draws the
+ranks. --heartbeat-dir: the node's file."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import re
 import socket
+import time
 
 from tests.distributed import run_ranks
 from tests.test_rerun import MOCK, _train
@@ -38,3 +40,17 @@ def test_a_slow_rank_is_named(tmp_path, capfd):
     png = tmp_path / "dashboard.png"
     assert plot_metrics.main(["--log-jsonl", str(log), "--output", str(png)]) == 0
     assert os.path.getsize(png) > 0
+
+
+def test_the_heartbeat_file_follows_the_run(tmp_path):
+    """--heartbeat-dir: one file per node (the first rank of the node writes it), atomically,
+    that ends as finished with the last iteration and the tokens trained."""
+    folder = tmp_path / "beats"
+    argv = [*MOCK, "--train-iters", "3", "--heartbeat-dir", str(folder)]
+    started = time.time()
+    run_ranks(_train, 2, argv, {})
+    assert os.listdir(folder) == [f"heartbeat_{socket.gethostname()}.json"]
+    beat = json.loads((folder / f"heartbeat_{socket.gethostname()}.json").read_text())
+    assert beat["state"] == "finished" and beat["iteration"] == 3 and beat["rank"] == 0
+    assert beat["consumed_samples"] == 12 and beat["tokens"] == 12 * 32
+    assert started <= beat["time"] <= time.time()
