@@ -32,8 +32,8 @@ MOCK = [*SMALL_RUN, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab
         (["--lr", "-1e-3"], "error: need 0 <= --min-lr (0.0) <= --lr (-0.001)"),
         (["--rerun-on-nan", "--fp16"], "error: --rerun-on-nan with --fp16: the loss scaler"),
         (
-            ["--rerun-mode", "report_determinism_stats"],
-            "error: --rerun-mode report_determinism_stats (rerunning every step",
+            ["--rerun-mode", "report_stats"],
+            "error: --rerun-mode report_stats (rerunning every step",
         ),
         (["--hang-timeout-seconds", "0"], "error: --hang-timeout-seconds 0: give a positive"),
     ],

@@ -103,8 +103,7 @@ def test_each_kind_of_answer_on_a_command_line():
     )
     # ... but at Megatron-LM's default it asks for nothing
     prepare(parse(SHAPE + ["--expert-model-parallel-size", "1", "--moe-router-topk", "2"]), 1)
-    prepare(parse(SHAPE + ["--rerun-mode", "disabled"]), 1)  # a value that asks for nothing
-    assert _refused(["--rerun-mode", "report_stats"]).startswith("--rerun-mode: rerun state")
+    assert _refused(["--check-for-spiky-loss"]).startswith("--check-for-spiky-loss: rerun state")
     # not applicable: says what the flag is for
     flag = next(iter(NOT_APPLICABLE.values()))[0]
     definition = megatron_flags()[flag]

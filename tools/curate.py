@@ -18,7 +18,7 @@ from engine.cli import run_main
 from engine.config.arguments import ArgumentParser
 from engine.curation.config import read_config
 from engine.curation.pipeline import curate
-from engine.data.prepare.preprocess import available_cpus
+from engine.data.prepare.preprocess import WORKERS_PER_CPU, available_cpus
 from engine.data.prepare.readers import expand_inputs
 from engine.errors import ConfigError
 
@@ -34,10 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: give at least 1")
-    if args.workers > available_cpus():
+    if args.workers > WORKERS_PER_CPU * available_cpus():
         raise ConfigError(
             f"--workers {args.workers}: this process may use {available_cpus()} CPUs; give at "
-            f"most {available_cpus()}"
+            f"most {WORKERS_PER_CPU * available_cpus()}"
         )
     config = read_config(args.config)
     inputs = expand_inputs(args.input)

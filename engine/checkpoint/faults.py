@@ -2,7 +2,10 @@
 
     TRIPOD_FAULT_KILL_IN_SAVE=1:8     rank 1 kills itself in the middle of the save of
                                       iteration 8: its data files are written, the checkpoint's
-                                      metadata and commit are not
+                                      metadata and commit are not (with --async-save: in the
+                                      background commit)
+    TRIPOD_FAULT_DISK_FULL_IN_SAVE=1:8  rank 1's writes of the save of iteration 8 fail as on a
+                                      full disk (ENOSPC); tests/small_disk.py makes a real one
 
 (The faults injected into training iterations are engine/train/faults.py's.) Every fault fires in
 each attempt of a job that torchrun restarts, unless TRIPOD_FAULT_ATTEMPT=K limits them to the
@@ -11,6 +14,7 @@ attempt whose TORCHELASTIC_RESTART_COUNT is K (0: the first).
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -30,6 +34,13 @@ def in_faulty_attempt() -> bool:
 
 def storage_writer(path: str, rank: int, iteration: int):
     """The DCP storage writer for a save (recording checksums), or one that dies mid-save."""
+    if rank_at("TRIPOD_FAULT_DISK_FULL_IN_SAVE", rank, iteration):
+
+        class _DiskFull(ChecksummingWriter):
+            def write_data(self, plan, planner):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+        return _DiskFull(path)
     if not rank_at("TRIPOD_FAULT_KILL_IN_SAVE", rank, iteration):
         return ChecksummingWriter(path)
 

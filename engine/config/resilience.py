@@ -33,8 +33,8 @@ class ResilienceConfig:
         "disabled",
         "Megatron-LM's result validation: validate_results is --rerun-on-nan (a reproduced "
         "NaN/Inf is skipped here rather than checkpointed for a rerun on another GPU); "
-        "report_determinism_stats is not built",
-        choices=["disabled", "validate_results", "report_determinism_stats"],
+        "report_stats is not built",
+        choices=["disabled", "validate_results", "report_stats"],
     )
 
     log_straggler: bool = option(
@@ -70,10 +70,10 @@ class ResilienceConfig:
             raise ConfigError(
                 f"--straggler-minmax-count {self.straggler_minmax_count}: give 0 or more"
             )
-        if self.rerun_mode == "report_determinism_stats":
+        if self.rerun_mode == "report_stats":
             raise ConfigError(
-                "--rerun-mode report_determinism_stats (rerunning every step to measure "
-                "non-determinism) is not built here; use validate_results or --rerun-on-nan"
+                "--rerun-mode report_stats (rerunning every step to measure non-determinism) "
+                "is not built here; use validate_results or --rerun-on-nan"
             )
         if self.hang_timeout_seconds is not None and self.hang_timeout_seconds <= 0:
             raise ConfigError(

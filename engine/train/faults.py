@@ -6,7 +6,10 @@
     TRIPOD_FAULT_NAN_BATCH_AT=3       that iteration's batch is poisoned: its loss mask is NaN
                                       (a NaN loss however often it is computed)
     TRIPOD_FAULT_RAISE_AT=1:3         rank 1 raises an exception at iteration 3
-    TRIPOD_FAULT_KILL_AT=1:3          rank 1 kills itself (SIGKILL) at iteration 3
+    TRIPOD_FAULT_KILL_AT=1:3          rank 1 kills itself (SIGKILL) at iteration 3: at its start,
+                                      or with TRIPOD_FAULT_KILL_IN=PART as it enters that part of
+                                      the time breakdown (forward-compute, backward-compute,
+                                      pipeline-wait, grads-sync, optimizer, save-checkpoint)
     TRIPOD_FAULT_STALL_AT=1:3         rank 1 stops making progress at iteration 3 (sleeps in
                                       compute; its peers then wait in their next collective)
     TRIPOD_FAULT_SLOW_RANK=1:0.2      rank 1 takes 0.2 s longer to read each batch (a straggler)
@@ -27,6 +30,7 @@ Iterations are 1-based: the iteration being computed, as logged.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -34,6 +38,7 @@ import time
 import torch
 
 from engine.checkpoint.faults import in_faulty_attempt, rank_at
+from parallel.timing import StepTimes
 
 
 def _iterations(name: str) -> set[int]:
@@ -41,10 +46,38 @@ def _iterations(name: str) -> set[int]:
     return {int(x) for x in value.split(",") if x.strip()}
 
 
-def before_iteration(rank: int, iteration: int, batches: list[dict], vocab_size: int) -> None:
+class KillingTimes(StepTimes):
+    """The step's timer, which kills this rank as it enters TRIPOD_FAULT_KILL_IN's part."""
+
+    def __init__(self, sync, rank: int):
+        super().__init__(sync)
+        self.rank, self.iteration = rank, 0
+
+    @contextlib.contextmanager
+    def measure(self, part: str):
+        if part == os.environ.get("TRIPOD_FAULT_KILL_IN") and rank_at(
+            "TRIPOD_FAULT_KILL_AT", self.rank, self.iteration
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
+        with super().measure(part):
+            yield
+
+
+def step_times(sync, rank: int) -> StepTimes:
+    """The run's timer: a KillingTimes where TRIPOD_FAULT_KILL_IN asks for one."""
+    return KillingTimes(sync, rank) if os.environ.get("TRIPOD_FAULT_KILL_IN") else StepTimes(sync)
+
+
+def before_iteration(
+    rank: int, iteration: int, batches: list[dict], vocab_size: int, times=None
+) -> None:
+    if isinstance(times, KillingTimes):
+        times.iteration = iteration
     if rank_at("TRIPOD_FAULT_RAISE_AT", rank, iteration):
         raise RuntimeError(f"injected failure at iteration {iteration}")
-    if rank_at("TRIPOD_FAULT_KILL_AT", rank, iteration):
+    if rank_at("TRIPOD_FAULT_KILL_AT", rank, iteration) and not os.environ.get(
+        "TRIPOD_FAULT_KILL_IN"
+    ):
         os.kill(os.getpid(), signal.SIGKILL)
     if rank_at("TRIPOD_FAULT_STALL_AT", rank, iteration):
         while True:

@@ -46,7 +46,8 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
     every rank; every rank decides the same. Returns an IterationResult."""
     global_batch = global_batch or run.batches.final
     rank, iteration = run.state.rank, run.progress.counters.iteration + 1
-    faults.before_iteration(rank, iteration, batches, run.cfg.model.vocab_size)
+    times = run.features.times
+    faults.before_iteration(rank, iteration, batches, run.cfg.model.vocab_size, times)
     spike: dict[str, float | bool | None] = {"z": None, "attempted": False}
 
     def should_step(loss: float) -> bool:

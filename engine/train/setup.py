@@ -39,6 +39,7 @@ from engine.monitor.wandb import WandbWriter
 from engine.ops import agree_on_ops, select_ops
 from engine.optim.lr_schedule import LRScheduler
 from engine.optim.optimizer import build_optimizer
+from engine.train import faults
 from engine.train.batches import domain_names
 from engine.train.checkpoint import resume
 from engine.train.datasets import build_datasets
@@ -78,7 +79,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         training.seed, state.tp_rank, state.pp_rank, state.device, state.cp_rank
     )
     dtype = params_dtype(cfg.runtime)
-    times = _step_times(cfg.logging, state.device)
+    times = _step_times(cfg.logging, state.device, state.rank)
     chunks = _model(cfg, state, tracker, dtype, times)
     optimizer = build_optimizer(
         chunks,
@@ -337,11 +338,11 @@ def _throughput(cfg: Configs, state: ParallelState) -> Throughput:
     return Throughput(flops, state.world_size, peak)
 
 
-def _step_times(logging, device) -> StepTimes:
+def _step_times(logging, device, rank: int) -> StepTimes:
     sync = None
     if logging.timing_log_level >= 1 and device.type == "cuda":
         sync = torch.cuda.synchronize  # GPU work counted where it runs, at a cost
-    return StepTimes(sync)
+    return faults.step_times(sync, rank)
 
 
 def _tp_comm_times(times: StepTimes, cfg: Configs, device) -> StepTimes | None:

@@ -22,6 +22,12 @@ from __future__ import annotations
 # compares every other implemented flag's default with Megatron-LM's).
 DIFFERENT_DEFAULTS: dict[str, str] = {
     "--lr": "Megatron-LM has none (a run without --lr fails in its scheduler); 3e-4 here",
+    "--rerun-mode": (
+        "Megatron-LM's validate_results computes a NaN/Inf step again and then stops the job "
+        "(checkpointing a reproduced one for a rerun on another GPU); here such a step is "
+        "skipped unless --rerun-mode validate_results (or --rerun-on-nan) computes it again "
+        "and goes on"
+    ),
     "--transformer-impl": (
         "Megatron-LM's transformer_engine needs Transformer Engine; local (the same "
         "computation in PyTorch) here"
@@ -49,10 +55,6 @@ DIFFERENT_DEFAULTS: dict[str, str] = {
         "Megatron-LM's None becomes 969,30,1 when no per-split data paths are given; the same here"
     ),
 }
-
-# Values of refused flags that ask for nothing here besides Megatron-LM's default (accepted
-# without effect, as the default is).
-ACCEPTED_VALUES: dict[str, tuple[str, ...]] = {}
 
 
 def _table(text: str) -> dict[str, tuple[str, ...]]:

@@ -14,7 +14,7 @@ import argparse
 import functools
 from dataclasses import dataclass
 
-from engine.config.megatron.answers import ACCEPTED_VALUES, MISSING, NO_EFFECT, NOT_APPLICABLE
+from engine.config.megatron.answers import MISSING, NO_EFFECT, NOT_APPLICABLE
 from engine.config.megatron.releases import MegatronFlag, megatron_flags
 from engine.errors import ConfigError
 
@@ -100,9 +100,7 @@ def _argparse_kwargs(definition: MegatronFlag) -> dict:
 
 def asks_for_something(flag: str, value) -> bool:
     """Whether a refused flag's value differs from Megatron-LM's default (at the default it
-    changes nothing there either) and from the values that ask for nothing here."""
-    if isinstance(value, str) and value in ACCEPTED_VALUES.get(flag, ()):
-        return False
+    changes nothing there either)."""
     definition = megatron_flags().get(flag)
     return definition is None or not definition.at_default(value)
 

@@ -217,6 +217,9 @@ class _Progress:
         self.bar.close()
 
 
+WORKERS_PER_CPU = 4  # beyond this, workers only wait for each other (and fork without end)
+
+
 def available_cpus() -> int:
     """The CPUs this process may run on (its affinity: a container's or Slurm's share)."""
     try:
@@ -278,11 +281,11 @@ def preprocess(
     keys = list(json_keys or ["text"])
     if workers < 1:
         raise InputError(f"--workers {workers}: need at least 1")
-    available = available_cpus()
-    if workers > available:
+    most = WORKERS_PER_CPU * available_cpus()
+    if workers > most:
         raise InputError(
-            f"--workers {workers}: this process may use {available} CPUs; give at most "
-            f"{available} (more workers only wait for each other)"
+            f"--workers {workers}: this process may use {available_cpus()} CPUs; give at most "
+            f"{most} (more workers only wait for each other)"
         )
     if log_interval < 1:
         raise InputError(f"--log-interval {log_interval}: need at least 1 document")
