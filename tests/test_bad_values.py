@@ -210,3 +210,32 @@ def test_a_stopped_preprocess_leaves_nothing_behind(stop, corpus, tokenizer_mode
     assert process.returncode == 128 + stop, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == ["big.jsonl"]
+
+
+def test_an_idx_from_another_bin_is_found(tmp_path):
+    """Two datasets of the same tokens cut into documents differently: the .idx of one beside
+    the .bin of the other is refused (its boundaries miss the EOD tokens); the real pair, and
+    data without EOD tokens, pass."""
+    import shutil
+
+    import numpy as np
+
+    from engine.data.indexed.dataset import IndexedDataset, IndexedDatasetBuilder
+    from engine.data.prepare.token_ids import check_document_boundaries
+    from engine.errors import ConfigError
+
+    eod, rng = 3, np.random.default_rng(0)
+    documents = [np.append(rng.integers(10, 500, n), eod) for n in rng.integers(20, 80, 100)]
+    tokens = np.concatenate(documents)
+    cuts = np.cumsum(rng.integers(20, 80, 99))  # the same tokens, other boundaries
+    for name, parts in (("right", documents), ("other", np.split(tokens, cuts))):
+        with IndexedDatasetBuilder(tmp_path / name, np.uint16) as builder:
+            for part in parts:
+                builder.add_document(part)
+            builder.finalize()
+    check_document_boundaries(IndexedDataset(str(tmp_path / "right")), eod)
+    shutil.copy(tmp_path / "right.bin", tmp_path / "mixed.bin")
+    shutil.copy(tmp_path / "other.idx", tmp_path / "mixed.idx")
+    with pytest.raises(ConfigError, match=r"mixed.idx does not describe .*mixed.bin: \d+ of its"):
+        check_document_boundaries(IndexedDataset(str(tmp_path / "mixed")), eod)
+    check_document_boundaries(IndexedDataset(str(tmp_path / "mixed")), eod=9999)  # no EODs

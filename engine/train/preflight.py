@@ -27,7 +27,7 @@ from engine.config.tokenizer import TokenizerConfig, config_from_record
 from engine.data.fim import fim_tokens
 from engine.data.indexed.dataset import IndexedDataset
 from engine.data.indexed.gpt_dataset import SPLIT_NAMES, sequence_range
-from engine.data.prepare.token_ids import check_token_ids
+from engine.data.prepare.token_ids import check_document_boundaries, check_token_ids
 from engine.data.sources import DataSources, sources_of
 from engine.data.streaming.shards import open_shards
 from engine.data.tokenizers import build_tokenizer
@@ -263,6 +263,7 @@ def _check_data(cfg: Configs) -> None:
         for prefix in sources.prefixes():
             datasets[prefix] = IndexedDataset(prefix)
             check_token_ids(datasets[prefix], m.vocab_size, source, data.data_cache_path)
+            check_document_boundaries(datasets[prefix], tokenizer.eod)
             if data.masks_documents:
                 _check_documents_end(datasets[prefix], prefix, tokenizer.eod, data)
         _check_split_shares(sources, datasets)

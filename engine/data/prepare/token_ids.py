@@ -1,4 +1,5 @@
-"""The range of token ids of an indexed dataset, checked against the model's vocabulary at start.
+"""The range of token ids of an indexed dataset, checked against the model's vocabulary at start
+(and its document boundaries against its end-of-document tokens).
 
 A dataset made with another tokenizer (or by Megatron-LM's legacy tokenizers, whose EOD id can
 lie past a SentencePiece vocabulary) would otherwise index past the embedding: an IndexError
@@ -116,4 +117,26 @@ def check_token_ids(
             f"{data_file(dataset.prefix)} holds token id {largest}, but {vocab_source} has a "
             f"vocabulary of {vocab_size} (ids 0..{vocab_size - 1}); use the tokenizer the "
             "data was made with, or preprocess the data again with this one"
+        )
+
+
+def check_document_boundaries(dataset: IndexedDataset, eod: int, documents: int = 64) -> None:
+    """ConfigError when the `.idx` does not describe the `.bin`: data preprocessed with
+    --append-eod ends each document with EOD, so when the first documents mostly do not end
+    with it but hold it inside, the boundaries are another dataset's (an `.idx` of the same
+    size copied from elsewhere). Data without EOD tokens passes."""
+    count = min(dataset.num_documents, documents)
+    ends_with, holds_inside = 0, 0
+    for k in range(count):
+        tokens = dataset[k]
+        if len(tokens) and int(tokens[-1]) == eod:
+            ends_with += 1
+        if len(tokens) > 1 and bool((tokens[:-1] == eod).any()):
+            holds_inside += 1
+    if count and ends_with <= count // 4 and holds_inside >= max(1, count // 4):
+        raise ConfigError(
+            f"{index_file(dataset.prefix)} does not describe {data_file(dataset.prefix)}: "
+            f"{holds_inside} of its first {count} documents hold the end-of-document token "
+            f"(id {eod}) inside them and only {ends_with} end with it; use the .idx written "
+            "with this .bin (preprocess again)"
         )
