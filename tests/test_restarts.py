@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.checkpoint.files import find_latest
-from engine.train.exit_conditions import ExitConditions
+from engine.train.exit_conditions import SAME_STOP_SECONDS, ExitConditions
 from tests.cli import CPU_ONLY, ROOT
 
 SMALL_RUN = [
@@ -147,6 +147,8 @@ def test_the_exit_signal_handler_saves_on_the_first_signal_and_stops_on_the_seco
         assert conditions.check(None, torch.device("cpu")) == (
             "received SIGINT (--exit-signal-handler)"
         )
+        os.kill(os.getpid(), signal.SIGUSR1)  # at once: the same stop (Slurm and the launcher)
+        conditions.received_at -= SAME_STOP_SECONDS  # later: another one
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGUSR1)
     finally:

@@ -9,7 +9,9 @@ size) from the count of samples consumed so far.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -100,7 +102,7 @@ def build_data_iterator(
         # Workers inherit the memory-mapped dataset by fork (it holds open files, which a
         # forkserver or spawn start would have to pickle); fork is Linux's default start anyway.
         multiprocessing_context=_worker_start_method() if num_workers > 0 else None,
-        worker_init_fn=leave_the_process_group,
+        worker_init_fn=obey_only_the_rank,
         # Its own generator: creating the iterator must not draw from the global one, or a
         # resumed run's dropout masks would be one draw off the uninterrupted run's.
         generator=torch.Generator().manual_seed(consumed_samples),
@@ -108,14 +110,31 @@ def build_data_iterator(
     return iter(loader)
 
 
-def leave_the_process_group(worker_id: int | None = None) -> None:
-    """A data-loader worker's start: it leaves its rank's process group, so that the signals
-    which stop a run reach the rank alone. torchrun passes the launcher's SIGTERM/SIGINT to
-    each rank's whole process group (and a terminal's Ctrl-C reaches its foreground group): a
-    worker that died of one would end the rank with a traceback before --exit-signal-handler's
-    save. The worker still ends with its rank (the loader shuts it down, or it sees its parent
-    gone), and a SIGTERM sent to it alone (Python's exit-time clean-up) still ends it."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def obey_only_the_rank(worker_id: int | None = None) -> None:
+    """A data-loader worker's start: the signals that stop a run are the rank's to act on.
+
+    torchrun passes the launcher's SIGTERM/SIGINT to each rank's whole process group, a
+    terminal's Ctrl-C reaches its foreground group, and Slurm signals every process of a job
+    step (at its time limit, on preemption, on `scancel --signal`): a worker that died of one
+    would end the rank with a traceback before --exit-signal-handler's save. So the worker
+    leaves its rank's process group, and a thread takes SIGTERM and SIGINT from then on: sent
+    by the rank (the loader's shutdown, Python's exit-time clean-up) they end the worker at
+    once; sent by anyone else they are left to the rank. The worker also ends when it sees its
+    rank gone (the loader's own watchdog)."""
     os.setpgid(0, 0)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    threading.Thread(target=_stop_when_the_rank_says, daemon=True).start()
+
+
+def _stop_when_the_rank_says() -> None:
+    rank = os.getppid()
+    while True:
+        received = signal.sigwaitinfo(STOP_SIGNALS)
+        if received.si_pid == rank:
+            os._exit(0)
 
 
 def _worker_start_method() -> str:

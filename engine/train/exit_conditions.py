@@ -4,7 +4,8 @@ there), or on a signal (SIGTERM by default) with --exit-signal-handler, the run 
 a checkpoint at the end of the current iteration and exits with code 0, so that a preempted or
 time-limited Slurm job can be resubmitted and resume where it stopped. With the handler on, SIGINT
 (Ctrl-C to engine.launch, which passes it on to the ranks) saves the same way, and a second
-signal stops at once without saving (KeyboardInterrupt: "interrupted; latest checkpoint N").
+signal (more than SAME_STOP_SECONDS after the first) stops at once without saving
+(KeyboardInterrupt: "interrupted; latest checkpoint N").
 
 Every rank must stop at the same iteration, so the decision is agreed each iteration by an
 all-reduce (max) of each rank's view: one rank that received the signal or ran out of time is
@@ -18,6 +19,10 @@ import time
 
 import torch
 import torch.distributed as dist
+
+# Slurm signals every process of a job step, launcher and ranks alike, and the launcher passes
+# the signal on: within this many seconds a second signal is that same stop.
+SAME_STOP_SECONDS = 5.0
 
 
 class ExitConditions:
@@ -35,6 +40,7 @@ class ExitConditions:
         self.started = time.time() if started is None else started
         self.signal_number = getattr(signal, signal_name) if signal_handler else None
         self.received: int | None = None  # the signal acted on at the end of the iteration
+        self.received_at = 0.0
         self.previous: dict[int, object] = {}
         if self.signal_number is not None:
             # engine.launch (torchrun) passes the launcher's SIGINT (Ctrl-C) on to the ranks
@@ -46,9 +52,12 @@ class ExitConditions:
         return self.duration_minutes is not None or self.signal_number is not None
 
     def _on_signal(self, signum, frame) -> None:
-        if self.received is not None:  # a second one: stop now, without saving
-            raise KeyboardInterrupt
-        self.received = signum  # acted on at the end of the current iteration
+        now = time.monotonic()
+        if self.received is not None:
+            if now - self.received_at < SAME_STOP_SECONDS:
+                return  # the same stop delivered twice: to this rank and through its launcher
+            raise KeyboardInterrupt  # a second one: stop now, without saving
+        self.received, self.received_at = signum, now  # acted on at the end of the iteration
 
     def check(self, group, device: torch.device) -> str | None:
         """Collective over `group` (every rank calls it each iteration when active): why the

@@ -28,7 +28,7 @@ import torch
 from engine.config.tokenizer import TokenizerConfig
 from engine.data.indexed.gpt_dataset import SPLIT_NAMES, split_ranges
 from engine.data.indexed.helpers import build_blending_indices
-from engine.data.loader import collate_samples, leave_the_process_group
+from engine.data.loader import collate_samples, obey_only_the_rank
 from engine.data.streaming.shards import Shard, ShardCursor
 from engine.data.tokenizers import build_tokenizer
 from engine.errors import ConfigError, InputError
@@ -202,7 +202,7 @@ class SampleStream:
                 _WindowProducer(self.plan, self.tokenizer, self.window),
                 batch_size=None,
                 num_workers=self.num_workers,
-                worker_init_fn=leave_the_process_group,
+                worker_init_fn=obey_only_the_rank,
                 # Its own generator: starting a loader must not draw from the global one, which
                 # drives dropout (a resumed run would be one draw off the uninterrupted run).
                 generator=torch.Generator().manual_seed(self.plan.seed),
