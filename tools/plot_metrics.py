@@ -163,6 +163,7 @@ def _draw_rank_times(ax, train: list[dict], label: str) -> None:
     ax.figure.colorbar(image, ax=ax, label="s / iteration")
     ticks = range(0, len(logged), max(1, len(logged) // 6))
     ax.set_xticks(list(ticks), [str(logged[k]["iteration"]) for k in ticks])
+    ax.set_yticks(list(range(0, len(values), max(1, len(values) // 16))))
     ax.set_xlabel("iteration")
     ax.set_ylabel("rank")
     ax.set_title(f"own compute per rank, waits left out ({label})")
