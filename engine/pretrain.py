@@ -73,6 +73,21 @@ def values_problem(argv: list[str]) -> str | None:
     return None
 
 
+def train_and_finish(run) -> int:
+    """The training loop, then the final evaluation and save; the exit code."""
+    code, completed = 0, True
+    try:
+        train(run)
+    except NaNLimit as stop:
+        run.writer.print(str(stop))
+        code = 1
+    except NonFiniteWeights as stop:
+        run.writer.print(str(stop))
+        code, completed = 1, False
+    finish(run, completed)
+    return code
+
+
 def interrupted_line(save: str | None) -> str:
     """'interrupted; latest checkpoint N' (the newest complete one under --save)."""
     try:
@@ -125,20 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     accepted = no_effect_line(cfg.megatron, cfg.model, cfg.runtime, cfg.parallel)
     if accepted:
         run.writer.print(accepted)
-    code, completed = 0, True
     try:
-        train(run)
-    except NaNLimit as stop:
-        run.writer.print(str(stop))
-        code = 1
-    except NonFiniteWeights as stop:
-        run.writer.print(str(stop))
-        code, completed = 1, False
+        code = train_and_finish(run)
     except KeyboardInterrupt:  # a second signal, or Ctrl-C without --exit-signal-handler
         if state.rank == 0:
             print(interrupted_line(cfg.checkpointing.save), file=sys.stderr, flush=True)
         os._exit(130)  # peers may be in a collective and a save's threads half done
-    finish(run, completed)
     if started_here and dist.is_initialized():
         dist.destroy_process_group()
     return code
