@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
 
 from engine.cli import run_main
@@ -66,6 +67,11 @@ def _describe(rank, failure) -> str:
 
 
 ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+# torchrun's agent keeps one key-value store for the whole job unless told otherwise: the ranks
+# of a restarted attempt (--max-restarts) then read the keys the failed attempt left (its
+# process groups' addresses) and wait in new_group for minutes. With this, every rendezvous
+# round (every attempt, on every node alike) gets a new store that its rank 0 hosts.
+FRESH_STORE_EACH_ATTEMPT = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def allocator_environment(environ: dict) -> dict:
@@ -105,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     # say what went wrong themselves, a restart is one line (engine/train/attempts.py), and
     # the final failure is summarised below.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    listen_to_the_agent(AttemptReporter())
+    several_nodes = str(args.nnodes) not in ("1", "1:1")
+    listen_to_the_agent(AttemptReporter(socket.gethostname() if several_nodes else None))
     os.environ.update(allocator_environment(os.environ))  # the ranks inherit it
+    os.environ.update(FRESH_STORE_EACH_ATTEMPT)
     try:
         run(args)
     except ChildFailedError as err:

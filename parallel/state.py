@@ -37,7 +37,6 @@ import torch.distributed as dist
 
 from parallel.errors import ConfigError
 from parallel.expert_parallel.groups import expert_layout_groups
-from parallel.restart_store import attempt_store
 
 
 def check_layout(world_size: int, tp: int, pp: int, dp: int | None = None, cp: int = 1) -> int:
@@ -402,13 +401,12 @@ def init_distributed(
     if not dist.is_initialized():
         # One process started without torchrun: an in-memory store, no port to collide on.
         alone = world == 1 and "MASTER_PORT" not in os.environ
-        timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(
             default_backend(device),
-            store=dist.HashStore() if alone else attempt_store(world, timeout),
+            store=dist.HashStore() if alone else None,
             rank=rank,
             world_size=world,
-            timeout=timeout,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
             # NCCL binds its communicators to this rank's GPU up front
             device_id=device if device.type == "cuda" else None,
         )

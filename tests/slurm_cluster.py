@@ -36,6 +36,9 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSu
 """
 
 
+MUNGE_PID_FILE = "/run/munge/munged.pid"
+
+
 def slurm_available() -> str | None:
     """Why Slurm cannot run here, or None."""
     for program in ("slurmctld", "slurmd", "sbatch", "munged"):
@@ -93,4 +96,8 @@ class SlurmCluster:
             except (OSError, ValueError):
                 pass
         if self.started_munge:
-            subprocess.run(["pkill", "-x", "munged"], capture_output=True)
+            try:
+                with open(MUNGE_PID_FILE) as f:
+                    os.kill(int(f.read().strip()), 15)
+            except (OSError, ValueError):
+                pass

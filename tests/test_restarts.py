@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -35,12 +36,10 @@ def _timed_lines(command: list[str], env: dict, timeout: float) -> tuple[int, li
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    lines, deadline = [], time.monotonic() + timeout
-    for line in process.stdout:
-        lines.append((time.monotonic(), line.rstrip("\n")))
-        if time.monotonic() > deadline:
-            process.kill()
-            break
+    stopper = threading.Timer(timeout, process.kill)  # a silent, stuck job ends too
+    stopper.start()
+    lines = [(time.monotonic(), line.rstrip("\n")) for line in process.stdout]
+    stopper.cancel()
     return process.wait(timeout=30), lines
 
 
@@ -76,10 +75,13 @@ def test_a_killed_rank_restarts_every_rank_from_the_newest_checkpoint(
     assert back_in < 60
 
 
-def _start(command: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen(
+def _start(command: list[str], env: dict, timeout: float = 300) -> subprocess.Popen:
+    """The command running, killed after `timeout` seconds whatever it is doing."""
+    process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    threading.Timer(timeout, process.kill).start()
+    return process
 
 
 def _read_until(process: subprocess.Popen, pattern: str, seen: list[str]) -> None:

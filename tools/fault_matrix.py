@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -36,6 +37,7 @@ RUN = [
     *("--save-interval", "2", "--hang-timeout-seconds", "4", "--rerun-on-nan"),
 ]
 PP2 = ("--pipeline-model-parallel-size", "2")
+RUN_LIMIT_S = 300
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,10 @@ def _launch(folder: str, layout, env: dict, flags) -> tuple[int, list[tuple[floa
         command, cwd=ROOT, env=environ, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
+    stopper = threading.Timer(RUN_LIMIT_S, process.kill)  # a run that never ends is a failure
+    stopper.start()
     lines = [(time.monotonic(), line.rstrip("\n")) for line in process.stdout]
+    stopper.cancel()
     return process.wait(), lines
 
 
@@ -121,7 +126,8 @@ def _measure(fault: Fault, code: int, lines, losses: dict, reference: dict) -> O
     equal = losses == reference
     if ended is None:  # handled inside the attempt: a rerun
         by = "--rerun-on-nan" if rerun is not None else "nothing"
-        return Outcome(fault.name, fault.what, by, 0.0 if rerun else None, 0.0, 0, equal,
+        detect = 0.0 if rerun is not None else None
+        return Outcome(fault.name, fault.what, by, detect, 0.0, 0, equal,
                        fault.equal_expected, code)  # fmt: skip
     progress = [k for k in range(ended) if re.match(r"(iteration +\d+/|checkpoint saved)", text[k])]
     last = progress[-1] if progress else 0

@@ -55,11 +55,20 @@ def check_free(folder: str) -> None:
     lock_file.close()  # closing releases the lock
 
 
-def hold(folder: str):
+def hold(folder: str, patience_s: float = 5.0):
     """Take the lock for this process's lifetime (CheckpointError when a live run holds it);
-    returns the open file, which keeps it."""
-    lock_file = _open(folder)
-    _try_lock(lock_file, folder, fcntl.LOCK_EX)
+    returns the open file, which keeps it. A lock held for a moment (another process's
+    check_free) is waited for up to `patience_s`."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        lock_file = _open(folder)
+        try:
+            _try_lock(lock_file, folder, fcntl.LOCK_EX)
+            break
+        except CheckpointError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
     lock_file.seek(0)
     lock_file.truncate()
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())

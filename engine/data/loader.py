@@ -125,8 +125,9 @@ def obey_only_the_rank(worker_id: int | None = None) -> None:
     once; sent by anyone else they are left to the rank. The worker also ends when it sees its
     rank gone (the loader's own watchdog)."""
     os.setpgid(0, 0)
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    threading.Thread(target=_stop_when_the_rank_says, daemon=True).start()
+    if hasattr(signal, "sigwaitinfo"):  # (Linux; elsewhere the process group is all)
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        threading.Thread(target=_stop_when_the_rank_says, daemon=True).start()
 
 
 def _stop_when_the_rank_says() -> None:

@@ -6,6 +6,9 @@ A rank's own time is what the time breakdown (parallel/timing.py) counts as its 
 and backward compute (tensor-parallel collectives are measured apart and taken out), the
 optimizer and reading its batches. Waits for peers (pipeline receives, gradient and loss
 reductions) are left out: a slow rank makes the others wait, and only its own time shows it.
+On a GPU the flag makes the time breakdown synchronise at each part's ends (as
+--timing-log-level 1 does), so that each part's kernels are counted in it and not in a later
+wait.
 """
 
 from __future__ import annotations
@@ -37,11 +40,11 @@ class StragglerMonitor:
             return [own]
         every = [torch.zeros_like(value) for _ in range(self.state.world_size)]
         dist.all_gather(every, value, group=self.state.world_group)
-        return [float(v.item()) for v in every]
+        return torch.cat(every).tolist()
 
     def lines(self, per_rank: list[float], iteration: int) -> list[str]:
         """The console lines: the stragglers, and the slowest and fastest ranks."""
-        median = statistics.median(per_rank)
+        median = max(statistics.median(per_rank), 1e-12)
         order = sorted(range(len(per_rank)), key=lambda r: per_rank[r], reverse=True)
 
         def who(rank: int) -> str:

@@ -40,8 +40,10 @@ def exit_description(exitcode: int | None) -> str:
 class AttemptReporter(logging.Handler):
     """Turns the agent's records of a failed attempt into one line on `stream`."""
 
-    def __init__(self, stream=None):
+    def __init__(self, node: str | None = None, stream=None):
+        """`node`: this launcher's node, named in its lines when the job has several."""
         super().__init__(logging.INFO)
+        self.node = node
         self.stream = stream or sys.stderr
         self.first_failure: str | None = None
 
@@ -56,8 +58,7 @@ class AttemptReporter(logging.Handler):
             return
         if record.msg.startswith("failed (exitcode"):
             exitcode, local_rank = record.args[0], record.args[1]
-            node = os.environ.get("GROUP_RANK")
-            where = f"local rank {local_rank}" + (f" of node {node}" if node else "")
+            where = f"local rank {local_rank}" + (f" of node {self.node}" if self.node else "")
             self.first_failure = f"{where} {exit_description(exitcode)}"
         elif "attempts left" in record.msg:
             left, restarts = int(record.args[2]), int(record.args[3])

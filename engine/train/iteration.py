@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from engine.train import faults
 from engine.train.rerun import StepSnapshot, local_gradients_finite, ranks_without, report
 from engine.train.state import Run
@@ -64,13 +66,13 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
     early = run.cfg.exit.skip_spike_batches or run.optimizer.grad_scaler is not None
     reruns = run.cfg.resilience.reruns_non_finite  # (not with fp16's scaler: checks.py)
     snapshot = StepSnapshot(run) if reruns else None
-    local = {"finite": True}
+    local = {"finite": torch.ones(1, device=run.state.device)}
 
     def after_backward(first: bool) -> None:
         if first:  # an injected fault is transient: it does not come back in a rerun
             faults.after_backward(rank, iteration, run.chunks)
         if reruns:
-            local["finite"] = local_gradients_finite(run.chunks)
+            local["finite"] = local_gradients_finite(run.chunks, run.state.device)
 
     features = run.features.at(iteration)
 
@@ -100,7 +102,7 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         return out, not math.isfinite(out.loss) or bool(bad)
 
     out, nan = step(first=True)
-    if reruns and nan:
+    if reruns and nan and not out.updated:  # (a step that updated changed the state)
         ranks = ranks_without(local["finite"], run.state)
         snapshot.restore(run)
         spike.update(z=None, attempted=False)

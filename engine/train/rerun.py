@@ -33,25 +33,25 @@ class StepSnapshot:
         run.spikes.history = list(self.spikes)
 
 
-def local_gradients_finite(chunks) -> bool:
-    """Whether this rank's gradient buffers hold only finite values (read after backward;
-    where the reduction overlaps backward, some buckets may already be reduced)."""
-    total = torch.zeros((), dtype=torch.float64)
+def local_gradients_finite(chunks, device: torch.device) -> torch.Tensor:
+    """Whether this rank's gradient buffers hold only finite values, as a flag on the device
+    (read only when the step turns out non-finite: no wait for the device here). Taken after
+    backward; where the reduction overlaps backward, some buckets may already be reduced."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for ddp in chunks:
         for buffer in ddp.buffers:
             if buffer.grad_buffer is not None:
-                total += buffer.grad_buffer.sum(dtype=torch.float64).cpu()
-    return bool(torch.isfinite(total))
+                total += buffer.grad_buffer.sum(dtype=torch.float64)
+    return torch.isfinite(total).to(torch.float32).reshape(1)
 
 
-def ranks_without(finite: bool, state) -> list[int]:
-    """The ranks whose flag is False (collective over every rank)."""
-    flags = torch.tensor([float(finite)], device=state.device)
+def ranks_without(finite: torch.Tensor, state) -> list[int]:
+    """The ranks whose flag is 0 (collective over every rank)."""
     if state.world_group is None:
-        return [] if finite else [state.rank]
-    every = [torch.zeros_like(flags) for _ in range(state.world_size)]
-    dist.all_gather(every, flags, group=state.world_group)
-    return [rank for rank, flag in enumerate(every) if not bool(flag.item())]
+        return [] if bool(finite.item()) else [state.rank]
+    every = [torch.zeros_like(finite) for _ in range(state.world_size)]
+    dist.all_gather(every, finite, group=state.world_group)
+    return [rank for rank, flag in enumerate(torch.cat(every).tolist()) if not flag]
 
 
 def report(iteration: int, ranks: list[int], rerun_loss: float, finite_again: bool, samples):

@@ -79,7 +79,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         training.seed, state.tp_rank, state.pp_rank, state.device, state.cp_rank
     )
     dtype = params_dtype(cfg.runtime)
-    times = _step_times(cfg.logging, state.device, state.rank)
+    times = _step_times(cfg, state.device, state.rank)
     chunks = _model(cfg, state, tracker, dtype, times)
     optimizer = build_optimizer(
         chunks,
@@ -338,10 +338,13 @@ def _throughput(cfg: Configs, state: ParallelState) -> Throughput:
     return Throughput(flops, state.world_size, peak)
 
 
-def _step_times(logging, device, rank: int) -> StepTimes:
+def _step_times(cfg: Configs, device, rank: int) -> StepTimes:
     sync = None
-    if logging.timing_log_level >= 1 and device.type == "cuda":
-        sync = torch.cuda.synchronize  # GPU work counted where it runs, at a cost
+    # GPU work counted where it runs, at a cost; --log-straggler needs each rank's own compute
+    # apart from its waits, which host times without a sync do not give
+    wanted = cfg.logging.timing_log_level >= 1 or cfg.resilience.log_straggler
+    if wanted and device.type == "cuda":
+        sync = torch.cuda.synchronize
     return faults.step_times(sync, rank)
 
 

@@ -38,6 +38,8 @@ def build_watchdog(cfg: Configs, state: ParallelState, extra_groups: dict) -> Ha
     store = None
     if state.world_size > 1:
         store = dist.distributed_c10d._get_default_store()  # outside the process groups
+        # its own connection: the main thread may be the one stuck in a store wait
+        store = store.clone() if hasattr(store, "clone") else store
     save = cfg.checkpointing.save
     return HangWatchdog(
         timeout,
