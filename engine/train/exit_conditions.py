@@ -70,7 +70,8 @@ class ExitConditions:
         views = torch.tensor([float(timed_out), received], device=device)
         if group is not None and dist.is_initialized():
             dist.all_reduce(views, op=dist.ReduceOp.MAX, group=group)
-        timed_out, received = bool(views[0]), int(views[1])
+        timed_out, received = views.tolist()  # one wait for the device
+        timed_out, received = bool(timed_out), int(received)
         if received:
             return f"received {signal.Signals(received).name} (--exit-signal-handler)"
         if timed_out:
