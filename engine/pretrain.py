@@ -23,6 +23,7 @@ from engine.config.configs import SECTIONS, Configs, configs_from
 from engine.config.megatron.compat import no_effect_line
 from engine.config.resolve import resolve
 from engine.errors import ConfigError, UserError
+from engine.planning.parameters import parameter_count
 from engine.train.attempts import attempt_line
 from engine.train.finite_weights import NonFiniteWeights
 from engine.train.loop import NaNLimit, finish, train
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         etp=cfg.parallel.expert_tp_size,
     )
     run = setup(cfg, state, started)
+    run.writer.print(parameter_count(cfg.model, state.tp_size).describe())
     attempt = attempt_line()  # a restart by torchrun's --max-restarts says which and why
     if attempt:
         run.writer.print(attempt)
