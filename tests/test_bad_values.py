@@ -17,7 +17,7 @@ from engine.checkpoint.files import find_latest
 from engine.cli import run_main
 from engine.data.tokenizers.train_sentencepiece import train_tokenizer
 from tests.cli import ROOT, one_line_error, run_python
-from tests.test_restarts import SMALL_RUN
+from tests.test_restarts import SMALL_RUN, interruptible
 
 MOCK = [*SMALL_RUN, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
 
@@ -198,7 +198,7 @@ def test_a_stopped_preprocess_leaves_nothing_behind(stop, corpus, tokenizer_mode
     ]
     process = subprocess.Popen(
         command, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-        env=dict(os.environ, PYTHONPATH=ROOT), start_new_session=True,
+        env=dict(os.environ, PYTHONPATH=ROOT), start_new_session=True, preexec_fn=interruptible,
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while not any(".tmp" in n for n in os.listdir(tmp_path)) and time.monotonic() < deadline:

@@ -78,10 +78,18 @@ def test_a_killed_rank_restarts_every_rank_from_the_newest_checkpoint(
 def _start(command: list[str], env: dict, timeout: float = 300) -> subprocess.Popen:
     """The command running, killed after `timeout` seconds whatever it is doing."""
     process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=interruptible,
+    )  # fmt: skip
     threading.Timer(timeout, process.kill).start()
     return process
+
+
+def interruptible() -> None:
+    """In the child before it starts: SIGINT at its default, so that Python turns it into
+    KeyboardInterrupt (a process started with SIGINT ignored, as pytest-xdist's workers run,
+    keeps ignoring it, as a shell's background job does)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _read_until(process: subprocess.Popen, pattern: str, seen: list[str]) -> None:
