@@ -139,7 +139,12 @@ def test_resume_with_another_schedule_through_a_run(dataset_prefix, tokenizer_mo
         line for line in refused.stderr.splitlines() if "--override-opt_param-scheduler" in line
     ]
     assert len(lines) == 1 and "lr_decay_steps is 64 samples here and 32 samples in" in lines[0]
-    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    # (and the lock the run held on the folder, engine/checkpoint/run_lock.py)
+    assert sorted(os.listdir(ckpt)) == [
+        ".run.lock",
+        "iter_0000004",
+        "latest_checkpointed_iteration.txt",
+    ]
     # the checkpoint's schedule: decayed to --min-lr at iteration 4, so the rest runs at it
     taken = dict(longer, **{"--use-checkpoint-opt_param-scheduler": True})
     pretrain(1, base_args(dataset_prefix, tokenizer_model, **taken))
