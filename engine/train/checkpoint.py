@@ -187,6 +187,7 @@ def save(run: Run) -> None:
             "consumed_valid_samples": c.consumed_valid_samples,
         },
         "spikes": run.spikes.state_dict(),
+        "run": run.record,  # the configuration, data files and code (rank 0 writes meta)
     }
     if run.mix is not None:  # the blend's weights over the run, compared on resume
         meta["mix"] = run.mix.record()

@@ -4,7 +4,6 @@ checkpoint."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import random
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.save import Checkpointer
-from engine.config.configs import SECTIONS, Configs
+from engine.config.configs import Configs
 from engine.data.documents import Packing
 from engine.data.mix.schedule import train_mix
 from engine.data.sources import sources_of
@@ -45,6 +44,7 @@ from engine.train.checkpoint import resume
 from engine.train.datasets import build_datasets
 from engine.train.exit_conditions import ExitConditions, earliest_start
 from engine.train.loss import LossReduction
+from engine.train.run_record import flat_settings, run_record
 from engine.train.state import Progress, Run, logging_rank, params_dtype
 from engine.train.step import StepFeatures
 from engine.train.watchdog import build_watchdog
@@ -179,6 +179,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         watchdog=build_watchdog(cfg, state, {"checkpoint": checkpoint_group}),
         stragglers=_stragglers(cfg, state),
         heartbeat=_heartbeat(cfg, state),
+        record=run_record(cfg) if cfg.checkpointing.save and state.rank == 0 else {},
     )
     if mix is not None and len(mix.phases) > 1:
         run.writer.print(mix.describe())
@@ -319,7 +320,7 @@ def _writer(cfg: Configs, state: ParallelState) -> MetricsWriter:
     """The console, JSONL, TensorBoard and wandb writers (on the logging rank)."""
     logging, wandb = cfg.logging, None
     if logging.wandb_project and logging_rank(state):
-        wandb = WandbWriter(logging, cfg.checkpointing, run_record(cfg, state))
+        wandb = WandbWriter(logging, cfg.checkpointing, flat_settings(cfg, state))
     return MetricsWriter(
         logging_rank(state),
         logging.log_jsonl,
@@ -358,16 +359,6 @@ def _tp_comm_times(times: StepTimes, cfg: Configs, device) -> StepTimes | None:
     if compiled or (device.type == "cuda" and level < 2):
         return None
     return times
-
-
-def run_record(cfg: Configs, state: ParallelState) -> dict:
-    """The run's settings, as a flat record (the wandb run's config)."""
-    record = {"world_size": state.world_size, "data_parallel_size": state.dp_size}
-    for name, _, _ in SECTIONS:
-        if name == "megatron":
-            continue
-        record.update(dataclasses.asdict(getattr(cfg, name)))
-    return record
 
 
 def _eval_prompts(cfg: Configs) -> EvalPrompts:

@@ -88,6 +88,7 @@ class Run:
     watchdog: HangWatchdog | None = None  # --hang-timeout-seconds
     stragglers: StragglerMonitor | None = None  # --log-straggler
     heartbeat: Heartbeat | None = None  # --heartbeat-dir, on the first rank of each node
+    record: dict = field(default_factory=dict)  # engine/train/run_record.py, in each checkpoint
 
 
 def params_dtype(runtime: RuntimeConfig) -> torch.dtype:
