@@ -40,6 +40,13 @@ class TrainingConfig:
         None, "samples to train for (instead of --train-iters): global-batch steps that fit"
     )
     seed: int = option(1234, "random seed (initialisation, data order, dropout)")
+    iterations_to_skip: list[int] = option(
+        [],
+        "steps skipped with their data, as Megatron-LM counts them: N skips the step that "
+        "follows N completed ones (logged as iteration N+1); its global batch is read and "
+        "dropped, nothing is trained and the learning rate does not move",
+        nargs="+",
+    )
     calculate_per_token_loss: bool = option(
         False,
         "the loss is the global batch's summed token losses over its count of tokens that "
@@ -47,6 +54,11 @@ class TrainingConfig:
     )
 
     def validate(self) -> None:
+        if any(k < 0 for k in self.iterations_to_skip):
+            raise ConfigError(
+                "--iterations-to-skip: give iteration numbers of 0 or more (N skips the step "
+                "after N completed ones)"
+            )
         for name in ("micro_batch_size", "train_iters", "train_samples"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")

@@ -55,6 +55,7 @@ def train(run: Run) -> Counters:
     test_mode = cfg.exit.test_mode and cfg.model.qk_layernorm
     if cfg.exit.test_mode and not test_mode:
         run.writer.print("--test-mode: no QK layernorm to compare (as in Megatron-LM)")
+    skipped = set(cfg.training.iterations_to_skip)
     while c.iteration < iterations:
         run.profiler.before_iteration(c.iteration)
         if test_mode:
@@ -68,6 +69,15 @@ def train(run: Run) -> Counters:
         with times.measure("batch-generator"):
             batches = next_batches(iterator, count, state.device, run.packing)
             faults.while_reading(state.rank)
+        if c.iteration in skipped:  # Megatron-LM's count: the step after N completed ones
+            c.iteration += 1
+            c.consumed_samples += global_batch
+            run.writer.print(
+                f"iteration {c.iteration}: skipped with its {global_batch} samples "
+                f"(--iterations-to-skip {c.iteration - 1})"
+            )
+            _beat(run)
+            continue
         result = train_iteration(run, batches, global_batch)
         _count(c, result)
         _beat(run)

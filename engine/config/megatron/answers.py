@@ -322,8 +322,6 @@ resilience integrations (fault tolerance, restarts, straggler detection, fault i
     --inprocess-termination-grace-time --run-workload-inspector-server --straggler-ctrlr-port
 sequence-chunked MLP (peak memory):
     --mlp-chunks-for-training
-skipping chosen iterations:
-    --iterations-to-skip
 slow (Python) Hugging Face tokenizers:
     --tokenizer-hf-no-use-fast
 static loss scale:
