@@ -72,6 +72,8 @@ def test_implemented_flags_keep_megatron_lm_defaults():
         if field.default_factory is not dataclasses.MISSING:
             ours = field.default_factory() or None  # an empty list: not given
         theirs = definition.default_value()
+        if isinstance(theirs, list) and not theirs:
+            theirs = None  # an empty list: nothing given, as ours
         if definition.switch_value is not None:
             theirs = bool(theirs)  # store_true's None is off
             ours = bool(ours) if ours is not None else False
