@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
 import os
 import sys
 import time
@@ -145,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = train_and_finish(run)
     except KeyboardInterrupt:  # a second signal, or Ctrl-C without --exit-signal-handler
+        for child in multiprocessing.active_children():  # data-loader workers end quietly
+            child.terminate()
         if state.rank == 0:
             print(interrupted_line(cfg.checkpointing.save), file=sys.stderr, flush=True)
         os._exit(130)  # peers may be in a collective and a save's threads half done
