@@ -34,11 +34,14 @@ def weights_are_finite(chunks, optimizer, group, device: torch.device) -> bool:
 
 def stop_on_non_finite_weights(run, where: str) -> None:
     """NonFiniteWeights naming the iteration and the newest checkpoint, when a weight is NaN
-    or Inf (collective over the world)."""
-    state = run.state
-    if weights_are_finite(run.chunks, run.optimizer, state.world_group, state.device):
+    or Inf (collective over the world; once per iteration: a save right after the log line
+    does not read the weights again)."""
+    state, c = run.state, run.progress.counters
+    if run.progress.weights_checked == c.iteration:
         return
-    c = run.progress.counters
+    if weights_are_finite(run.chunks, run.optimizer, state.world_group, state.device):
+        run.progress.weights_checked = c.iteration
+        return
     latest = find_latest(run.cfg.checkpointing.save)
     kept = f"checkpoint {latest} is the latest" if latest else "no checkpoint was saved"
     raise NonFiniteWeights(

@@ -140,6 +140,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
             device=state.device,
             retain_interval=saving.save_retain_interval,
         )
+    writes_meta = bool(cfg.checkpointing.save) and state.rank == 0  # meta.json: rank 0's
     run = Run(
         cfg=cfg,
         state=state,
@@ -175,11 +176,11 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         mix=mix,
         packing=_packing(cfg),
         loss_reduction=LossReduction(training.calculate_per_token_loss, cfg.data.eod_mask_loss),
-        tokenizer_identity=build_tokenizer(cfg.tokenizer).identity(),
+        tokenizer_identity=build_tokenizer(cfg.tokenizer).identity() if writes_meta else None,
         watchdog=build_watchdog(cfg, state, {"checkpoint": checkpoint_group}),
         stragglers=_stragglers(cfg, state),
         heartbeat=_heartbeat(cfg, state),
-        record=run_record(cfg) if cfg.checkpointing.save and state.rank == 0 else {},
+        record=run_record(cfg) if writes_meta else {},
     )
     if mix is not None and len(mix.phases) > 1:
         run.writer.print(mix.describe())

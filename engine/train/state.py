@@ -52,6 +52,7 @@ class Progress:
     tracker: RNGStatesTracker
     counters: Counters = field(default_factory=Counters)
     last_saved: int | None = None
+    weights_checked: int | None = None  # the iteration whose weights were last found finite
     data_state: dict | None = None  # Parquet streams: the position to resume from
     train_iterator: Iterator[dict] | None = None  # whose position a checkpoint saves
     valid_iterator: Iterator[dict] | None = None  # Parquet streams: read on within a run
