@@ -24,11 +24,13 @@ from engine.config.configs import SECTIONS, Configs, configs_from
 from engine.config.megatron.compat import no_effect_line
 from engine.config.resolve import resolve
 from engine.errors import ConfigError, UserError
+from engine.monitor.run_log import write_description
 from engine.planning.parameters import parameter_count
 from engine.train.attempts import attempt_line
 from engine.train.finite_weights import NonFiniteWeights
 from engine.train.loop import NaNLimit, finish, train
 from engine.train.preflight import prepare
+from engine.train.run_record import log_description
 from engine.train.setup import setup
 from parallel.state import ParallelState, init_distributed
 
@@ -137,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     run = setup(cfg, state, started)
     run.writer.print(parameter_count(cfg.model, state.tp_size).describe())
+    if run.writer.enabled and cfg.logging.log_jsonl:
+        write_description(cfg.logging.log_jsonl, log_description(cfg, state.tp_size))
     attempt = attempt_line()  # a restart by torchrun's --max-restarts says which and why
     if attempt:
         run.writer.print(attempt)

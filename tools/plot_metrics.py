@@ -4,7 +4,9 @@ norm, the gradient norm of each layer as a heat map (--log-grad-norms-interval),
 MFU, the time breakdown of the steps as stacked bars, memory, and the loss variance and gradient
 noise scale; for a mixture of experts also each MoE layer's expert load as a heat map (the last
 logged step) and the load imbalance over the run. Several files are overlaid, one colour per run
-(the heat maps and the time breakdown show the first):
+(the heat maps and the time breakdown show the first); runs that differ only in --seed (by the
+configuration each writes beside its log) share a colour, their loss drawn as mean +- standard
+deviation over the seeds and their final losses printed as such:
 
   python tools/plot_metrics.py --log-jsonl a/metrics.jsonl b/metrics.jsonl --output runs.png
 """
@@ -12,37 +14,15 @@ logged step) and the load imbalance over the run. Several files are overlaid, on
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 
 from engine.cli import run_main as run
 from engine.config.arguments import ArgumentParser
-from engine.errors import InputError
+from engine.monitor.run_log import read_log
+from engine.monitor.seed_groups import SeedGroup, final_text, group_by_seed, mean_and_std
 
 _LAYER = re.compile(r"^grad_norm/layers\.(\d+)$")
-
-
-def read_log(path: str) -> tuple[list[dict], list[dict]]:
-    """(training records, evaluation records) of a --log-jsonl file."""
-    train, evals = [], []
-    try:
-        with open(path) as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    raise InputError(f"{path}:line {number}: not JSON") from None
-                if "samples" in record:  # generation samples (--eval-prompts): text
-                    continue
-                (evals if "split" in record else train).append(record)
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file; pass the run's --log-jsonl file") from None
-    if not train:
-        raise InputError(f"{path}: no training records")
-    return train, evals
 
 
 def _series(records: list[dict], key: str) -> tuple[list, list]:
@@ -58,13 +38,18 @@ def _label(path: str, paths: list[str]) -> str:
     return os.path.basename(path)
 
 
-def _draw_run(axes: dict, train: list[dict], evals: list[dict], label: str, color) -> None:
-    axes["loss"].plot(*_series(train, "lm_loss"), color=color, linewidth=1.5, label=label)
+def _draw_run(
+    axes: dict, train: list[dict], evals: list[dict], label: str, color, loss: bool = True
+) -> None:
+    """Every panel's line of one run (the loss's unless `loss` is False: a seed band's)."""
+    if loss:
+        axes["loss"].plot(*_series(train, "lm_loss"), color=color, linewidth=1.5, label=label)
     for marker, split in zip("os^", sorted({r["split"] for r in evals}), strict=False):
         found = [r for r in evals if r["split"] == split]
-        axes["loss"].plot(
-            *_series(found, "lm_loss"), marker + "--", color=color, label=f"{label} {split}"
-        )
+        if loss:
+            axes["loss"].plot(
+                *_series(found, "lm_loss"), marker + "--", color=color, label=f"{label} {split}"
+            )
     domains = sorted({k for r in train for k in r if k.startswith("lm_loss/")})
     for style, key in zip(("--", ":", "-.") * 8, domains, strict=False):
         name = key.removeprefix("lm_loss/")
@@ -86,6 +71,31 @@ def _draw_run(axes: dict, train: list[dict], evals: list[dict], label: str, colo
     scale = _series(train, "gradient_noise_scale")
     if scale[0]:
         axes["noise_scale"].plot(*scale, ":", color=color, label=f"{label} noise scale")
+
+
+def _draw_seed_band(ax, group: SeedGroup, logs: dict, label: str, color) -> None:
+    """The loss's mean +- standard deviation over a group's seeds (training: a band;
+    evaluations: error bars), and its final values printed."""
+    train = [_series(logs[p][0], "lm_loss") for p in group.paths]
+    x, mean, std = mean_and_std(train)
+    seeds = ", ".join(str(s) for s in group.seeds)
+    ax.plot(x, mean, color=color, linewidth=1.5, label=f"{label} (seeds {seeds}): mean +- std")
+    low = [m - s for m, s in zip(mean, std, strict=True)]
+    high = [m + s for m, s in zip(mean, std, strict=True)]
+    ax.fill_between(x, low, high, color=color, alpha=0.25)
+    print(f"{label}: final lm loss over seeds {seeds}: "
+          f"{final_text([logs[p][0][-1].get('lm_loss') for p in group.paths])}")  # fmt: skip
+    splits = sorted({r["split"] for p in group.paths for r in logs[p][1]})
+    for marker, split in zip("os^", splits, strict=False):
+        series = [_series([r for r in logs[p][1] if r["split"] == split], "lm_loss")
+                  for p in group.paths]  # fmt: skip
+        if not all(xs for xs, _ in series):
+            continue
+        ex, em, es = mean_and_std(series)
+        ax.errorbar(ex, em, yerr=es, fmt=marker + "--", color=color, capsize=3,
+                    label=f"{label} {split} mean +- std")  # fmt: skip
+        print(f"{label}: final {split} lm loss over seeds {seeds}: "
+              f"{final_text([y[-1] for _, y in series])}")  # fmt: skip
 
 
 def _draw_time_breakdown(ax, train: list[dict], label: str) -> None:
@@ -201,8 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     axes["mfu"] = axes["speed"].twinx()
     axes["noise_scale"] = axes["noise"].twinx()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for k, (path, train, evals) in enumerate(runs):
-        _draw_run(axes, train, evals, _label(path, args.log_jsonl), colors[k % len(colors)])
+    logs = {path: (train, evals) for path, train, evals in runs}
+    for k, group in enumerate(group_by_seed(args.log_jsonl)):
+        color, banded = colors[k % len(colors)], len(group.paths) > 1
+        for path in group.paths:
+            _draw_run(axes, *logs[path], _label(path, args.log_jsonl), color, loss=not banded)
+        if banded:
+            _draw_seed_band(
+                axes["loss"], group, logs, _label(group.paths[0], args.log_jsonl), color
+            )
     _draw_layer_heat_map(axes["layers"], runs[0][1], _label(runs[0][0], args.log_jsonl))
     _draw_time_breakdown(axes["time"], runs[0][1], _label(runs[0][0], args.log_jsonl))
     titles = {

@@ -12,6 +12,8 @@ import subprocess
 
 from engine.config.configs import SECTIONS, Configs
 from engine.data.sources import sources_of
+from engine.monitor.metrics import model_flops_per_token
+from engine.planning.parameters import parameter_count
 
 
 def configuration(cfg: Configs) -> dict:
@@ -87,6 +89,20 @@ def run_record(cfg: Configs) -> dict:
     """The whole record, made once at the run's start."""
     return {"configuration": configuration(cfg), "data_files": data_files(cfg),
             "code": code_version()}  # fmt: skip
+
+
+def log_description(cfg: Configs, tp: int) -> dict:
+    """What tools reading the run's --log-jsonl file need beside it (engine/monitor/run_log.py):
+    the parameter count, the training FLOPs per token (the engine's count, as for MFU), the
+    sequence length, the seed and the configuration."""
+    count = parameter_count(cfg.model, tp)
+    flops = model_flops_per_token(cfg.model, cfg.model.padded_vocab_size(tp))
+    return {
+        "parameters": count.total, "embedding_parameters": count.embedding,
+        "active_parameters": count.active, "flops_per_token": flops,
+        "seq_length": cfg.model.seq_length, "seed": cfg.training.seed,
+        "configuration": configuration(cfg),
+    }  # fmt: skip
 
 
 def flat_settings(cfg: Configs, state) -> dict:
