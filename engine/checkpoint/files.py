@@ -189,6 +189,20 @@ def commit(tmp: str, root: str, iteration: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+    point_latest(root, iteration)
+
+
+def committed_iterations(root: str) -> list[int]:
+    """The iterations of the complete checkpoints under root, oldest first."""
+    return sorted(
+        int(n[5:])
+        for n in os.listdir(root)
+        if is_iteration_name(n) and os.path.isfile(os.path.join(root, n, META))
+    )
+
+
+def point_latest(root: str, iteration: int) -> None:
+    """The latest file names `iteration` (written under a temporary name and renamed)."""
     latest_tmp = os.path.join(root, LATEST + ".tmp")
     with open(latest_tmp, "w") as f:
         f.write(f"{iteration}\n")

@@ -35,10 +35,9 @@ import torch.distributed.checkpoint as dcp
 
 from engine.checkpoint import faults, run_lock
 from engine.checkpoint.files import (
-    META,
     commit,
+    committed_iterations,
     find_latest,
-    is_iteration_name,
     iteration_dir,
     write_meta,
 )
@@ -242,11 +241,7 @@ class Checkpointer:
         if not (self.keep_last_n or self.retain_interval):
             return
         try:
-            committed = sorted(
-                int(n[5:])
-                for n in os.listdir(self.root)
-                if is_iteration_name(n) and os.path.isfile(os.path.join(self.root, n, META))
-            )
+            committed = committed_iterations(self.root)
         except OSError:
             return
         doomed = set(committed[: -self.keep_last_n]) if self.keep_last_n else set()

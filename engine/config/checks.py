@@ -39,9 +39,26 @@ def check_configs(cfg: Configs, world_size: int) -> int:
         )
     training = cfg.training
     _check_eval_batches(cfg, dp)
+    _check_data_skips(cfg)
     cfg.optimizer.validate(training.train_iters, training.train_samples, training.global_batch(dp))
     cfg.data.validate()
     return dp
+
+
+def _check_data_skips(cfg: Configs) -> None:
+    """--rollback-on-spike reloads from --save; --skip-data-iterations lies within the run."""
+    exits, iterations = cfg.exit, cfg.training.train_iters
+    if exits.rollback_on_spike and not cfg.checkpointing.save:
+        raise ConfigError(
+            "--rollback-on-spike reloads an earlier checkpoint of --save, and there is none; "
+            "add --save (with a --save-interval below --rollback-iterations)"
+        )
+    for first, last in exits.data_skips():
+        if iterations is not None and last > iterations:
+            raise ConfigError(
+                f"--skip-data-iterations {first}:{last}: beyond the run's {iterations} "
+                "iterations (--train-iters); give a range within them"
+            )
 
 
 def _check_eval_batches(cfg: Configs, dp: int) -> None:

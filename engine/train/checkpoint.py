@@ -9,6 +9,7 @@ from engine.checkpoint.load import load_checkpoint
 from engine.config.tokenizer import tokenizer_record
 from engine.data.mix.schedule import check_resumed_schedule
 from engine.interop.megatron.checkpoint import load_weights, megatron_latest, megatron_progress
+from engine.train.data_skips import DataWindow
 from engine.train.finite_weights import stop_on_non_finite_weights
 from engine.train.state import Counters, Run, layout_of
 from parallel.random import model_parallel_seed
@@ -30,41 +31,13 @@ def resume(run: Run) -> None:
     # As Megatron-LM: --finetune takes the weights alone; --no-load-optim leaves out the
     # optimizer, its loss scaler and the learning-rate schedule; --no-load-rng the RNG.
     load_optimizer = not (checkpointing.finetune or checkpointing.no_load_optim)
-    meta = load_checkpoint(
-        path,
-        run.chunks,
-        run.optimizer,
-        run.state.rank,
-        layout_of(run.state, run.cfg),
-        run.progress.tracker,
-        group=run.checkpoint_group,
-        load_optimizer=load_optimizer,
-        verify=checkpointing.verify_checkpoint,
-        load_rng=not (checkpointing.finetune or checkpointing.no_load_rng),
-        strictness=checkpointing.dist_ckpt_strictness,
-    )
-    _log_mismatch(run, path, meta["mismatch"])
+    load_rng = not (checkpointing.finetune or checkpointing.no_load_rng)
+    meta = read_into_model(run, path, load_optimizer, load_rng)
     if checkpointing.finetune:
         run.writer.print(f"fine-tuning from the weights of {path}; starting at iteration 0")
         reseed(run, 0)
         return
-    mix_now = run.mix.record() if run.mix is not None else None
-    check_resumed_schedule(meta.get("mix"), mix_now, meta["iteration"])
-    counters = meta.get("counters", {})
-    run.progress.counters = Counters(
-        iteration=meta["iteration"],
-        consumed_samples=meta["consumed_samples"],
-        skipped_iters=counters.get("skipped_iters", 0),
-        nan_iters=counters.get("nan_iters", 0),
-        consumed_valid_samples=counters.get("consumed_valid_samples", 0),
-        optimizer_step=meta.get("optimizer_step", 0) if load_optimizer else 0,
-    )
-    if load_optimizer:
-        _resume_schedule(run, meta["scheduler"], path)
-        if run.optimizer.grad_scaler is not None and meta.get("grad_scaler"):
-            run.optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
-    run.spikes.load_state_dict(meta.get("spikes", {}))
-    run.progress.data_state = meta.get("data")
+    restore_progress(run, meta, path, load_optimizer)
     if not meta["rng_restored"]:
         how = "with re-seeded random streams (" + (
             "--no-load-rng)" if checkpointing.no_load_rng else "new layout)"
@@ -83,6 +56,50 @@ def resume(run: Run) -> None:
     run.writer.print(f"resumed from {path} at iteration {meta['iteration']} ({how}; {checked})")
     if not meta["rng_restored"]:
         reseed(run, meta["iteration"])
+
+
+def read_into_model(run: Run, path: str, load_optimizer: bool, load_rng: bool) -> dict:
+    """The checkpoint at `path` read into the model (and optimizer, RNG); its meta.json."""
+    checkpointing = run.cfg.checkpointing
+    meta = load_checkpoint(
+        path,
+        run.chunks,
+        run.optimizer,
+        run.state.rank,
+        layout_of(run.state, run.cfg),
+        run.progress.tracker,
+        group=run.checkpoint_group,
+        load_optimizer=load_optimizer,
+        verify=checkpointing.verify_checkpoint,
+        load_rng=load_rng,
+        strictness=checkpointing.dist_ckpt_strictness,
+    )
+    _log_mismatch(run, path, meta["mismatch"])
+    return meta
+
+
+def restore_progress(run: Run, meta: dict, path: str, load_optimizer: bool) -> None:
+    """The run's counters, learning-rate schedule, loss scale, spike history, data position
+    and skipped data windows as the checkpoint `meta` holds them."""
+    mix_now = run.mix.record() if run.mix is not None else None
+    check_resumed_schedule(meta.get("mix"), mix_now, meta["iteration"])
+    counters = meta.get("counters", {})
+    run.progress.counters = Counters(
+        iteration=meta["iteration"],
+        consumed_samples=meta["consumed_samples"],
+        skipped_iters=counters.get("skipped_iters", 0),
+        nan_iters=counters.get("nan_iters", 0),
+        consumed_valid_samples=counters.get("consumed_valid_samples", 0),
+        optimizer_step=meta.get("optimizer_step", 0) if load_optimizer else 0,
+    )
+    if load_optimizer:
+        _resume_schedule(run, meta["scheduler"], path)
+        if run.optimizer.grad_scaler is not None and meta.get("grad_scaler"):
+            run.optimizer.grad_scaler.load_state_dict(meta["grad_scaler"])
+    run.spikes.load_state_dict(meta.get("spikes", {}))
+    run.progress.data_state = meta.get("data")
+    run.progress.skipped_data = [DataWindow.from_record(r) for r in meta.get("skipped_data", [])]
+    run.progress.weights_checked = None
 
 
 def _resume_from_megatron(run: Run, path: str) -> None:
@@ -187,6 +204,7 @@ def save(run: Run) -> None:
             "consumed_valid_samples": c.consumed_valid_samples,
         },
         "spikes": run.spikes.state_dict(),
+        "skipped_data": [w.record() for w in run.progress.skipped_data],
         "run": run.record,  # the configuration, data files and code (rank 0 writes meta)
     }
     if run.mix is not None:  # the blend's weights over the run, compared on resume

@@ -22,16 +22,31 @@ def split_sample_counts(cfg: Configs, global_batch: int) -> tuple[int, int, int]
     """Samples asked of the train, valid and test splits, as Megatron-LM asks them (the sizes
     decide how many epochs each split spans, and so its order): the whole run; --eval-iters
     batches (of --eval-global-batch-size, default the training's) for each evaluation of the
-    run and one more; --eval-iters batches."""
+    run and one more; --eval-iters batches. The train split also holds the data windows the
+    run may skip (skip_reserve)."""
     training, evaluation = cfg.training, cfg.evaluation
     every = evaluation.eval_interval
     evaluations = training.train_iters // every + 1 if every else 1
     eval_batch, _ = evaluation.batch_sizes(global_batch, training.micro_batch_size)
     return (
-        training.train_samples or training.train_iters * global_batch,
+        (training.train_samples or training.train_iters * global_batch)
+        + skip_reserve(cfg, global_batch),
         evaluations * evaluation.eval_iters * eval_batch,
         evaluation.eval_iters * eval_batch,
     )
+
+
+def skip_reserve(cfg: Configs, global_batch: int) -> int:
+    """Training samples beyond the run's for the windows it may skip: --skip-data-iterations'
+    and, with --rollback-on-spike, --rollback-max windows of up to --rollback-iterations plus
+    one --save-interval each. (More samples can mean another epoch, and so another order,
+    than a run without these flags.)"""
+    exits = cfg.exit
+    iterations = sum(last - first + 1 for first, last in exits.data_skips())
+    if exits.rollback_on_spike:
+        longest = exits.rollback_iterations + (cfg.checkpointing.save_interval or 0)
+        iterations += exits.rollback_max * longest
+    return iterations * global_batch
 
 
 def build_datasets(

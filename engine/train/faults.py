@@ -3,6 +3,9 @@
     TRIPOD_FAULT_NAN_GRAD_AT=3,4      rank 0 turns a local gradient NaN at these iterations
                                       (before the data-parallel reduction, as a real one)
     TRIPOD_FAULT_RANDOM_BATCH_AT=25   that iteration trains on uniformly random tokens
+    TRIPOD_FAULT_RANDOM_SAMPLES_AT=57 the global batch that holds training sample 57 is
+                                      uniformly random tokens (bad data: skipping that stretch
+                                      of the data skips the fault)
     TRIPOD_FAULT_NAN_BATCH_AT=3       that iteration's batch is poisoned: its loss mask is NaN
                                       (a NaN loss however often it is computed)
     TRIPOD_FAULT_RAISE_AT=1:3         rank 1 raises an exception at iteration 3
@@ -69,8 +72,14 @@ def step_times(sync, rank: int) -> StepTimes:
 
 
 def before_iteration(
-    rank: int, iteration: int, batches: list[dict], vocab_size: int, times=None
+    rank: int,
+    iteration: int,
+    batches: list[dict],
+    vocab_size: int,
+    times=None,
+    samples: tuple[int, int] | None = None,
 ) -> None:
+    """`samples`: [start, end) of the training samples the global batch holds."""
     if isinstance(times, KillingTimes):
         times.iteration = iteration
     if rank_at("TRIPOD_FAULT_RAISE_AT", rank, iteration):
@@ -88,8 +97,11 @@ def before_iteration(
     if iteration in _iterations("TRIPOD_FAULT_NAN_BATCH_AT"):
         for batch in (b for b in batches if "labels" in b):  # the stages that compute the loss
             batch["loss_mask"] = torch.full(batch["labels"].shape, float("nan"))
-    if iteration in _iterations("TRIPOD_FAULT_RANDOM_BATCH_AT"):
-        generator = torch.Generator().manual_seed(iteration)
+    bad_data = samples is not None and any(
+        samples[0] <= k < samples[1] for k in _iterations("TRIPOD_FAULT_RANDOM_SAMPLES_AT")
+    )
+    if iteration in _iterations("TRIPOD_FAULT_RANDOM_BATCH_AT") or bad_data:
+        generator = torch.Generator().manual_seed(samples[0] if bad_data else iteration)
         for batch in (b for b in batches if "tokens" in b):  # a middle stage reads none
             noise = torch.randint(0, vocab_size, batch["tokens"].shape, generator=generator)
             batch["tokens"] = noise.to(batch["tokens"].device)

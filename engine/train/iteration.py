@@ -49,7 +49,10 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
     global_batch = global_batch or run.batches.final
     rank, iteration = run.state.rank, run.progress.counters.iteration + 1
     times = run.features.times
-    faults.before_iteration(rank, iteration, batches, run.cfg.model.vocab_size, times)
+    first = run.progress.counters.consumed_samples
+    faults.before_iteration(
+        rank, iteration, batches, run.cfg.model.vocab_size, times, (first, first + global_batch)
+    )
     spike: dict[str, float | bool | None] = {"z": None, "attempted": False}
 
     def should_step(loss: float) -> bool:

@@ -20,10 +20,12 @@ from engine.monitor.weight_hash import check_qk_norms, check_replicas
 from engine.train import faults
 from engine.train.batches import data_iterator, micro_batches_per_step, next_batches
 from engine.train.checkpoint import save
+from engine.train.data_skips import read_past
 from engine.train.evaluate import evaluate
 from engine.train.finite_weights import stop_on_non_finite_weights
 from engine.train.iteration import IterationResult, train_iteration
 from engine.train.log import log_eval, log_iteration, log_samples, log_window
+from engine.train.rollback import roll_back
 from engine.train.state import Counters, Run
 
 
@@ -64,6 +66,7 @@ def train(run: Run) -> Counters:
                     run.chunks, state.tp_group, state.world_group, state.device, c.iteration + 1
                 )
         _announce_mix_phase(run)
+        _skip_data(run, iterator)
         global_batch = run.batches.at(c.consumed_samples)
         count = micro_batches_per_step(cfg.training.micro_batch_size, state, global_batch)
         with times.measure("batch-generator"):
@@ -85,10 +88,17 @@ def train(run: Run) -> Counters:
         tokens_since_log += global_batch * cfg.model.seq_length
         if result.spike_z is not None:
             action = "update skipped" if cfg.exit.skip_spike_batches else "kept"
+            if cfg.exit.rollback_on_spike:
+                action = "rolling back"
             run.writer.print(
                 f"loss spike at iteration {c.iteration}: {result.lm_loss:.4f} "
                 f"(z = {result.spike_z:.1f}); {action}"
             )
+            if cfg.exit.rollback_on_spike and roll_back(run, c.iteration, result.spike_z):
+                window, tokens_since_log = [], 0
+                c = progress.counters  # the checkpoint's
+                _beat(run)
+                continue
         window.append(result)
         if c.iteration % cfg.logging.tensorboard_log_interval == 0:
             log_iteration(run, result)
@@ -134,6 +144,16 @@ def train(run: Run) -> Counters:
             run.writer.print(f"exiting at iteration {c.iteration}: {reason}")
             break
     return c
+
+
+def _skip_data(run: Run, iterator) -> None:
+    """The data windows that start with the coming iteration, read past (data_skips.py)."""
+    progress = run.progress
+    pending, coming = progress.pending_skips, progress.counters.iteration + 1
+    while pending and pending[0].first <= coming:
+        window = read_past(run, iterator, pending.pop(0))
+        progress.skipped_data.append(window)
+        run.writer.print(f"iteration {coming}: skipping {window.describe()} ({window.cause})")
 
 
 def _beat(run: Run, state: str = "training") -> None:

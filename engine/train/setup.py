@@ -41,6 +41,7 @@ from engine.optim.optimizer import build_optimizer
 from engine.train import faults
 from engine.train.batches import domain_names
 from engine.train.checkpoint import resume
+from engine.train.data_skips import pending_windows, recorded_in
 from engine.train.datasets import build_datasets
 from engine.train.exit_conditions import ExitConditions, earliest_start
 from engine.train.loss import LossReduction
@@ -188,9 +189,19 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         run.writer.print(batches.describe())
     if cfg.checkpointing.load:
         resume(run)
+    run.progress.pending_skips = _pending_skips(cfg, run.progress)
     if checkpointer is not None:
         checkpointer.prepare(chunks, optimizer, run.progress.tracker)
     return run
+
+
+def _pending_skips(cfg: Configs, progress: Progress) -> list:
+    """The data windows to skip from the run's iteration on: --skip-data-iterations and the
+    rollback windows recorded in --load and --save (engine/train/data_skips.py)."""
+    folders = dict.fromkeys(f for f in (cfg.checkpointing.load, cfg.checkpointing.save) if f)
+    recorded = [w for folder in folders for w in recorded_in(folder)]
+    applied, iteration = progress.skipped_data, progress.counters.iteration
+    return pending_windows(cfg.exit.data_skips(), recorded, applied, iteration)
 
 
 def _heartbeat(cfg: Configs, state: ParallelState) -> Heartbeat | None:

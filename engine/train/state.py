@@ -56,6 +56,9 @@ class Progress:
     data_state: dict | None = None  # Parquet streams: the position to resume from
     train_iterator: Iterator[dict] | None = None  # whose position a checkpoint saves
     valid_iterator: Iterator[dict] | None = None  # Parquet streams: read on within a run
+    # engine/train/data_skips.py's DataWindows: applied (kept in checkpoints) and still to come
+    skipped_data: list = field(default_factory=list)
+    pending_skips: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
