@@ -40,9 +40,30 @@ def check_configs(cfg: Configs, world_size: int) -> int:
     training = cfg.training
     _check_eval_batches(cfg, dp)
     _check_data_skips(cfg)
+    _check_dataset_gradients(cfg)
     cfg.optimizer.validate(training.train_iters, training.train_samples, training.global_batch(dp))
     cfg.data.validate()
     return dp
+
+
+def _check_dataset_gradients(cfg: Configs) -> None:
+    """--log-gradient-cosine-interval and --pcgrad split the loss by dataset: a mixture of
+    experts' and multi-token prediction's added losses are not split (yet)."""
+    flags = [name for name, on in (
+        ("--log-gradient-cosine-interval", cfg.logging.log_gradient_cosine_interval),
+        ("--pcgrad", cfg.optimizer.pcgrad),
+    ) if on]  # fmt: skip
+    if not flags:
+        return
+    for what, present in (
+        ("a mixture of experts (its auxiliary losses)", cfg.model.is_moe),
+        ("multi-token prediction (its depths' losses)", cfg.model.mtp_depths),
+    ):
+        if present:
+            raise ConfigError(
+                f"{flags[0]}: not with {what} yet: that loss is not split by dataset; drop "
+                f"{flags[0]} or train without it"
+            )
 
 
 def _check_data_skips(cfg: Configs) -> None:

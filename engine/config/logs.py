@@ -33,6 +33,13 @@ class LoggingConfig:
         "every this many iterations, log the gradient norm of each layer, the embeddings, the "
         "final norm, the output layer and each optimizer parameter group",
     )
+    log_gradient_cosine_interval: int | None = option(
+        None,
+        "every this many iterations, log the cosine similarity of the gradients of every pair "
+        "of the training blend's datasets (whole model and per layer group; > 0 transfer, ~0 "
+        "neutral, < 0 interference), from the step's own micro-batches: one more forward and "
+        "backward per dataset present",
+    )
     log_params_norm: bool = option(
         False, "log the parameters' L2 norm after each update (params_norm; as Megatron-LM)"
     )
@@ -78,6 +85,9 @@ class LoggingConfig:
     def validate(self) -> None:
         if self.log_grad_norms_interval is not None and self.log_grad_norms_interval < 1:
             raise ConfigError("--log-grad-norms-interval must be positive (or left out)")
+        every = self.log_gradient_cosine_interval
+        if every is not None and every < 1:
+            raise ConfigError("--log-gradient-cosine-interval must be positive (or left out)")
         if self.log_interval < 1:
             raise ConfigError("--log-interval must be at least 1")
         if self.tensorboard_queue_size < 1:

@@ -74,6 +74,13 @@ class OptimizerConfig:
     adam_eps: float = option(1e-8, "Adam epsilon")
     sgd_momentum: float = option(0.9, "SGD momentum")
     clip_grad: float = option(1.0, "clip the global gradient norm to this (0: off)")
+    pcgrad: bool = option(
+        False,
+        "gradient surgery across the training blend's datasets (PCGrad, Yu et al. 2020): each "
+        "dataset's gradient is projected off the others' where they conflict, in a random "
+        "order seeded by the step, and the projected gradients are summed into the step's; "
+        "one more forward and backward per dataset present, at every step",
+    )
     apex_fused_adam: bool = option(False, "use apex's FusedAdam (needs apex importable)")
     initial_loss_scale: float = option(2.0**32, "fp16: initial dynamic loss scale")
     min_loss_scale: float = option(1.0, "fp16: the loss scale never goes below this")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.train import faults
+from engine.train.dataset_gradients import cosines, dataset_gradients, pcgrad
 from engine.train.rerun import StepSnapshot, local_gradients_finite, ranks_without, report
 from engine.train.state import Run
 from engine.train.step import StepHooks, train_step
@@ -40,6 +41,8 @@ class IterationResult:
     params_norm: float | None = None  # --log-params-norm
     moe: object = None  # an MoE model's engine.monitor.moe_metrics.MoEStepMetrics
     mtp_losses: list[float] | None = None  # multi-token prediction's, one per depth
+    grad_cosines: dict[str, float] | None = None  # --log-gradient-cosine-interval
+    pcgrad_projections: int | None = None  # --pcgrad: projections made in the step
 
 
 def train_iteration(run: Run, batches: list[dict], global_batch: int | None = None):
@@ -78,12 +81,14 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
             local["finite"] = local_gradients_finite(run.chunks, run.state.device)
 
     features = run.features.at(iteration)
+    grad_cosines, surgery, projections = _dataset_gradients(run, batches, features, iteration)
 
     def step(first: bool):
         hooks = StepHooks(
             after_backward=lambda: after_backward(first),
             should_step=should_step if early else None,
             before_update=run.checkpointer.wait_for_copy if run.checkpointer else None,
+            gradient=(lambda: surgery) if surgery is not None else None,
         )
         out = train_step(
             run.chunks,
@@ -137,4 +142,22 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         params_norm=out.params_norm,
         moe=out.moe,
         mtp_losses=out.mtp_losses,
+        grad_cosines=grad_cosines,
+        pcgrad_projections=projections,
     )
+
+
+def _dataset_gradients(run: Run, batches: list[dict], features, iteration: int):
+    """(cosines, the surgery's gradient, its projection count) where the features ask for
+    them at this iteration (engine/train/dataset_gradients.py); Nones elsewhere."""
+    wants_cosines, wants_surgery = features.dataset_gradients_at(iteration)
+    if not (wants_cosines or wants_surgery):
+        return None, None, None
+    found = dataset_gradients(run, batches)
+    grad_cosines = cosines(run, found) if wants_cosines else None
+    if not wants_surgery:
+        return grad_cosines, None, None
+    if len(found.names) < 2:  # one dataset in the step: nothing to project
+        return grad_cosines, None, 0
+    surgery, projections = pcgrad(run, found, iteration)
+    return grad_cosines, surgery, projections

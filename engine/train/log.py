@@ -58,6 +58,12 @@ def log_window(run: Run, window: list[IterationResult], tokens: int) -> None:
     per_layer = run.cfg.logging.moe_per_layer_logging
     record |= moe_log_keys([r.moe for r in window if r.moe is not None], per_layer)
     record |= _mix_keys(run)
+    found = [r.grad_cosines for r in window if r.grad_cosines is not None]
+    if found:  # the window's last measurement (--log-gradient-cosine-interval)
+        record |= found[-1]
+    projections = [r.pcgrad_projections for r in window if r.pcgrad_projections is not None]
+    if projections:  # --pcgrad: the projections made over the window's steps
+        record["pcgrad_projections"] = sum(projections)
     parts = [r.part_norms for r in window if r.part_norms]
     if parts:  # the latest breakdown in the window (--log-grad-norms-interval)
         record |= {f"grad_norm/{label}": value for label, value in parts[-1].items()}
@@ -121,6 +127,16 @@ def _write(run: Run, record: dict, loss: float) -> None:
             if key.startswith("mtp_") and key.endswith("_loss")
         )
         + _domains_text(record)
+        + "".join(
+            f" | cos {key.removeprefix('grad_cosine/')} {value:.3f}"
+            for key, value in record.items()
+            if key.startswith("grad_cosine/") and key.count("/") == 1
+        )
+        + (
+            f" | pcgrad projections {record['pcgrad_projections']}"
+            if "pcgrad_projections" in record
+            else ""
+        )
     )
 
 

@@ -37,6 +37,7 @@ def make_loss_func(
     num_domains: int = 0,
     token_count: torch.Tensor | None = None,
     per_token: bool = False,
+    only_domain: int | None = None,
 ):
     """Per-token losses [b, s] -> (mean / num_microbatches * loss_scale, detached mean).
     A (loss, z-loss) pair from the model adds the z-loss to what is differentiated only; a
@@ -58,13 +59,21 @@ def make_loss_func(
     micro-batches x DP) the reported values divide every micro-batch's summed token losses by
     that one count instead of its own: their mean over micro-batches and DP ranks is then the
     global batch's summed loss over its token count, what Megatron-LM reports. With
-    `per_token` (--calculate-per-token-loss) that is also what is differentiated."""
+    `per_token` (--calculate-per-token-loss) that is also what is differentiated.
+
+    With `only_domain` (a blend's dataset d) what is differentiated counts dataset d's tokens
+    alone, over the same token counts as the whole loss: the datasets' gradients add up to
+    the step's (engine/train/dataset_gradients.py)."""
     cp_size = group_size(cp_group)
 
     def loss_func(output, batch: dict):
         token_losses, z_term, side = _parts(output)
         mask = batch.get("loss_mask")
         weights = None if mask is None else mask.to(token_losses.dtype)
+        if only_domain is not None:  # the other datasets' tokens carry no loss, counts kept
+            selected = (batch["domain"] == only_domain).to(token_losses.dtype)[:, None]
+            token_losses = token_losses * selected
+            z_term = None if z_term is None else z_term * selected
         if per_token:
             count = token_count.to(token_losses.dtype)
             summed = token_losses if weights is None else token_losses * weights

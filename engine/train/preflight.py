@@ -246,6 +246,7 @@ def _check_data(cfg: Configs) -> None:
             "--mock-data generates its documents; drop --data-path and the per-split paths"
         )
     sources = sources_of(data)
+    _check_blend_for_dataset_gradients(cfg, sources)
     if cfg.fim.fim_data:
         _check_fim(cfg.fim, sources.format, tokenizer)
     if sources.format == "mock":
@@ -270,6 +271,21 @@ def _check_data(cfg: Configs) -> None:
     finally:
         for dataset in datasets.values():
             dataset.close()
+
+
+def _check_blend_for_dataset_gradients(cfg: Configs, sources: DataSources) -> None:
+    """--log-gradient-cosine-interval and --pcgrad compare the training blend's datasets."""
+    flag = next((name for name, on in (
+        ("--log-gradient-cosine-interval", cfg.logging.log_gradient_cosine_interval),
+        ("--pcgrad", cfg.optimizer.pcgrad),
+    ) if on), None)  # fmt: skip
+    train = sources.train
+    if flag and (train is None or len(train.prefixes) < 2):
+        raise ConfigError(
+            f"{flag} compares the gradients of the training blend's datasets, and the training "
+            "data is one dataset; give a named blend (--data-path 0.6 web:PREFIX 0.4 "
+            "code:PREFIX)"
+        )
 
 
 def _check_fim(fim, data_format: str, tokenizer) -> None:

@@ -302,9 +302,12 @@ def _features(cfg: Configs, state: ParallelState, chunks, times, names) -> StepF
     local_squares = noise_scale = norm_parts = None
     if logging.log_gradient_noise_scale:
         local_squares, noise_scale = LocalGradSquares(chunks, state.tp_rank), NoiseScale()
+    decoupled = cfg.optimizer.decoupled_lr is not None
     if logging.log_grad_norms_interval:
-        decoupled = cfg.optimizer.decoupled_lr is not None
         norm_parts = grad_norm_parts(cfg.model, chunks, decoupled)
+    cosine_parts = None
+    if logging.log_gradient_cosine_interval:
+        cosine_parts = grad_norm_parts(cfg.model, chunks, decoupled)
     return StepFeatures(
         times=times,
         norm_parts=norm_parts,
@@ -315,6 +318,9 @@ def _features(cfg: Configs, state: ParallelState, chunks, times, names) -> StepF
         num_zeros=logging.log_num_zeros_in_grad,
         params_norm=logging.log_params_norm,
         moe_metrics=_moe_metrics(cfg, state),
+        gradient_cosine_interval=logging.log_gradient_cosine_interval,
+        cosine_parts=cosine_parts,
+        pcgrad=cfg.optimizer.pcgrad,
     )
 
 

@@ -50,6 +50,16 @@ class StepFeatures:
     params_norm: bool = False  # --log-params-norm
     # an MoE model's measurements: chunks -> engine.monitor.moe_metrics.MoEStepMetrics
     moe_metrics: Callable | None = None
+    # a blend's datasets' gradients (engine/train/dataset_gradients.py): their cosines every
+    # this many iterations (whole and per part of `cosine_parts`), and --pcgrad at every step
+    gradient_cosine_interval: int | None = None
+    cosine_parts: NormParts | None = None
+    pcgrad: bool = False
+
+    def dataset_gradients_at(self, iteration: int) -> tuple[bool, bool]:
+        """(cosines, surgery) wanted at that iteration."""
+        every = self.gradient_cosine_interval
+        return bool(every) and iteration % every == 0, self.pcgrad
 
     @property
     def num_domains(self) -> int:
@@ -68,11 +78,13 @@ class StepHooks:
     """Where the run steps into a training step: `after_backward()` between backward and
     the gradient reduction; `should_step(loss)` may decline the update (it must decide the
     same on every rank; the loss it gets is); `before_update()` right before the weights and
-    optimizer state change."""
+    optimizer state change; `gradient()`, the gradient to step with instead of the reduced
+    one (as the optimizer's pieces hold it: --pcgrad's)."""
 
     after_backward: Callable[[], None] | None = None
     should_step: Callable[[float], bool] | None = None
     before_update: Callable[[], None] | None = None
+    gradient: Callable[[], list[torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -132,18 +144,22 @@ def run_schedule(
     state=None,
     num_domains=0,
     reduction: LossReduction | None = None,
+    only_domain: int | None = None,
 ) -> list[torch.Tensor]:
     """The schedule over the micro-batches (whole sequences: under context parallelism, given
     `state`, each CP rank runs its chunks of them); `reduction`: how the token losses become
-    the loss (loss.py; by default each micro-batch's mean)."""
+    the loss (loss.py; by default each micro-batch's mean); `only_domain`: a blend's dataset
+    whose tokens alone are differentiated (loss.py)."""
     return _counted_schedule(
-        chunks, batches, schedule, forward_only, loss_scale, state, num_domains, reduction
-    )[0]
+        chunks, batches, schedule, forward_only, loss_scale, state, num_domains, reduction,
+        only_domain,
+    )[0]  # fmt: skip
 
 
 def _counted_schedule(
-    chunks, batches, schedule, forward_only, loss_scale, state, num_domains, reduction
-):
+    chunks, batches, schedule, forward_only, loss_scale, state, num_domains, reduction,
+    only_domain=None,
+):  # fmt: skip
     """run_schedule's losses, and the global batch's count of tokens that carry loss (None
     unless `reduction` counts them)."""
     reduction = reduction or LossReduction()
@@ -164,7 +180,7 @@ def _counted_schedule(
         scale = _module(chunk).ctx.moe_loss_scale
         scale.step_factor, scale.token_count = step_factor, token_count
     loss_func = make_loss_func(
-        len(batches), loss_scale, cp_group, num_domains, count, reduction.per_token
+        len(batches), loss_scale, cp_group, num_domains, count, reduction.per_token, only_domain
     )
     schedule = schedule or forward_backward_no_pipelining
     losses = schedule(chunks, batches, forward_step, loss_func, forward_only=forward_only)
@@ -281,6 +297,8 @@ def train_step(
     if hooks.before_update is not None:
         with measure(times, "save-checkpoint"):  # an asynchronous save's copy still running
             hooks.before_update()
+    if hooks.gradient is not None:
+        optimizer.set_gradient(hooks.gradient())
     with measure(times, "optimizer"):
         result = optimizer.step(features.norm_parts, count_zeros=features.num_zeros)
         params_norm = optimizer.params_norm() if features.params_norm else None

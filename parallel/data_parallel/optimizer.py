@@ -266,6 +266,43 @@ class DistributedOptimizer:
         sums = self._summed(sums[0], sums[1])
         return {label: math.sqrt(v) for label, v in zip(parts.labels, sums.tolist(), strict=False)}
 
+    # --- gradients as vectors (a blend's datasets' gradients: cosines, PCGrad) -----------
+
+    def gradient_copy(self) -> list[torch.Tensor]:
+        """This rank's pieces of the (reduced) gradient, copied in fp32."""
+        return [p.grad.float().clone() if p.grad.dtype != torch.float32 else p.grad.clone()
+                for p in self.pieces]  # fmt: skip
+
+    def set_gradient(self, grads: list[torch.Tensor]) -> None:
+        """The pieces' gradients replaced by `grads` (as gradient_copy gives them)."""
+        torch._foreach_copy_([p.grad for p in self.pieces], grads)
+
+    def gram(self, gradients: list[list[torch.Tensor]], parts: NormParts | None = None):
+        """[1 + labels, K, K] float64 dot products of K gradients (each as gradient_copy
+        gives them): of the whole vectors, then of each label of `parts`; every element
+        counted once under any layout, as the norm. Collective over the norm group."""
+        count, labels = len(gradients), len(parts.labels) if parts is not None else 0
+        sums = torch.zeros(2, 1 + labels, count, count, dtype=torch.float64, device=self.device)
+        for index, (piece, counts) in enumerate(zip(self.pieces, self._counts, strict=True)):
+            if not counts:
+                continue
+            vectors = torch.stack([g[index].reshape(-1) for g in gradients]).double()
+            products = vectors @ vectors.T
+            sums[int(piece.expert), 0] += products
+            for label in parts.labels_of(piece) if parts is not None else ():
+                sums[int(piece.expert), 1 + label] += products
+        return self._summed(sums[0], sums[1])
+
+    def dot(self, a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        """The dot product of two gradients, every element counted once (collective)."""
+        return self._count(
+            [
+                torch.dot(x.reshape(-1).double(), y.reshape(-1).double())
+                for x, y in zip(a, b, strict=True)
+            ],
+            lambda value: value,
+        )
+
     def finish_param_sync(self) -> None:
         for ddp in self.ddps:
             ddp.finish_param_sync()
