@@ -15,26 +15,18 @@ import torch
 
 from engine.train.dataset_gradients import surgery
 from engine.train.loss import make_loss_func
-from tests.cli import one_line_error, run_python
+from tests.cli import one_line_error, run_python, run_tool
 from tests.test_training import base_args, pretrain, records
 
 
 @pytest.fixture(scope="module")
 def noise_prefix(tokenizer_model, tmp_path_factory) -> str:
-    """An indexed dataset of uniformly random tokens in the test tokenizer's vocabulary."""
-    import sentencepiece
-
-    from engine.data.indexed.dataset import IndexedDatasetBuilder
-
-    model = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
+    """An indexed dataset of uniformly random tokens in the test tokenizer's vocabulary, as
+    tools/make_random_tokens.py writes it."""
     prefix = str(tmp_path_factory.mktemp("noise") / "noise_text_document")
-    rng = np.random.default_rng(0)
-    with IndexedDatasetBuilder(prefix, np.uint16) as builder:
-        for _ in range(300):
-            length = int(rng.integers(20, 200))
-            tokens = rng.integers(3, model.vocab_size(), length).tolist()
-            builder.add_document([*tokens, model.eos_id()])
-        builder.finalize()
+    result = run_tool("make_random_tokens.py", "--tokenizer-model", tokenizer_model,
+                      "--output-prefix", prefix, "--documents", "300")  # fmt: skip
+    assert result.returncode == 0, result.stderr
     return prefix
 
 
@@ -113,6 +105,10 @@ def test_cosines_agree_with_the_steps_gradient_and_leave_the_run_as_it_was(
         assert math.isclose(r["grad_norm"] ** 2, a * a + b * b + 2 * a * b * cos, rel_tol=1e-5)
         assert {f"grad_cosine/web|noise/layers.{i}" for i in range(4)} <= r.keys()
         assert "time/dataset-gradients" in r
+    png = tmp_path / "interference.png"  # the dashboard's interference panels
+    result = run_tool("plot_metrics.py", "--log-jsonl", str(tmp_path / "cos.jsonl"),
+                      "--output", str(png))  # fmt: skip
+    assert result.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG", result.stderr
 
     surgery_run = _run(1, *paths, tmp_path / "pc.jsonl",
                        **{"--log-gradient-cosine-interval": "1", "--pcgrad": True})  # fmt: skip

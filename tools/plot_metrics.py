@@ -3,7 +3,9 @@
 norm, the gradient norm of each layer as a heat map (--log-grad-norms-interval), tokens/s and
 MFU, the time breakdown of the steps as stacked bars, memory, and the loss variance and gradient
 noise scale; for a mixture of experts also each MoE layer's expert load as a heat map (the last
-logged step) and the load imbalance over the run. Several files are overlaid, one colour per run
+logged step) and the load imbalance over the run; with --log-gradient-cosine-interval the
+gradient cosine of each pair of a blend's datasets over training (whole model, and by layer
+group as a heat map) beside what its sign means. Several files are overlaid, one colour per run
 (the heat maps and the time breakdown show the first); runs that differ only in --seed (by the
 configuration each writes beside its log) share a colour, their loss drawn as mean +- standard
 deviation over the seeds and their final losses printed as such:
@@ -179,6 +181,41 @@ def _draw_rank_times(ax, train: list[dict], label: str) -> None:
     ax.set_title(f"own compute per rank, waits left out ({label})")
 
 
+MEANINGS = "cosine > 0: transfer | ~ 0: neutral | < 0: interference"
+
+
+def _draw_interference(ax, heat, train: list[dict], label: str) -> None:
+    """--log-gradient-cosine-interval: each pair of datasets' gradient cosine over training
+    (whole model), with the meanings of its sign; beside it the first pair's cosine in each
+    layer group over training (rows: groups)."""
+    pairs = sorted({k for r in train for k in r if k.startswith("grad_cosine/") and
+                    k.count("/") == 1})  # fmt: skip
+    for key in pairs:
+        ax.plot(*_series(train, key), marker=".", label=key.removeprefix("grad_cosine/"))
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.axhspan(0, 1, color="tab:green", alpha=0.06)
+    ax.axhspan(-1, 0, color="tab:red", alpha=0.06)
+    ax.text(0.01, 0.02, MEANINGS, transform=ax.transAxes, fontsize=7)
+    ax.set_ylim(-1.05, 1.05)
+    ax.set_title(f"gradient cosine between datasets ({label})")
+    ax.set_xlabel("iteration")
+    ax.legend(fontsize=7)
+    first = pairs[0] + "/"
+    groups = [k for k in train[-1] if k.startswith(first)] or sorted(
+        {k for r in train for k in r if k.startswith(first)}
+    )
+    logged = [r for r in train if pairs[0] in r]
+    values = [[r.get(g, float("nan")) for r in logged] for g in groups]
+    image = heat.imshow(values, aspect="auto", origin="lower", interpolation="nearest",
+                        cmap="RdBu", vmin=-1, vmax=1)  # fmt: skip
+    heat.figure.colorbar(image, ax=heat, label="cosine")
+    heat.set_yticks(range(len(groups)), [g.removeprefix(first) for g in groups], fontsize=6)
+    ticks = range(0, len(logged), max(1, len(logged) // 6))
+    heat.set_xticks(list(ticks), [str(logged[k]["iteration"]) for k in ticks])
+    heat.set_xlabel("iteration")
+    heat.set_title(f"{pairs[0].removeprefix('grad_cosine/')} by layer group ({label})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -196,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
 
     moe = any(r.get("moe_expert_load") for r in runs[0][1])
     stragglers = any(r.get("own_time_per_rank") for r in runs[0][1])
-    rows = 4 + moe + stragglers
+    interference = any(k.startswith("grad_cosine/") for r in runs[0][1] for k in r)
+    rows = 4 + moe + stragglers + interference
     fig, grid = plt.subplots(rows, 2, figsize=(13, 3.5 * rows))
     axes = {
         "loss": grid[0, 0], "lr": grid[0, 1], "grad": grid[1, 0], "layers": grid[1, 1],
@@ -205,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     if moe:
         axes["imbalance"] = grid[4, 1]
         _draw_expert_load(grid[4, 0], runs[0][1], _label(runs[0][0], args.log_jsonl))
+    if interference:
+        row = 4 + moe
+        _draw_interference(grid[row, 0], grid[row, 1], runs[0][1],
+                           _label(runs[0][0], args.log_jsonl))  # fmt: skip
     if stragglers:
         axes["slowest"] = grid[rows - 1, 1]
         _draw_rank_times(grid[rows - 1, 0], runs[0][1], _label(runs[0][0], args.log_jsonl))
