@@ -8,6 +8,12 @@ accuracy on local task files, by log-likelihood as lm-evaluation-harness scores 
 --load takes our checkpoint (saved under any parallel layout; the latest iteration unless
 --iteration) or a Hugging Face folder. A task file holds one question a line:
 {"context": ..., "choices": [...], "gold": i}; see engine/eval/multiple_choice.py.
+
+--watch scores every checkpoint of a training run's --save folder as it appears (a separate
+evaluation job beside training): those already there first, then each new one, polling every
+--watch-poll seconds, until none has appeared for --watch-timeout seconds or the one at
+--watch-until-iteration is scored. Each checkpoint's results are a line of --output-jsonl (with
+its iteration), and a restarted watch skips the iterations that file already holds.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import time
 
 from engine.cli import run_main as run
 from engine.config.arguments import ArgumentParser
@@ -50,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=1234, help="the untrained model's seed")
     parser.add_argument("--output-json", help="write the results here too")
+    parser.add_argument("--watch", action="store_true", help="score each new checkpoint")
+    parser.add_argument("--watch-poll", type=float, default=30.0, help="seconds between looks")
+    parser.add_argument("--watch-timeout", type=float, default=3600.0,
+                        help="stop after this many seconds without a new checkpoint")  # fmt: skip
+    parser.add_argument("--watch-until-iteration", type=int, help="stop after scoring this one")
+    parser.add_argument("--output-jsonl", help="--watch: one line of results per checkpoint")
     add_tokenizer_arguments(parser)
     return parser
 
@@ -60,14 +73,24 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("nothing to evaluate: give --tasks FILE... and/or --perplexity-data")
     if args.num_fewshot < 0 or args.perplexity_windows < 1:
         raise ConfigError("--num-fewshot must be >= 0 and --perplexity-windows >= 1")
-    from engine.eval.loading import load_model, plain_tokenizer, recorded_packing, untrained_like
     from engine.eval.multiple_choice import read_task
 
     tasks = {path: read_task(path) for path in args.tasks}  # bad files fail before loading
+    if args.watch:
+        return _watch(args, tasks)
+    _evaluate_checkpoint(args, tasks, args.iteration)
+    return 0
+
+
+def _evaluate_checkpoint(args, tasks: dict, iteration: int | None) -> dict:
+    """Load --load (at `iteration`, default the latest), score it, print and return the
+    results (and write --output-json)."""
+    from engine.eval.loading import load_model, plain_tokenizer, recorded_packing, untrained_like
+
     override = tokenizer_config(args) if tokenizer_flags_given(args) else None
-    model, tokenizer, shown = load_model(args.load, args.iteration, override)
+    model, tokenizer, shown = load_model(args.load, iteration, override)
     tokenizer = plain_tokenizer(tokenizer)
-    packing = recorded_packing(args.load, args.iteration)
+    packing = recorded_packing(args.load, iteration)
     length = args.seq_length or model.config.seq_length
     learned = model.config.position_embedding_type == "learned_absolute"
     if learned and length > model.config.max_position_embeddings:
@@ -90,7 +113,52 @@ def main(argv: list[str] | None = None) -> int:
         with open(partial, "w") as f:
             json.dump(results, f, indent=1)
         os.replace(partial, args.output_json)
-    return 0
+    return results
+
+
+def _watch(args, tasks: dict) -> int:
+    """--watch (module docstring)."""
+    from engine.checkpoint.files import committed_iterations
+
+    if not os.path.isdir(args.load):
+        raise ConfigError(f"--watch --load {args.load}: not a folder; give the run's --save folder")
+    if args.watch_poll <= 0 or args.watch_timeout < 0:
+        raise ConfigError("--watch-poll must be positive and --watch-timeout at least 0")
+    done = set()
+    if args.output_jsonl and os.path.exists(args.output_jsonl):
+        with open(args.output_jsonl) as f:
+            done = {json.loads(line)["iteration"] for line in f if line.strip()}
+    last_new = time.monotonic()
+    while True:
+        fresh = [i for i in committed_iterations(args.load) if i not in done]
+        for iteration in fresh:
+            results = _evaluate_checkpoint(args, tasks, iteration)
+            done.add(iteration)
+            if args.output_jsonl:
+                with open(args.output_jsonl, "a") as f:
+                    f.write(json.dumps({"iteration": iteration} | _summary(results)) + "\n")
+            if args.watch_until_iteration is not None and iteration >= args.watch_until_iteration:
+                return 0
+        if fresh:
+            last_new = time.monotonic()
+        elif time.monotonic() - last_new >= args.watch_timeout:
+            print(f"no new checkpoint in {args.load} for {args.watch_timeout:g} s; stopping")
+            return 0
+        time.sleep(min(args.watch_poll, max(args.watch_timeout, 0.01)))
+
+
+def _summary(results: dict) -> dict:
+    """A checkpoint's results without the per-question details."""
+    out = {"model": results["model"]}
+    for path, found in results["tasks"].items():
+        name = os.path.splitext(os.path.basename(path))[0]
+        out |= {f"acc/{name}": found["acc"], f"acc_norm/{name}": found["acc_norm"]}
+        gold = [item["loglikelihoods"][q] for item, q in zip(found["items"], found["golds"],
+                                                              strict=True)]  # fmt: skip
+        out[f"gold_ll/{name}"] = sum(gold) / len(gold)
+    if "perplexity" in results:
+        out["ppl"] = results["perplexity"]["ppl"]
+    return out
 
 
 def _flags(packing) -> str:
@@ -127,7 +195,8 @@ def _evaluate(model, tokenizer, tasks: dict, length: int, args, packing=None) ->
             args.target_delimiter,
             args.fewshot_delimiter,
         )
-        results["tasks"][path] = found | {"num_fewshot": args.num_fewshot}
+        golds = [question.gold for question in questions]
+        results["tasks"][path] = found | {"num_fewshot": args.num_fewshot, "golds": golds}
         print(
             f"  {os.path.basename(path)}: acc {found['acc']:.4f} | acc_norm "
             f"{found['acc_norm']:.4f} | {found['n']} questions, {args.num_fewshot}-shot"

@@ -1,5 +1,5 @@
-"""Evaluation during and after training (`EvalConfig`): the valid and test splits' losses and
-the sampled continuations of --eval-prompts."""
+"""Evaluation during and after training (`EvalConfig`): the valid and test splits' losses, the
+sampled continuations of --eval-prompts and the multiple-choice tasks of --eval-tasks."""
 
 from __future__ import annotations
 
@@ -31,6 +31,16 @@ class EvalConfig:
     eval_max_new_tokens: int = option(32, "--eval-prompts: tokens generated per continuation")
     eval_temperature: float = option(0.8, "--eval-prompts: the sampled continuation's temperature")
     eval_top_p: float = option(0.95, "--eval-prompts: the sampled continuation's nucleus mass")
+    eval_tasks: list[str] = option(
+        [],
+        "multiple-choice task files (JSONL: context, choices, gold; as tools/evaluate.py "
+        "reads them) scored during training under the run's own layout: acc and acc_norm "
+        "logged beside the loss, every --eval-tasks-interval iterations and at the end",
+        nargs="+",
+    )
+    eval_tasks_interval: int | None = option(
+        None, "--eval-tasks: iterations between scorings (default: --eval-interval)"
+    )
 
     def validate(self) -> None:
         if self.eval_max_new_tokens < 1 or self.eval_temperature <= 0:
@@ -39,6 +49,10 @@ class EvalConfig:
             raise ConfigError(f"--eval-top-p {self.eval_top_p} must be in (0, 1]")
         if self.eval_interval is not None and self.eval_interval < 1:
             raise ConfigError("--eval-interval must be at least 1")
+        if self.eval_tasks_interval is not None and self.eval_tasks_interval < 1:
+            raise ConfigError("--eval-tasks-interval must be at least 1")
+        if self.eval_tasks_interval is not None and not self.eval_tasks:
+            raise ConfigError("--eval-tasks-interval without --eval-tasks: give the task files")
         if self.eval_iters < 0:
             raise ConfigError("--eval-iters must be non-negative")
         for name in ("eval_global_batch_size", "eval_micro_batch_size"):

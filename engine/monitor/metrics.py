@@ -185,6 +185,9 @@ def tensorboard_scalars(record: dict, split: str | None = None) -> list[tuple[st
         # a blended dataset's loss, lm_loss/<name>, sits beside Megatron-LM's "lm loss" tag
         base, _, domain = key.partition("/")
         suffix = f"/{domain}" if base == "lm_loss" and domain else ""
+        if split == "tasks":  # --eval-tasks' scores: tasks/acc/<task>, tasks/acc_norm/<task>
+            out.append((f"tasks/{key}", value, "iteration"))
+            continue
         if split is not None:
             name = EVAL_TAG_NAMES[split]
             tag = {"lm_loss": f"lm loss {name}", "ppl": f"lm loss {name} ppl"}.get(key)

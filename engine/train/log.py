@@ -10,6 +10,7 @@ import statistics
 import torch
 
 from engine.eval.samples import Decoding, decode
+from engine.eval.tasks_in_training import score_tasks
 from engine.model.moe.stats import LOSS_NAMES
 from engine.monitor.metrics import cuda_memory_tags, memory_gb
 from engine.monitor.moe_metrics import log_keys as moe_log_keys
@@ -222,6 +223,28 @@ def log_eval(run: Run, name: str, result: tuple[float, dict] | None) -> None:
         f"{name} at iteration {c.iteration}: lm loss {loss:.4f} | perplexity "
         f"{ppl:.2f}{_domains_text(record)}"
     )
+
+
+def log_tasks(run: Run) -> None:
+    """--eval-tasks scored under the run's layout: a console line per task and one record
+    (split "tasks": acc/<task>, acc_norm/<task>, gold_ll/<task>: the gold choices' mean
+    log-likelihood). Collective on every rank."""
+    tasks, c = run.eval_tasks, run.progress.counters
+    decoding = Decoding(
+        run.chunks, run.schedule, run.state, run.cfg.model.seq_length,
+        run.cfg.model.vocab_size, run.cfg.training.micro_batch_size,
+    )  # fmt: skip
+    results = score_tasks(decoding, tasks.tasks, tasks.pad, tasks.tokenizer, run.packing)
+    record = {"iteration": c.iteration, "consumed_samples": c.consumed_samples, "split": "tasks"}
+    for name, found in results.items():
+        record |= {f"acc/{name}": found["acc"], f"acc_norm/{name}": found["acc_norm"],
+                   f"gold_ll/{name}": found["gold_ll"]}  # fmt: skip
+        run.writer.print(
+            f"task {name} at iteration {c.iteration}: acc {found['acc']:.4f} | acc_norm "
+            f"{found['acc_norm']:.4f} | gold log-likelihood {found['gold_ll']:.4f} | "
+            f"{found['n']} questions, 0-shot"
+        )
+    run.writer.log(record, c.iteration, "tasks")
 
 
 def log_samples(run: Run) -> None:

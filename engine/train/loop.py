@@ -24,7 +24,7 @@ from engine.train.data_skips import read_past
 from engine.train.evaluate import evaluate
 from engine.train.finite_weights import stop_on_non_finite_weights
 from engine.train.iteration import IterationResult, train_iteration
-from engine.train.log import log_eval, log_iteration, log_samples, log_window
+from engine.train.log import log_eval, log_iteration, log_samples, log_tasks, log_window
 from engine.train.rollback import roll_back
 from engine.train.state import Counters, Run
 
@@ -111,13 +111,7 @@ def train(run: Run) -> Counters:
             with times.measure("weight-check"):
                 check_replicas(run.chunks, state.world_group, state.device, c.iteration)
             run.writer.print(f"weights equal across data-parallel replicas at {c.iteration}")
-        every = cfg.evaluation.eval_interval
-        if every and c.iteration % every == 0 and c.iteration < iterations:
-            with times.measure("evaluate"), times.paused():
-                log_eval(run, "valid", evaluate(run, 1))
-                if run.eval_prompts is not None:
-                    log_samples(run)
-            _beat(run)
+        _evaluate_on_schedule(run)
         nan_limit = cfg.exit.exit_on_nan_count
         if nan_limit and c.nan_iters >= nan_limit:
             raise NaNLimit(
@@ -144,6 +138,26 @@ def train(run: Run) -> Counters:
             run.writer.print(f"exiting at iteration {c.iteration}: {reason}")
             break
     return c
+
+
+def _evaluate_on_schedule(run: Run) -> None:
+    """--eval-interval's valid split (and --eval-prompts' samples) and --eval-tasks' scores,
+    where their intervals fall before the last iteration (the end's are finish()'s)."""
+    cfg, c, times = run.cfg, run.progress.counters, run.features.times
+    if c.iteration >= cfg.training.train_iters:
+        return
+    every = cfg.evaluation.eval_tasks_interval or cfg.evaluation.eval_interval
+    if run.eval_tasks is not None and every and c.iteration % every == 0:
+        with times.measure("evaluate"), times.paused():
+            log_tasks(run)
+        _beat(run)
+    every = cfg.evaluation.eval_interval
+    if every and c.iteration % every == 0:
+        with times.measure("evaluate"), times.paused():
+            log_eval(run, "valid", evaluate(run, 1))
+            if run.eval_prompts is not None:
+                log_samples(run)
+        _beat(run)
 
 
 def _skip_data(run: Run, iterator) -> None:
@@ -198,6 +212,8 @@ def finish(run: Run, completed: bool = True) -> None:
         if run.eval_prompts is not None:
             log_samples(run)
         log_eval(run, "test", evaluate(run, 2))
+        if run.eval_tasks is not None:
+            log_tasks(run)
         if run.checkpointer is not None and run.progress.last_saved != c.iteration:
             save(run)
     if run.checkpointer is not None:

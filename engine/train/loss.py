@@ -67,7 +67,7 @@ def make_loss_func(
     cp_size = group_size(cp_group)
 
     def loss_func(output, batch: dict):
-        token_losses, z_term, side = _parts(output)
+        token_losses, z_term, side = output_parts(output)
         mask = batch.get("loss_mask")
         weights = None if mask is None else mask.to(token_losses.dtype)
         if only_domain is not None:  # the other datasets' tokens carry no loss, counts kept
@@ -117,7 +117,7 @@ def make_loss_func(
     return loss_func
 
 
-def _parts(output) -> tuple:
+def output_parts(output) -> tuple:
     """(token losses [b, s], z-loss term or None, the multi-token-prediction depths' losses
     as reported or None) of what the last stage returns: the token losses alone, or a pair
     with the z-loss term, or a triple (engine/model/gpt.py)."""

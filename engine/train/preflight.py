@@ -247,6 +247,10 @@ def _check_data(cfg: Configs) -> None:
         )
     sources = sources_of(data)
     _check_blend_for_dataset_gradients(cfg, sources)
+    if cfg.evaluation.eval_tasks:  # a bad task file or a choice too long: one line, here
+        from engine.train.setup import eval_tasks_of
+
+        eval_tasks_of(cfg)
     if cfg.fim.fim_data:
         _check_fim(cfg.fim, sources.format, tokenizer)
     if sources.format == "mock":

@@ -19,7 +19,9 @@ from engine.data.documents import Packing
 from engine.data.mix.schedule import train_mix
 from engine.data.sources import sources_of
 from engine.data.tokenizers import build_tokenizer
+from engine.eval.loading import plain_tokenizer
 from engine.eval.samples import EvalPrompts, read_prompts
+from engine.eval.tasks_in_training import EvalTasks, read_tasks
 from engine.model.builder import build_model_chunks
 from engine.monitor.grad_norm_parts import grad_norm_parts
 from engine.monitor.heartbeat import Heartbeat
@@ -174,6 +176,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         features=_features(cfg, state, chunks, times, domain_names(datasets[0])),
         progress=Progress(tracker=tracker),
         eval_prompts=_eval_prompts(cfg) if cfg.evaluation.eval_prompts else None,
+        eval_tasks=eval_tasks_of(cfg) if cfg.evaluation.eval_tasks else None,
         mix=mix,
         packing=_packing(cfg),
         loss_reduction=LossReduction(training.calculate_per_token_loss, cfg.data.eod_mask_loss),
@@ -193,6 +196,13 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     if checkpointer is not None:
         checkpointer.prepare(chunks, optimizer, run.progress.tracker)
     return run
+
+
+def eval_tasks_of(cfg: Configs) -> EvalTasks:
+    """--eval-tasks read and tokenized (preflight calls it too: a bad file is one line)."""
+    tokenizer = plain_tokenizer(build_tokenizer(cfg.tokenizer))
+    tasks = read_tasks(cfg.evaluation.eval_tasks, tokenizer, cfg.model.seq_length)
+    return EvalTasks(tasks, tokenizer, tokenizer.eod)
 
 
 def _pending_skips(cfg: Configs, progress: Progress) -> list:

@@ -17,6 +17,7 @@ from engine.data.documents import Packing
 from engine.data.mix.schedule import MixSchedule
 from engine.data.split import TrainingSplit
 from engine.eval.samples import EvalPrompts
+from engine.eval.tasks_in_training import EvalTasks
 from engine.monitor.heartbeat import Heartbeat
 from engine.monitor.metrics import MetricsWriter, SpikeDetector, Throughput
 from engine.monitor.profiler import StepProfiler
@@ -85,6 +86,7 @@ class Run:
     features: StepFeatures
     progress: Progress
     eval_prompts: EvalPrompts | None = None  # --eval-prompts
+    eval_tasks: EvalTasks | None = None  # --eval-tasks
     mix: MixSchedule | None = None  # the train blend's weights over the run
     packing: Packing | None = None  # what the samples' EOD tokens change (the three flags)
     loss_reduction: LossReduction = field(default_factory=LossReduction)  # per token or not
