@@ -5,10 +5,13 @@ MFU, the time breakdown of the steps as stacked bars, memory, and the loss varia
 noise scale; for a mixture of experts also each MoE layer's expert load as a heat map (the last
 logged step) and the load imbalance over the run; with --log-gradient-cosine-interval the
 gradient cosine of each pair of a blend's datasets over training (whole model, and by layer
-group as a heat map) beside what its sign means. Several files are overlaid, one colour per run
-(the heat maps and the time breakdown show the first); runs that differ only in --seed (by the
-configuration each writes beside its log) share a colour, their loss drawn as mean +- standard
-deviation over the seeds and their final losses printed as such:
+group as a heat map) beside what its sign means; with --log-update-to-weight-ratios and
+--log-activation-stats each layer group's update over its weights and each layer's output RMS
+and largest magnitude; and the valid - train loss gap beside the learning rate. Several files
+are overlaid, one colour per run (the heat maps and the time breakdown show the first); runs
+that differ only in --seed (by the configuration each writes beside its log) share a colour,
+their loss drawn as mean +- standard deviation over the seeds and their final losses printed
+as such:
 
   python tools/plot_metrics.py --log-jsonl a/metrics.jsonl b/metrics.jsonl --output runs.png
 """
@@ -59,6 +62,9 @@ def _draw_run(
             *_series(train, key), style, color=color, alpha=0.7, label=f"{label} {name}"
         )
     axes["lr"].plot(*_series(train, "lr"), color=color, label=label)
+    gap = _series([r for r in evals if r["split"] == "valid"], "train_valid_gap")
+    if gap[0]:
+        axes["gap"].plot(*gap, "s:", color=color, alpha=0.7, label=f"{label} valid - train")
     axes["grad"].plot(*_series(train, "grad_norm"), color=color, label=label)
     axes["speed"].plot(*_series(train, "tokens_per_sec"), color=color, label=f"{label} tokens/s")
     mfu = _series(train, "mfu")
@@ -216,6 +222,30 @@ def _draw_interference(ax, heat, train: list[dict], label: str) -> None:
     heat.set_title(f"{pairs[0].removeprefix('grad_cosine/')} by layer group ({label})")
 
 
+def _draw_health(ratios_ax, activations_ax, train: list[dict], label: str) -> None:
+    """--log-update-to-weight-ratios (each layer group's |update| / |weight|) and
+    --log-activation-stats (each layer's output RMS, solid, and largest magnitude, dashed)."""
+    keys = sorted({k for r in train for k in r if k.startswith("update_ratio/")})
+    for key in keys:
+        ratios_ax.plot(*_series(train, key), label=key.removeprefix("update_ratio/"))
+    ratios_ax.set_title(f"update / weight norm by layer group ({label})")
+    layers = sorted({k.removeprefix("act_rms/") for r in train for k in r
+                     if k.startswith("act_rms/")}, key=lambda n: int(n.split(".")[-1]))  # fmt: skip
+    for n, layer in enumerate(layers):
+        line = activations_ax.plot(*_series(train, f"act_rms/{layer}"), label=f"{layer} rms")
+        activations_ax.plot(*_series(train, f"act_max/{layer}"), "--",
+                            color=line[0].get_color(), alpha=0.6)  # fmt: skip
+        if n >= 15:
+            break
+    activations_ax.set_title(f"layer outputs: RMS (solid), max |x| (dashed) ({label})")
+    for ax in (ratios_ax, activations_ax):
+        if ax.get_legend_handles_labels()[0]:
+            ax.set_yscale("log")
+            ax.legend(fontsize=6, ncol=2)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -234,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     moe = any(r.get("moe_expert_load") for r in runs[0][1])
     stragglers = any(r.get("own_time_per_rank") for r in runs[0][1])
     interference = any(k.startswith("grad_cosine/") for r in runs[0][1] for k in r)
-    rows = 4 + moe + stragglers + interference
+    health = any(k.startswith(("update_ratio/", "act_rms/")) for r in runs[0][1] for k in r)
+    rows = 4 + moe + stragglers + interference + health
     fig, grid = plt.subplots(rows, 2, figsize=(13, 3.5 * rows))
     axes = {
         "loss": grid[0, 0], "lr": grid[0, 1], "grad": grid[1, 0], "layers": grid[1, 1],
@@ -247,11 +278,15 @@ def main(argv: list[str] | None = None) -> int:
         row = 4 + moe
         _draw_interference(grid[row, 0], grid[row, 1], runs[0][1],
                            _label(runs[0][0], args.log_jsonl))  # fmt: skip
+    if health:
+        row = 4 + moe + interference
+        _draw_health(grid[row, 0], grid[row, 1], runs[0][1], _label(runs[0][0], args.log_jsonl))
     if stragglers:
         axes["slowest"] = grid[rows - 1, 1]
         _draw_rank_times(grid[rows - 1, 0], runs[0][1], _label(runs[0][0], args.log_jsonl))
     axes["mfu"] = axes["speed"].twinx()
     axes["noise_scale"] = axes["noise"].twinx()
+    axes["gap"] = axes["lr"].twinx()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     logs = {path: (train, evals) for path, train, evals in runs}
     for k, group in enumerate(group_by_seed(args.log_jsonl)):
@@ -266,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     _draw_time_breakdown(axes["time"], runs[0][1], _label(runs[0][0], args.log_jsonl))
     titles = {
         "loss": ("lm loss", "loss: train (lines), evaluations (markers), datasets (dashed)"),
-        "lr": ("learning rate", "learning rate"),
+        "lr": ("learning rate", "learning rate (and the valid - train loss gap)"),
         "grad": ("grad norm", "gradient norm"),
         "speed": ("tokens/s", "throughput"),
         "time": ("seconds", None),
@@ -285,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         axes[name].grid(alpha=0.3)
         if axes[name].get_legend_handles_labels()[0] and not axes[name].get_legend():
             axes[name].legend(fontsize=7)
-    for twin, ylabel in (("mfu", "MFU (%)"), ("noise_scale", "gradient noise scale")):
+    twins = (("mfu", "MFU (%)"), ("noise_scale", "gradient noise scale"),
+             ("gap", "valid - train loss"))  # fmt: skip
+    for twin, ylabel in twins:
         if axes[twin].get_legend_handles_labels()[0]:
             axes[twin].set_ylabel(ylabel)
             axes[twin].legend(fontsize=7, loc="lower right")

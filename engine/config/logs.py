@@ -40,6 +40,17 @@ class LoggingConfig:
         "neutral, < 0 interference), from the step's own micro-batches: one more forward and "
         "backward per dataset present",
     )
+    log_update_to_weight_ratios: bool = option(
+        False,
+        "at each log line's iteration, log |update| / |weight| of each layer group (the groups "
+        "of --log-grad-norms-interval; update_ratio/<group>); keeps a copy of the fp32 weights "
+        "during that step",
+    )
+    log_activation_stats: bool = option(
+        False,
+        "at each log line's iteration, log the RMS and the largest magnitude of each "
+        "transformer layer's output over the global batch (act_rms/layers.N, act_max/layers.N)",
+    )
     log_params_norm: bool = option(
         False, "log the parameters' L2 norm after each update (params_norm; as Megatron-LM)"
     )

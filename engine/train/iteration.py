@@ -43,6 +43,8 @@ class IterationResult:
     mtp_losses: list[float] | None = None  # multi-token prediction's, one per depth
     grad_cosines: dict[str, float] | None = None  # --log-gradient-cosine-interval
     pcgrad_projections: int | None = None  # --pcgrad: projections made in the step
+    update_ratios: dict[str, float] | None = None  # --log-update-to-weight-ratios
+    activations: dict[str, float] | None = None  # --log-activation-stats
 
 
 def train_iteration(run: Run, batches: list[dict], global_batch: int | None = None):
@@ -144,6 +146,8 @@ def train_iteration(run: Run, batches: list[dict], global_batch: int | None = No
         mtp_losses=out.mtp_losses,
         grad_cosines=grad_cosines,
         pcgrad_projections=projections,
+        update_ratios=out.update_ratios,
+        activations=out.activations,
     )
 
 

@@ -27,6 +27,7 @@ def log_window(run: Run, window: list[IterationResult], tokens: int) -> None:
     losses = [r.lm_loss for r in updated] or [r.lm_loss for r in window]
     loss = sum(losses) / len(losses)
     last = window[-1]
+    run.progress.last_train_loss = loss if math.isfinite(loss) else None
     record = {
         "iteration": c.iteration,
         "consumed_samples": c.consumed_samples,
@@ -62,6 +63,12 @@ def log_window(run: Run, window: list[IterationResult], tokens: int) -> None:
     found = [r.grad_cosines for r in window if r.grad_cosines is not None]
     if found:  # the window's last measurement (--log-gradient-cosine-interval)
         record |= found[-1]
+    ratios = [r.update_ratios for r in window if r.update_ratios]
+    if ratios:  # --log-update-to-weight-ratios, at the log line's iteration
+        record |= {f"update_ratio/{label}": value for label, value in ratios[-1].items()}
+    activations = [r.activations for r in window if r.activations]
+    if activations:  # --log-activation-stats
+        record |= activations[-1]
     projections = [r.pcgrad_projections for r in window if r.pcgrad_projections is not None]
     if projections:  # --pcgrad: the projections made over the window's steps
         record["pcgrad_projections"] = sum(projections)
@@ -218,10 +225,15 @@ def log_eval(run: Run, name: str, result: tuple[float, dict] | None) -> None:
     c = run.progress.counters
     record = {"iteration": c.iteration, "consumed_samples": c.consumed_samples}
     record |= {"split": name, "lm_loss": loss, "ppl": ppl} | _domain_keys(domains)
+    gap = ""
+    train = run.progress.last_train_loss
+    if name == "valid" and train is not None and math.isfinite(loss):
+        record["train_valid_gap"] = loss - train  # > 0: the valid loss above the training's
+        gap = f" | gap to training {loss - train:+.4f}"
     run.writer.log(record, c.iteration, name)
     run.writer.print(
         f"{name} at iteration {c.iteration}: lm loss {loss:.4f} | perplexity "
-        f"{ppl:.2f}{_domains_text(record)}"
+        f"{ppl:.2f}{gap}{_domains_text(record)}"
     )
 
 

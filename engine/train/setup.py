@@ -23,6 +23,7 @@ from engine.eval.loading import plain_tokenizer
 from engine.eval.samples import EvalPrompts, read_prompts
 from engine.eval.tasks_in_training import EvalTasks, read_tasks
 from engine.model.builder import build_model_chunks
+from engine.monitor.activation_stats import ActivationStats
 from engine.monitor.grad_norm_parts import grad_norm_parts
 from engine.monitor.heartbeat import Heartbeat
 from engine.monitor.metrics import (
@@ -315,9 +316,13 @@ def _features(cfg: Configs, state: ParallelState, chunks, times, names) -> StepF
     decoupled = cfg.optimizer.decoupled_lr is not None
     if logging.log_grad_norms_interval:
         norm_parts = grad_norm_parts(cfg.model, chunks, decoupled)
-    cosine_parts = None
+    cosine_parts = update_parts = activations = None
     if logging.log_gradient_cosine_interval:
         cosine_parts = grad_norm_parts(cfg.model, chunks, decoupled)
+    if logging.log_update_to_weight_ratios:
+        update_parts = grad_norm_parts(cfg.model, chunks, decoupled)
+    if logging.log_activation_stats:
+        activations = ActivationStats(chunks, cfg.model.num_layers, state.device)
     return StepFeatures(
         times=times,
         norm_parts=norm_parts,
@@ -331,6 +336,9 @@ def _features(cfg: Configs, state: ParallelState, chunks, times, names) -> StepF
         gradient_cosine_interval=logging.log_gradient_cosine_interval,
         cosine_parts=cosine_parts,
         pcgrad=cfg.optimizer.pcgrad,
+        update_parts=update_parts,
+        activation_stats=activations,
+        health_interval=logging.log_interval,
     )
 
 

@@ -58,6 +58,7 @@ class Progress:
     train_iterator: Iterator[dict] | None = None  # whose position a checkpoint saves
     valid_iterator: Iterator[dict] | None = None  # Parquet streams: read on within a run
     # engine/train/data_skips.py's DataWindows: applied (kept in checkpoints) and still to come
+    last_train_loss: float | None = None  # the last log window's, for the train/valid gap
     skipped_data: list = field(default_factory=list)
     pending_skips: list = field(default_factory=list)
 

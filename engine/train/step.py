@@ -55,6 +55,11 @@ class StepFeatures:
     gradient_cosine_interval: int | None = None
     cosine_parts: NormParts | None = None
     pcgrad: bool = False
+    # the health signals measured every `health_interval` iterations (the log interval):
+    # each part's |update| / |weight| (`update_parts`) and the layers' output statistics
+    update_parts: NormParts | None = None
+    activation_stats: object = None  # engine.monitor.activation_stats.ActivationStats
+    health_interval: int | None = None
 
     def dataset_gradients_at(self, iteration: int) -> tuple[bool, bool]:
         """(cosines, surgery) wanted at that iteration."""
@@ -67,10 +72,13 @@ class StepFeatures:
 
     def at(self, iteration: int) -> StepFeatures:
         """The features of that iteration (the part norms only where their interval falls)."""
-        every = self.norm_parts_interval
-        if self.norm_parts is None or every is None or iteration % every == 0:
-            return self
-        return replace(self, norm_parts=None)
+        out, every = self, self.norm_parts_interval
+        if self.norm_parts is not None and every is not None and iteration % every:
+            out = replace(out, norm_parts=None)
+        every = self.health_interval
+        if every and iteration % every:
+            out = replace(out, update_parts=None, activation_stats=None)
+        return out
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,8 @@ class StepResult:
     params_norm: float | None = None  # with params_norm
     moe: object = None  # with moe_metrics: its MoEStepMetrics
     mtp_losses: list[float] | None = None  # multi-token prediction's depths' losses
+    update_ratios: dict[str, float] | None = None  # with update_parts, of an update taken
+    activations: dict[str, float] | None = None  # with activation_stats
 
 
 def _module(chunk):
@@ -261,6 +271,8 @@ def train_step(
     if local_squares is not None:
         local_squares.attach(state.device)
     domains = features.num_domains
+    if features.activation_stats is not None:
+        features.activation_stats.arm()
     losses = run_schedule(
         chunks,
         batches,
@@ -270,6 +282,9 @@ def train_step(
         num_domains=domains,
         reduction=reduction,
     )
+    activations = None
+    if features.activation_stats is not None:
+        activations = features.activation_stats.collect(state.world_group)
     if hooks.after_backward is not None:
         hooks.after_backward()
     shared = [w for c in chunks if (w := c.module.shared_embedding_weight()) is not None]
@@ -292,15 +307,18 @@ def train_step(
     if early is not None and not hooks.should_step(early[0]):
         parts, mtp = _split_reported(early, domains)
         return StepResult(
-            early[0], None, lr, False, loss_scale, None, own, parts, moe=moe, mtp_losses=mtp
-        )
+            early[0], None, lr, False, loss_scale, None, own, parts, moe=moe, mtp_losses=mtp,
+            activations=activations,
+        )  # fmt: skip
     if hooks.before_update is not None:
         with measure(times, "save-checkpoint"):  # an asynchronous save's copy still running
             hooks.before_update()
     if hooks.gradient is not None:
         optimizer.set_gradient(hooks.gradient())
     with measure(times, "optimizer"):
-        result = optimizer.step(features.norm_parts, count_zeros=features.num_zeros)
+        result = optimizer.step(
+            features.norm_parts, count_zeros=features.num_zeros, update_parts=features.update_parts
+        )
         params_norm = optimizer.params_norm() if features.params_norm else None
     if result.updated:
         # As Megatron-LM: the schedule moves on only after an update is applied, so a skipped
@@ -322,6 +340,8 @@ def train_step(
         params_norm,
         moe,
         mtp,
+        result.update_ratios,
+        activations,
     )
 
 

@@ -69,6 +69,7 @@ class StepResult:
     loss_scale: float | None
     part_norms: dict[str, float] | None = None  # with a NormParts: the norm of each part
     num_zeros: int | None = None  # with count_zeros: zero elements of the gradient
+    update_ratios: dict[str, float] | None = None  # with update_parts: |update| / |weight|
 
 
 @dataclass(frozen=True)
@@ -191,13 +192,19 @@ class DistributedOptimizer:
         return loss * self.grad_scaler.scale if self.grad_scaler is not None else loss
 
     @torch.no_grad()
-    def step(self, parts: NormParts | None = None, count_zeros: bool = False) -> StepResult:
+    def step(
+        self,
+        parts: NormParts | None = None,
+        count_zeros: bool = False,
+        update_parts: NormParts | None = None,
+    ) -> StepResult:
         """One update from the (already reduced, see parallel.grads) main grads. Main grads
         kept in bf16 (--grad-reduce-in-bf16) are copied to fp32 first, as Megatron-LM does:
         unscaling, the norm, clipping and the update are in fp32. With `parts`, the norm of
         each part too (before clipping, as the global norm); with `count_zeros`, the number
         of zero elements of the gradient, every element counted once (--log-num-zeros-in-grad;
-        not for a skipped update, as in Megatron-LM)."""
+        not for a skipped update, as in Megatron-LM); with `update_parts`, the norm of each
+        part's update over the norm of its weights after it (of an update taken)."""
         grads = [p.grad if p.grad.dtype == p.master.dtype else p.grad.float() for p in self.pieces]
         if self.grad_scaler is not None:
             torch._foreach_mul_(grads, self.grad_scaler.inv_scale)
@@ -224,14 +231,16 @@ class DistributedOptimizer:
         )
         for piece, grad in zip(self.pieces, grads, strict=False):
             piece.master.grad = grad
+        before = [p.master.clone() for p in self.pieces] if update_parts is not None else None
         self.optimizer.step()
+        ratios = self._update_ratios(before, update_parts) if before is not None else None
         copies = [(p.data, p.master) for p in self.pieces if p.master is not p.data]
         if copies:  # the updated masters back into the model's weights, in a few kernels
             torch._foreach_copy_(*map(list, zip(*copies, strict=False)))
         for ddp in self.ddps:
             ddp.start_param_sync()
         return StepResult(
-            True, norm, scale, part_norms, None if num_zeros is None else int(num_zeros)
+            True, norm, scale, part_norms, None if num_zeros is None else int(num_zeros), ratios
         )
 
     def _count(self, tensors: list[torch.Tensor], count) -> float:
@@ -255,16 +264,30 @@ class DistributedOptimizer:
         )
 
     def _part_norms(self, grads: list[torch.Tensor], parts: NormParts) -> dict[str, float]:
-        """Sum of squares per label over this rank's counted pieces, summed over the same
-        group as the global norm."""
+        """The norm of each label's part of `grads` (one tensor per piece)."""
+        sums = self._label_squares(grads, parts).tolist()
+        return {label: math.sqrt(v) for label, v in zip(parts.labels, sums, strict=False)}
+
+    def _label_squares(self, tensors: list[torch.Tensor], parts: NormParts) -> torch.Tensor:
+        """Sum of squares per label over this rank's counted pieces (one tensor each), summed
+        over the same group as the global norm."""
         sums = torch.zeros(2, len(parts.labels), dtype=torch.float64, device=self.device)
-        for piece, grad, counts in zip(self.pieces, grads, self._counts, strict=False):
+        for piece, tensor, counts in zip(self.pieces, tensors, self._counts, strict=False):
             if counts:
-                square = torch.linalg.vector_norm(grad, dtype=torch.float64).square()
+                square = torch.linalg.vector_norm(tensor, dtype=torch.float64).square()
                 for index in parts.labels_of(piece):
                     sums[int(piece.expert), index] += square
-        sums = self._summed(sums[0], sums[1])
-        return {label: math.sqrt(v) for label, v in zip(parts.labels, sums.tolist(), strict=False)}
+        return self._summed(sums[0], sums[1])
+
+    def _update_ratios(self, before: list[torch.Tensor], parts: NormParts) -> dict[str, float]:
+        """|master after - master before| / |master after| per label."""
+        updates = [p.master - old for p, old in zip(self.pieces, before, strict=True)]
+        steps = self._label_squares(updates, parts).tolist()
+        weights = self._label_squares([p.master for p in self.pieces], parts).tolist()
+        return {
+            label: math.sqrt(u / w) if w > 0 else 0.0
+            for label, u, w in zip(parts.labels, steps, weights, strict=True)
+        }
 
     # --- gradients as vectors (a blend's datasets' gradients: cosines, PCGrad) -----------
 
