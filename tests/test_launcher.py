@@ -17,7 +17,7 @@ import pytest
 from engine.checkpoint.files import iteration_dir
 from engine.data.indexed.dataset import IndexedDataset, IndexedDatasetBuilder
 from engine.data.prepare.token_ids import check_token_ids, token_id_range
-from engine.errors import ConfigError
+from engine.errors import ConfigError, UserError
 from tests.cli import CPU_ONLY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,23 +112,17 @@ def test_the_deepseek_v3_example_trains_with_its_pipeline_layout(data_folder, tm
 
 
 def test_configuration_errors_are_one_line_before_any_rank(data_folder, tmp_path):
+    """One mistake of each kind through the launcher (a flag, the layout, the data, an output
+    path); the other checks the launcher runs are the same function, called in this process
+    below (a launch costs seconds)."""
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     legacy = os.path.join(data_folder, "legacy_text_document")
     cases = [
         (["--hidden-sise", "64"], "unrecognized arguments: --hidden-sise"),
         (["--tensor-model-parallel-size", "4"], "world size 2 is not divisible"),
-        (["--split", "0,1,0"], "--split 0,1,0 gives the train split nothing"),
         (["--data-path", legacy], "holds token id 50256, but the tokenizer"),
-        (
-            ["--data-path", legacy, "--tensor-model-parallel-size", "2"],
-            "has a vocabulary of 2000 (ids 0..1999)",
-        ),
         (["--save", str(a_file / "ckpt")], "--save: "),
-        (["--data-path", str(tmp_path / "nothing")], "nothing.idx: no such file"),
-        (["--fim-data"], "--fim-prefix-token '<fim_prefix>' is not a token of the tokenizer"),
-        (["--fim-data", "--fim-rate", "1.5"], "--fim-rate 1.5: a probability, between 0 and 1"),
-        (["--fim-data", "--fim-split-sample", "x"], "--fim-split-sample needs --fim-fragment"),
         (
             ["--data-path", os.path.join(data_folder, "no_eod_text_document"), "--eod-mask-loss"],
             "--eod-mask-loss: " + os.path.join(data_folder, "no_eod_text_document") + " has no "
@@ -141,6 +135,37 @@ def test_configuration_errors_are_one_line_before_any_rank(data_folder, tmp_path
         assert result.returncode == 2 and len(lines) == 1, (extra, result.stderr[-3000:])
         assert lines[0].startswith("error: ") and message in lines[0], (extra, lines[0])
         assert "ops:" not in result.stdout, extra  # no rank started
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--split", "0,1,0"], "--split 0,1,0 gives the train split nothing"),
+        (["--data-path", "LEGACY", "--tensor-model-parallel-size", "2"],
+         "has a vocabulary of 2000 (ids 0..1999)"),
+        (["--data-path", "NOTHING"], "nothing.idx: no such file"),
+        (["--fim-data"], "--fim-prefix-token '<fim_prefix>' is not a token of the tokenizer"),
+        (["--fim-data", "--fim-rate", "1.5"], "--fim-rate 1.5: a probability, between 0 and 1"),
+        (["--fim-data", "--fim-split-sample", "x"], "--fim-split-sample needs --fim-fragment"),
+    ],
+)  # fmt: skip
+def test_the_launchers_checks_find_each_mistake(data_folder, tmp_path, extra, message):
+    """What engine.launch checks before any rank (engine/train/preflight.py's prepare), with
+    the flags examples/pretrain_gpt.sh passes, for a world of 2."""
+    from engine.pretrain import parse
+    from engine.train.preflight import prepare
+
+    places = {"LEGACY": os.path.join(data_folder, "legacy_text_document"),
+              "NOTHING": str(tmp_path / "nothing")}  # fmt: skip
+    extra = [places.get(arg, arg) for arg in extra]
+    data = [] if "--data-path" in extra else [
+        "--data-path", os.path.join(data_folder, "stdlib_text_document")]  # fmt: skip
+    tokenizer = ["--tokenizer-type", "SentencePieceTokenizer",
+                 "--tokenizer-model", os.path.join(data_folder, "tokenizer.model")]  # fmt: skip
+    argv = [*data, *tokenizer, "--lr", "1e-3", *SMALL, *extra]
+    with pytest.raises(UserError) as found:
+        prepare(parse(argv), 2)
+    assert message in str(found.value) and "\n" not in str(found.value)
 
 
 def test_an_unknown_precision_is_one_line(data_folder):

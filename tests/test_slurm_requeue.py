@@ -63,7 +63,10 @@ def test_the_slurm_example_saves_requeues_and_resumes(tmp_path):
             return cluster.run("squeue", "-h", "-t", "PD", "-j", job).stdout.strip() != ""
 
         _wait(pending, 60, "the job back in the queue")
-        cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # no requeue delay
+        # Slurm holds a requeued job back for its credentials' lifetime (minutes); start it
+        # sooner, but not within the second its old credential was revoked (slurmd refuses a
+        # credential made in that second: "Job credential revoked", and the job ends)
+        cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now+3")
         # (squeue can list nothing for a moment while the job is requeued: read the job's output)
         _wait(lambda: re.search(r"start 2 on[\s\S]*peak memory per rank", log()), 240, "the end")
     text = log()
