@@ -49,6 +49,12 @@ def test_the_compute_optimal_split_is_the_least_loss_at_that_compute():
     assert 3e10 < n < 1e11  # the paper's approach 3 gives tens of billions at that budget
 
 
+def test_a_fit_the_runs_do_not_determine_is_flagged():
+    assert not ParameterDataLaw(**CHINCHILLA).undetermined(2.0)
+    assert ParameterDataLaw(E=1e-200, A=1e130, B=19.0, alpha=21.9, beta=0.1).undetermined(5.2)
+    assert ParameterDataLaw(E=1e-5, A=400.0, B=400.0, alpha=0.3, beta=0.3).undetermined(2.0)
+
+
 def test_the_frontier_keeps_points_no_cheaper_point_beats():
     compute = [1.0, 2.0, 3.0, 4.0, 5.0]
     loss = [5.0, 5.5, 4.0, 4.2, 3.0]

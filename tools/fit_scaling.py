@@ -132,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"L(N, D) = E + A/N^alpha + B/D^beta on the final losses of {len(runs)} runs:")
         for key, value in data_law.as_dict().items():
             print(_row(key, value, laws, key, CHINCHILLA[key]))
+        if data_law.undetermined(min(r.final_loss for r in runs)):
+            print("warning: these runs leave L(N, D) undetermined (an exponent above 3 or E "
+                  "near 0): the larger models are not better at these budgets yet; the split "
+                  "below means nothing until runs with more tokens per parameter come")  # fmt: skip
         n, d = data_law.optimal(target, k)
         spread = [law.optimal(target, k) for law in laws]
         print(f"compute-optimal for {target:.3g} FLOPs (C = {k:.2f} N D): "

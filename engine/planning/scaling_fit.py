@@ -69,6 +69,12 @@ class ParameterDataLaw:
     def as_dict(self) -> dict:
         return {"E": self.E, "A": self.A, "B": self.B, "alpha": self.alpha, "beta": self.beta}
 
+    def undetermined(self, least_loss: float) -> bool:
+        """Whether the runs leave the law undetermined: an exponent beyond any published fit
+        (above 3: a step, not a power law) or an irreducible loss at zero (below a thousandth
+        of the least loss seen)."""
+        return max(self.alpha, self.beta) > 3 or least_loss > 1000 * self.E
+
 
 def _huber(r: np.ndarray) -> tuple[float, np.ndarray]:
     """Huber loss of the residuals and its derivative."""

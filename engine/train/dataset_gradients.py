@@ -17,6 +17,7 @@ surgery are the same numbers under any TP/SP/CP/PP/DP and sharding layout as on 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -55,7 +56,9 @@ def dataset_gradients(run, batches: list[dict]) -> DatasetGradients:
     scale = optimizer.grad_scaler.scale if optimizer.grad_scaler is not None else 1.0
     shared = [w for c in run.chunks if (w := c.module.shared_embedding_weight()) is not None]
     found, gradients = [], []
-    with measure(features.times, "dataset-gradients"):
+    times = features.times
+    paused = times.paused() if times is not None else contextlib.nullcontext()
+    with measure(times, "dataset-gradients"), paused:  # the passes' compute counted here
         for domain in present(batches, len(names), state):
             snapshot.restore(run)
             optimizer.zero_grad()
