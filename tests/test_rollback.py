@@ -49,7 +49,7 @@ def test_rollback_equals_skipping_the_window_from_the_start(
     pretrain(2, _args(dataset_prefix, tokenizer_model, str(rolled), str(tmp_path / "r.jsonl")),
              BAD_DATA)  # fmt: skip
     out = capfd.readouterr().out
-    assert "loss spike at iteration 15" in out and "rolling back" in out
+    assert "loss spike at iteration 15" in out and "--rollback-on-spike:" in out
     assert f"rolled back to {iteration_dir(str(rolled), 8)}" in out
     assert "skipping the data of iterations 9 to 15 (training samples 32 to 59)" in out
     # the abandoned stretch's checkpoint is set aside, the run's own go on

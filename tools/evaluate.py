@@ -31,7 +31,7 @@ from engine.data.tokenizers.cli import (
     tokenizer_config,
     tokenizer_flags_given,
 )
-from engine.errors import ConfigError
+from engine.errors import CheckpointError, ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -118,25 +118,33 @@ def _evaluate_checkpoint(args, tasks: dict, iteration: int | None) -> dict:
 
 def _watch(args, tasks: dict) -> int:
     """--watch (module docstring)."""
-    from engine.checkpoint.files import committed_iterations
-
     if not os.path.isdir(args.load):
         raise ConfigError(f"--watch --load {args.load}: not a folder; give the run's --save folder")
     if args.watch_poll <= 0 or args.watch_timeout < 0:
         raise ConfigError("--watch-poll must be positive and --watch-timeout at least 0")
-    done = set()
+    done = set()  # (iteration, consumed samples): a rollback's run saves an iteration again
     if args.output_jsonl and os.path.exists(args.output_jsonl):
         with open(args.output_jsonl) as f:
-            done = {json.loads(line)["iteration"] for line in f if line.strip()}
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a stopped watch
+                    continue
+                done.add((record["iteration"], record.get("consumed_samples")))
     last_new = time.monotonic()
     while True:
-        fresh = [i for i in committed_iterations(args.load) if i not in done]
-        for iteration in fresh:
-            results = _evaluate_checkpoint(args, tasks, iteration)
-            done.add(iteration)
+        fresh = [key for key in _checkpoints(args.load) if key not in done]
+        for iteration, consumed in fresh:
+            try:
+                results = _evaluate_checkpoint(args, tasks, iteration)
+            except (CheckpointError, FileNotFoundError):
+                print(f"iteration {iteration} went away before it was scored (pruned?); skipped")
+                continue
+            done.add((iteration, consumed))
             if args.output_jsonl:
+                line = {"iteration": iteration, "consumed_samples": consumed} | _summary(results)
                 with open(args.output_jsonl, "a") as f:
-                    f.write(json.dumps({"iteration": iteration} | _summary(results)) + "\n")
+                    f.write(json.dumps(line) + "\n")
             if args.watch_until_iteration is not None and iteration >= args.watch_until_iteration:
                 return 0
         if fresh:
@@ -145,6 +153,19 @@ def _watch(args, tasks: dict) -> int:
             print(f"no new checkpoint in {args.load} for {args.watch_timeout:g} s; stopping")
             return 0
         time.sleep(min(args.watch_poll, max(args.watch_timeout, 0.01)))
+
+
+def _checkpoints(load: str) -> list[tuple[int, int | None]]:
+    """(iteration, consumed samples) of each complete checkpoint of `load`, oldest first."""
+    from engine.checkpoint.files import committed_iterations, iteration_dir, read_meta
+
+    found = []
+    for iteration in committed_iterations(load):
+        try:
+            found.append((iteration, read_meta(iteration_dir(load, iteration))["consumed_samples"]))
+        except (CheckpointError, FileNotFoundError, KeyError):
+            continue  # pruned while listed, or not ours
+    return found
 
 
 def _summary(results: dict) -> dict:

@@ -55,6 +55,11 @@ def _check_dataset_gradients(cfg: Configs) -> None:
     ) if on]  # fmt: skip
     if not flags:
         return
+    if cfg.optimizer.pcgrad and cfg.resilience.reruns_non_finite:
+        raise ConfigError(
+            "--pcgrad with --rerun-on-nan: a rerun recomputes the step's gradient but not the "
+            "datasets' it is built from; drop one of them"
+        )
     for what, present in (
         ("a mixture of experts (its auxiliary losses)", cfg.model.is_moe),
         ("multi-token prediction (its depths' losses)", cfg.model.mtp_depths),

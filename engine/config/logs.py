@@ -43,8 +43,8 @@ class LoggingConfig:
     log_update_to_weight_ratios: bool = option(
         False,
         "at each log line's iteration, log |update| / |weight| of each layer group (the groups "
-        "of --log-grad-norms-interval; update_ratio/<group>); keeps a copy of the fp32 weights "
-        "during that step",
+        "of --log-grad-norms-interval; update_ratio/<group>); holds two more copies of the "
+        "rank's fp32 weights (before, and the update) during that step",
     )
     log_activation_stats: bool = option(
         False,

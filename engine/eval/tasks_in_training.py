@@ -97,9 +97,10 @@ def _rows(decoding, group, pad: int, packing) -> list[float]:
         tokens[r, :length] = torch.tensor(whole[:-1])
         labels[r, :length] = torch.tensor(whole[1:])
         mask[r, length - len(continuation) : length] = 1.0
-    batch = {"tokens": tokens, "labels": labels, "loss_mask": mask}
-    if packing is not None:
+    batch = {"tokens": tokens, "labels": labels}
+    if packing is not None:  # positions and documents as in training; the mask is the choice's
         batch = packing.annotate(batch)
+    batch["loss_mask"] = mask
     found: list[torch.Tensor] = []
 
     def summed(output, micro_batch):

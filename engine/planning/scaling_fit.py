@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.errors import InputError
+
 HUBER_DELTA = 1e-3
 # Hoffmann et al.'s approach 3 estimates (their table A3), printed beside a fit
 CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
@@ -114,6 +116,8 @@ def _minimize(objective, starts: list[np.ndarray]) -> np.ndarray:
             )  # fmt: skip
         if np.isfinite(found.fun) and found.fun < best_value:
             best, best_value = found.x, found.fun
+    if best is None:
+        raise InputError("the fit found no finite solution from any starting point")
     return best
 
 
@@ -209,7 +213,7 @@ def interval(values, level: float = 0.95) -> tuple[float, float]:
 def frontier(compute, loss) -> list[int]:
     """Indices of the points no other point beats: sorted by compute, each one's loss below
     every cheaper point's."""
-    order = np.argsort(np.asarray(compute, dtype=float), kind="stable")
+    order = np.lexsort((np.asarray(loss, dtype=float), np.asarray(compute, dtype=float)))
     kept, best = [], np.inf
     for i in order:
         if loss[i] < best:

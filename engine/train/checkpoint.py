@@ -205,6 +205,7 @@ def save(run: Run) -> None:
         },
         "spikes": run.spikes.state_dict(),
         "skipped_data": [w.record() for w in run.progress.skipped_data],
+        "train_split_samples": run.train_split_samples,  # its order depends on it
         "run": run.record,  # the configuration, data files and code (rank 0 writes meta)
     }
     if run.mix is not None:  # the blend's weights over the run, compared on resume

@@ -75,8 +75,11 @@ def pending_windows(
     """The windows still to skip for a run at `iteration` that has `applied` some already:
     --skip-data-iterations' and --save's recorded ones from the next iteration on. A given
     window behind `iteration` that the checkpoint did not apply is a ConfigError (its data
-    was trained on)."""
+    was trained on). A given window inside a recorded one is done with it (a rollback's window
+    holds the windows skipped in the stretch it abandoned)."""
     done = {(w.first, w.last) for w in applied}
+    done |= {(first, last) for first, last in given
+             if any(w.first <= first and last <= w.last for w in recorded)}  # fmt: skip
     pending = {}
     for first, last in given:
         if first <= iteration and (first, last) not in done:
@@ -94,12 +97,19 @@ def pending_windows(
 
 
 def read_past(run, iterator, window: DataWindow) -> DataWindow:
-    """Read and drop the global batches of the window's iterations (every rank, as it would
-    train them: the same count of micro-batches); the counters' consumed samples move past
-    them. Returns the window with its samples."""
+    """Read and drop the global batches of the window (every rank, as it would train them: the
+    same count of micro-batches): up to its recorded end sample where it has one (a
+    rollback's, whose stretch may have skipped other windows too), else its iterations'
+    batches; the counters' consumed samples move past them. Returns the window with its
+    samples."""
     c, state = run.progress.counters, run.state
     start = c.consumed_samples
-    for _ in range(window.first, window.last + 1):
+
+    def more() -> bool:
+        return c.consumed_samples < window.samples[1]
+
+    batches = iter(range(window.first, window.last + 1))
+    while more() if window.samples is not None else next(batches, None) is not None:
         global_batch = run.batches.at(c.consumed_samples)
         count = micro_batches_per_step(run.cfg.training.micro_batch_size, state, global_batch)
         for _ in range(count if iterator is not None else 0):
@@ -109,8 +119,9 @@ def read_past(run, iterator, window: DataWindow) -> DataWindow:
                 raise InputError(
                     f"skipping {window.describe()}: the training split ran out at sample "
                     f"{c.consumed_samples} (it holds the run's samples and room for the "
-                    "windows the flags given at its start may skip); give the range when the "
-                    "run starts, or train for less"
+                    "windows its flags may skip: --skip-data-iterations' and --rollback-max "
+                    "rollbacks); give --skip-data-iterations from the run's start, or train "
+                    "for less"
                 ) from None
         c.consumed_samples += global_batch
     return DataWindow(window.first, window.last, window.cause, (start, c.consumed_samples))

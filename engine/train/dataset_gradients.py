@@ -81,7 +81,9 @@ def cosines(run, found: DatasetGradients) -> dict[str, float]:
     parts = run.features.cosine_parts
     products = run.optimizer.gram(found.gradients, parts).tolist()
     labels = ("",) + tuple(f"/{label}" for label in (parts.labels if parts else ()))
-    out = {f"grad_norm_dataset/{name}": math.sqrt(products[0][i][i])
+    scaler = run.optimizer.grad_scaler  # fp16: the copies are of the scaled gradients
+    scale = scaler.scale if scaler is not None else 1.0
+    out = {f"grad_norm_dataset/{name}": math.sqrt(products[0][i][i]) / scale
            for i, name in enumerate(found.names)}  # fmt: skip
     for index, suffix in enumerate(labels):
         gram = products[index]

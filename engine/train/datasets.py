@@ -50,13 +50,23 @@ def skip_reserve(cfg: Configs, global_batch: int) -> int:
 
 
 def build_datasets(
-    cfg: Configs, sources: DataSources, state: ParallelState, batches: BatchSchedule, mix
+    cfg: Configs,
+    sources: DataSources,
+    state: ParallelState,
+    batches: BatchSchedule,
+    mix,
+    train_samples: int | None = None,
 ) -> list[TrainingSplit | None]:
     """[train, valid, test] of `sources` for the run (None where a split has no samples), each
-    with the samples the run asks of it; with --data-mix-schedule, `mix` orders the train
-    split. ConfigError (one line) when the train split is empty or a split is too small."""
+    with the samples the run asks of it (the train split: `train_samples` where the run
+    resumes one that recorded its split's size and that size is enough, so that its order
+    stays the same); with
+    --data-mix-schedule, `mix` orders the train split. ConfigError (one line) when the train
+    split is empty or a split is too small."""
     global_batch = batches.final
     samples = split_sample_counts(cfg, global_batch)
+    if train_samples is not None and train_samples >= samples[0]:
+        samples = (train_samples, *samples[1:])
     data, seq, seed = cfg.data, cfg.model.seq_length, cfg.training.seed
 
     def build() -> list[TrainingSplit | None]:

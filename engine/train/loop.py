@@ -89,7 +89,7 @@ def train(run: Run) -> Counters:
         if result.spike_z is not None:
             action = "update skipped" if cfg.exit.skip_spike_batches else "kept"
             if cfg.exit.rollback_on_spike:
-                action = "rolling back"
+                action = "--rollback-on-spike:"
             run.writer.print(
                 f"loss spike at iteration {c.iteration}: {result.lm_loss:.4f} "
                 f"(z = {result.spike_z:.1f}); {action}"

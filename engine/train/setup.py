@@ -13,12 +13,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.checkpoint.files import find_latest, iteration_dir, read_meta
 from engine.checkpoint.save import Checkpointer
 from engine.config.configs import Configs
 from engine.data.documents import Packing
 from engine.data.mix.schedule import train_mix
 from engine.data.sources import sources_of
 from engine.data.tokenizers import build_tokenizer
+from engine.errors import UserError
 from engine.eval.loading import plain_tokenizer
 from engine.eval.samples import EvalPrompts, read_prompts
 from engine.eval.tasks_in_training import EvalTasks, read_tasks
@@ -45,7 +47,7 @@ from engine.train import faults
 from engine.train.batches import domain_names
 from engine.train.checkpoint import resume
 from engine.train.data_skips import pending_windows, recorded_in
-from engine.train.datasets import build_datasets
+from engine.train.datasets import build_datasets, split_sample_counts
 from engine.train.exit_conditions import ExitConditions, earliest_start
 from engine.train.loss import LossReduction
 from engine.train.run_record import flat_settings, run_record
@@ -126,7 +128,9 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     sources = sources_of(cfg.data)
     mix = train_mix(sources.train, cfg.data.data_mix_schedule, training.train_iters, batches)
     scheduled = mix if cfg.data.data_mix_schedule else None
-    datasets = build_datasets(cfg, sources, state, batches, scheduled)
+    recorded, needed = _recorded_train_split(cfg), split_sample_counts(cfg, batches.final)[0]
+    datasets = build_datasets(cfg, sources, state, batches, scheduled, recorded)
+    train_split = recorded if recorded is not None and recorded >= needed else needed
     # Checkpoints talk over their own gloo group: an async save runs its collectives in a
     # background thread, which must never interleave with the training's collectives.
     checkpoint_group = None
@@ -186,7 +190,14 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         stragglers=_stragglers(cfg, state),
         heartbeat=_heartbeat(cfg, state),
         record=run_record(cfg) if writes_meta else {},
+        train_split_samples=train_split,
     )
+    if recorded is not None and recorded < needed:
+        run.writer.print(
+            f"the train split grows from {recorded} to {needed} samples for the data windows "
+            "to skip (--skip-data-iterations, --rollback-on-spike); its order stays the same "
+            "unless that adds an epoch of the data"
+        )
     if mix is not None and len(mix.phases) > 1:
         run.writer.print(mix.describe())
     if batches.describe():
@@ -197,6 +208,24 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     if checkpointer is not None:
         checkpointer.prepare(chunks, optimizer, run.progress.tracker)
     return run
+
+
+def _recorded_train_split(cfg: Configs) -> int | None:
+    """The train split's size the resumed run recorded in its latest checkpoint (its order
+    depends on it), or None (a fresh run, --finetune, an older checkpoint)."""
+    load = cfg.checkpointing.load
+    if not load or cfg.checkpointing.finetune:
+        return None
+    try:
+        latest = find_latest(load)
+    except UserError:
+        return None  # (resume() names the problem)
+    if latest is None:
+        return None
+    try:
+        return read_meta(iteration_dir(load, latest)).get("train_split_samples")
+    except (UserError, OSError):
+        return None
 
 
 def eval_tasks_of(cfg: Configs) -> EvalTasks:

@@ -96,6 +96,7 @@ class Run:
     stragglers: StragglerMonitor | None = None  # --log-straggler
     heartbeat: Heartbeat | None = None  # --heartbeat-dir, on the first rank of each node
     record: dict = field(default_factory=dict)  # engine/train/run_record.py, in each checkpoint
+    train_split_samples: int | None = None  # the train split's size, kept in checkpoints
 
 
 def params_dtype(runtime: RuntimeConfig) -> torch.dtype:
