@@ -151,3 +151,20 @@ def test_gradient_cosines_without_a_blend_is_one_line(dataset_prefix, tokenizer_
     args = base_args(dataset_prefix, tokenizer_model, **{"--log-gradient-cosine-interval": "1"})
     result = run_python("-m", "engine.pretrain", *args)
     assert "compares the gradients of the training blend's datasets" in one_line_error(result)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--pcgrad", "--rerun-on-nan"], "--pcgrad with --rerun-on-nan"),
+        (["--log-gradient-cosine-interval", "1", "--num-experts", "2"], "not with a mixture"),
+    ],
+)
+def test_combinations_not_built_yet_are_one_line(flags, message):
+    from engine.errors import ConfigError
+    from engine.pretrain import parse
+    from engine.train.preflight import prepare
+    from tests.test_rerun import MOCK
+
+    with pytest.raises(ConfigError, match=message):
+        prepare(parse([*MOCK, *flags]), 1)
