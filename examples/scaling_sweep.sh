@@ -5,16 +5,16 @@
 # A toy corpus and millions of parameters: the exponents describe this sweep, not language
 # models at large (docs/research.md compares them with Chinchilla's).
 #
-#   SIZES    hidden:layers of each model (default "96:2 160:3 256:4")
-#   ITERS    training iterations of each budget (default "40 80 160"), batch 8 x 256 tokens
+#   SIZES    hidden:layers of each model (default "32:1 64:2 128:2")
+#   ITERS    training iterations of each budget (default "100 200 400"), batch 8 x 256 tokens
 #   SWEEP    output folder (default data/scaling_sweep; each run in SWEEP/h<hidden>_l<layers>_i<iters>)
 #   DATA     the quickstart's dataset and tokenizer (made first when missing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:-data/quickstart}
 SWEEP=${SWEEP:-data/scaling_sweep}
-SIZES=${SIZES:-"96:2 160:3 256:4"}
-ITERS=${ITERS:-"40 80 160"}
+SIZES=${SIZES:-"32:1 64:2 128:2"}
+ITERS=${ITERS:-"100 200 400"}
 if [ ! -f "$DATA/stdlib_text_document.idx" ]; then
     DATA=$DATA bash examples/prepare_data.sh
 fi

@@ -72,7 +72,7 @@ def _plot(path: str, runs: list[RunPoints], compute_law, data_law, k: float, tar
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("training FLOPs")
-    ax.set_ylabel("loss (lines: training; dots: final)")
+    ax.set_ylabel("loss (lines: training; dots: final, validation where logged)")
     ax.set_title("loss against compute, with the fitted frontier")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
