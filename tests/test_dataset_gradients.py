@@ -125,16 +125,24 @@ def test_cosines_agree_with_the_steps_gradient_and_leave_the_run_as_it_was(
         assert math.isclose(r["grad_norm"] ** 2, expected, rel_tol=1e-5)
 
 
-def test_cosines_and_pcgrad_are_one_process_under_tp_pp_dp_sp_and_sharding(
-    dataset_prefix, noise_prefix, tokenizer_model, tmp_path
+@pytest.mark.parametrize(
+    "world, layout",
+    [
+        (8, {"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "2",
+             "--sequence-parallel": True, "--use-distributed-optimizer": True}),
+        (4, {"--context-parallel-size": "2", "--use-megatron-fsdp": True,
+             "--data-parallel-sharding-strategy": "optim_grads_params"}),
+    ],
+    ids=["tp2-pp2-dp2-sp-distopt", "cp2-dp2-fsdp-params"],
+)  # fmt: skip
+def test_cosines_and_pcgrad_are_one_process_under_every_layout(
+    dataset_prefix, noise_prefix, tokenizer_model, tmp_path, world, layout
 ):
     paths = (dataset_prefix, noise_prefix, tokenizer_model)
     flags = {"--log-gradient-cosine-interval": "1", "--pcgrad": True, "--train-iters": "3",
              "--hidden-dropout": "0.0", "--attention-dropout": "0.0"}  # fmt: skip
     one = _run(1, *paths, tmp_path / "one.jsonl", **flags)
-    layout = {"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "2",
-              "--sequence-parallel": True, "--use-distributed-optimizer": True}  # fmt: skip
-    eight = _run(8, *paths, tmp_path / "eight.jsonl", **flags, **layout)
+    eight = _run(world, *paths, tmp_path / "layout.jsonl", **flags, **layout)
     assert sum(r["pcgrad_projections"] for r in one) > 0
     for a, b in zip(one, eight, strict=True):
         prefixes = ("grad_cosine/", "grad_norm_dataset/")

@@ -1,8 +1,8 @@
-"""A soak run: 8 ranks (TP2 x PP2 x DP2) through the launcher, 200 iterations with an async
+"""A soak run: 8 ranks (TP2 x PP2 x DP2) through the launcher, 150 iterations with an async
 save every 25. Each rank's resident memory, sampled from outside, does not grow by more than 5%
 after the warm-up; every checkpoint verifies against its checksums; the final checkpoint's
 files equal, byte for byte, those of the same run without the async saves (the saves changed
-nothing in training). About 70 s on 2 cores."""
+nothing in training). About 75 s on 2 cores."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from engine.checkpoint.files import is_iteration_name, iteration_dir, read_meta
 from engine.checkpoint.load import verify_checkpoint
 from tests.cli import CPU_ONLY, ROOT
 
-ITERATIONS, WARM_UP = 200, 50
+ITERATIONS, WARM_UP = 150, 50
 RUN = [
     *("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"),
     *("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"),

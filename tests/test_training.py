@@ -630,36 +630,48 @@ def _cli(args, env=None):
 
 
 def test_command_line_errors_are_one_line_before_any_process_group(dataset_prefix, tokenizer_model):
+    """A mistake of each kind through the command line (a flag, the layout from the launcher's
+    environment, the data); the other checks are the same functions, called in this process
+    below."""
     good = base_args(dataset_prefix, tokenizer_model)
     cases = [
         (["--hidden-sise", "8"], {}, "unrecognized arguments: --hidden-sise"),
-        (["--bf16", "--fp16"], {}, "--bf16 and --fp16 contradict each other"),
         (
             ["--tensor-model-parallel-size", "2"],
             {"WORLD_SIZE": "3", "RANK": "0"},
             "world size 3 is not divisible by tensor-model-parallel-size 2",
         ),
-        (["--global-batch-size", "7"], {}, "global batch 7 is not divisible"),
-        (["--overlap-param-gather"], {}, "--overlap-param-gather needs --use-distributed"),
-        (
-            ["--overlap-p2p-communication"],
-            {},
-            "--overlap-p2p-communication runs with the interleaved schedule only",
-        ),
         (["--data-path", "/nonexistent/prefix"], {}, "/nonexistent/prefix.idx: no such file"),
-        (["--mock-data"], {}, "--mock-data generates its documents; drop --data-path"),
-        (["--trust-remote-code"], {}, "--trust-remote-code: this engine never runs code"),
-        (
-            ["--tokenizer-type", "NullTokenizer"],
-            {},
-            "--tokenizer-type NullTokenizer needs --vocab-size N",
-        ),
     ]
     for extra, env, message in cases:
         result = _cli(good + extra, env)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2, (extra, result.stderr)
         assert len(lines) == 1 and message in lines[0], (extra, result.stderr)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--bf16", "--fp16"], "--bf16 and --fp16 contradict each other"),
+        (["--global-batch-size", "7"], "global batch 7 is not divisible"),
+        (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed"),
+        (["--overlap-p2p-communication"],
+         "--overlap-p2p-communication runs with the interleaved schedule only"),
+        (["--mock-data"], "--mock-data generates its documents; drop --data-path"),
+        (["--trust-remote-code"], "--trust-remote-code: this engine never runs code"),
+        (["--tokenizer-type", "NullTokenizer"],
+         "--tokenizer-type NullTokenizer needs --vocab-size N"),
+    ],
+)  # fmt: skip
+def test_each_configuration_mistake_is_one_line(dataset_prefix, tokenizer_model, extra, message):
+    from engine.errors import UserError
+    from engine.pretrain import parse
+    from engine.train.preflight import prepare
+
+    with pytest.raises(UserError) as found:
+        prepare(parse(base_args(dataset_prefix, tokenizer_model) + extra), 1)
+    assert message in str(found.value) and "\n" not in str(found.value)
 
 
 def test_help_lists_flags_in_groups():
