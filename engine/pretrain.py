@@ -11,6 +11,7 @@ import math
 import multiprocessing
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -150,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = train_and_finish(run)
     except KeyboardInterrupt:  # a second signal, or Ctrl-C without --exit-signal-handler
+        # the process ends at once: a background thread that the workers' end breaks (the
+        # one sharing batches' file descriptors with them, mid-handshake) reports nothing
+        threading.excepthook = lambda args: None
         for child in multiprocessing.active_children():  # data-loader workers end quietly
             child.terminate()
         if state.rank == 0:

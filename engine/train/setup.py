@@ -194,9 +194,9 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
     )
     if recorded is not None and recorded < needed:
         run.writer.print(
-            f"the train split grows from {recorded} to {needed} samples for the data windows "
-            "to skip (--skip-data-iterations, --rollback-on-spike); its order stays the same "
-            "unless that adds an epoch of the data"
+            f"the train split grows from {recorded} to {needed} samples (a longer run, or more "
+            "data windows to skip: --skip-data-iterations, --rollback-on-spike); its order "
+            "stays the same unless that adds an epoch of the data"
         )
     if mix is not None and len(mix.phases) > 1:
         run.writer.print(mix.describe())
