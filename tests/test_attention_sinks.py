@@ -273,3 +273,66 @@ def test_sinks_within_documents_match_one_process(name):
     (reference,) = run_ranks(_within_documents, 1, "one")
     for grads in run_ranks(_within_documents, 2, name):
         assert max(compare_params(grads, reference).values()) < 1e-5, name
+
+
+def _explicit_sink_softmax(q, k, v, sink, ids, window):
+    """The reference: [b, heads, s, s] scores masked to the document and window, the sink
+    logit as one more column, softmaxed, the sink's share dropped (any dtype)."""
+    from engine.model.document_attention import allowed
+
+    heads, d = q.shape[1], q.shape[-1]
+    keys, values = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (k, v))
+    scores = (q @ keys.transpose(-1, -2) / d**0.5).masked_fill(~allowed(ids, window), -torch.inf)
+    column = sink[None, :, None, None].expand(*scores.shape[:3], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1] @ values
+
+
+def _sinks_against_explicit(device, dtype, tolerance, window, documents):
+    """The path of --softmax-type learnable as a model on `device` picks it (on CUDA the
+    memory-efficient kernel with the merged log-sum-exp, the tiled path with a window, one
+    document at a time under --reset-attention-mask), forward and backward with the sinks'
+    gradient, GQA, against the explicit sink softmax in fp64 on the CPU."""
+    from engine.model.attention_kernel import (
+        AttentionKernel,
+        AttentionMasks,
+        choose_document_kernel,
+        choose_kernel,
+    )
+    from engine.model.document_attention import Documents
+
+    gen = torch.Generator().manual_seed(13)
+    b, heads, groups, s, d = 2, 8, 2, 512, 64
+    shapes = [(b, heads, s, d), (b, groups, s, d), (b, groups, s, d), (heads,)]
+    inputs = [torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in shapes]
+    grad = torch.randn(b, heads, s, d, generator=gen, dtype=torch.float64)
+    ids = torch.zeros(b, s, dtype=torch.long)
+    if documents:
+        ids[0, 200:350], ids[0, 350:] = 1, 2
+        ids[1, 37:] = 1
+    kind = choose_kernel(device, dtype, True, window, 0.0, True)
+    document_kind = choose_document_kernel(device, 0.0)
+    kernel = AttentionKernel(kind, window, True, AttentionMasks(), document_kind)
+    low = [t.to(device, dtype).requires_grad_() for t in inputs]
+    out = kernel(*low[:3], 0.0, Documents(ids.to(device)) if documents else None, low[3])
+    out.backward(grad.to(device, dtype))
+    full = [t.clone().requires_grad_() for t in inputs]
+    expected = _explicit_sink_softmax(*full, ids, window)
+    expected.backward(grad)
+    assert kind == "sinks"
+    assert (out.double().cpu() - expected).abs().max() < tolerance
+    for name, ours, theirs in zip("qkvs", low, full, strict=True):
+        scale = max(1.0, theirs.grad.abs().max().item())
+        assert (ours.grad.double().cpu() - theirs.grad).abs().max() < tolerance * 4 * scale, name
+
+
+def test_sinks_at_a_realistic_size_on_the_cpu():
+    _sinks_against_explicit("cpu", torch.float32, 1e-5, 100, True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("documents", [False, True])
+def test_sinks_on_the_gpu_equal_the_explicit_softmax(dtype, tolerance, window, documents):
+    _sinks_against_explicit("cuda", dtype, tolerance, window, documents)

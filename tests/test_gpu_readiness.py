@@ -162,7 +162,10 @@ def test_gpu_check_report_lists_what_to_confirm_beside_the_steps_outcome(tmp_pat
         "| pipeline transfers in the planned global order run every schedule over NCCL (2)"
         " | nccl-layouts | passed |"
     ]
-    assert "| gpu-tests |" not in text  # a step not run has no row
+    lines = text.splitlines()
+    assert not any(line.startswith("| gpu-tests |") for line in lines)  # not run: no step row
+    not_run = [line for line in lines if line.endswith(" | not run |")]
+    assert len(not_run) == sum(step != "nccl-layouts" for _, step in gpu_check.TO_CONFIRM)
 
 
 def test_gpu_benchmarks_run_on_the_cpu_with_tiny_shapes(tmp_path):

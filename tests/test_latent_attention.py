@@ -295,3 +295,50 @@ def test_context_parallel_other_than_ring_is_refused():
     env = {"WORLD_SIZE": "2", "RANK": "0"}
     error = one_line_error(run_python("-m", "engine.pretrain", *argv, env=env))
     assert "--cp-comm-type a2a with --multi-latent-attention" in error
+
+
+def _latent_on(device, dtype, documents: bool):
+    """A ~DeepSeek-V3-shaped MLA layer (query and key width 64, values 32) built for `device`
+    in `dtype` with the fp64 CPU layer's weights: (the layer, output and gradients) beside
+    the fp64 layer's own."""
+    from engine.model.document_attention import Documents
+
+    s, b = 256, 2
+    cfg = _config(
+        seq_length=s, hidden_size=256, num_attention_heads=4, q_lora_rank=96, kv_lora_rank=64,
+        qk_head_dim=48, qk_pos_emb_head_dim=16, v_head_dim=32,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(s, b, 256, generator=gen, dtype=torch.float64)
+    grad = torch.randn(s, b, 256, generator=gen, dtype=torch.float64)
+    ids = torch.zeros(b, s, dtype=torch.long)
+    if documents:
+        ids[0, 100:], ids[1, 30:170], ids[1, 170:] = 1, 1, 2
+    results = []
+    for where, kind in ((device, dtype), ("cpu", torch.float64)):
+        ctx = BuildContext(cfg, params_dtype=kind, device=where, gradient_accumulation_fusion=False)
+        layer = LatentAttention(ctx, 0).to(where)
+        if results:
+            layer.load_state_dict(results[0][0].state_dict())
+        inp = x.to(where, kind).requires_grad_()
+        rotary = RotaryEmbedding.for_config(cfg, where)(torch.arange(s, device=where))
+        out = layer(inp, rotary, Documents(ids.to(where)) if documents else None)
+        out.backward(grad.to(where, kind))
+        grads = {"input": inp.grad} | {n: p.grad for n, p in layer.named_parameters()}
+        results.append((layer, out, grads))
+    return results
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("documents", [False, True])
+def test_latent_attention_on_the_gpu_kernels_equals_fp64(dtype, tolerance, documents):
+    """On CUDA the values keep their own width through the fused kernels (no padding; within
+    documents, compiled FlexAttention): output and every gradient against the layer in fp64
+    on the CPU (relative to each tensor's largest value)."""
+    (gpu, out, grads), (_, expected, wanted) = _latent_on("cuda", dtype, documents)
+    assert gpu.width is None
+    assert rel_err(out.double().cpu(), expected) < tolerance
+    for name, got in grads.items():
+        assert rel_err(got.double().cpu(), wanted[name]) < tolerance * 4, name

@@ -97,7 +97,7 @@ def steps() -> list[Step]:
         ),
         Step(
             "gpu-tests",
-            "the GPU-marked tests (the fused kernels against their references)",
+            "the GPU-marked tests (the CUDA kernels against their references)",
             [sys.executable, "-m", "pytest", "-q", "-m", "gpu", *gpu_test_files()],
             limit_s=420,
         ),
@@ -148,12 +148,13 @@ def steps() -> list[Step]:
 
 # What was changed for GPUs after the last measurements, tested on the CPU, with the step whose
 # outcome shows it on a GPU: the report lists each with that outcome. Everything listed before the
-# H100 run of 2026-11-26 was confirmed by it (docs/gpu.md) except what needs two GPUs.
+# H100 run of 2026-11-27 was confirmed by it (docs/gpu.md) except what needs two GPUs.
 TO_CONFIRM = (
     (
         "pipeline transfers in the planned global order run every schedule over NCCL (2)",
         "nccl-layouts",
     ),
+    ("a mixture of experts under DP2 x EP2: the all-to-all over NCCL", "nccl-layouts"),
 )
 
 

@@ -3,9 +3,12 @@ NCCL, bf16, checkpoints with --async-save, and resuming.
 
 On the quickstart's data (built-in corpus, prepared in a temporary folder): a GPT run of 40
 iterations that saves every 20 with --async-save; the same run resumed from its iteration-20
-checkpoint to 40 (--load); a Llama-style run (examples/pretrain_llama.sh). The resumed run's
-losses must equal the uninterrupted run's after iteration 20 (bit-exact resume). Prints a
-table and exits 1 if a run fails or the losses differ. `make gpu-check` runs it
+checkpoint to 40 (--load); a Llama-style run (examples/pretrain_llama.sh), a Mixtral-style
+one (experts by the grouped GEMM), the DeepSeek-V3 proxy on one stage (MLA, sigmoid-routed
+experts, MTP) and a Llama-style one with gpt-oss's attention (learned sinks, windows on every
+other layer). The resumed run's losses must equal the uninterrupted run's after iteration 20
+(bit-exact resume), and every run's loss must fall. Prints a table and exits 1 if a run
+fails, a loss does not fall or the resumed losses differ. `make gpu-check` runs it
 (tools/gpu_check.py); it needs a GPU (without one the scripts run CPU ranks, which is not what
 it checks).
 """
@@ -13,6 +16,7 @@ it checks).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -39,6 +43,12 @@ def train_losses(path: str) -> dict[int, float]:
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
     return {r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r and "lr" in r}
+
+
+def learned(losses: dict[int, float]) -> bool:
+    """Whether a run's losses are finite and its last is below its first."""
+    values = [losses[i] for i in sorted(losses)]
+    return len(values) >= 2 and all(math.isfinite(v) for v in values) and values[-1] < values[0]
 
 
 def log_tail(path: str, lines: int = 8) -> str:
@@ -69,13 +79,19 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         ckpt, at_20 = os.path.join(folder, "ckpt"), os.path.join(folder, "ckpt_at_20")
         save = ["--save", ckpt, "--save-interval", "20", "--async-save"]
+        forty = ["--train-iters", "40"]
+        sinks = ["--softmax-type", "learnable", "--window-size", "(64, 0)"]
         runs = [
-            ("gpt 40 iters, async save", "pretrain_gpt.sh", ["--train-iters", "40", *save]),
-            ("gpt resumed at 20", "pretrain_gpt.sh", ["--train-iters", "40", "--load", at_20]),
-            ("llama 40 iters", "pretrain_llama.sh", ["--train-iters", "40"]),
-        ]
+            ("gpt 40 iters, async save", "pretrain_gpt.sh", [*forty, *save], {}),
+            ("gpt resumed at 20", "pretrain_gpt.sh", [*forty, "--load", at_20], {}),
+            ("llama 40 iters", "pretrain_llama.sh", forty, {}),
+            ("mixtral 40 iters", "pretrain_mixtral.sh", forty, {}),
+            ("deepseek-v3 40 iters", "pretrain_deepseek_v3.sh", forty, {"PP": "1"}),
+            ("gpt-oss attention 40 iters", "pretrain_llama.sh",
+             [*forty, *sinks, "--window-attn-skip-freq", "2", "--attention-dropout", "0"], {}),
+        ]  # fmt: skip
         losses = {}
-        for name, script, flags in runs:
+        for name, script, flags, extra_env in runs:
             if "--load" in flags:  # the first run's checkpoints, as if it had stopped at 20
                 shutil.copytree(ckpt, at_20)
                 shutil.rmtree(os.path.join(at_20, "iter_0000040"), ignore_errors=True)
@@ -84,13 +100,16 @@ def main(argv: list[str] | None = None) -> int:
             metrics = os.path.join(folder, name.replace(" ", "_").replace(",", "") + ".jsonl")
             log = metrics[: -len(".jsonl")] + ".log"
             command = ["bash", f"examples/{script}", *flags, *SHORT, "--log-jsonl", metrics]
-            code = _run(command, env, log)
+            code = _run(command, env | extra_env, log)
             losses[name] = train_losses(metrics)
             last = max(losses[name]) if losses[name] else None
             rows.append((name, code, last, losses[name].get(last) if last else None))
             if code != 0:
                 ok = False
                 print(f"{name}: exit code {code}\n{log_tail(log)}")
+            elif not learned(losses[name]):
+                ok = False
+                print(f"{name}: the loss did not fall: {losses[name]}")
         first, resumed = losses["gpt 40 iters, async save"], losses["gpt resumed at 20"]
         same = [i for i in resumed if i > 20 and first.get(i) == resumed[i]]
         differ = [i for i in resumed if i > 20 and first.get(i) != resumed[i]]
