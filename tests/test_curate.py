@@ -357,11 +357,13 @@ def test_another_run_in_the_output_folder_is_refused(tmp_path):
 
 def test_bench_against_datatrove_and_planted_duplicates(tmp_path):
     """The bench's numbers, at a small size: MinHash precision and recall on planted
-    near-duplicates, and each rule set's agreement with datatrove's on real local text."""
+    near-duplicates, each rule set's agreement with datatrove's on real local text, and the
+    web stages beside datatrove's on a sample crawl."""
     require("datatrove")
     out = tmp_path / "bench.json"
     result = run_tool("bench_curate.py", "--families", "60", "--documents", "400", "--workers",
-                      "1", "--throughput-documents", "400", "--json", str(out))  # fmt: skip
+                      "1", "--throughput-documents", "400", "--web-pages", "30",
+                      "--json", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     for row in report["minhash"]:
@@ -372,6 +374,9 @@ def test_bench_against_datatrove_and_planted_duplicates(tmp_path):
         assert rules["datatrove_crashes"] == [], (name, rules["datatrove_crashes"][:5])
         assert rules["removed_ours"] > 0, name  # the corpus exercises every rule set
     assert report["throughput"]["ours_docs_per_s"] > 0
+    web = report["web"]  # our trafilatura stage without the repair is datatrove's
+    assert web["trafilatura, no repair"]["agreement_decoded_alike"] == 1.0, web
+    assert web["trafilatura"]["docs_per_s"] > 0 and web["resiliparse"]["docs_per_s"] > 0
 
 
 def test_bad_input_is_one_line(tmp_path):

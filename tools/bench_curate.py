@@ -14,6 +14,9 @@
    processes, on the same documents cycled to --throughput-documents. Both split words and
    sentences the same way (ours): datatrove's English splitter needs NLTK's punkt data, which
    is a download.
+3. The web stages (--web-pages): WARC files in, URL rules and main-text extraction beside
+   datatrove's WarcReader, URLFilter and Trafilatura on the same files (agreement page by
+   page, documents/s; engine/curation/web/bench_web.py), with each of our two extractors.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from engine.curation.local_text import local_documents
 from engine.curation.pipeline import curate
 from engine.curation.planted import planted_corpus
 from engine.curation.text import sentences, words
+from engine.curation.web.bench_web import VARIANTS, compare_web
 
 RULE_SETS = ("gopher_repetition", "gopher_quality", "c4", "fineweb")
 
@@ -227,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the rule comparison's documents, cycled to this many, for the throughput",
     )
     parser.add_argument("--no-datatrove", action="store_true", help="the MinHash table only")
+    parser.add_argument(
+        "--web-pages", type=int, default=3000, help="pages of the sample crawl (0: no web table)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="bench_curate.json")
     args = parser.parse_args(argv)
@@ -266,9 +273,26 @@ def main(argv: list[str] | None = None) -> int:
                 ]
             ],
         )
+        if args.web_pages:
+            with tempfile.TemporaryDirectory() as folder:
+                report["web"] = compare_web(args.web_pages, args.workers, folder)
+            _web_table(report["web"])
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
     return 0
+
+
+def _web_table(web: dict) -> None:
+    differently = len(web["decoded_differently"])
+    print(f"\nweb stages beside datatrove: {web['pages']} pages, {web['workers']} workers "
+          f"({differently} pages decoded differently by datatrove's reader)")  # fmt: skip
+    rows = [["datatrove (warcio, trafilatura)", f"{web['datatrove_docs_per_s']:.0f}", "1.00",
+             "-", "-"]]  # fmt: skip
+    for name, _, _ in VARIANTS:
+        r = web[name]
+        rows.append([f"ours ({name})", f"{r['docs_per_s']:.0f}", f"{r['speed_ratio']:.2f}",
+                     f"{r['agreement']:.4f}", f"{r['agreement_decoded_alike']:.4f}"])  # fmt: skip
+    _table(["pipeline", "docs/s", "speed vs datatrove", "agreement", "decoded alike"], rows)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
-"""Curate raw text before tokenizing it: language ID, heuristic quality rules (Gopher, C4,
-FineWeb), decontamination, exact and MinHash deduplication, PII replacement.
+"""Curate raw text before tokenizing it: web pages' URL rules and main-text extraction,
+language ID, heuristic quality rules (Gopher, C4, FineWeb), decontamination, exact and MinHash
+deduplication, PII replacement.
 
     python tools/curate.py --input raw/ --output curated/ [--config curate.yaml] [--workers 2]
 
-Input: JSONL (plain, .gz, .zst), Parquet or .txt files, a folder or a glob, as
-tools/preprocess_data.py reads them. Output: curated/kept/*.parquet (the kept documents with
-every input field), curated/removed/*.parquet (with `curate_reason`), curated/report.json and
-report.png. Running the same command again resumes a killed run. The kept shards go to
-tools/preprocess_data.py --input curated/kept unchanged. See docs/curate.md for the config.
+Input: JSONL (plain, .gz, .zst), Parquet or .txt files, as tools/preprocess_data.py reads
+them, or a crawl's WARC/WET files (.warc.gz, .warc.wet.gz); a folder or a glob. Output:
+curated/kept/*.parquet (the kept documents with every input field), curated/removed/*.parquet
+(with `curate_reason`), curated/report.json and report.png. Running the same command again
+resumes a killed run. The kept shards go to tools/preprocess_data.py --input curated/kept
+unchanged. See docs/curate.md for the config.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from engine.cli import run_main
 from engine.config.arguments import ArgumentParser
 from engine.curation.config import read_config
 from engine.curation.pipeline import curate
+from engine.curation.web.warc import WARC_SUFFIXES
 from engine.data.prepare.preprocess import WORKERS_PER_CPU, available_cpus
-from engine.data.prepare.readers import expand_inputs
+from engine.data.prepare.readers import SUPPORTED, expand_inputs
 from engine.errors import ConfigError
 
 
@@ -40,10 +43,13 @@ def main(argv: list[str] | None = None) -> int:
             f"most {WORKERS_PER_CPU * available_cpus()}"
         )
     config = read_config(args.config)
-    inputs = expand_inputs(args.input)
+    inputs = expand_inputs(args.input, SUPPORTED + WARC_SUFFIXES)
     report = curate(inputs, args.output, config, args.workers)
     kept, total = report["kept"]["documents"], report["input"]["documents"]
     print(f"{total:,} documents in, {kept:,} kept, {report['removed_documents']:,} removed")
+    if report["skipped_records"]:
+        skipped = report["skipped_records"]
+        print("  records skipped: " + ", ".join(f"{r} {c:,}" for r, c in skipped.items()))
     for stage, rules in report["removed"].items():
         print(f"  {stage}: " + ", ".join(f"{r.split(':', 1)[1]} {c:,}" for r, c in rules.items()))
     print(f"report: {args.output}/report.json, {args.output}/report.png")

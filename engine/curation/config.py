@@ -6,6 +6,8 @@ mapping of its parameters:
 
     text_key: text               # the field holding the document's text
     documents_per_part: 10000    # documents a worker holds at once (one output file each)
+    url_filter: {blocklists: [ut1/], banned_words: banned.txt}   # off unless given lists
+    extraction: {extractor: resiliparse}  # WARC pages: trafilatura (the default) or this
     language: {languages: [en, fr], min_score: 0.5}
     c4: {terminal_punctuation: false}     # FineWeb's choice
     decontamination: {files: [eval/hellaswag.jsonl], keys: [ctx]}
@@ -25,6 +27,8 @@ from engine.curation.langid import Language
 from engine.curation.minhash import MinHashConfig
 from engine.curation.pii import PII
 from engine.curation.quality import C4, FineWeb, GopherQuality, GopherRepetition
+from engine.curation.web.extract import Extraction
+from engine.curation.web.urls import URLFilter
 from engine.errors import ConfigError
 from engine.files.structured import read_yaml_or_json
 
@@ -35,8 +39,11 @@ class ExactDedup:
     lines: bool = True  # lines seen before anywhere in the corpus (CCNet, used by LLaMA)
 
 
-# in the order they run: the per-document rules, then the corpus-wide deduplication, then PII
+# in the order they run: the web stages (a page's URL, its HTML's main text), the per-document
+# rules, then the corpus-wide deduplication, then PII
 STAGES = {
+    "url_filter": (URLFilter, False),
+    "extraction": (Extraction, True),
     "language": (Language, True),
     "gopher_repetition": (GopherRepetition, True),
     "gopher_quality": (GopherQuality, True),

@@ -1,7 +1,8 @@
 """Documents of one input file with every field kept, and Parquet shards written back.
 
 JSONL (plain, .gz, .zst) gives its records as they are, Parquet all its columns (and its
-schema, which the shards written from it keep), a text file one document {"text": ...}. A
+schema, which the shards written from it keep), a text file one document {"text": ...}, a
+WARC or WET file its pages with their URL, date and record id. A
 record that is not a JSON object, or whose text field is missing or not a string, is an
 InputError naming the file and line (or row).
 
@@ -15,7 +16,9 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections import Counter
 
+from engine.curation.web.warc import is_warc, read_warc
 from engine.data.prepare.readers import PARQUET_SUFFIXES, TEXT_SUFFIXES, iter_records
 from engine.errors import InputError
 
@@ -31,9 +34,21 @@ def read_documents(path: str, text_key: str, fix: str = FIX):
     return rows, schema
 
 
-def iter_documents(path: str, text_key: str, per_part: int, fix: str = FIX):
+def iter_documents(path: str, text_key: str, per_part: int, fix: str = FIX, skipped=None):
     """(rows, schema or None) for each run of `per_part` documents of the file, read as it
-    goes: memory holds one part, not the file."""
+    goes: memory holds one part, not the file. A WARC or WET file gives its pages
+    (engine/curation/web/warc.py), counting the records it leaves out in `skipped` (a
+    Counter)."""
+    if is_warc(path):
+        rows = []
+        for row in read_warc(path, text_key, skipped if skipped is not None else Counter()):
+            rows.append(row)
+            if len(rows) == per_part:
+                yield rows, None
+                rows = []
+        if rows:
+            yield rows, None
+        return
     if path.lower().endswith(PARQUET_SUFFIXES):
         yield from _parquet_parts(path, text_key, per_part, fix)
         return

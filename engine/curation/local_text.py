@@ -35,18 +35,19 @@ def local_documents(max_documents: int = 4000, min_chars: int = 200) -> list[dic
         for name in names
         if name.endswith(".py") and not name.startswith("_")
     )
-    prose = [
-        {"text": d, "source": f"docstring:{os.path.relpath(p, stdlib)}"}
-        for p in files
-        for d in _docstrings(p, min_chars)
-    ]
+    prose = []  # each kind needs at most max_documents entries for the interleaving below
+    for path in files:
+        if len(prose) >= max_documents:
+            break
+        source = f"docstring:{os.path.relpath(path, stdlib)}"
+        prose.extend({"text": d, "source": source} for d in _docstrings(path, min_chars))
     described = sorted(
         (d.metadata["Name"] or "", d.metadata.get_payload() or "")
         for d in importlib.metadata.distributions()
     )
     markup = [{"text": t, "source": f"package:{n}"} for n, t in described if len(t) >= min_chars]
     code = []
-    for path in files:
+    for path in files[:max_documents]:
         with open(path, encoding="utf-8", errors="replace") as f:
             code.append({"text": f.read(), "source": f"source:{os.path.relpath(path, stdlib)}"})
     out, kinds = [], [prose, markup, code]

@@ -2,7 +2,8 @@
 deduplication, then PII and the output shards.
 
     1. per input file (a shard), in worker processes, read in parts of `documents_per_part`
-       documents: language ID, Gopher repetition and quality, C4, FineWeb, decontamination;
+       documents: URL rules and HTML extraction (web pages), language ID, Gopher repetition
+       and quality, C4, FineWeb, decontamination;
        the first rule a document fails removes it. Each part's survivors, their hashes
        (document and lines) and MinHash signatures go to
        <output>/work/shard-NNNNN/part-PPPPP/; the shard's folder is written whole or not at
@@ -30,6 +31,7 @@ import os
 import shutil
 import signal
 import sys
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
@@ -44,6 +46,8 @@ from engine.curation.pii import replace_pii
 from engine.curation.quality import c4, fineweb, gopher_quality, gopher_repetition
 from engine.curation.stats import ShardStats
 from engine.curation.text import words
+from engine.curation.web.extract import extract_text, start_shard
+from engine.curation.web.urls import URLRules
 from engine.errors import ConfigError
 
 GOPHER_RULES = (("gopher_repetition", gopher_repetition), ("gopher_quality", gopher_quality))
@@ -79,6 +83,11 @@ class DocumentRules:
 
     def __init__(self, config: CurateConfig, work: str):
         self.config = config
+        url_filter = config.stage("url_filter")
+        self.urls = URLRules(url_filter) if url_filter is not None else None
+        self.extraction = config.stage("extraction")
+        if self.extraction is not None:  # one DocumentRules per shard
+            start_shard(self.extraction)
         self.language = config.stage("language")
         self.identifier = LanguageIdentifier() if self.language else None
         contamination = config.stage("decontamination")
@@ -86,6 +95,20 @@ class DocumentRules:
         if contamination is not None:  # built once by curate()
             path = os.path.join(work, "contamination.npy")
             self.contamination = ContaminationIndex.load(path, contamination.ngram)
+
+    def web(self, row: dict) -> tuple[str | None, str]:
+        """(reason or None, the text): a row's URL rules (any row with a `url`), then an HTML
+        page's main text (WARC input; a page the extraction stage is off for is kept as
+        HTML)."""
+        text = row[self.config.text_key]
+        url = row.get("url")
+        reason = self.urls.reason(url) if self.urls is not None and isinstance(url, str) else None
+        if reason:
+            return reason, text
+        if self.extraction is not None and row.get("warc_type") == "html":
+            reason, extracted = extract_text(text, self.extraction)
+            return reason, extracted if reason is None else text
+        return None, text
 
     def apply(self, text: str) -> tuple[str | None, str]:
         """(reason or None, the text kept)."""
@@ -119,14 +142,16 @@ def first_pass(k: int, path: str, config: CurateConfig, work: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     rules, key = DocumentRules(config, work), config.text_key
-    stats = ShardStats()
-    parts = iter_documents(path, key, config.documents_per_part)
+    stats, skipped = ShardStats(), Counter()
+    parts = iter_documents(path, key, config.documents_per_part, skipped=skipped)
     for p, (rows, schema) in enumerate(parts):
         kept, removed, reasons = [], [], []
         for row in rows:
             stats.before(row[key])
-            # line endings as \n: the line rules split on it (FineWeb's would fail on \r\n)
-            reason, text = rules.apply(row[key].replace("\r\n", "\n").replace("\r", "\n"))
+            reason, text = rules.web(row)
+            if reason is None:
+                # line endings as \n: the line rules split on it (FineWeb's would fail on \r\n)
+                reason, text = rules.apply(text.replace("\r\n", "\n").replace("\r", "\n"))
             if reason:
                 removed.append(row)
                 reasons.append(reason)
@@ -144,6 +169,7 @@ def first_pass(k: int, path: str, config: CurateConfig, work: str) -> None:
         if config.stage("minhash"):
             signatures = os.path.join(folder, "signatures.npy")
             minhash.signatures(texts, config.stage("minhash"), signatures)
+    stats.skipped = dict(skipped)
     stats.save(os.path.join(tmp, "stats.json"))
     os.replace(tmp, final)
     _fault_after("first", k)

@@ -38,8 +38,13 @@ def write_report(output: str, work: str, shards: int, config: CurateConfig) -> d
     by_stage = {name: {} for name in STAGES}
     for reason, count in sorted(removed.items()):
         by_stage.setdefault(reason.split(":")[0], {})[reason] = count
+    skipped: dict[str, int] = {}
+    for part in parts:
+        for reason, count in part.get("skipped", {}).items():
+            skipped[reason] = skipped.get(reason, 0) + count
     report = {
         "shards": shards,
+        "skipped_records": dict(sorted(skipped.items())),
         "input": _summed(parts, "before"),
         "kept": _summed(parts, "after"),
         "removed": {stage: rules for stage, rules in by_stage.items() if rules},

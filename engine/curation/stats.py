@@ -21,6 +21,7 @@ class ShardStats:
         self.reasons: dict[str, int] = {}
         self.lengths = {"before": ([], []), "after": ([], [])}  # (characters, words)
         self.pii_replaced = 0
+        self.skipped: dict[str, int] = {}  # input records left out (WARC), by reason
 
     def before(self, text: str) -> None:
         self._length("before", text)
@@ -41,6 +42,7 @@ class ShardStats:
 
     def save(self, path: str) -> None:
         out = {"removed": self.reasons, "pii_replaced": self.pii_replaced}
+        out["skipped"] = self.skipped
         for when, (chars, words) in self.lengths.items():
             out[when] = {
                 "documents": len(chars),

@@ -42,15 +42,15 @@ class Record:
     size: int
 
 
-def _suffix_of(path: str) -> str | None:
+def _suffix_of(path: str, supported: tuple[str, ...] = SUPPORTED) -> str | None:
     lower = path.lower()
-    for suffix in sorted(SUPPORTED, key=len, reverse=True):
+    for suffix in sorted(supported, key=len, reverse=True):
         if lower.endswith(suffix):
             return suffix
     return None
 
 
-def _files_under(folder: str) -> list[str]:
+def _files_under(folder: str, supported: tuple[str, ...] = SUPPORTED) -> list[str]:
     """The data files under `folder`, through linked folders too (each real folder once); a
     link to a data file that does not exist is an InputError, not a file silently left out."""
     found, seen = [], set()
@@ -62,7 +62,7 @@ def _files_under(folder: str) -> list[str]:
         seen.add(real)
         for name in names:
             path = os.path.join(root, name)
-            if not _suffix_of(path):
+            if not _suffix_of(path, supported):
                 continue
             if not os.path.exists(path):
                 raise InputError(
@@ -74,17 +74,18 @@ def _files_under(folder: str) -> list[str]:
     return sorted(found)
 
 
-def expand_inputs(spec: str | list[str]) -> list[str]:
-    """Files named by --input: a file, a glob, a folder (searched recursively), or a list."""
+def expand_inputs(spec: str | list[str], supported: tuple[str, ...] = SUPPORTED) -> list[str]:
+    """Files named by --input: a file, a glob, a folder (searched recursively), or a list;
+    `supported`: the file types taken (tools/curate.py adds WARC files)."""
     specs = [spec] if isinstance(spec, str | os.PathLike) else list(spec)
     files: list[str] = []
     for item in specs:
         item = os.fspath(item)
         if os.path.isdir(item):
-            found = _files_under(item)
+            found = _files_under(item, supported)
             if not found:
                 raise InputError(
-                    f"{item}: folder holds no {', '.join(SUPPORTED)} files; point --input at "
+                    f"{item}: folder holds no {', '.join(supported)} files; point --input at "
                     "the data files"
                 )
             files.extend(found)
@@ -96,8 +97,8 @@ def expand_inputs(spec: str | list[str]) -> list[str]:
                 raise InputError(f"{item}: no such file, folder or glob match; check --input")
             files.extend(matches)
     for path in files:
-        if _suffix_of(path) is None:
-            raise InputError(f"{path}: unsupported file type; --input takes {', '.join(SUPPORTED)}")
+        if _suffix_of(path, supported) is None:
+            raise InputError(f"{path}: unsupported file type; --input takes {', '.join(supported)}")
     return files
 
 
