@@ -202,15 +202,37 @@ def test_decontamination_by_13_grams(tmp_path):
 
 
 def test_minhash_finds_planted_near_duplicates():
+    """Copies just above the threshold are found (the issue's 0.82-0.87 included), copies
+    0.2 or more below it are kept."""
     config = minhash.MinHashConfig(threshold=0.8)
-    assert config.bands_rows() == (9, 13)  # as datasketch chooses for 0.8 and 128
-    corpus = planted_corpus(60, (1.0, 0.95, 0.9, 0.6, 0.5), seed=1)
+    corpus = planted_corpus(60, (1.0, 0.9, 0.87, 0.85, 0.82, 0.6, 0.5), seed=1)
     first = minhash.duplicate_of(minhash.signatures(corpus.texts, config), config)
     removed = first != np.arange(len(first))
     truth = corpus.true_duplicates(0.8)
     hits = np.sum(removed & truth)
-    assert hits / removed.sum() >= 0.95 and hits / truth.sum() >= 0.95
+    assert hits / removed.sum() >= 0.98 and hits / truth.sum() >= 0.96
+    near = truth & (corpus.similarity < 0.88)
+    assert near.sum() > 100 and removed[near].mean() >= 0.96
     assert np.all(first[removed] < np.flatnonzero(removed))  # the first of a cluster stays
+
+
+@pytest.mark.parametrize("threshold", [0.7, 0.8, 0.9])
+def test_lsh_plan_finds_pairs_at_the_threshold_with_the_chosen_recall(threshold):
+    """The plan's probabilities against a simulation of the signatures' agreement (each
+    position agreeing with probability s, candidates by whole bands, verification by count),
+    and the defaults' promise: >= 0.98 at the threshold, < 1% 0.2 below it."""
+    plan = minhash.MinHashConfig(threshold=threshold).plan()
+    assert plan.found(threshold) >= 0.98 and plan.found(threshold - 0.2) < 0.01
+    assert plan.bands * plan.rows <= 128 and plan.agree > 0
+    rng = np.random.default_rng(0)
+    for s in (threshold, threshold - 0.1):
+        agree = rng.random((20_000, plan.bands * plan.rows)) < s
+        whole_band = agree.reshape(-1, plan.bands, plan.rows).all(axis=2).any(axis=1)
+        found = whole_band & (agree.sum(axis=1) >= plan.agree)
+        assert abs(found.mean() - plan.found(s)) < 0.01, (s, found.mean(), plan.found(s))
+    # without verification the bands alone carry the recall
+    unverified = minhash.MinHashConfig(threshold=threshold, verify=False).plan()
+    assert unverified.agree == 0 and unverified.found(threshold) >= 0.98
 
 
 CONTACT = prose(6, 100) + "\nContact me at someone@example.org today please."
@@ -366,16 +388,19 @@ def test_bench_against_datatrove_and_planted_duplicates(tmp_path):
                       "--json", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    for row in report["minhash"]:
-        assert row["precision"] >= 0.95 and row["recall"] >= 0.95, row
+    for row in report["minhash"]:  # found at the threshold; kept 0.2 below it
+        assert row["recall"] >= 0.97 and row["recall_near"] >= 0.95, row
+        assert row["removed_0.2_below"] <= 0.03 and row["found_0.2_below"] < 0.01, row
     for name, rules in report["rules"].items():
         assert rules["agreement"] >= 0.99, (name, rules["differences"][:5])
         # a document datatrove crashes on is no verdict (not a removal that agrees with ours)
         assert rules["datatrove_crashes"] == [], (name, rules["datatrove_crashes"][:5])
         assert rules["removed_ours"] > 0, name  # the corpus exercises every rule set
     assert report["throughput"]["ours_docs_per_s"] > 0
-    web = report["web"]  # our trafilatura stage without the repair is datatrove's
-    assert web["trafilatura, no repair"]["agreement_decoded_alike"] == 1.0, web
+    # our trafilatura stage without the repair is datatrove's (page for page with the time
+    # limits off: tests/test_curate_web.py; here they are on, so a page may fall either side)
+    web = report["web"]
+    assert web["trafilatura, no repair"]["agreement_decoded_alike"] >= 0.9, web
     assert web["trafilatura"]["docs_per_s"] > 0 and web["resiliparse"]["docs_per_s"] > 0
 
 

@@ -1,8 +1,10 @@
 """Curation measured against its anchors. Prints tables and writes JSON.
 
 1. MinHash deduplication on a corpus with planted near-duplicates (engine/curation/planted.py:
-   copies of originals with words replaced, at known shingle Jaccard similarities): precision
-   and recall of the documents removed, at each threshold.
+   copies of originals with words replaced, at known shingle Jaccard similarities, from just
+   above each threshold to 0.3 below it): precision and recall of the documents removed, the
+   recall of copies within 0.1 above the threshold, and the share removed of copies 0.1, 0.2
+   and 0.3 below it, beside the probabilities the plan computes (engine/curation/lsh_plan.py).
 2. The heuristic rules beside datatrove's (the library FineWeb was built with), rule set by
    rule set, on the same documents (engine/curation/local_text.py: real text found on this
    machine) and the same parameters: the share of documents both keep or both remove, each
@@ -40,15 +42,15 @@ from engine.curation.text import sentences, words
 from engine.curation.web.bench_web import VARIANTS, compare_web
 
 RULE_SETS = ("gopher_repetition", "gopher_quality", "c4", "fineweb")
+BELOW = (0.1, 0.2, 0.3)  # planted copies this far below the MinHash threshold
 
 
 def bench_minhash(thresholds, families: int, seed: int) -> list[dict]:
     rows = []
     for threshold in thresholds:
-        targets = tuple(
-            t for t in (1.0, 0.95, 0.9, 0.85, 0.7, 0.6, 0.5) if abs(t - threshold) >= 0.05
-        )
-        corpus = planted_corpus(families, targets, seed=seed)
+        near = (0.02, 0.05, 0.07, 0.1)  # copies just above the threshold, and 0.1-0.3 below
+        targets = (1.0, 0.95, *(threshold + d for d in near), *(threshold - d for d in BELOW))
+        corpus = planted_corpus(families, tuple(t for t in targets if t <= 1.0), seed=seed)
         config = minhash.MinHashConfig(threshold=threshold)
         start = time.perf_counter()
         first = minhash.duplicate_of(minhash.signatures(corpus.texts, config), config)
@@ -56,18 +58,27 @@ def bench_minhash(thresholds, families: int, seed: int) -> list[dict]:
         removed = first != np.arange(len(first))
         truth = corpus.true_duplicates(threshold)
         hits = int(np.sum(removed & truth))
-        rows.append(
-            {
-                "threshold": threshold,
-                "bands_rows": config.bands_rows(),
-                "documents": len(corpus.texts),
-                "true_duplicates": int(truth.sum()),
-                "removed": int(removed.sum()),
-                "precision": hits / max(1, int(removed.sum())),
-                "recall": hits / max(1, int(truth.sum())),
-                "docs_per_s": len(corpus.texts) / seconds,
-            }
-        )
+        copies = corpus.family != np.arange(len(first))
+        close = truth & (corpus.similarity < threshold + 0.1)
+        plan = config.plan()
+        row = {
+            "threshold": threshold,
+            "bands_rows": (plan.bands, plan.rows),
+            "agree": plan.agree,
+            "documents": len(corpus.texts),
+            "true_duplicates": int(truth.sum()),
+            "removed": int(removed.sum()),
+            "precision": hits / max(1, int(removed.sum())),
+            "recall": hits / max(1, int(truth.sum())),
+            "recall_near": float(removed[close].mean()),
+            "found_at_threshold": plan.found(threshold),
+            "docs_per_s": len(corpus.texts) / seconds,
+        }
+        for d in BELOW:  # the share removed of the copies planted d below the threshold
+            planted = copies & (np.abs(corpus.similarity - (threshold - d)) < 0.03)
+            row[f"removed_{d:.1f}_below"] = float(removed[planted].mean())
+            row[f"found_{d:.1f}_below"] = plan.found(threshold - d)
+        rows.append(row)
     return rows
 
 
@@ -238,11 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="bench_curate.json")
     args = parser.parse_args(argv)
     report = {"minhash": bench_minhash(args.thresholds, args.families, args.seed)}
-    print("MinHash + LSH on planted near-duplicates (word 5-grams, 128 hash functions)")
-    header = ["threshold", "bands x rows", "docs", "true dups", "removed", "precision", "recall"]
+    print("MinHash + LSH on planted near-duplicates (word 5-grams, 128 hash functions); "
+          "removed shares measured (the plan's probability)")  # fmt: skip
+    header = ["threshold", "bands x rows, agree", "docs", "true dups", "removed", "precision",
+              "recall", "recall < t+0.1", "t-0.1", "t-0.2", "t-0.3"]  # fmt: skip
     rows = [
-        [f"{r['threshold']:.2f}", "{} x {}".format(*r["bands_rows"]), r["documents"],
-         r["true_duplicates"], r["removed"], f"{r['precision']:.4f}", f"{r['recall']:.4f}"]
+        [f"{r['threshold']:.2f}", "{} x {}, {}".format(*r["bands_rows"], r["agree"]),
+         r["documents"], r["true_duplicates"], r["removed"], f"{r['precision']:.4f}",
+         f"{r['recall']:.4f}", f"{r['recall_near']:.4f} ({r['found_at_threshold']:.3f})",
+         *(f"{r[f'removed_{d:.1f}_below']:.3f} ({r[f'found_{d:.1f}_below']:.3f})"
+           for d in BELOW)]
         for r in report["minhash"]
     ]  # fmt: skip
     _table(header, rows)

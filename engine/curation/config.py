@@ -160,4 +160,10 @@ def read_config(path: str | None) -> CurateConfig:
         params = _stage(f"--config {path}", name, given) if name in raw else (cls() if on else None)
         if params is not None:
             stages[name] = params
+    url_filter = stages.get("url_filter")
+    if url_filter is not None and not url_filter.has_lists:
+        raise ConfigError(
+            f"--config {path}: url_filter is on without lists; give blocklists or word lists "
+            "(banned_words, soft_banned_words, banned_subwords), or leave it off"
+        )
     return CurateConfig(text_key, per_part, stages)

@@ -5,16 +5,16 @@ text (lower case, punctuation to spaces, runs of whitespace to one space). Its s
 for each of `bands * rows` hash functions h(x) = (a x + b) mod (2^61 - 1), truncated to 32
 bits, the minimum over its shingles' 32-bit xxhash values: two signatures agree in one
 position with probability equal to the sets' Jaccard similarity. LSH cuts the signature into
-`bands` bands of `rows` values; documents equal in any whole band are candidates. The bands
-and rows for a target threshold are those minimising the (equally weighted) areas of false
-positives below it and false negatives above it under the S-curve 1 - (1 - J^rows)^bands, as
-datasketch and text-dedup choose them.
+`bands` bands of `rows` values; documents equal in any whole band are candidates. The bands,
+rows and the verification below are chosen so that a pair at the threshold is found with
+probability `recall` (0.98), removing as few pairs 0.1 below it as that allows
+(engine/curation/lsh_plan.py).
 
 Bounded memory: signatures go to a file (a numpy memmap, `n_docs x bands * rows` uint32),
 and the index is built one band at a time by sorting that band's keys (8 bytes a document),
 never a dictionary of every band. Candidates are joined (union-find) after checking that
-their signatures' agreement estimates a Jaccard similarity at least the threshold; each
-cluster keeps its first document.
+their signatures agree in at least the plan's `agree` positions; each cluster keeps its first
+document.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import xxhash
+
+from engine.curation.lsh_plan import LSHPlan, plan_lsh
 
 MERSENNE = np.uint64((1 << 61) - 1)
 MAX_HASH = np.uint64(0xFFFFFFFF)
@@ -39,6 +41,7 @@ class MinHashConfig:
     unit: str = "word"  # "word" or "char" shingles
     seed: int = 42
     verify: bool = True  # join candidates only when their signatures agree enough
+    recall: float = 0.98  # the probability that a pair at the threshold is found
 
     def __post_init__(self):
         if not 0.0 < self.threshold < 1.0:
@@ -47,9 +50,18 @@ class MinHashConfig:
             raise ValueError("num_perm must be at least 2 and ngram at least 1")
         if self.unit not in ("word", "char"):
             raise ValueError(f"unit {self.unit!r} is not 'word' or 'char'")
+        if not 0.0 < self.recall < 1.0:
+            raise ValueError(f"recall {self.recall} is not between 0 and 1")
+        plan = plan_lsh(self.threshold, self.num_perm, self.recall, self.verify)
+        object.__setattr__(self, "_plan", plan)  # worked out once (not a field)
+
+    def plan(self) -> LSHPlan:
+        """Bands, rows and verification (engine/curation/lsh_plan.py)."""
+        return self._plan
 
     def bands_rows(self) -> tuple[int, int]:
-        return optimal_bands_rows(self.threshold, self.num_perm)
+        plan = self.plan()
+        return plan.bands, plan.rows
 
 
 def normalise(text: str) -> str:
@@ -88,32 +100,6 @@ def signature(hashes: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return lowest.astype(np.uint32)
 
 
-def _false_positive_area(threshold: float, bands: int, rows: int) -> float:
-    x = np.linspace(0.0, threshold, 200)
-    return float(np.trapezoid(1 - (1 - x**rows) ** bands, x))
-
-
-def _false_negative_area(threshold: float, bands: int, rows: int) -> float:
-    x = np.linspace(threshold, 1.0, 200)
-    return float(np.trapezoid((1 - x**rows) ** bands, x))
-
-
-def optimal_bands_rows(threshold: float, num_perm: int) -> tuple[int, int]:
-    """(bands, rows), bands * rows <= num_perm, with the least false positive plus false
-    negative area around `threshold`."""
-    if not 0.0 < threshold < 1.0:
-        raise ValueError(f"threshold {threshold} is not in (0, 1)")
-    best, best_error = (1, 1), float("inf")
-    for bands in range(1, num_perm + 1):
-        for rows in range(1, num_perm // bands + 1):
-            error = _false_positive_area(threshold, bands, rows) + _false_negative_area(
-                threshold, bands, rows
-            )
-            if error < best_error:
-                best, best_error = (bands, rows), error
-    return best
-
-
 def signatures(texts, config: MinHashConfig, path: str | None = None) -> np.ndarray:
     """[n_docs, bands * rows] signatures, in a memmap at `path` when given."""
     bands, rows = config.bands_rows()
@@ -132,7 +118,8 @@ def signatures(texts, config: MinHashConfig, path: str | None = None) -> np.ndar
 
 def duplicate_of(sigs: np.ndarray, config: MinHashConfig) -> np.ndarray:
     """For each document, the first document of its cluster (itself when it is kept)."""
-    bands, rows = config.bands_rows()
+    plan = config.plan()
+    bands, rows = plan.bands, plan.rows
     n = len(sigs)
     parent = np.arange(n)
 
@@ -142,7 +129,6 @@ def duplicate_of(sigs: np.ndarray, config: MinHashConfig) -> np.ndarray:
             i = parent[i]
         return i
 
-    needed = config.threshold * bands * rows
     for band in range(bands):
         block = np.ascontiguousarray(sigs[:, band * rows : (band + 1) * rows])
         keys = np.array([xxhash.xxh64_intdigest(row.tobytes()) for row in block], np.uint64)
@@ -151,7 +137,7 @@ def duplicate_of(sigs: np.ndarray, config: MinHashConfig) -> np.ndarray:
         same = np.flatnonzero(sorted_keys[1:] == sorted_keys[:-1])
         for k in same:  # neighbours in the sorted band: a chain joins the whole bucket
             i, j = int(order[k]), int(order[k + 1])
-            if config.verify and np.count_nonzero(sigs[i] == sigs[j]) < needed:
+            if plan.agree and np.count_nonzero(sigs[i] == sigs[j]) < plan.agree:
                 continue
             ri, rj = root(i), root(j)
             if ri != rj:

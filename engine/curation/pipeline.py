@@ -46,11 +46,14 @@ from engine.curation.pii import replace_pii
 from engine.curation.quality import c4, fineweb, gopher_quality, gopher_repetition
 from engine.curation.stats import ShardStats
 from engine.curation.text import words
-from engine.curation.web.extract import extract_text, start_shard
+from engine.curation.web.extract import PageExtractor
 from engine.curation.web.urls import URLRules
+from engine.curation.web.warc import is_warc
 from engine.errors import ConfigError
 
 GOPHER_RULES = (("gopher_repetition", gopher_repetition), ("gopher_quality", gopher_quality))
+
+WARC_PART = 1000  # pages of a WARC file a worker holds at once (documents_per_part caps it)
 
 # step 2's reasons, by code in the decisions files
 DEDUP_REASONS = {1: "exact_dedup:document", 2: "exact_dedup:lines", 3: "minhash:near_duplicate"}
@@ -85,9 +88,8 @@ class DocumentRules:
         self.config = config
         url_filter = config.stage("url_filter")
         self.urls = URLRules(url_filter) if url_filter is not None else None
-        self.extraction = config.stage("extraction")
-        if self.extraction is not None:  # one DocumentRules per shard
-            start_shard(self.extraction)
+        extraction = config.stage("extraction")  # one DocumentRules per shard
+        self.extract = PageExtractor(extraction) if extraction is not None else None
         self.language = config.stage("language")
         self.identifier = LanguageIdentifier() if self.language else None
         contamination = config.stage("decontamination")
@@ -105,8 +107,8 @@ class DocumentRules:
         reason = self.urls.reason(url) if self.urls is not None and isinstance(url, str) else None
         if reason:
             return reason, text
-        if self.extraction is not None and row.get("warc_type") == "html":
-            reason, extracted = extract_text(text, self.extraction)
+        if self.extract is not None and row.get("warc_type") == "html":
+            reason, extracted = self.extract(text)
             return reason, extracted if reason is None else text
         return None, text
 
@@ -143,17 +145,21 @@ def first_pass(k: int, path: str, config: CurateConfig, work: str) -> None:
     os.makedirs(tmp)
     rules, key = DocumentRules(config, work), config.text_key
     stats, skipped = ShardStats(), Counter()
-    parts = iter_documents(path, key, config.documents_per_part, skipped=skipped)
+    per_part = config.documents_per_part
+    if is_warc(path):  # pages' HTML is large: at most WARC_PART of them held at once
+        per_part = min(per_part, WARC_PART)
+    parts = iter_documents(path, key, per_part, skipped=skipped)
     for p, (rows, schema) in enumerate(parts):
         kept, removed, reasons = [], [], []
         for row in rows:
             stats.before(row[key])
             reason, text = rules.web(row)
+            judged = row if reason else {**row, key: text}  # a page's extracted text
             if reason is None:
                 # line endings as \n: the line rules split on it (FineWeb's would fail on \r\n)
                 reason, text = rules.apply(text.replace("\r\n", "\n").replace("\r", "\n"))
             if reason:
-                removed.append(row)
+                removed.append(judged)
                 reasons.append(reason)
                 stats.removed(reason)
             else:

@@ -4,7 +4,8 @@ installed packages' descriptions) laid into HTML pages of a site template with t
 extractors are meant to remove (a cookie banner, navigation, a sidebar of links, a footer),
 written as WARC files by warcio's own writer, with what a crawl also holds planted in it:
 request and metadata records, images and PDFs, a page without a Content-Type, pages in
-Windows-1252 and Latin-1 (declared in the HTTP header, in a <meta> tag, or not at all), exact
+Windows-1252 and Latin-1 (declared in the HTTP header, in a <meta> tag, or not at all), one
+with a UTF-8 byte-order mark, exact
 copies of pages at other URLs, and pages on hosts and paths a blocklist names.
 
 Past the texts found here (about 600), a page joins two of them. `write_sample_crawl(folder,
@@ -36,15 +37,16 @@ BLOCKED_HOST = "casino-bonus-example.com"  # listed under gambling/domains in th
 BLOCKED_PATH = "news-example.org/free-prizes/winner.html"  # listed under phishing/urls
 
 
-def page_html(title: str, body: str, charset: str = "utf-8") -> str:
+def page_html(title: str, body: str, charset: str | None = "utf-8") -> str:
     paragraphs = "\n".join(
         f"<p>{html.escape(p.strip())}</p>" for p in body.split("\n\n") if p.strip()
     )
     nav = "".join(f'<li><a href="/{n.lower()}">{n}</a></li>' for n in NAVIGATION)
     side = "".join(f'<li><a href="/story/{i}">{t}</a></li>' for i, t in enumerate(SIDEBAR))
     return (
-        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="{charset}">'
-        f"<title>{html.escape(title)}</title></head>\n<body>\n"
+        '<!DOCTYPE html>\n<html lang="en"><head>'
+        + (f'<meta charset="{charset}">' if charset else "")
+        + f"<title>{html.escape(title)}</title></head>\n<body>\n"
         f'<div class="cookie-banner">{BOILERPLATE[0]}</div>\n'
         f"<header><nav><ul>{nav}</ul></nav></header>\n"
         f"<main><article><h1>{html.escape(title)}</h1>\n{paragraphs}\n</article></main>\n"
@@ -86,14 +88,20 @@ def write_sample_crawl(folder: str, pages: int = 60, files: int = 2, seed: int =
             charset = "windows-1252"
         elif i % 10 == 7:
             charset, declared = "latin-1", "meta"
+        elif i % 20 == 9:
+            charset, declared = "windows-1252", None  # left to the guess
         body = doc["text"]
         if charset != "utf-8":  # characters these charsets hold, to show they decode
             body = body + "\n\nCafé, naïve, façade: déjà vu."
-        payload = page_html(title, body, charset).encode(charset, errors="replace")
+        html = page_html(title, body, charset if declared else None)
+        payload = html.encode(charset, errors="replace")
+        if i % 100 in (15, 19):  # a UTF-8 byte-order mark (15: and no Content-Type)
+            payload = b"\xef\xbb\xbf" + payload
         content_type = "text/html" + (f"; charset={charset}" if declared == "header" else "")
         if i % 10 == 5:
             content_type = None  # no type at all: recognised by its first bytes
-        records.append(dict(kind="page", url=url, body=body, payload=payload, type=content_type))
+        records.append(dict(kind="page", url=url, body=body, payload=payload, type=content_type,
+                            declared=declared))  # fmt: skip
     for i in rng.sample(range(len(records)), max(1, len(records) // 10)):
         copy = dict(records[i], kind="copy", url=records[i]["url"].replace(".html", "-amp.html"))
         records.append(copy)

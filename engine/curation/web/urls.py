@@ -40,6 +40,15 @@ class URLFilter:
     def __post_init__(self):
         if self.soft_word_threshold < 1:
             raise ValueError(f"soft_word_threshold {self.soft_word_threshold}: give at least 1")
+        for name in ("blocklists", "categories"):
+            if not all(isinstance(v, str) and v for v in getattr(self, name)):
+                raise ValueError(f"{name}: give folder names" if name == "blocklists" else
+                                 f"{name}: give category names")  # fmt: skip
+
+    @property
+    def has_lists(self) -> bool:
+        return bool(self.blocklists or self.banned_words or self.soft_banned_words
+                    or self.banned_subwords)  # fmt: skip
 
 
 def _normalise(word: str) -> str:
@@ -60,7 +69,7 @@ def _without_scheme(url: str) -> str:
 
 
 class URLRules:
-    """The lists of a URLFilter, read once per worker."""
+    """The lists of a URLFilter, read once per shard."""
 
     def __init__(self, params: URLFilter):
         import tldextract

@@ -26,7 +26,13 @@ WARC_SUFFIXES = (".warc", ".warc.gz", ".wet", ".wet.gz", ".warc.wet", ".warc.wet
 HTML_TYPES = ("text/html", "application/xhtml+xml")
 FIX = "re-download the file or leave it out of --input"
 _META_CHARSET = re.compile(rb"""<meta[^>]+charset\s*=\s*["']?\s*([A-Za-z0-9_.:-]+)""", re.I)
-_HTML_START = re.compile(rb"\s*(<!--.*?-->\s*)*<(!doctype\s+html|html|head|body)[\s>]", re.I | re.S)
+_HTML_START = re.compile(
+    rb"(\xef\xbb\xbf)?\s*(<!--.*?-->\s*)*<(!doctype\s+html|html|head|body)[\s>]", re.I | re.S
+)
+_WINDOWS_1252_LABELS = frozenset({
+    "iso-8859-1", "iso8859-1", "latin1", "latin-1", "l1", "us-ascii", "ascii", "windows-1252",
+    "cp1252", "x-cp1252", "iso-ir-100", "csisolatin1", "ibm819", "cp819",
+})  # fmt: skip
 
 
 def is_warc(path: str) -> bool:
@@ -45,6 +51,20 @@ def _declared_charset(content_type: str | None) -> str | None:
     return None
 
 
+def _codecs(label: str | None) -> tuple[str, ...]:
+    """Python's codecs for a charset label, as browsers read it (WHATWG): Latin-1 and ASCII
+    labels mean Windows-1252 (its five unassigned bytes then fall back to Latin-1); UTF-8
+    drops a byte-order mark."""
+    if not label:
+        return ()
+    name = label.strip().lower()
+    if name in _WINDOWS_1252_LABELS:
+        return ("cp1252", "latin-1")
+    if name.replace("_", "-") in ("utf-8", "utf8"):
+        return ("utf-8-sig",)
+    return (name,)
+
+
 def decode(payload: bytes, declared: str | None) -> str | None:
     """The page's text: the declared charset, UTF-8, the page's <meta charset>, then
     charset-normalizer's guess; None when none decodes it."""
@@ -52,13 +72,12 @@ def decode(payload: bytes, declared: str | None) -> str | None:
     meta = _META_CHARSET.search(payload[:4096])
     if meta:
         candidates.append(meta.group(1).decode("ascii", "replace"))
-    for charset in candidates:
-        if not charset:
-            continue
-        try:
-            return payload.decode(charset)
-        except (UnicodeDecodeError, LookupError):
-            continue
+    for label in candidates:
+        for charset in _codecs(label):
+            try:
+                return payload.decode(charset)
+            except (UnicodeDecodeError, LookupError):
+                continue
     from charset_normalizer import from_bytes
 
     best = from_bytes(payload).best()
@@ -83,47 +102,76 @@ def _payload_kind(record) -> tuple[str | None, str | None]:
 def read_warc(path: str, text_key: str, skipped: Counter) -> Iterator[dict]:
     """Rows {text_key: HTML or WET text, url, date, warc_record_id, warc_type} of the file,
     as it reads; `skipped` counts the records left out, by reason."""
-    opener = gzip.open if path.lower().endswith(".gz") else open
-    at = 0
-    try:
-        with opener(path, "rb") as stream:
-            from warcio.archiveiterator import ArchiveIterator
+    from warcio.archiveiterator import ArchiveIterator
 
+    opener = gzip.open if path.lower().endswith(".gz") else open
+    try:
+        stream = opener(path, "rb")
+    except OSError as err:
+        raise InputError(f"{path}: cannot open it ({err.strerror or err}); fix --input") from None
+    at = 0
+    with stream:
+        try:
             records = ArchiveIterator(stream, arc2warc=True)
-            for record in records:
+            while True:
+                record = _next_record(records, path, at)
+                if record is None:
+                    break
                 at += 1
+                _check_length(record, path, at)
                 row = _row(record, text_key, skipped)
-                _check_whole(record, path, at)
+                _check_whole(record, at)
                 if row is not None:
                     yield row
             _check_end(stream, records.offset)
-    except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as err:
-        raise InputError(f"{path}: truncated or damaged after record {at} ({err}); {FIX}") from None
-    except Exception as err:  # warcio's ArchiveLoadFailed: not a WARC record where one starts
-        if type(err).__name__ != "ArchiveLoadFailed":
-            raise
-        raise InputError(f"{path}: record {at + 1} is not a WARC record; {FIX}") from None
+        except (EOFError, zlib.error, OSError) as err:  # gzip.BadGzipFile is an OSError
+            raise InputError(
+                f"{path}: truncated or damaged after record {at} ({err}); {FIX}"
+            ) from None
+    if at == 0:
+        raise InputError(f"{path}: holds no WARC records; {FIX}")
+
+
+def _next_record(records, path: str, at: int):
+    """The next record, None at the end; whatever warcio raises on a record it cannot parse
+    (a missing header, a cut) is an InputError naming it: the records after it cannot be
+    found."""
+    try:
+        return next(records)
+    except StopIteration:
+        return None
+    except (EOFError, zlib.error, OSError):
+        raise
+    except Exception as err:  # warcio's ArchiveLoadFailed, or its own errors on bad headers
+        raise InputError(
+            f"{path}: record {at + 1} cannot be read ({type(err).__name__}: {err}); {FIX}"
+        ) from None
 
 
 def _check_end(stream, offset: int) -> None:
     """An EOFError when more than blank lines follow the last whole record (warcio ends
-    there silently: a record cut inside its headers)."""
+    there silently: a record cut inside its headers), or when the compressed stream ends
+    early (reading to its end makes gzip check its end-of-stream marker)."""
     if offset < stream.tell():
         stream.seek(offset)
-        if stream.read().strip():
-            raise EOFError("the file ends inside a record")
+    if stream.read().strip():
+        raise EOFError("the file ends inside a record")
 
 
-def _check_whole(record, path: str, at: int) -> None:
+def _check_length(record, path: str, at: int) -> None:
+    """An InputError for a record without a Content-Length (its payload would run to the
+    end of the file), before anything of it is read."""
+    if getattr(record.raw_stream, "limit", None) is None:
+        raise InputError(f"{path}: record {at} has no Content-Length; {FIX}")
+
+
+def _check_whole(record, at: int) -> None:
     """Read what is left of the record; an EOFError when it ends before its Content-Length
-    (warcio stops silently there), an InputError when it has none."""
+    (warcio stops silently there)."""
     while record.raw_stream.read(1 << 16):
         pass
-    left = getattr(record.raw_stream, "limit", None)  # warcio's LimitReader: bytes still due
-    if left is None:
-        raise InputError(f"{path}: record {at} has no Content-Length; {FIX}")
-    if left > 0:
-        raise EOFError(f"record {at} is {left} bytes short")
+    if record.raw_stream.limit > 0:  # warcio's LimitReader: bytes still due
+        raise EOFError(f"record {at} is {record.raw_stream.limit} bytes short")
 
 
 def _row(record, text_key: str, skipped: Counter) -> dict | None:
