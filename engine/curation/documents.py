@@ -40,14 +40,8 @@ def iter_documents(path: str, text_key: str, per_part: int, fix: str = FIX, skip
     (engine/curation/web/warc.py), counting the records it leaves out in `skipped` (a
     Counter)."""
     if is_warc(path):
-        rows = []
-        for row in read_warc(path, text_key, skipped if skipped is not None else Counter()):
-            rows.append(row)
-            if len(rows) == per_part:
-                yield rows, None
-                rows = []
-        if rows:
-            yield rows, None
+        counts = skipped if skipped is not None else Counter()
+        yield from _in_parts(read_warc(path, text_key, counts), per_part)
         return
     if path.lower().endswith(PARQUET_SUFFIXES):
         yield from _parquet_parts(path, text_key, per_part, fix)
@@ -62,7 +56,22 @@ def iter_documents(path: str, text_key: str, per_part: int, fix: str = FIX, skip
                 f"{path}: bytes that are not UTF-8 at byte {err.start}; fix its encoding"
             ) from None
         return
-    rows = []
+    yield from _in_parts(_jsonl_rows(path, text_key, fix), per_part)
+
+
+def _in_parts(rows, per_part: int):
+    """(rows, None) for each run of `per_part` of the rows."""
+    part = []
+    for row in rows:
+        part.append(row)
+        if len(part) == per_part:
+            yield part, None
+            part = []
+    if part:
+        yield part, None
+
+
+def _jsonl_rows(path: str, text_key: str, fix: str):
     for record in iter_records([path], [text_key]):
         try:
             row = json.loads(record.payload)
@@ -70,12 +79,7 @@ def iter_documents(path: str, text_key: str, per_part: int, fix: str = FIX, skip
             raise InputError(f"{record.where}: not a JSON object ({err}); fix or drop it") from None
         if not isinstance(row, dict) or not isinstance(row.get(text_key), str):
             raise InputError(f"{record.where}: no string field {text_key!r}; {fix}")
-        rows.append(row)
-        if len(rows) == per_part:
-            yield rows, None
-            rows = []
-    if rows:
-        yield rows, None
+        yield row
 
 
 def _parquet_parts(path: str, text_key: str, per_part: int, fix: str):
