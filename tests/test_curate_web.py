@@ -19,7 +19,6 @@ from engine.curation.web.extract import (
     FTFY_OPTIONS,
     Extraction,
     PageExtractor,
-    extract_text,
     fix_unicode,
 )
 from engine.curation.web.sample_crawl import (
@@ -174,7 +173,7 @@ def test_trafilatura_extraction_equals_datatrove_extractor(crawl):
 def test_unicode_repair_fixes_mojibake_and_leaves_style_alone():
     html = "<html><body><article><p>{}</p></article></body></html>"
     text = "The caf\u00c3\u00a9 \u201cquoted\u201d \ufb01ne text, " * 20  # UTF-8 read as Latin-1
-    reason, out = extract_text(html.format(text), Extraction(extractor="resiliparse"))
+    reason, out = PageExtractor(Extraction(extractor="resiliparse"))(html.format(text))
     assert reason is None
     assert "café" in out and "\u00c3" not in out
     assert "\u201cquoted\u201d" in out and "\ufb01ne" in out  # curly quotes, ligature kept
@@ -207,7 +206,7 @@ def test_the_time_limit_removes_a_slow_page_and_puts_the_handler_back():
 def test_empty_pages_are_removed_with_their_reason():
     for extractor in ("trafilatura", "resiliparse"):
         page = "<html><head><script>var a = 1;</script></head><body><div> </div></body></html>"
-        reason, _ = extract_text(page, Extraction(extractor=extractor))
+        reason, _ = PageExtractor(Extraction(extractor=extractor))(page)
         assert reason == "extraction:empty", extractor
 
 

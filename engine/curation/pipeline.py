@@ -31,7 +31,6 @@ import os
 import shutil
 import signal
 import sys
-from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
@@ -144,11 +143,11 @@ def first_pass(k: int, path: str, config: CurateConfig, work: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     rules, key = DocumentRules(config, work), config.text_key
-    stats, skipped = ShardStats(), Counter()
+    stats = ShardStats()
     per_part = config.documents_per_part
     if is_warc(path):  # pages' HTML is large: at most WARC_PART of them held at once
         per_part = min(per_part, WARC_PART)
-    parts = iter_documents(path, key, per_part, skipped=skipped)
+    parts = iter_documents(path, key, per_part, skipped=stats.skipped)
     for p, (rows, schema) in enumerate(parts):
         kept, removed, reasons = [], [], []
         for row in rows:
@@ -175,7 +174,6 @@ def first_pass(k: int, path: str, config: CurateConfig, work: str) -> None:
         if config.stage("minhash"):
             signatures = os.path.join(folder, "signatures.npy")
             minhash.signatures(texts, config.stage("minhash"), signatures)
-    stats.skipped = dict(skipped)
     stats.save(os.path.join(tmp, "stats.json"))
     os.replace(tmp, final)
     _fault_after("first", k)

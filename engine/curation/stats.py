@@ -4,6 +4,7 @@ PII replaced, and the length histograms (characters, words) before and after."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 
@@ -21,7 +22,7 @@ class ShardStats:
         self.reasons: dict[str, int] = {}
         self.lengths = {"before": ([], []), "after": ([], [])}  # (characters, words)
         self.pii_replaced = 0
-        self.skipped: dict[str, int] = {}  # input records left out (WARC), by reason
+        self.skipped: Counter = Counter()  # input records left out (WARC), by reason
 
     def before(self, text: str) -> None:
         self._length("before", text)
@@ -42,7 +43,7 @@ class ShardStats:
 
     def save(self, path: str) -> None:
         out = {"removed": self.reasons, "pii_replaced": self.pii_replaced}
-        out["skipped"] = self.skipped
+        out["skipped"] = dict(self.skipped)
         for when, (chars, words) in self.lengths.items():
             out[when] = {
                 "documents": len(chars),

@@ -25,7 +25,7 @@ from engine.curation.config import CurateConfig
 from engine.curation.pipeline import curate
 from engine.curation.web.extract import Extraction
 from engine.curation.web.sample_crawl import write_sample_blocklists, write_sample_crawl
-from engine.curation.web.urls import URLFilter
+from engine.curation.web.urls import URLFilter, list_entries
 from engine.curation.web.warc import read_warc
 
 # (row name, extractor, Unicode repair): trafilatura without the repair is datatrove's stage
@@ -37,10 +37,7 @@ VARIANTS = (
 
 
 def _lines(path: str) -> list[str]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [x.strip() for x in f if x.strip() and not x.startswith("#")]
+    return list_entries(path, "blocklist") if os.path.exists(path) else []
 
 
 def _ours(files, lists, workers, folder, extractor, repair) -> tuple[float, dict]:

@@ -141,8 +141,3 @@ class PageExtractor:
         if not text or not text.strip():
             return "extraction:empty", None
         return None, text
-
-
-def extract_text(html: str, params: Extraction) -> tuple[str | None, str | None]:
-    """One page on its own (a fresh memory of seen segments)."""
-    return PageExtractor(params)(html)

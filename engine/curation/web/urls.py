@@ -55,7 +55,8 @@ def _normalise(word: str) -> str:
     return _NOT_WORD.sub("", word).lower()
 
 
-def _lines(path: str, where: str) -> list[str]:
+def list_entries(path: str, where: str) -> list[str]:
+    """The entries of a list file: its non-blank lines but `#` comments, stripped."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             return [x.strip() for x in f if x.strip() and not x.lstrip().startswith("#")]
@@ -87,7 +88,7 @@ class URLRules:
 
     @staticmethod
     def _words(path: str | None, where: str) -> set[str]:
-        return {w for w in map(_normalise, _lines(path, where)) if w} if path else set()
+        return {w for w in map(_normalise, list_entries(path, where)) if w} if path else set()
 
     def _read_blocklist(self, folder: str) -> None:
         where = "url_filter.blocklists"
@@ -105,7 +106,7 @@ class URLRules:
             for name, table in (("domains", self.domains), ("urls", self.urls)):
                 path = os.path.join(folder, category, name)
                 if os.path.exists(path):
-                    for entry in _lines(path, where):
+                    for entry in list_entries(path, where):
                         key = entry.lower() if name == "domains" else _without_scheme(entry)
                         table.setdefault(key, category)
 
