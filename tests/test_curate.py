@@ -377,14 +377,15 @@ def test_another_run_in_the_output_folder_is_refused(tmp_path):
     assert _outputs(out) == before
 
 
-def test_bench_against_datatrove_and_planted_duplicates(tmp_path):
+def test_bench_against_datatrove_and_planted_duplicates(tmp_path, small_checkpoint):
     """The bench's numbers, at a small size: MinHash precision and recall on planted
-    near-duplicates, each rule set's agreement with datatrove's on real local text, and the
-    web stages beside datatrove's on a sample crawl."""
+    near-duplicates, each rule set's agreement with datatrove's on real local text, the web
+    stages beside datatrove's on a sample crawl, and the model stages' cost."""
     require("datatrove")
     out = tmp_path / "bench.json"
     result = run_tool("bench_curate.py", "--families", "60", "--documents", "400", "--workers",
                       "1", "--throughput-documents", "400", "--web-pages", "30",
+                      "--model-documents", "600", "--perplexity-model", small_checkpoint,
                       "--json", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -402,6 +403,10 @@ def test_bench_against_datatrove_and_planted_duplicates(tmp_path):
     web = report["web"]
     assert web["trafilatura, no repair"]["agreement_decoded_alike"] >= 0.9, web
     assert web["trafilatura"]["docs_per_s"] > 0 and web["resiliparse"]["docs_per_s"] > 0
+    models = report["models"]
+    assert models["held_out"]["auc"] > 0.9, models
+    for stage in ("quality_classifier", "perplexity"):
+        assert models[stage]["docs_per_s"] > 0, models
 
 
 def test_bad_input_is_one_line(tmp_path):
@@ -494,7 +499,10 @@ def test_fields_keep_their_types(tmp_path):
     result = run_tool("curate.py", "--input", str(raw), "--output", str(out))
     assert result.returncode == 0, result.stderr
     kept = pq.read_table(out / "kept" / "shard-00000-00000.parquet")
-    assert kept.schema == schema  # a Parquet input's schema, map and uint64 included
+    # a Parquet input's schema, map and uint64 included, and the language stage's fields
+    added = [("language", pa.string()), ("language_score", pa.float64())]
+    assert kept.schema == pa.schema([*schema, *(pa.field(n, t) for n, t in added)])
+    assert kept.column("language").to_pylist() == ["en", "en"]
     assert kept.column("id").to_pylist() == [2**64 - 1, 7]
     jsonl = _shard_rows(out / "kept", 1)
     assert [r["mixed"] for r in jsonl] == ["1", '"x"']  # no common type: JSON text

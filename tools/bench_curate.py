@@ -19,6 +19,10 @@
 3. The web stages (--web-pages): WARC files in, URL rules and main-text extraction beside
    datatrove's WarcReader, URLFilter and Trafilatura on the same files (agreement page by
    page, documents/s; engine/curation/web/bench_web.py), with each of our two extractors.
+4. The model stages (--model-documents; engine/curation/models/bench_models.py): a quality
+   classifier trained on local text and scored on held-out documents, and documents/s of the
+   pipeline with the classifier, and with the perplexity stage under --perplexity-model,
+   beside the pipeline with no stage.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from engine.config.arguments import ArgumentParser
 from engine.curation import minhash, quality
 from engine.curation.config import CurateConfig
 from engine.curation.local_text import local_documents
+from engine.curation.models.bench_models import bench_models
 from engine.curation.pipeline import curate
 from engine.curation.planted import planted_corpus
 from engine.curation.text import sentences, words
@@ -245,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--web-pages", type=int, default=3000, help="pages of the sample crawl (0: no web table)"
     )
+    parser.add_argument(
+        "--model-documents", type=int, default=3000, help="for the model stages (0: none)"
+    )
+    parser.add_argument("--perplexity-model", help="a tripod checkpoint or HF folder to time")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="bench_curate.json")
     args = parser.parse_args(argv)
@@ -293,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory() as folder:
                 report["web"] = compare_web(args.web_pages, args.workers, folder)
             _web_table(report["web"])
+    if args.model_documents:
+        with tempfile.TemporaryDirectory() as folder:
+            report["models"] = bench_models(
+                args.model_documents, args.workers, folder, args.perplexity_model
+            )
+        _models_table(report["models"])
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
     return 0
@@ -309,6 +324,22 @@ def _web_table(web: dict) -> None:
         rows.append([f"ours ({name})", f"{r['docs_per_s']:.0f}", f"{r['speed_ratio']:.2f}",
                      f"{r['agreement']:.4f}", f"{r['agreement_decoded_alike']:.4f}"])  # fmt: skip
     _table(["pipeline", "docs/s", "speed vs datatrove", "agreement", "decoded alike"], rows)
+
+
+def _models_table(models: dict) -> None:
+    held, training = models["held_out"], models["training"]
+    print(f"\nquality classifier trained on {training['positive']['train']} + "
+          f"{training['negative']['train']} local documents in {training['seconds']:.1f} s; "
+          f"held out {held['documents']}: accuracy {held['accuracy']:.4f}, AUC "
+          f"{held['auc']:.4f}")  # fmt: skip
+    rows = []
+    for name in ("none (anchor)", "quality_classifier", "perplexity"):
+        if name in models:
+            r = models[name]
+            rows.append([name, f"{r['docs_per_s']:.0f}", f"{r['stage_ms_per_doc']:.2f}"])
+    print(f"pipeline with one model stage, {models['documents']} documents, "
+          f"{models['workers']} workers")  # fmt: skip
+    _table(["stage", "docs/s", "stage ms/doc (one worker)"], rows)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,14 @@ mapping of its parameters:
     documents_per_part: 10000    # documents a worker holds at once (one output file each)
     url_filter: {blocklists: [ut1/], banned_words: banned.txt}   # off unless given lists
     extraction: {extractor: resiliparse}  # WARC pages: trafilatura (the default) or this
-    language: {languages: [en, fr], min_score: 0.5}
+    language: {languages: [en, fr], min_score: 0.5, output_per_language: true}
     c4: {terminal_punctuation: false}     # FineWeb's choice
+    bad_words: {lists: ldnoobw/}          # off unless given lists
+    quality_classifier: {model: quality.bin, threshold: 0.5}   # off unless given a model
+    toxicity_classifier: {model: toxic.bin, label: toxic}      # likewise
     decontamination: {files: [eval/hellaswag.jsonl], keys: [ctx]}
     minhash: {threshold: 0.7}
+    perplexity: {model: reference-lm/, keep: [head, middle]}  # off unless given a model
     pii: false
 """
 
@@ -22,9 +26,12 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from engine.curation.bad_words import BadWords
 from engine.curation.decontamination import Decontamination
 from engine.curation.langid import Language
 from engine.curation.minhash import MinHashConfig
+from engine.curation.models.classifier import QualityClassifier, ToxicityClassifier
+from engine.curation.models.perplexity import Perplexity
 from engine.curation.pii import PII
 from engine.curation.quality import C4, FineWeb, GopherQuality, GopherRepetition
 from engine.curation.web.extract import Extraction
@@ -40,7 +47,8 @@ class ExactDedup:
 
 
 # in the order they run: the web stages (a page's URL, its HTML's main text), the per-document
-# rules, then the corpus-wide deduplication, then PII
+# rules and models, then the corpus-wide deduplication, the perplexity buckets (scored with the
+# per-document stages, decided over the deduplicated corpus), then PII
 STAGES = {
     "url_filter": (URLFilter, False),
     "extraction": (Extraction, True),
@@ -49,9 +57,13 @@ STAGES = {
     "gopher_quality": (GopherQuality, True),
     "c4": (C4, True),
     "fineweb": (FineWeb, True),
+    "bad_words": (BadWords, False),
+    "quality_classifier": (QualityClassifier, False),
+    "toxicity_classifier": (ToxicityClassifier, False),
     "decontamination": (Decontamination, False),
     "exact_dedup": (ExactDedup, True),
     "minhash": (MinHashConfig, True),
+    "perplexity": (Perplexity, False),
     "pii": (PII, True),
 }
 
@@ -160,6 +172,13 @@ def read_config(path: str | None) -> CurateConfig:
         params = _stage(f"--config {path}", name, given) if name in raw else (cls() if on else None)
         if params is not None:
             stages[name] = params
+    for name, params in stages.items():  # files the stage needs (a model, a list folder)
+        if hasattr(params, "check"):
+            params.check(f"--config {path}: {name}")
+    if "bad_words" in stages:
+        language = stages.get("language")
+        kept = language.languages if language else (stages["bad_words"].default_language,)
+        stages["bad_words"].check_languages(kept, f"--config {path}: bad_words")
     url_filter = stages.get("url_filter")
     if url_filter is not None and not url_filter.has_lists:
         raise ConfigError(

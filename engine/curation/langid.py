@@ -10,6 +10,7 @@ from dataclasses import dataclass
 class Language:
     languages: tuple[str, ...] = ("en",)  # ISO 639-1 codes kept
     min_score: float = 0.65  # the identified language's probability (FineWeb's threshold)
+    output_per_language: bool = False  # kept shards under kept/<language>/
 
     def __post_init__(self):
         if not 0.0 <= self.min_score <= 1.0:

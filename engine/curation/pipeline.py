@@ -40,22 +40,18 @@ from engine.curation import minhash
 from engine.curation.config import CurateConfig
 from engine.curation.decontamination import ContaminationIndex
 from engine.curation.documents import iter_documents, read_parquet_rows, write_parquet
-from engine.curation.langid import LanguageIdentifier, language_reason
+from engine.curation.models.perplexity import BUCKETS, buckets_of, cutoffs_of
 from engine.curation.pii import replace_pii
-from engine.curation.quality import c4, fineweb, gopher_quality, gopher_repetition
+from engine.curation.rules import DocumentRules, added_fields, with_fields
 from engine.curation.stats import ShardStats
-from engine.curation.text import words
-from engine.curation.web.extract import PageExtractor
-from engine.curation.web.urls import URLRules
 from engine.curation.web.warc import is_warc
 from engine.errors import ConfigError
-
-GOPHER_RULES = (("gopher_repetition", gopher_repetition), ("gopher_quality", gopher_quality))
 
 WARC_PART = 1000  # pages of a WARC file a worker holds at once (documents_per_part caps it)
 
 # step 2's reasons, by code in the decisions files
-DEDUP_REASONS = {1: "exact_dedup:document", 2: "exact_dedup:lines", 3: "minhash:near_duplicate"}
+DECISIONS = {1: "exact_dedup:document", 2: "exact_dedup:lines", 3: "minhash:near_duplicate"}
+DECISIONS.update({4 + b: f"perplexity:{name}" for b, name in enumerate(BUCKETS)})
 
 
 def _fault_after(step: str, k: int) -> None:
@@ -79,61 +75,6 @@ def _line_hash(line: str) -> int:
     return xxhash.xxh64_intdigest(line.strip().encode("utf-8"))
 
 
-class DocumentRules:
-    """Step 1's stages for one worker (the language model and evaluation n-grams loaded once
-    per shard)."""
-
-    def __init__(self, config: CurateConfig, work: str):
-        self.config = config
-        url_filter = config.stage("url_filter")
-        self.urls = URLRules(url_filter) if url_filter is not None else None
-        extraction = config.stage("extraction")  # one DocumentRules per shard
-        self.extract = PageExtractor(extraction) if extraction is not None else None
-        self.language = config.stage("language")
-        self.identifier = LanguageIdentifier() if self.language else None
-        contamination = config.stage("decontamination")
-        self.contamination = None
-        if contamination is not None:  # built once by curate()
-            path = os.path.join(work, "contamination.npy")
-            self.contamination = ContaminationIndex.load(path, contamination.ngram)
-
-    def web(self, row: dict) -> tuple[str | None, str]:
-        """(reason or None, the text): a row's URL rules (any row with a `url`), then an HTML
-        page's main text (WARC input; a page the extraction stage is off for is kept as
-        HTML)."""
-        text = row[self.config.text_key]
-        url = row.get("url")
-        reason = self.urls.reason(url) if self.urls is not None and isinstance(url, str) else None
-        if reason:
-            return reason, text
-        if self.extract is not None and row.get("warc_type") == "html":
-            reason, extracted = self.extract(text)
-            return reason, extracted if reason is None else text
-        return None, text
-
-    def apply(self, text: str) -> tuple[str | None, str]:
-        """(reason or None, the text kept)."""
-        s = self.config.stage
-        if self.language:
-            reason = language_reason(text, self.language, self.identifier)[0]
-            if reason:
-                return reason, text
-        gopher = [(n, rule) for n, rule in GOPHER_RULES if s(n)]
-        tokens = words(text) if gopher else None  # split once for both rule sets
-        for name, rule in gopher:
-            if reason := rule(text, s(name), tokens):
-                return reason, text
-        if s("c4"):
-            reason, text = c4(text, s("c4"))
-            if reason:
-                return reason, text
-        if s("fineweb") and (reason := fineweb(text, s("fineweb"))):
-            return reason, text
-        if self.contamination is not None and self.contamination.contaminated(text):
-            return "decontamination:ngram", text
-        return None, text
-
-
 def first_pass(k: int, path: str, config: CurateConfig, work: str) -> None:
     """Step 1 for shard k (input file `path`), part by part."""
     final = os.path.join(work, shard_name(k))
@@ -143,7 +84,7 @@ def first_pass(k: int, path: str, config: CurateConfig, work: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     rules, key = DocumentRules(config, work), config.text_key
-    stats = ShardStats()
+    stats, fields = ShardStats(), added_fields(config)
     per_part = config.documents_per_part
     if is_warc(path):  # pages' HTML is large: at most WARC_PART of them held at once
         per_part = min(per_part, WARC_PART)
@@ -152,19 +93,20 @@ def first_pass(k: int, path: str, config: CurateConfig, work: str) -> None:
         kept, removed, reasons = [], [], []
         for row in rows:
             stats.before(row[key])
-            reason, text = rules.web(row)
-            judged = row if reason else {**row, key: text}  # a page's extracted text
-            if reason is None:
+            judged = rules.web(row, row[key])
+            text = judged.text  # a page's extracted text
+            if judged.reason is None:
                 # line endings as \n: the line rules split on it (FineWeb's would fail on \r\n)
-                reason, text = rules.apply(text.replace("\r\n", "\n").replace("\r", "\n"))
-            if reason:
-                removed.append(judged)
-                reasons.append(reason)
-                stats.removed(reason)
+                judged = rules.apply(text.replace("\r\n", "\n").replace("\r", "\n"), row)
+            if judged.reason:  # the text judged, with the fields computed so far
+                removed.append({**row, key: text, **judged.fields})
+                reasons.append(judged.reason)
+                stats.removed(judged.reason)
             else:
-                kept.append({**row, key: text})
+                kept.append({**row, key: judged.text, **judged.fields})
         folder = os.path.join(tmp, f"part-{p:05d}")
         os.makedirs(folder)
+        schema = with_fields(schema, fields)
         write_parquet(os.path.join(folder, "survivors.parquet"), kept, key, schema=schema)
         extra = {"curate_reason": reasons}
         write_parquet(os.path.join(folder, "removed.parquet"), removed, key, extra, schema)
@@ -174,9 +116,21 @@ def first_pass(k: int, path: str, config: CurateConfig, work: str) -> None:
         if config.stage("minhash"):
             signatures = os.path.join(folder, "signatures.npy")
             minhash.signatures(texts, config.stage("minhash"), signatures)
+        if config.stage("perplexity"):  # step 2 buckets them, per language
+            np.savez(
+                os.path.join(folder, "perplexity.npz"),
+                perplexity=np.array([row["perplexity"] for row in kept], np.float64),
+                language=np.array([_language(row) for row in kept], str),
+            )
     stats.save(os.path.join(tmp, "stats.json"))
     os.replace(tmp, final)
     _fault_after("first", k)
+
+
+def _language(row: dict) -> str:
+    """The language the perplexity cutoffs are computed within ("all" when none is known)."""
+    language = row.get("language")
+    return language if isinstance(language, str) and language else "all"
 
 
 def _hashes(texts: list[str], exact) -> dict[str, np.ndarray]:
@@ -229,6 +183,9 @@ def dedup_pass(shards: int, config: CurateConfig, work: str) -> None:
         left = np.bincount(owner[alive & ~drop], minlength=len(code))
         has_lines = np.bincount(owner[alive], minlength=len(code)) > 0
         code[(code == 0) & has_lines & (left == 0)] = 2
+    bucket = np.full(len(code), -1, np.int8)
+    if config.stage("perplexity") is not None:
+        code, bucket = _perplexity_buckets(code, parts, config.stage("perplexity"), work)
     starts = np.cumsum([0, *counts])
     line_starts = np.cumsum([0, *[len(h["line"]) for h in loaded]])
     for u, part in enumerate(parts):
@@ -236,7 +193,34 @@ def dedup_pass(shards: int, config: CurateConfig, work: str) -> None:
             os.path.join(part, "decisions.npz"),
             code=code[starts[u] : starts[u + 1]],
             drop=drop[line_starts[u] : line_starts[u + 1]],
+            bucket=bucket[starts[u] : starts[u + 1]],
         )
+
+
+def _perplexity_buckets(code, parts: list[str], params, work: str):
+    """(codes with the documents of buckets not kept removed, each document's bucket): the
+    cutoffs (given, or percentiles of the deduplicated documents' perplexities, per language)
+    are saved to work/perplexity.json for the report."""
+    scores, languages = [], []
+    for part in parts:
+        with np.load(os.path.join(part, "perplexity.npz")) as f:
+            scores.append(f["perplexity"])
+            languages.append(f["language"])
+    score = np.concatenate(scores or [np.empty(0)])
+    language = np.concatenate(languages or [np.empty(0, str)])
+    bucket, cutoffs = np.full(len(code), -1, np.int8), {}
+    alive = code == 0
+    for name in sorted(set(language[alive].tolist())):
+        mine = alive & (language == name)
+        cutoffs[name] = cutoffs_of(score[mine], params)
+        bucket[mine] = buckets_of(score[mine], cutoffs[name])
+    code = code.copy()
+    for b, name in enumerate(BUCKETS):
+        if name not in params.keep:
+            code[bucket == b] = 4 + b
+    with open(os.path.join(work, "perplexity.json"), "w") as f:
+        json.dump({name: list(pair) for name, pair in cutoffs.items()}, f)
+    return code, bucket
 
 
 def _near_duplicates(code, counts: list[int], parts: list[str], config: CurateConfig, work: str):
@@ -270,13 +254,23 @@ def final_pass(k: int, path: str, config: CurateConfig, work: str, output: str) 
     stats_path = os.path.join(work, f"final-{k:05d}.json")
     if os.path.exists(stats_path):
         return
-    stats = ShardStats()
+    stats, fields = ShardStats(), added_fields(config)
     parquet = path.lower().endswith(".parquet")  # its schema holds every removed row too
     for p, part in enumerate(shard_parts(work, k)):
         name = f"{shard_name(k)}-{p:05d}.parquet"
         kept, removed, reasons, schema = _final_part(part, config, stats)
         key = config.text_key
-        write_parquet(os.path.join(output, "kept", name), kept, key, schema=schema)
+        if config.stage("perplexity") is not None:  # a JSONL input's shards lack the field
+            schema = with_fields(schema, {"perplexity_bucket": fields["perplexity_bucket"]})
+        language = config.stage("language")
+        if language is not None and language.output_per_language:
+            for code in sorted({row["language"] for row in kept}):
+                folder = os.path.join(output, "kept", code)
+                os.makedirs(folder, exist_ok=True)
+                mine = [row for row in kept if row["language"] == code]
+                write_parquet(os.path.join(folder, name), mine, key, schema=schema)
+        else:
+            write_parquet(os.path.join(output, "kept", name), kept, key, schema=schema)
         extra = {"curate_reason": reasons}
         removed_path = os.path.join(output, "removed", name)
         write_parquet(removed_path, removed, key, extra, schema if parquet else None)
@@ -292,10 +286,13 @@ def _final_part(part: str, config: CurateConfig, stats: ShardStats):
     reasons = [row.pop("curate_reason") for row in removed]
     with np.load(os.path.join(part, "decisions.npz")) as decisions:
         codes, drop = decisions["code"], decisions["drop"]  # read once, not per document
+        buckets = decisions["bucket"]
     exact = config.stage("exact_dedup")
     by_lines = exact is not None and exact.lines
     kept, line = [], 0
-    for row, code in zip(survivors, codes, strict=False):
+    for row, code, bucket in zip(survivors, codes, buckets, strict=True):
+        if bucket >= 0:
+            row["perplexity_bucket"] = BUCKETS[bucket]
         text = row[key]
         if by_lines:  # the lines step 2 found earlier in the corpus are dropped
             lines = text.split("\n")
@@ -304,8 +301,8 @@ def _final_part(part: str, config: CurateConfig, stats: ShardStats):
             text = "\n".join(x for x, gone in zip(lines, dropped, strict=True) if not gone)
         if code:
             removed.append(row)
-            reasons.append(DEDUP_REASONS[int(code)])
-            stats.removed(DEDUP_REASONS[int(code)])
+            reasons.append(DECISIONS[int(code)])
+            stats.removed(DECISIONS[int(code)])
             continue
         if pii is not None:
             text, replaced = replace_pii(text, pii)

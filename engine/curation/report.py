@@ -25,6 +25,15 @@ def _summed(parts: list[dict], when: str) -> dict:
     return {**total, "char_histogram": chars.tolist(), "word_histogram": words.tolist()}
 
 
+def _perplexity_cutoffs(work: str) -> dict:
+    """The (head, middle) upper perplexities per language the perplexity stage used."""
+    path = os.path.join(work, "perplexity.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def write_report(output: str, work: str, shards: int, config: CurateConfig) -> dict:
     parts = []
     for k in range(shards):
@@ -51,6 +60,7 @@ def write_report(output: str, work: str, shards: int, config: CurateConfig) -> d
         "removed_documents": sum(removed.values()),
         "pii_replaced": sum(p["pii_replaced"] for p in parts),
         "stages": [name for name in STAGES if config.stage(name) is not None],
+        "perplexity_cutoffs": _perplexity_cutoffs(work),
         "char_bins": CHAR_BINS.tolist(),
         "word_bins": WORD_BINS.tolist(),
     }

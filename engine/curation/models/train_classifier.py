@@ -1,0 +1,120 @@
+"""Training a fastText document classifier from positive and negative document files, as DCLM
+trained its quality filter (positives: reference text; negatives: the crawl to be filtered):
+each document one line `__label__<label> <its lines joined by spaces>`, word bigrams, the two
+classes balanced by sampling the larger down, a held-out share scored at the end.
+
+Training runs on one thread by default: fastText's result then depends only on the seed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.curation.documents import iter_documents
+from engine.curation.models.classifier import LABEL_PREFIX, classifier_text, load_fasttext
+from engine.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    positive_label: str = "hq"  # DCLM's labels
+    negative_label: str = "cc"
+    epoch: int = 5
+    lr: float = 0.1
+    dim: int = 100
+    word_ngrams: int = 2  # word bigrams, as DCLM's classifier
+    min_count: int = 1
+    threads: int = 1
+    seed: int = 0
+    balance: bool = True  # the larger class sampled down to the smaller's size
+    validation: float = 0.1  # share of each class held out and scored
+    max_documents: int = 0  # per class, 0: every document
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    documents: int
+    accuracy: float  # at a threshold of 0.5
+    precision: float
+    recall: float
+    auc: float  # the probability a held-out positive scores above a held-out negative
+
+
+def read_texts(paths: list[str], text_key: str, limit: int) -> list[str]:
+    texts: list[str] = []
+    for path in paths:
+        for rows, _ in iter_documents(path, text_key, 10_000):
+            texts.extend(row[text_key] for row in rows)
+            if limit and len(texts) >= limit:
+                return texts[:limit]
+    return texts
+
+
+def _split(texts: list[str], keep: int, validation: float, rng) -> tuple[list, list]:
+    order = rng.permutation(len(texts))[:keep]
+    held = int(round(len(order) * validation))
+    return [texts[i] for i in order[held:]], [texts[i] for i in order[:held]]
+
+
+def train_classifier(
+    positive: list[str], negative: list[str], output: str, s: TrainingSettings
+) -> tuple[dict, Evaluation | None]:
+    """Train on the two classes' texts, save the model to `output` (whole or absent); returns
+    (the documents used per class and split, the held-out evaluation or None)."""
+    import fasttext
+
+    if not positive or not negative:
+        empty = "positive" if not positive else "negative"
+        raise ConfigError(f"--{empty}: no documents; give files holding some")
+    rng = np.random.default_rng(s.seed)
+    size = min(len(positive), len(negative)) if s.balance else None
+    pos_train, pos_held = _split(positive, size or len(positive), s.validation, rng)
+    neg_train, neg_held = _split(negative, size or len(negative), s.validation, rng)
+    if not pos_train or not neg_train:
+        raise ConfigError("--validation: leaves no training documents of a class; lower it")
+    lines = [f"{LABEL_PREFIX}{s.positive_label} {classifier_text(t)}" for t in pos_train]
+    lines += [f"{LABEL_PREFIX}{s.negative_label} {classifier_text(t)}" for t in neg_train]
+    lines = [lines[i] for i in rng.permutation(len(lines))]
+    folder = os.path.dirname(os.path.abspath(output))
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        train_file = os.path.join(tmp, "train.txt")
+        with open(train_file, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        model = fasttext.train_supervised(
+            input=train_file, epoch=s.epoch, lr=s.lr, dim=s.dim, wordNgrams=s.word_ngrams,
+            minCount=s.min_count, thread=s.threads, seed=s.seed, verbose=0,
+        )  # fmt: skip
+        saved = os.path.join(tmp, "model.bin")
+        model.save_model(saved)
+        os.replace(saved, output)
+    counts = {
+        "positive": {"train": len(pos_train), "held_out": len(pos_held), "read": len(positive)},
+        "negative": {"train": len(neg_train), "held_out": len(neg_held), "read": len(negative)},
+    }
+    if not pos_held or not neg_held:
+        return counts, None
+    return counts, evaluate(output, s.positive_label, pos_held, neg_held)
+
+
+def evaluate(model_path: str, label: str, positive: list[str], negative: list[str]) -> Evaluation:
+    model = load_fasttext(model_path)
+    name = LABEL_PREFIX + label
+
+    def score(text: str) -> float:
+        labels, probabilities = model.predict(classifier_text(text), k=-1, threshold=0.0)
+        return float(dict(zip(labels, probabilities, strict=True)).get(name, 0.0))
+
+    pos = np.array([score(t) for t in positive])
+    neg = np.array([score(t) for t in negative])
+    true_pos, false_pos = int((pos >= 0.5).sum()), int((neg >= 0.5).sum())
+    accuracy = (true_pos + int((neg < 0.5).sum())) / (len(pos) + len(neg))
+    precision = true_pos / (true_pos + false_pos) if true_pos + false_pos else 0.0
+    # AUC: pairs (positive, negative) ordered right, ties counting half
+    wins = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    auc = float(wins) / (len(pos) * len(neg))
+    return Evaluation(len(pos) + len(neg), accuracy, precision, true_pos / len(pos), auc)
