@@ -373,7 +373,7 @@ def test_another_run_in_the_output_folder_is_refused(tmp_path):
         run_tool("curate.py", "--input", str(tmp_path / "raw"), "--output", str(out),
                  "--config", str(config))
     )  # fmt: skip
-    assert "holds a curation of other inputs or another config" in line
+    assert "holds a curation of other inputs, another config" in line
     assert _outputs(out) == before
 
 

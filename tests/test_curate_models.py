@@ -17,7 +17,7 @@ import pytest
 from engine.curation.bad_words import BadWords, BadWordsMatcher
 from engine.curation.local_text import local_documents
 from engine.curation.models.classifier import ClassifierScorer, QualityClassifier
-from engine.curation.models.perplexity import Perplexity, PerplexityScorer
+from engine.curation.models.perplexity import Perplexity, PerplexityScorer, prepare_reference
 from tests.cli import one_line_error, run_tool
 from tests.requirements import require
 
@@ -84,15 +84,15 @@ def test_the_trained_classifier_separates_held_out_prose_from_code(classifier, l
 
 
 def test_training_is_the_seed_s(classifier, local_corpus, tmp_path):
-    """One thread: the same seed gives the same model file."""
+    """One thread: the same seed gives the same model file, another seed another."""
     positive = _jsonl(tmp_path / "p.jsonl", local_corpus["prose"][:200])
     negative = _jsonl(tmp_path / "n.jsonl", local_corpus["code"][:200])
     outputs = []
-    for name in ("a.bin", "b.bin"):
+    for name, seed in (("a.bin", "0"), ("b.bin", "0"), ("c.bin", "1")):
         args = ["--positive", positive, "--negative", negative, "--output", str(tmp_path / name)]
-        assert run_tool("train_quality_classifier.py", *args).returncode == 0
+        assert run_tool("train_quality_classifier.py", *args, "--seed", seed).returncode == 0
         outputs.append((tmp_path / name).read_bytes())
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] and outputs[0] != outputs[2]
 
 
 def test_scores_equal_datatrove_fasttext_filter(classifier, local_corpus, monkeypatch, tmp_path):
@@ -206,6 +206,20 @@ def test_bad_words_keep_fraction_is_a_hash_not_an_order(tmp_path):
     assert 150 < first.count(None) < 250
 
 
+def test_a_document_language_without_a_list_is_one_line(tmp_path):
+    """With the language stage off, a document's own `language` field picks the list."""
+    lists = _word_lists(tmp_path / "lists")
+    raw = tmp_path / "raw.jsonl"
+    rows = [{"text": "a clean text", "language": "en"}, {"text": "ein Text", "language": "de"}]
+    raw.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tmp_path / "c.json"
+    off = ("language", "gopher_repetition", "gopher_quality", "c4", "fineweb")
+    config.write_text(json.dumps({**dict.fromkeys(off, False), "bad_words": {"lists": lists}}))
+    result = run_tool("curate.py", "--input", str(raw), "--output", str(tmp_path / "o"),
+                      "--config", str(config))  # fmt: skip
+    assert f"{lists}/de: no word list for a document of language 'de'" in one_line_error(result)
+
+
 def test_per_language_output_and_language_fields(tmp_path):
     english = [f"{t}\n" * 3 for t in (d["text"] for d in local_documents(60)[:30:3])]
     raw = _jsonl(tmp_path / "raw.jsonl", english + [FRENCH * (3 + i) for i in range(4)])
@@ -228,13 +242,21 @@ def perplexity_inputs(local_corpus, tmp_path_factory):
     return _jsonl(folder / "raw.jsonl", texts), texts
 
 
-def test_perplexity_equals_transformers_loss_on_the_export(small_checkpoint_hf):
+def _scorer(params: Perplexity, work) -> PerplexityScorer:
+    """The scorer every task of a run would build (a Hugging Face folder imported once)."""
+    os.makedirs(work, exist_ok=True)
+    with open(prepare_reference(params, str(work))) as f:
+        reference = json.load(f)
+    return PerplexityScorer(params, reference["folder"], reference["iteration"])
+
+
+def test_perplexity_equals_transformers_loss_on_the_export(small_checkpoint_hf, tmp_path):
     """The scorer's perplexity of a text under the Hugging Face folder is exp of
     transformers' own loss on the same tokens (the first predicted from the BOS/EOD)."""
     transformers = require("transformers")
     import torch
 
-    scorer = PerplexityScorer(Perplexity(model=small_checkpoint_hf, max_tokens=20))
+    scorer = _scorer(Perplexity(model=small_checkpoint_hf, max_tokens=20), tmp_path / "work")
     model = transformers.AutoModelForCausalLM.from_pretrained(small_checkpoint_hf).double()
     for text in ("The cat sat on the mat.", "def f(x):\n    return x + 1\n"):
         ids = [scorer.prefix, *scorer.tokenizer.tokenize(text)[:20]]
@@ -261,7 +283,7 @@ def test_perplexity_buckets_in_the_pipeline(small_checkpoint, perplexity_inputs,
         expected = "head" if row["perplexity"] < head else "middle"
         assert row["perplexity_bucket"] == expected
     assert len(removed) == 12  # 40% of 30
-    scorer = PerplexityScorer(Perplexity(model=small_checkpoint))
+    scorer = _scorer(Perplexity(model=small_checkpoint), tmp_path / "work")
     for row in kept[:3]:
         assert row["perplexity"] == pytest.approx(scorer.score(texts[row["id"]]), rel=1e-9)
     # fixed cutoffs, and only the head kept
@@ -272,7 +294,7 @@ def test_perplexity_buckets_in_the_pipeline(small_checkpoint, perplexity_inputs,
     assert len(_rows(out / "kept")) == 9
 
 
-def test_model_stage_errors_are_one_line(classifier, tmp_path):
+def test_model_stage_errors_are_one_line(classifier, small_checkpoint, tmp_path):
     raw = _jsonl(tmp_path / "raw.jsonl", ["A short text about nothing in particular."])
     not_a_model = tmp_path / "model.bin"
     not_a_model.write_text("hello")
@@ -291,6 +313,11 @@ def test_model_stage_errors_are_one_line(classifier, tmp_path):
         ({"perplexity": {"model": str(tmp_path / "nowhere")}}, "is not a folder"),
         ({"perplexity": {"model": str(tmp_path), "keep": ["top"]}}, "give some of head"),
         ({"perplexity": {"model": str(tmp_path), "cutoffs": [9, 3]}}, "give the lower first"),
+        ({"perplexity": {"model": str(tmp_path)}}, "holds no checkpoint"),
+        ({"perplexity": {"model": small_checkpoint, "cutoffs": [3, 9]},
+          "language": {"languages": ["en", "fr"]}}, "perplexity.cutoffs are one language's"),
+        ({"quality_classifier": {"model": classifier["model"], "field": "language"}},
+         "quality_classifier.field 'language' is taken"),
     ]  # fmt: skip
     for i, (config, message) in enumerate(cases):
         path = tmp_path / f"c{i}.json"
@@ -298,7 +325,7 @@ def test_model_stage_errors_are_one_line(classifier, tmp_path):
         out = tmp_path / f"o{i}"
         result = run_tool("curate.py", "--input", raw, "--output", str(out), "--config", str(path))
         assert message in one_line_error(result), config
-        assert not (out / "kept").exists() or i == 3  # the label is checked as the shard starts
+        assert not out.exists()  # refused before the run writes anything
 
 
 def test_train_tool_bad_input_is_one_line(tmp_path):
@@ -312,8 +339,9 @@ def test_train_tool_bad_input_is_one_line(tmp_path):
         (["--positive", some, "--negative", some, "--validation", "1"], "--validation 1.0"),
         (["--positive", some, "--negative", some, "--positive-label", "cc"], "two different"),
         (["--positive", some, "--negative", some, "--epoch", "0"], "--epoch 0: give at least 1"),
+        (["--positive", some, "--negative", some, "--output", str(tmp_path)], "is a folder"),
     ]
     for args, message in cases:
-        result = run_tool("train_quality_classifier.py", *args, "--output", model)
+        result = run_tool("train_quality_classifier.py", "--output", model, *args)
         assert message in one_line_error(result), args
         assert not os.path.exists(model)

@@ -314,6 +314,37 @@ def test_curating_a_crawl_end_to_end(crawl, tmp_path):
                       "--config", str(config), "--workers", "1")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert _parquet_rows(one / "kept") == kept
+    _check_inspection(out, kept, removed, tmp_path)
+
+
+def _check_inspection(out, kept, removed, tmp_path):
+    """tools/inspect_curation.py: per rule the documents of smallest hash of (seed, text),
+    their text escaped, the same page for the same seed, another sample for another."""
+    import html
+
+    import xxhash
+
+    def page(seed, name):
+        path = tmp_path / name
+        result = run_tool("inspect_curation.py", "--run", str(out), "--per-rule", "2",
+                          "--seed", str(seed), "--output", str(path))  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return path.read_text()
+
+    first = page(0, "a.html")
+    assert page(0, "b.html") == first and page(1, "c.html") != first
+    groups = {"kept": [r["text"] for r in kept]}
+    for row in removed:
+        groups.setdefault(row["curate_reason"], []).append(row["text"])
+    sections = first.split('<section class="')[1:]
+    assert len(sections) == len(groups)
+    for rule, texts in groups.items():
+        section = next(x for x in sections if f'id="{rule}"' in x)
+        assert f"({min(2, len(texts))} of {len(texts):,})" in section
+        chosen = sorted(texts, key=lambda t: xxhash.xxh64_intdigest(t.encode(), 0))[:2]
+        for text in chosen:
+            assert html.escape(text[:3000]) in section, rule
+        assert "<html" not in section.lower()  # a removed page's HTML is shown as text
 
 
 def test_web_config_errors_are_one_line(crawl, tmp_path):

@@ -2,11 +2,14 @@
 one word list per language in the layout of the public LDNOOBW lists (a folder holding one
 file per language, named by its ISO 639-1 code, one word or phrase a line).
 
-A document's language is its `language` field (the language stage writes it), else
-`default_language`. Its lower-cased text is searched for the list's entries, flanked by
-characters that are not word characters (or the text's ends); for Japanese, Thai and Chinese,
-written without spaces, anywhere. The few entries C4 allows for Japanese and Chinese are left
-out of every list, as C4 and datatrove leave them out.
+A document's language is its `language` field (the language stage writes it, or the input
+has it), else `default_language`; a language without a list is an error unless
+`fail_on_missing_language` is off (then its documents are not checked). The document's
+lower-cased text is searched for the list's entries (as written: an entry with a capital
+letter never matches, as in C4 and datatrove), flanked by characters that are not word
+characters (or the text's ends); for Japanese, Thai and Chinese, written without spaces,
+anywhere. The few entries C4 allows for Japanese and Chinese are left out of every list, as
+C4 and datatrove leave them out.
 
     bad_words:found     the text holds an entry of its language's list
 
@@ -80,6 +83,12 @@ class BadWordsMatcher:
     def _pattern(self, language: str) -> re.Pattern | None:
         if language not in self.patterns:
             path = os.path.join(self.params.lists, language)
+            if not os.path.isfile(path) and self.params.fail_on_missing_language:
+                raise InputError(
+                    f"{path}: no word list for a document of language {language!r} (its "
+                    "`language` field); add the list or set bad_words.fail_on_missing_language: "
+                    "false to keep such documents unchecked"
+                )
             entries = read_word_list(path) if os.path.isfile(path) else []
             alternatives = "|".join(re.escape(w) for w in entries)
             if not entries:

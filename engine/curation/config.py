@@ -146,6 +146,28 @@ def _stage(path: str, name: str, value):
         raise ConfigError(f"{path}: {name}: {err}") from None
 
 
+def _check_fields(stages: dict, text_key: str, where: str) -> None:
+    """The classifiers' score fields name new fields, one each."""
+    taken = {text_key, "curate_reason", "language", "language_score", "perplexity",
+             "perplexity_bucket"}  # fmt: skip
+    for name in ("quality_classifier", "toxicity_classifier"):
+        params = stages.get(name)
+        if params is None:
+            continue
+        if params.field in taken:
+            raise ConfigError(
+                f"{where}: {name}.field {params.field!r} is taken (by the text or another "
+                "stage); give another field name"
+            )
+        taken.add(params.field)
+
+
+def config_from_record(record: dict, where: str) -> CurateConfig:
+    """The configuration CurateConfig.record() wrote (a run's curate.json)."""
+    stages = {name: _stage(where, name, params) for name, params in record["stages"].items()}
+    return CurateConfig(record["text_key"], record["documents_per_part"], stages)
+
+
 def read_config(path: str | None) -> CurateConfig:
     """The configuration of the file at `path` (None: every default)."""
     if path is None:
@@ -175,6 +197,13 @@ def read_config(path: str | None) -> CurateConfig:
     for name, params in stages.items():  # files the stage needs (a model, a list folder)
         if hasattr(params, "check"):
             params.check(f"--config {path}: {name}")
+    _check_fields(stages, text_key, f"--config {path}")
+    perplexity, language = stages.get("perplexity"), stages.get("language")
+    if perplexity is not None and perplexity.cutoffs and language and len(language.languages) > 1:
+        raise ConfigError(
+            f"--config {path}: perplexity.cutoffs are one language's; keep one language "
+            "(language.languages) or leave cutoffs out to compute them per language"
+        )
     if "bad_words" in stages:
         language = stages.get("language")
         kept = language.languages if language else (stages["bad_words"].default_language,)

@@ -1,8 +1,8 @@
 """Step 1's per-document stages for one worker and one shard: a page's URL rules and main text,
-then language ID, Gopher, C4, FineWeb, bad words, the classifiers, decontamination, and the
-perplexity score (its buckets are decided corpus-wide, after deduplication). The first rule a
-document fails removes it. The values the stages compute are written to the document as
-fields (`Judged.fields`), on removed documents too, as far as it went."""
+then language ID, Gopher, C4, FineWeb, bad words, the classifiers and decontamination. The
+first rule a document fails removes it. The values the stages compute are written to the
+document as fields (`Judged.fields`), on removed documents too, as far as it went (the
+perplexity is scored after the deduplication: engine/curation/models/perplexity_steps.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from engine.curation.config import CurateConfig
 from engine.curation.decontamination import ContaminationIndex
 from engine.curation.langid import LanguageIdentifier, language_reason
 from engine.curation.models.classifier import ClassifierScorer
-from engine.curation.models.perplexity import PerplexityScorer
 from engine.curation.quality import c4, fineweb, gopher_quality, gopher_repetition
 from engine.curation.text import words
 from engine.curation.web.extract import PageExtractor
@@ -71,7 +70,6 @@ class DocumentRules:
         self.identifier = LanguageIdentifier() if self.language else None
         self.bad_words = BadWordsMatcher(s("bad_words")) if s("bad_words") else None
         self.classifiers = [ClassifierScorer(n, s(n)) for n in CLASSIFIERS if s(n)]
-        self.perplexity = PerplexityScorer(s("perplexity")) if s("perplexity") else None
         self.contamination = None
         if s("decontamination") is not None:  # built once by curate()
             path = os.path.join(work, "contamination.npy")
@@ -119,6 +117,4 @@ class DocumentRules:
                 return Judged(reason, text, fields)
         if self.contamination is not None and self.contamination.contaminated(text):
             return Judged("decontamination:ngram", text, fields)
-        if self.perplexity is not None:
-            fields["perplexity"] = self.perplexity.score(text)
         return Judged(None, text, fields)

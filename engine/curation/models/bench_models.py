@@ -1,7 +1,7 @@
 """tools/bench_curate.py --model-documents: the model stages' cost. A quality classifier is
 trained (tools/train_quality_classifier.py's code) on real text found here
 (engine/curation/local_text.py: standard-library docstrings as the positives, its sources as
-the negatives, the last tenth of each held out), then tools/curate.py's pipeline runs on the
+the negatives, a tenth of each held out at random), then tools/curate.py's pipeline runs on the
 same documents with no stage (the anchor: reading JSONL, the three steps, the Parquet
 shards), with the quality classifier alone, and with the perplexity stage alone when a
 reference model is given (--perplexity-model): documents/s of each and the stage's own share

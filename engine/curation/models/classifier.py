@@ -37,7 +37,7 @@ class QualityClassifier:
         _check_threshold(self.threshold)
 
     def check(self, where: str) -> None:
-        check_model_file(self.model, where)
+        check_model(self.model, self.label, where)
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class ToxicityClassifier:
         _check_threshold(self.threshold)
 
     def check(self, where: str) -> None:
-        check_model_file(self.model, where)
+        check_model(self.model, self.label, where)
 
 
 def _check_threshold(threshold: float) -> None:
@@ -61,9 +61,25 @@ def _check_threshold(threshold: float) -> None:
         raise ValueError(f"threshold {threshold} is not between 0 and 1")
 
 
-def check_model_file(path: str, where: str) -> None:
-    """A ConfigError unless `path` is a fastText model file (its magic number; the labels are
-    checked when a worker loads it)."""
+def check_model(path: str, label: str, where: str) -> None:
+    """A ConfigError unless `path` is a fastText model file with the label (loaded once here,
+    so that a wrong model is refused before the run writes anything)."""
+    _check_magic(path, where)
+    _full_label(load_fasttext(path), path, label, where)
+
+
+def _full_label(model, path: str, label: str, where: str) -> str:
+    full = LABEL_PREFIX + label.removeprefix(LABEL_PREFIX)
+    if full not in model.labels:
+        labels = ", ".join(x.removeprefix(LABEL_PREFIX) for x in model.labels)
+        raise ConfigError(
+            f"{where}.label {label!r}: not a label of {path} (its labels: {labels}); give one "
+            "of them"
+        )
+    return full
+
+
+def _check_magic(path: str, where: str) -> None:
     if not path:
         raise ConfigError(
             f"{where}: on without a model; give model: path/to/classifier.bin "
@@ -88,13 +104,15 @@ def classifier_text(text: str) -> str:
 
 def load_fasttext(path: str):
     try:
-        import fasttext
+        import fasttext  # noqa: F401
     except ImportError as err:  # pinned in requirements.txt; a broken install only
         raise ImportError(
             "the classifier stages need fasttext (pip install fasttext-numpy2-wheel==0.9.2)"
         ) from err
+    from fasttext.FastText import _FastText
+
     try:
-        return fasttext.load_model(path)
+        return _FastText(model_path=path)  # load_model, without its notice on stderr
     except ValueError as err:
         raise InputError(f"{path}: not a fastText model ({err}); retrain or re-copy it") from None
 
@@ -106,13 +124,7 @@ class ClassifierScorer:
     def __init__(self, stage: str, params: QualityClassifier | ToxicityClassifier):
         self.stage, self.params = stage, params
         self.model = load_fasttext(params.model)
-        self.label = LABEL_PREFIX + params.label.removeprefix(LABEL_PREFIX)
-        if self.label not in self.model.labels:
-            labels = ", ".join(x.removeprefix(LABEL_PREFIX) for x in self.model.labels)
-            raise ConfigError(
-                f"{stage}.label {params.label!r}: not a label of {params.model} (its labels: "
-                f"{labels}); give one of them"
-            )
+        self.label = _full_label(self.model, params.model, params.label, stage)
 
     def score(self, text: str) -> float:
         labels, probabilities = self.model.predict(classifier_text(text), k=-1, threshold=0.0)

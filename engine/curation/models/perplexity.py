@@ -8,17 +8,25 @@ perplexity is exp of the mean negative log-likelihood of its first `max_tokens` 
 predicted from those before it (the first from the tokenizer's BOS, else its end-of-document
 token), written to the document as the field `perplexity`.
 
-Buckets, as CCNet: `head` below the cutoff at the 30th percentile, `middle` below the 60th,
-`tail` the rest; the cutoffs are given (`cutoffs: [head's upper, middle's upper]`) or computed
-over the run's documents that survive deduplication, per language when the language stage is
-on (CCNet computed them per language over a sample). Documents in a bucket not in `keep` are
-removed (`perplexity:<bucket>`); the kept ones get the field `perplexity_bucket`.
+Documents are scored after the deduplication, those it keeps, with their duplicate lines
+dropped (CCNet scored what its deduplication left). Buckets, as CCNet: `head` below the
+cutoff at the 30th percentile, `middle` below the 60th, `tail` the rest; the cutoffs are
+given (`cutoffs: [head's upper, middle's upper]`, for a run keeping one language) or computed
+per language (the documents' `language` field, "all" without one) over a sample of `sample`
+documents of each (all of them when fewer; CCNet computed its cutoffs over a sample too).
+Documents in a bucket not in `keep` are removed (`perplexity:<bucket>`); every scored
+document gets the fields `perplexity` and `perplexity_bucket`.
+
+A Hugging Face folder is imported once per run into <output>/work/reference-model/, and the
+checkpoint's iteration is fixed when the run starts, so every task scores with the same model.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +42,7 @@ class Perplexity:
     keep: tuple = ("head", "middle")  # CCNet's buckets kept
     percentiles: tuple = (30.0, 60.0)  # CCNet's head and middle upper percentiles
     cutoffs: tuple = ()  # fixed (head's upper, middle's upper) perplexities; (): computed
+    sample: int = 100_000  # documents per language the computed cutoffs are taken over
     max_tokens: int = 1024  # tokens of a document scored (its start)
     threads: int = 1  # torch threads per worker
 
@@ -50,10 +59,13 @@ class Perplexity:
                 raise ValueError(f"{name} {list(pair)}: give the lower first")
         if not (self.percentiles[0] >= 0 and self.percentiles[1] <= 100):
             raise ValueError(f"percentiles {list(self.percentiles)}: give them within 0..100")
-        if self.max_tokens < 1 or self.threads < 1:
-            raise ValueError("max_tokens and threads: give at least 1")
+        if self.max_tokens < 1 or self.threads < 1 or self.sample < 1:
+            raise ValueError("max_tokens, threads and sample: give at least 1")
 
     def check(self, where: str) -> None:
+        """The model is a Hugging Face folder or a checkpoint folder holding an iteration."""
+        from engine.checkpoint.files import find_latest
+
         if not self.model:
             raise ConfigError(
                 f"{where}: on without a model; give model: a tripod checkpoint folder or a "
@@ -61,19 +73,52 @@ class Perplexity:
             )
         if not os.path.isdir(self.model):
             raise ConfigError(f"{where}: model {self.model} is not a folder; give a checkpoint")
+        if not is_hf_folder(self.model) and find_latest(self.model) is None:
+            raise ConfigError(
+                f"{where}: model {self.model} holds no checkpoint (no config.json, no "
+                "latest_checkpointed_iteration.txt); give a --save folder or a Hugging Face folder"
+            )
+
+
+def is_hf_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def prepare_reference(params: Perplexity, work: str) -> str:
+    """The reference model every task of the run loads, fixed once (a Hugging Face folder
+    imported into work/reference-model/, a checkpoint's latest iteration): a JSON file's path
+    with {"folder", "iteration"}."""
+    from engine.checkpoint.files import find_latest
+
+    path = os.path.join(work, "reference-model.json")
+    if os.path.exists(path):
+        return path
+    if is_hf_folder(params.model):
+        from engine.interop.hf.import_hf import import_from_hf
+
+        folder = os.path.join(work, "reference-model")
+        shutil.rmtree(folder, ignore_errors=True)
+        import_from_hf(params.model, folder)
+        reference = {"folder": folder, "iteration": 0}
+    else:
+        reference = {"folder": params.model, "iteration": find_latest(params.model)}
+    with open(path + ".tmp", "w") as f:
+        json.dump(reference, f)
+    os.replace(path + ".tmp", path)
+    return path
 
 
 class PerplexityScorer:
-    """`score(text)` -> the document's perplexity under the reference model (loaded once per
-    shard, on the CPU)."""
+    """`score(text)` -> the document's perplexity under the reference model (a checkpoint
+    folder and iteration; loaded once per shard, on the CPU)."""
 
-    def __init__(self, params: Perplexity):
+    def __init__(self, params: Perplexity, folder: str, iteration: int):
         import torch
 
         from engine.eval.loading import load_model, plain_tokenizer
 
         torch.set_num_threads(params.threads)
-        self.model, tokenizer, _ = load_model(params.model)
+        self.model, tokenizer, _ = load_model(folder, iteration)
         self.tokenizer = plain_tokenizer(tokenizer)
         self.prefix = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
         # the prefix takes one position

@@ -79,16 +79,21 @@ def train_classifier(
     lines = [f"{LABEL_PREFIX}{s.positive_label} {classifier_text(t)}" for t in pos_train]
     lines += [f"{LABEL_PREFIX}{s.negative_label} {classifier_text(t)}" for t in neg_train]
     lines = [lines[i] for i in rng.permutation(len(lines))]
-    folder = os.path.dirname(os.path.abspath(output))
-    os.makedirs(folder, exist_ok=True)
+    folder = _output_folder(output)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         train_file = os.path.join(tmp, "train.txt")
         with open(train_file, "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
-        model = fasttext.train_supervised(
-            input=train_file, epoch=s.epoch, lr=s.lr, dim=s.dim, wordNgrams=s.word_ngrams,
-            minCount=s.min_count, thread=s.threads, seed=s.seed, verbose=0,
-        )  # fmt: skip
+        try:
+            model = fasttext.train_supervised(
+                input=train_file, epoch=s.epoch, lr=s.lr, dim=s.dim, wordNgrams=s.word_ngrams,
+                minCount=s.min_count, thread=s.threads, seed=s.seed, verbose=0,
+            )  # fmt: skip
+        except (ValueError, RuntimeError) as err:  # e.g. no word reaches --min-count
+            raise ConfigError(
+                f"fastText cannot train on these documents ({err}); lower --min-count or give "
+                "documents with words"
+            ) from None
         saved = os.path.join(tmp, "model.bin")
         model.save_model(saved)
         os.replace(saved, output)
@@ -99,6 +104,21 @@ def train_classifier(
     if not pos_held or not neg_held:
         return counts, None
     return counts, evaluate(output, s.positive_label, pos_held, neg_held)
+
+
+def _output_folder(output: str) -> str:
+    """The folder --output goes to, created; a ConfigError for a folder given as the file or
+    a place that cannot be written."""
+    if os.path.isdir(output):
+        raise ConfigError(f"--output {output}: is a folder; give the model file's path")
+    folder = os.path.dirname(os.path.abspath(output))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--output {output}: cannot create {folder} ({err.strerror})") from None
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"--output {output}: {folder} is not writable; give another path")
+    return folder
 
 
 def evaluate(model_path: str, label: str, positive: list[str], negative: list[str]) -> Evaluation:
@@ -114,7 +134,11 @@ def evaluate(model_path: str, label: str, positive: list[str], negative: list[st
     true_pos, false_pos = int((pos >= 0.5).sum()), int((neg >= 0.5).sum())
     accuracy = (true_pos + int((neg < 0.5).sum())) / (len(pos) + len(neg))
     precision = true_pos / (true_pos + false_pos) if true_pos + false_pos else 0.0
-    # AUC: pairs (positive, negative) ordered right, ties counting half
-    wins = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    # AUC: the share of (positive, negative) pairs ordered right, ties counting half, from
+    # the ranks of all scores (Mann-Whitney), not from every pair
+    from scipy.stats import rankdata
+
+    ranks = rankdata(np.concatenate([pos, neg]))
+    wins = ranks[: len(pos)].sum() - len(pos) * (len(pos) + 1) / 2
     auc = float(wins) / (len(pos) * len(neg))
     return Evaluation(len(pos) + len(neg), accuracy, precision, true_pos / len(pos), auc)

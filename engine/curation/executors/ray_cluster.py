@@ -1,0 +1,89 @@
+"""The Ray executor: each stage's tasks as Ray tasks (one CPU each) on a Ray cluster, the
+cluster at `address` (`ray start --head` on one machine, `ray start --address` on the others)
+or, without one, a local cluster started for the run and stopped after it. Every machine of
+the cluster must see the run's --output folder and this repository at the same paths (a
+shared file system), as with datatrove's Ray executor; tasks run in the launcher's working
+directory. A task whose worker dies is retried by
+Ray up to `retries` times; an error a task raises (bad input) is not retried and ends the run
+with that error."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from engine.curation.run_context import RunContext
+from engine.curation.tasks import Stage, pending, run_task
+from engine.errors import ConfigError, UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def check_address(address: str) -> None:
+    """A ConfigError unless something listens at the `host:port` of --ray-address."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--ray-address {address}: give host:port (the head's GCS address)")
+    try:
+        with socket.create_connection((host, int(port)), timeout=5):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"--ray-address {address}: nothing answers there ({err.strerror or err}); start the "
+            "cluster (`ray start --head`), or leave --ray-address out to start a local one"
+        ) from None
+
+
+def _task_in(cwd: str, output: str, stage: str, index: int) -> None:
+    """run_task from the launcher's working directory, where the run's relative paths lead."""
+    os.chdir(cwd)
+    run_task(output, stage, index)
+
+
+class RayExecutor:
+    def __init__(self, address: str | None, retries: int, workers: int):
+        self.address, self.retries, self.workers = address, retries, workers
+
+    def run(self, ctx: RunContext, stages: list[Stage]) -> None:
+        import ray
+
+        if self.address:
+            check_address(self.address)
+        python_path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+        # the run's own settings (TRIPOD_*) go to the tasks, whose processes Ray starts
+        env = {k: v for k, v in os.environ.items() if k.startswith("TRIPOD_")}
+        ray.init(
+            address=self.address,
+            num_cpus=None if self.address else self.workers,
+            include_dashboard=False,
+            runtime_env={"env_vars": {**env, "PYTHONPATH": python_path}},
+            log_to_driver=False,
+        )
+        try:
+            remote = ray.remote(num_cpus=1, max_retries=self.retries)(_task_in)
+            cwd = os.getcwd()
+            for stage in stages:
+                todo = pending(ctx, stage)
+                refs = {remote.remote(cwd, ctx.output, stage.name, i): i for i in todo}
+                self._wait(refs, stage)
+        finally:
+            ray.shutdown()
+
+    def _wait(self, refs: dict, stage: Stage) -> None:
+        import ray
+        from ray.exceptions import RayTaskError
+
+        for ref, index in refs.items():
+            try:
+                ray.get(ref)
+            except RayTaskError as err:
+                cause = err.cause if isinstance(err.cause, UserError) else None
+                if cause is not None:
+                    raise cause from None
+                raise
+            except ray.exceptions.RayError as err:
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise UserError(
+                    f"curation stage {stage.name}: task {index} failed on the Ray cluster after "
+                    f"{self.retries} retries ({first}); run the same command again to resume"
+                ) from None
