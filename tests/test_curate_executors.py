@@ -60,7 +60,7 @@ def crawl_run(tmp_path_factory, small_checkpoint):
         "language": {"languages": ["en"], "min_score": 0.5},
         "gopher_repetition": False, "gopher_quality": False, "c4": False, "fineweb": False,
         "exact_dedup": {"documents": True, "lines": True},
-        "minhash": {"num_perm": 40, "threshold": 0.7},
+        "minhash": {"num_perm": 16, "threshold": 0.7},  # 8 bands: few Slurm array tasks
         "perplexity": {"model": small_checkpoint, "max_tokens": 16},
     }  # fmt: skip
     path = folder / "config.json"
@@ -174,6 +174,12 @@ def test_ray_cluster_on_loopback_gives_the_same_files(crawl_run, tmp_path):
         nodes = subprocess.run([ray, "status", f"--address=127.0.0.1:{port}"], env=env,
                                capture_output=True, text=True, timeout=60).stdout  # fmt: skip
         assert nodes.count("node_") >= 2, nodes  # a head and a worker
+        # bad input met by a task on the cluster: one line, as on this machine
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"text": "fine"}\nnot json\n')
+        result = run_tool("curate.py", "--input", str(bad), "--output", str(tmp_path / "b"),
+                          "--executor", "ray", "--ray-address", f"127.0.0.1:{port}")  # fmt: skip
+        assert f"{bad}:line 2: not a JSON object" in one_line_error(result)
     finally:
         subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(temp, ignore_errors=True)
@@ -226,3 +232,17 @@ def test_executor_flags_are_checked_in_one_line(crawl_run, tmp_path):
     line = one_line_error(_curate(crawl_run["folder"], crawl_run["reference"], "--dedup-tasks",
                                   "2"))  # fmt: skip
     assert "another --dedup-tasks" in line
+
+
+def test_ray_without_an_address_starts_a_local_cluster(tmp_path):
+    require("ray")
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("".join(json.dumps(row) + "\n" for row in _near_copies(6)))
+    outputs = {}
+    for executor in ("local", "ray"):
+        out = tmp_path / executor
+        result = run_tool("curate.py", "--input", str(raw), "--output", str(out),
+                          "--executor", executor, "--workers", "2")  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        outputs[executor] = _files(out)
+    assert outputs["ray"] == outputs["local"]

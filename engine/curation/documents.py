@@ -18,6 +18,7 @@ import json
 import os
 from collections import Counter
 
+from engine.curation.atomic import temporary
 from engine.curation.web.warc import is_warc, read_warc
 from engine.data.prepare.readers import PARQUET_SUFFIXES, TEXT_SUFFIXES, iter_records
 from engine.errors import InputError
@@ -160,7 +161,7 @@ def write_parquet(
             table = pa.table({text_key: pa.array([], pa.string())})
     for name, values in (extra or {}).items():
         table = table.append_column(name, pa.array(values, pa.string()))
-    tmp = f"{path}.tmp"
+    tmp = temporary(path)  # not a .parquet name: a reader of the folder never takes it
     pq.write_table(table, tmp)
     os.replace(tmp, path)
 

@@ -116,10 +116,20 @@ def signatures(texts, config: MinHashConfig, path: str | None = None) -> np.ndar
     return out
 
 
+def band_keys(sigs: np.ndarray, config: MinHashConfig) -> np.ndarray:
+    """[n_docs, bands] keys: a 64-bit hash of each band's values (equal bands, equal keys)."""
+    bands, rows = config.bands_rows()
+    keys = np.empty((len(sigs), bands), np.uint64)
+    for band in range(bands):
+        block = np.ascontiguousarray(sigs[:, band * rows : (band + 1) * rows])
+        keys[:, band] = [xxhash.xxh64_intdigest(row.tobytes()) for row in block]
+    return keys
+
+
 def duplicate_of(sigs: np.ndarray, config: MinHashConfig) -> np.ndarray:
     """For each document, the first document of its cluster (itself when it is kept)."""
     plan = config.plan()
-    bands, rows = plan.bands, plan.rows
+    bands = plan.bands
     n = len(sigs)
     parent = np.arange(n)
 
@@ -129,9 +139,9 @@ def duplicate_of(sigs: np.ndarray, config: MinHashConfig) -> np.ndarray:
             i = parent[i]
         return i
 
+    all_keys = band_keys(sigs, config)
     for band in range(bands):
-        block = np.ascontiguousarray(sigs[:, band * rows : (band + 1) * rows])
-        keys = np.array([xxhash.xxh64_intdigest(row.tobytes()) for row in block], np.uint64)
+        keys = all_keys[:, band]
         order = np.argsort(keys, kind="stable")
         sorted_keys = keys[order]
         same = np.flatnonzero(sorted_keys[1:] == sorted_keys[:-1])

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 
 import numpy as np
 import xxhash
 
 from engine.curation import minhash
+from engine.curation.atomic import remove_stale_folders, temporary
 from engine.curation.dedup.layout import PARTS_FILE, shard_name
 from engine.curation.documents import iter_documents, read_parquet_rows, write_parquet
 from engine.curation.models.perplexity import BUCKETS, buckets_of
@@ -67,8 +67,8 @@ def first_pass(ctx: RunContext, k: int) -> None:
     final = os.path.join(work, shard_name(k))
     if os.path.exists(final):
         return
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_stale_folders(final)
+    tmp = temporary(final)  # this attempt's own: another may be writing its
     os.makedirs(tmp)
     rules, key = DocumentRules(config, work), config.text_key
     stats, fields = ShardStats(), added_fields(config)
@@ -101,9 +101,13 @@ def first_pass(ctx: RunContext, k: int) -> None:
         texts = [row[key] for row in kept]
         hashes = _hashes(texts, config.stage("exact_dedup"))
         np.savez(os.path.join(folder, "hashes.npz"), **hashes)
-        if config.stage("minhash"):
+        if config.stage("minhash"):  # the signatures, and each band's key for the bands tasks
             signatures = os.path.join(folder, "signatures.npy")
-            minhash.signatures(texts, config.stage("minhash"), signatures)
+            sigs = minhash.signatures(texts, config.stage("minhash"), signatures)
+            np.save(
+                os.path.join(folder, "band_keys.npy"),
+                minhash.band_keys(sigs, config.stage("minhash")),
+            )
         records.append({"survivors": len(kept), "lines": len(hashes["line"])})
     with open(os.path.join(tmp, PARTS_FILE), "w") as f:
         json.dump(records, f)

@@ -3,10 +3,11 @@ PII replaced, and the length histograms (characters, words) before and after."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import numpy as np
+
+from engine.curation.atomic import save_json
 
 # log-spaced bins shared by every shard, so that their histograms add up
 CHAR_BINS = np.concatenate([[0], np.logspace(0, 7, 57)])
@@ -52,5 +53,4 @@ class ShardStats:
                 "char_histogram": histogram(chars, CHAR_BINS),
                 "word_histogram": histogram(words, WORD_BINS),
             }
-        with open(path, "w") as f:
-            json.dump(out, f)
+        save_json(path, out)  # whole or absent: its presence says the step is done

@@ -28,6 +28,7 @@ from engine.curation.dedup.layout import SortedIds, corpus_layout
 from engine.curation.models import perplexity_steps
 from engine.curation.run_context import RunContext
 from engine.curation.shard_steps import final_pass, first_pass
+from engine.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,11 @@ def _outputs(ctx: RunContext, name: str) -> list[str]:
 
 def run_task(output: str, stage: str, index: int) -> None:
     """Task `index` of `stage` of the run in `output`, unless its marker says it is done."""
+    if not os.path.isfile(os.path.join(output, "curate.json")):
+        raise InputError(
+            f"{output}: no curate.json here; every machine running the run's tasks must see "
+            "--output (and the inputs) at the same path: a shared file system"
+        )
     ctx = RunContext.load(output)
     done = marker(ctx, stage, index)
     if os.path.exists(done):

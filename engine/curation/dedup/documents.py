@@ -9,10 +9,10 @@
     clusters (one task)      the connected components of every edge; each keeps its first
                              document, the others are near duplicates -> near.npy
 
-A partition holds 1/R of the hashes or keys (and a part's signatures at a time); the clusters
-task holds the edges, about one per duplicate. Components do not depend on the order edges
-come in, so the result is engine/curation/minhash.py's duplicate_of on the whole corpus,
-whatever R is (tested).
+A partition holds 1/R of the hashes or band keys (the first step hashed each band once); the
+clusters task holds the distinct pairs found (a pair found in several bands once). Components
+do not depend on the order edges come in, so the result is engine/curation/minhash.py's
+duplicate_of on the whole corpus, whatever R is (tested).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import xxhash
 
+from engine.curation.atomic import save_npy
 from engine.curation.dedup.layout import Part, SortedIds, save_ids
 
 DEDUP_FOLDER = "dedup"
@@ -68,16 +68,14 @@ def _alive(part: Part, removed: SortedIds | None) -> np.ndarray:
 
 def band_task(work: str, parts: list[Part], band: int, r: int, partitions: int, params,
               exact_files: list[str]) -> None:  # fmt: skip
-    rows = params.bands_rows()[1]
     removed = SortedIds(exact_files) if exact_files else None
     keys, ids = [], []
     for part in parts:
         if not part.documents:
             continue
-        alive = _alive(part, removed)
-        sigs = np.load(os.path.join(part.folder, "signatures.npy"), mmap_mode="r")
-        block = np.ascontiguousarray(sigs[alive, band * rows : (band + 1) * rows])
-        key = np.array([xxhash.xxh64_intdigest(row.tobytes()) for row in block], np.uint64)
+        alive = _alive(part, removed)  # the band's keys, hashed once by the first step
+        keys_of_part = np.load(os.path.join(part.folder, "band_keys.npy"), mmap_mode="r")
+        key = np.asarray(keys_of_part[alive, band])
         mine = key % np.uint64(partitions) == r
         keys.append(key[mine])
         ids.append(alive[mine] + part.first_document)
@@ -92,8 +90,7 @@ def band_task(work: str, parts: list[Part], band: int, r: int, partitions: int, 
         kept = [np.count_nonzero(signature(i) == signature(j)) >= agree for i, j in pairs]
         pairs = pairs[np.array(kept, bool)]
     path = edges_path(work, band, r)
-    np.save(path + ".tmp.npy", pairs.reshape(-1, 2).astype(np.int64))
-    os.replace(path + ".tmp.npy", path)
+    save_npy(path, np.unique(pairs.reshape(-1, 2).astype(np.int64), axis=0))
 
 
 class _SignatureReader:
@@ -116,11 +113,13 @@ def clusters_task(work: str, edge_files: list[str]) -> None:
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
 
-    edges = np.concatenate([np.load(p) for p in edge_files] or [np.empty((0, 2), np.int64)])
+    edges = np.empty((0, 2), np.int64)
+    for path in edge_files:  # a pair found in several bands is held once
+        edges = np.unique(np.concatenate([edges, np.load(path)]), axis=0)
     nodes, local = np.unique(edges, return_inverse=True)
     local = local.reshape(-1, 2)
     graph = coo_matrix(
-        (np.ones(len(local), np.int8), (local[:, 0], local[:, 1])), shape=(len(nodes),) * 2
+        (np.ones(len(local), bool), (local[:, 0], local[:, 1])), shape=(len(nodes),) * 2
     )
     _, component = connected_components(graph, directed=False)
     first = np.full(component.max() + 1 if len(nodes) else 0, np.iinfo(np.int64).max)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.curation.atomic import save_npy
+
 PARTS_FILE = "parts.json"  # per shard folder: [{"survivors": n, "lines": m}, ...]
 
 
@@ -52,9 +54,7 @@ def corpus_layout(work: str, shards: int) -> list[Part]:
 
 def save_ids(path: str, ids) -> None:
     """A set of global numbers, sorted, written whole or not at all."""
-    tmp = path + ".tmp.npy"
-    np.save(tmp, np.sort(np.asarray(ids, dtype=np.int64)))
-    os.replace(tmp, path)
+    save_npy(path, np.sort(np.asarray(ids, dtype=np.int64)))
 
 
 class SortedIds:

@@ -17,6 +17,7 @@ import os
 
 import numpy as np
 
+from engine.curation.atomic import save_npz
 from engine.curation.dedup.documents import DEDUP_FOLDER
 from engine.curation.dedup.layout import Part, SortedIds, save_ids
 
@@ -75,6 +76,4 @@ def decide_part(part: Part, exact: SortedIds, near: SortedIds, lines: SortedIds 
         has_lines = np.bincount(owner[alive], minlength=part.documents) > 0
         code[(code == 0) & has_lines & (left == 0)] = LINES
     path = os.path.join(part.folder, "decisions.npz")
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, code=code, drop=drop)
-    os.replace(tmp, path)
+    save_npz(path, code=code, drop=drop)

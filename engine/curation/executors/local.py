@@ -34,11 +34,11 @@ class LocalExecutor:
                 return
             start = "fork" if sys.platform == "linux" else "spawn"
             context = multiprocessing.get_context(start)
+            pool = ProcessPoolExecutor(self.workers, mp_context=context)
             try:
-                with ProcessPoolExecutor(self.workers, mp_context=context) as pool:
-                    futures = [pool.submit(run_task, ctx.output, stage.name, i) for i in todo]
-                    for future in futures:
-                        future.result()
+                futures = [pool.submit(run_task, ctx.output, stage.name, i) for i in todo]
+                for future in futures:
+                    future.result()
             except BrokenProcessPool:
                 if attempt == self.retries:
                     left = pending(ctx, stage)
@@ -47,3 +47,5 @@ class LocalExecutor:
                         f"{self.retries + 1} tries (a worker process was killed: out of "
                         "memory?); run the same command again to resume"
                     ) from None
+            finally:  # a task's error ends the stage without waiting for the others
+                pool.shutdown(wait=True, cancel_futures=True)

@@ -9,12 +9,14 @@ with that error."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import warnings
 
 from engine.curation.run_context import RunContext
 from engine.curation.tasks import Stage, pending, run_task
-from engine.errors import ConfigError, UserError
+from engine.errors import ConfigError, InputError, UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
@@ -36,6 +38,11 @@ def check_address(address: str) -> None:
 
 def _task_in(cwd: str, output: str, stage: str, index: int) -> None:
     """run_task from the launcher's working directory, where the run's relative paths lead."""
+    if not os.path.isdir(cwd):
+        raise InputError(
+            f"{cwd}: not on this Ray node; the nodes must see the launcher's working directory, "
+            "--output and the inputs at the same paths (a shared file system)"
+        )
     os.chdir(cwd)
     run_task(output, stage, index)
 
@@ -52,13 +59,16 @@ class RayExecutor:
         python_path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
         # the run's own settings (TRIPOD_*) go to the tasks, whose processes Ray starts
         env = {k: v for k, v in os.environ.items() if k.startswith("TRIPOD_")}
-        ray.init(
-            address=self.address,
-            num_cpus=None if self.address else self.workers,
-            include_dashboard=False,
-            runtime_env={"env_vars": {**env, "PYTHONPATH": python_path}},
-            log_to_driver=False,
-        )
+        with warnings.catch_warnings():  # its notices would break a one-line error
+            warnings.simplefilter("ignore")
+            ray.init(
+                address=self.address,
+                num_cpus=None if self.address else self.workers,
+                include_dashboard=False,
+                runtime_env={"env_vars": {**env, "PYTHONPATH": python_path}},
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+            )
         try:
             remote = ray.remote(num_cpus=1, max_retries=self.retries)(_task_in)
             cwd = os.getcwd()

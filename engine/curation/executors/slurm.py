@@ -5,7 +5,9 @@ left it with tasks that wrote no marker (failed, killed, its node lost), the sta
 are cancelled and submitted again behind a new array of just those tasks, up to `retries`
 times. Every node must see the run's --output folder and this repository at the same paths
 (a shared file system); tasks start in this process's working directory, where the run's
-relative paths lead. Each task's log: <output>/work/logs/<stage>-<index>.log.
+relative paths lead, with this process's Python (the same environment must exist on every
+node). Each task's log: <output>/work/logs/<stage>-<index>.log. A stage of more tasks than
+Slurm's MaxArraySize is submitted as several arrays (index + offset).
 
 Options (`--slurm-partition`, `--slurm-time`, `--slurm-cpus-per-task`, `--slurm-mem`) go to
 every array; sbatch refusing a submission (an unknown partition, a limit) ends the run with
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -38,28 +41,32 @@ class SlurmOptions:
     retries: int = 2
 
 
-def _script(ctx: RunContext, stage: str, options: SlurmOptions) -> str:
+def _script(ctx: RunContext, stage: str, offset: int, options: SlurmOptions) -> str:
+    """The batch script of one array: task `offset + SLURM_ARRAY_TASK_ID` of the stage, its
+    output to <output>/work/logs/<stage>-<task>.log."""
     logs = os.path.join(ctx.work, "logs")
     os.makedirs(logs, exist_ok=True)
     python_path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     command = [sys.executable, "-m", "engine.curation.executors.task_main",
                "--output", ctx.output, "--stage", stage]  # fmt: skip
+    log = shlex.quote(os.path.join(logs, stage)) + '-"$TASK".log'
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name=curate-{stage}",
-        f"#SBATCH --output={logs}/{stage}-%a.log",
+        "#SBATCH --output=/dev/null",  # each task's own log, below
         f"#SBATCH --cpus-per-task={options.cpus_per_task}",
         *([f"#SBATCH --partition={options.partition}"] if options.partition else []),
         *([f"#SBATCH --time={options.time}"] if options.time else []),
         *([f"#SBATCH --mem={options.mem}"] if options.mem else []),
+        f"TASK=$((SLURM_ARRAY_TASK_ID + {offset}))",
         f"export PYTHONPATH={shlex.quote(python_path)}",
-        f"cd {shlex.quote(os.getcwd())}",  # the run's relative paths are this process's
-        f'exec {shlex.join(command)} --index "$SLURM_ARRAY_TASK_ID"',
+        f"cd {shlex.quote(os.getcwd())} || exit 2",  # the run's relative paths lead from here
+        f'exec {shlex.join(command)} --index "$TASK" > {log} 2>&1',
     ]
     return "\n".join(lines) + "\n"
 
 
-def _indices(indices: list[int]) -> str:
+def _array(indices: list[int]) -> str:
     """An --array value: runs of consecutive indices as a-b."""
     runs, start = [], indices[0]
     for a, b in zip(indices, [*indices[1:], None], strict=True):
@@ -69,61 +76,103 @@ def _indices(indices: list[int]) -> str:
     return ",".join(runs)
 
 
+def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess | None:
+    """The command's result, or None when it could not answer (a slurmctld timeout)."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, **kwargs)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def max_array_size() -> int:
+    """Slurm's MaxArraySize: array indices must stay below it (1001 unless configured)."""
+    result = _run(["scontrol", "show", "config"])
+    for line in (result.stdout if result and result.returncode == 0 else "").splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "MaxArraySize" and value.strip().isdigit():
+            return int(value.strip())
+    return 1001
+
+
+def _last_error(path: str) -> str:
+    """The `error: ...` line a failed task's log ends with, if any."""
+    try:
+        with open(path, errors="replace") as f:
+            errors = [line.strip() for line in f if line.startswith("error:")]
+    except OSError:
+        return ""
+    return f": {errors[-1]}" if errors else ""
+
+
 class SlurmExecutor:
     def __init__(self, options: SlurmOptions):
         self.options = options
 
-    def _submit(self, ctx: RunContext, stage: str, indices: list[int], after: str | None) -> str:
-        arguments = ["sbatch", "--parsable", f"--array={_indices(indices)}"]
-        if after:
-            arguments += [f"--dependency=afterok:{after}", "--kill-on-invalid-dep=yes"]
-        try:
-            result = subprocess.run(arguments, input=_script(ctx, stage, self.options),
-                                    capture_output=True, text=True, timeout=120)  # fmt: skip
-        except FileNotFoundError:
-            raise ConfigError(
-                "--executor slurm: sbatch is not installed here; run on a Slurm login node"
-            ) from None
-        if result.returncode != 0:
-            message = " ".join(result.stderr.split()) or f"exit code {result.returncode}"
-            raise ConfigError(f"--executor slurm: sbatch refused the {stage} array: {message}")
-        return result.stdout.strip().split(";")[0]
+    def _submit(self, ctx: RunContext, stage: str, tasks: list[int], after: list[str]) -> list[str]:
+        """The arrays running `tasks` of the stage (one per MaxArraySize tasks), each behind
+        every job of `after`."""
+        if not tasks:
+            return []
+        size, jobs = max_array_size(), []
+        for offset in range(0, max(tasks) + 1, size):
+            chunk = [t - offset for t in tasks if offset <= t < offset + size]
+            if not chunk:
+                continue
+            arguments = ["sbatch", "--parsable", f"--array={_array(chunk)}"]
+            if after:
+                arguments += [
+                    f"--dependency=afterok:{':'.join(after)}",
+                    "--kill-on-invalid-dep=yes",
+                ]
+            try:
+                result = _run(arguments, input=_script(ctx, stage, offset, self.options))
+            except FileNotFoundError:
+                raise ConfigError(
+                    "--executor slurm: sbatch is not installed here; run on a Slurm login node"
+                ) from None
+            if result is None or result.returncode != 0:
+                message = " ".join(result.stderr.split()) if result else "no answer in 120 s"
+                raise ConfigError(
+                    f"--executor slurm: sbatch refused the {stage} array: {message or 'no reason'}"
+                )
+            jobs.append(result.stdout.strip().split(";")[0])
+        return jobs
 
-    def _in_queue(self, job: str, stage: str) -> bool:
-        """Whether the array still has tasks queued or running; a UserError when Slurm holds
-        every one left (a launch that failed on the node: its slurmd log says why)."""
-        result = subprocess.run(["squeue", "-h", "-r", "-j", job, "-o", "%T|%r"],
-                                capture_output=True, text=True, timeout=60)  # fmt: skip
+    def _in_queue(self, jobs: list[str], stage: str) -> bool:
+        """Whether the arrays still have tasks queued or running (so too when squeue cannot
+        answer); a UserError when Slurm holds every one left (a launch that failed on the
+        node: its slurmd log says why)."""
+        if not jobs:
+            return False
+        result = _run(["squeue", "-h", "-r", "-j", ",".join(jobs), "-o", "%T|%r"])
+        if result is None or result.returncode != 0:
+            return True
         states = [line.split("|", 1) for line in result.stdout.strip().splitlines()]
         if states and all(s == "PENDING" and "held" in r.lower() for s, r in states):
             raise UserError(
-                f"curation stage {stage}: Slurm holds job {job}'s tasks ({states[0][1]}); the "
-                "run's arrays are cancelled: see the node's slurmd log, then run it again"
+                f"curation stage {stage}: Slurm holds its tasks ({states[0][1]}); the run's "
+                "arrays are cancelled: see the node's slurmd log, then run it again"
             )
         return bool(states)
 
     def _cancel(self, jobs: list[str]) -> None:
         if jobs:
-            subprocess.run(["scancel", *jobs], capture_output=True, timeout=60)
+            _run(["scancel", *jobs])
 
     def run(self, ctx: RunContext, stages: list[Stage]) -> None:
         stages = [s for s in stages if pending(ctx, s)]
-        jobs: list[str] = []
+        jobs: list[list[str]] = []
+        stop = _StopOnSignal()  # a SIGTERM or SIGHUP ends the watch through `finally`
         try:
             for stage in stages:  # the whole pipeline queued at once, stage after stage
-                jobs.append(
-                    self._submit(ctx, stage.name, pending(ctx, stage), (jobs or [None])[-1])
-                )
+                after = next((j for j in reversed(jobs) if j), [])
+                jobs.append(self._submit(ctx, stage.name, pending(ctx, stage), after))
             self._watch(ctx, stages, jobs)
         finally:  # an error or an interrupt here: the arrays still queued go too
-            self._cancel([job for job in jobs if self._queued(job)])
+            self._cancel([j for stage_jobs in jobs for j in stage_jobs])
+            stop.restore()
 
-    def _queued(self, job: str) -> bool:
-        result = subprocess.run(["squeue", "-h", "-r", "-j", job, "-o", "%i"],
-                                capture_output=True, text=True, timeout=60)  # fmt: skip
-        return bool(result.stdout.strip())
-
-    def _watch(self, ctx: RunContext, stages: list[Stage], jobs: list[str]) -> None:
+    def _watch(self, ctx: RunContext, stages: list[Stage], jobs: list[list[str]]) -> None:
         """Wait for each stage in turn, submitting its failed tasks (and the stages after it)
         again, up to the retries."""
         tries = dict.fromkeys(range(len(stages)), 0)
@@ -139,12 +188,32 @@ class SlurmExecutor:
             tries[current] += 1
             name = stages[current].name
             if tries[current] > self.options.retries:
-                logs = os.path.join(ctx.work, "logs", f"{name}-{left[0]}.log")
+                log = os.path.join(ctx.work, "logs", f"{name}-{left[0]}.log")
                 raise UserError(
                     f"curation stage {name}: task(s) {left[:5]} failed {tries[current]} times "
-                    f"on Slurm (first log: {logs}); fix the cause and run the same command again"
+                    f"on Slurm (log {log}{_last_error(log)}); fix the cause and run the same "
+                    "command again"
                 )
-            self._cancel(jobs[current + 1 :])  # their dependency can no longer be met
-            jobs[current] = self._submit(ctx, name, left, None)
+            self._cancel([j for later in jobs[current + 1 :] for j in later])
+            jobs[current] = self._submit(ctx, name, left, [])
             for k in range(current + 1, len(stages)):
-                jobs[k] = self._submit(ctx, stages[k].name, pending(ctx, stages[k]), jobs[k - 1])
+                after = next((j for j in reversed(jobs[:k]) if j), [])
+                jobs[k] = self._submit(ctx, stages[k].name, pending(ctx, stages[k]), after)
+
+
+class _StopOnSignal:
+    """SIGTERM and SIGHUP raise SystemExit in this process while the watch runs (so that its
+    `finally` cancels the queued arrays), then the handlers before are put back."""
+
+    def __init__(self):
+        self.saved = {}
+        for number in (signal.SIGTERM, signal.SIGHUP):
+            self.saved[number] = signal.signal(number, self._raise)
+
+    @staticmethod
+    def _raise(number, frame):
+        raise SystemExit(128 + number)
+
+    def restore(self) -> None:
+        for number, handler in self.saved.items():
+            signal.signal(number, handler)

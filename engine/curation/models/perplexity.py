@@ -23,7 +23,6 @@ checkpoint's iteration is fixed when the run starts, so every task scores with t
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.curation.atomic import save_json
 from engine.errors import ConfigError
 
 BUCKETS = ("head", "middle", "tail")
@@ -102,9 +102,7 @@ def prepare_reference(params: Perplexity, work: str) -> str:
         reference = {"folder": folder, "iteration": 0}
     else:
         reference = {"folder": params.model, "iteration": find_latest(params.model)}
-    with open(path + ".tmp", "w") as f:
-        json.dump(reference, f)
-    os.replace(path + ".tmp", path)
+    save_json(path, reference)
     return path
 
 

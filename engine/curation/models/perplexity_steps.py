@@ -22,6 +22,7 @@ import os
 import numpy as np
 import xxhash
 
+from engine.curation.atomic import save_json, save_npz
 from engine.curation.dedup.layout import Part, shard_name
 from engine.curation.documents import read_parquet_rows
 from engine.curation.models.perplexity import PerplexityScorer, cutoffs_of
@@ -58,8 +59,7 @@ def score_shard(work: str, parts: list[Part], k: int, params, by_lines: bool, ke
             scores[i] = scorer.score(texts[i])
         languages = np.array([language_of(row) for row in survivors], str)
         path = os.path.join(part.folder, "perplexity.npz")
-        np.savez(path + ".tmp.npz", perplexity=scores, language=languages)
-        os.replace(path + ".tmp.npz", path)
+        save_npz(path, perplexity=scores, language=languages)
         numbers = alive + part.first_document
         sample_keys.append(np.array([xxhash.xxh64_intdigest(int(n).to_bytes(8, "little"))
                                      for n in numbers], np.uint64))  # fmt: skip
@@ -70,9 +70,7 @@ def score_shard(work: str, parts: list[Part], k: int, params, by_lines: bool, ke
     languages = np.concatenate(sample_languages or [np.empty(0, str)])
     chosen = _smallest_per_language(keys, languages, params.sample)
     path = sample_path(work, k)
-    np.savez(path + ".tmp.npz", key=keys[chosen], perplexity=scores[chosen],
-             language=languages[chosen])  # fmt: skip
-    os.replace(path + ".tmp.npz", path)
+    save_npz(path, key=keys[chosen], perplexity=scores[chosen], language=languages[chosen])
 
 
 def _smallest_per_language(keys: np.ndarray, languages: np.ndarray, size: int) -> np.ndarray:
@@ -100,10 +98,7 @@ def cutoffs_task(work: str, shards: int, params) -> None:
         mine = chosen[languages[chosen] == language]
         pair = cutoffs_of(scores[mine], params)
         cutoffs[language] = [x if math.isfinite(x) else None for x in pair]
-    path = os.path.join(work, CUTOFFS_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(cutoffs, f)
-    os.replace(path + ".tmp", path)
+    save_json(os.path.join(work, CUTOFFS_FILE), cutoffs)
 
 
 def load_cutoffs(work: str) -> dict[str, tuple[float, float]]:
