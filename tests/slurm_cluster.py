@@ -29,6 +29,7 @@ TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
+SchedulerParameters=batch_sched_delay=0,sched_min_interval=0
 ReturnToService=2
 MpiDefault=none
 NodeName=localhost CPUs={cpus} RealMemory=2000 State=UNKNOWN

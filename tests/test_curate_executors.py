@@ -105,7 +105,7 @@ def test_the_reference_run_exercises_every_stage(crawl_run):
 
 def test_local_workers_partitions_and_a_killed_task_give_the_same_files(crawl_run, tmp_path):
     out, flag = tmp_path / "out", tmp_path / "killed-once"
-    env = {"TRIPOD_FAULT_CURATE_KILL_TASK": f"bands:2:{flag}"}
+    env = {"TRIPOD_FAULT_KILL_TASK": f"bands:2:{flag}"}
     result = _curate(crawl_run["folder"], out, "--workers", "2", "--dedup-tasks", "3", env=env)
     assert result.returncode == 0, result.stderr
     assert flag.exists()  # the task was killed once, then run again
@@ -165,7 +165,7 @@ def test_ray_cluster_on_loopback_gives_the_same_files(crawl_run, tmp_path):
             started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
             assert started.returncode == 0, started.stderr[-2000:]
         out, flag = tmp_path / "out", tmp_path / "killed-once"
-        fault = {"TRIPOD_FAULT_CURATE_KILL_TASK": f"first:1:{flag}"}
+        fault = {"TRIPOD_FAULT_KILL_TASK": f"first:1:{flag}"}
         result = _curate(crawl_run["folder"], out, "--executor", "ray", "--ray-address",
                          f"127.0.0.1:{port}", "--dedup-tasks", "2", env=fault)  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
@@ -206,7 +206,7 @@ def test_slurm_job_arrays_give_the_same_files(crawl_run, tmp_path):
         assert "--executor slurm: sbatch refused the first array" in line, line
         assert not list((refused / "kept").iterdir())
         out, flag = tmp_path / "out", tmp_path / "killed-once"
-        fault = dict(env, TRIPOD_FAULT_CURATE_KILL_TASK=f"decide:1:{flag}")
+        fault = dict(env, TRIPOD_FAULT_KILL_TASK=f"decide:1:{flag}")
         result = _curate(crawl_run["folder"], out, "--executor", "slurm", "--dedup-tasks", "1",
                          env=fault)  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
@@ -232,17 +232,3 @@ def test_executor_flags_are_checked_in_one_line(crawl_run, tmp_path):
     line = one_line_error(_curate(crawl_run["folder"], crawl_run["reference"], "--dedup-tasks",
                                   "2"))  # fmt: skip
     assert "another --dedup-tasks" in line
-
-
-def test_ray_without_an_address_starts_a_local_cluster(tmp_path):
-    require("ray")
-    raw = tmp_path / "raw.jsonl"
-    raw.write_text("".join(json.dumps(row) + "\n" for row in _near_copies(6)))
-    outputs = {}
-    for executor in ("local", "ray"):
-        out = tmp_path / executor
-        result = run_tool("curate.py", "--input", str(raw), "--output", str(out),
-                          "--executor", executor, "--workers", "2")  # fmt: skip
-        assert result.returncode == 0, result.stderr[-3000:]
-        outputs[executor] = _files(out)
-    assert outputs["ray"] == outputs["local"]

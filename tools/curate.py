@@ -22,12 +22,12 @@ import argparse
 from engine.cli import run_main
 from engine.config.arguments import ArgumentParser
 from engine.curation.config import read_config
-from engine.curation.executors.choice import add_executor_arguments, executor_from_arguments
 from engine.curation.pipeline import curate
 from engine.curation.web.warc import WARC_SUFFIXES
 from engine.data.prepare.preprocess import WORKERS_PER_CPU, available_cpus
 from engine.data.prepare.readers import SUPPORTED, expand_inputs
 from engine.errors import ConfigError
+from engine.execution.choice import add_executor_arguments, executor_from_arguments
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="local processes (and the CPUs "
                         "of the local Ray cluster)")  # fmt: skip
     add_executor_arguments(parser)
+    parser.add_argument("--dedup-tasks", type=int, default=None,
+                        help="tasks each corpus-wide step is cut into (default: one per input "
+                        "file, up to 64)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: give at least 1")
@@ -48,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--workers {args.workers}: this process may use {available_cpus()} CPUs; give at "
             f"most {WORKERS_PER_CPU * available_cpus()}"
         )
+    if args.dedup_tasks is not None and args.dedup_tasks < 1:
+        raise ConfigError(f"--dedup-tasks {args.dedup_tasks}: give at least 1")
     executor = executor_from_arguments(args)
     config = read_config(args.config)
     inputs = expand_inputs(args.input, SUPPORTED + WARC_SUFFIXES)

@@ -1,6 +1,8 @@
 """Tokenize raw text into Megatron-LM indexed datasets: <prefix>_<key>_document.bin / .idx.
 
-Inputs: .jsonl (.gz, .zst), .parquet, or folders of .txt; a file, a glob or a folder.
+Inputs: .jsonl (.gz, .zst), .parquet, or folders of .txt; a file, a glob or a folder. With
+--executor ray or slurm, a task per input file on a Ray cluster or Slurm job arrays, then one
+merging them in input order: the same files as one machine writes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from engine.data.prepare.preprocess import preprocess
 from engine.data.tokenizers.cli import add_tokenizer_arguments, tokenizer_config
 from engine.data.tokenizers.gigatoken_encoder import CHOICES
 from engine.errors import ConfigError
+from engine.execution.choice import add_executor_arguments, executor_from_arguments
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     group.add_argument("--log-interval", type=int, default=10000, help="documents between logs")
     group.add_argument("--no-progress", action="store_true", help="no progress bar or log lines")
+    add_executor_arguments(parser)
     args = parser.parse_args(argv)
     if args.split_sentences:
         raise ConfigError(
@@ -81,7 +85,21 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.partitions < 1:
         raise ConfigError(f"--partitions {args.partitions}: need at least 1")
-    stats = preprocess(
+    if args.executor != "local":
+        stats = _distributed(args)
+    else:
+        stats = _local(args)
+    for message in stats.skip_messages:
+        print(f"skipped: {message}", file=sys.stderr)
+    print(stats.summary())
+    for prefix in stats.outputs:
+        print(f"wrote {prefix}.bin and {prefix}.idx")
+    return 0
+
+
+def _local(args):
+    executor_from_arguments(args)  # the flags' checks
+    return preprocess(
         args.input,
         args.output_prefix,
         tokenizer_config(args),
@@ -93,12 +111,25 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
         tokenize_with=args.tokenize_with,
     )
-    for message in stats.skip_messages:
-        print(f"skipped: {message}", file=sys.stderr)
-    print(stats.summary())
-    for prefix in stats.outputs:
-        print(f"wrote {prefix}.bin and {prefix}.idx")
-    return 0
+
+
+def _distributed(args):
+    """A task per input file on the cluster, then their merge (engine/data/prepare/
+    distributed.py)."""
+    from engine.data.prepare import distributed
+    from engine.data.prepare.readers import expand_inputs
+    from engine.data.tokenizers import build_tokenizer
+
+    executor = executor_from_arguments(args)
+    cfg = tokenizer_config(args)
+    build_tokenizer(cfg)  # a tokenizer that cannot load is refused here, not in every task
+    run = distributed.PreprocessRun(
+        args.output_prefix, tuple(expand_inputs(args.input)), cfg, tuple(args.json_keys),
+        args.append_eod, args.skip_bad_records, args.tokenize_with,
+    )  # fmt: skip
+    distributed.start(run)
+    executor.run(distributed.preprocess_job(run), distributed.stages(run))
+    return distributed.finish(run)
 
 
 if __name__ == "__main__":

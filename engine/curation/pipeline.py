@@ -20,15 +20,15 @@ corpus-wide task.
 
 from __future__ import annotations
 
-import json
 import os
 
 from engine.curation.config import CurateConfig
 from engine.curation.decontamination import ContaminationIndex
 from engine.curation.models.perplexity import prepare_reference
 from engine.curation.run_context import RECORD, RunContext
-from engine.curation.tasks import stage_graph
+from engine.curation.tasks import curation_job, stage_graph
 from engine.errors import ConfigError
+from engine.execution.job import keep_record
 
 MAX_DEDUP_TASKS = 64
 
@@ -41,27 +41,18 @@ def default_dedup_tasks(inputs: int) -> int:
 def _check_run(ctx: RunContext) -> None:
     """<output>/curate.json records the run; a different run there is refused."""
     output = ctx.output
-    record = json.loads(json.dumps(ctx.record()))
     if os.path.exists(output) and not os.path.isdir(output):
         raise ConfigError(f"--output {output}: is a file; give a folder (new or of this run)")
     try:
         os.makedirs(output, exist_ok=True)
     except OSError as err:
         raise ConfigError(f"--output {output}: cannot create it ({err.strerror})") from None
-    path = os.path.join(output, RECORD)
-    if os.path.exists(path):
-        with open(path) as f:
-            if json.load(f) != record:
-                raise ConfigError(
-                    f"--output {output}: holds a curation of other inputs, another config, "
-                    "another --dedup-tasks or models changed since; give a new --output (or "
-                    "delete it) to start afresh"
-                )
-        return
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, path)
+    refusal = (
+        f"--output {output}: holds a curation of other inputs, another config, another "
+        "--dedup-tasks or models changed since; give a new --output (or delete it) to start "
+        "afresh"
+    )
+    keep_record(os.path.join(output, RECORD), ctx.record(), refusal)
 
 
 def curate(
@@ -74,8 +65,8 @@ def curate(
 ) -> dict:
     """Run the stages (resuming a killed run in `output`) with `executor` (the local one with
     `workers` processes by default); returns the report."""
-    from engine.curation.executors.local import LocalExecutor
     from engine.curation.report import write_report
+    from engine.execution.local import LocalExecutor
 
     partitions = dedup_tasks or default_dedup_tasks(len(inputs))
     ctx = RunContext(os.path.abspath(output), tuple(inputs), config, partitions)
@@ -87,5 +78,5 @@ def curate(
         ContaminationIndex.build(contamination).save(os.path.join(ctx.work, "contamination.npy"))
     if config.stage("perplexity") is not None:
         prepare_reference(config.stage("perplexity"), ctx.work)
-    (executor or LocalExecutor(workers, retries=2)).run(ctx, stage_graph(ctx))
+    (executor or LocalExecutor(workers, retries=2)).run(curation_job(ctx), stage_graph(ctx))
     return write_report(output, ctx.work, len(inputs), config)

@@ -1,6 +1,6 @@
 """A curation run as stages of independent tasks, in order; an executor (local processes, a Ray
-cluster, Slurm job arrays: engine/curation/executors/) runs each stage's tasks anywhere that
-sees <output>, a stage once the one before it has finished:
+cluster, Slurm job arrays: engine/execution/) runs each stage's tasks anywhere that sees
+<output>, a stage once the one before it has finished:
 
     first     per input file (shard): the per-document stages          engine/curation/
     exact     per hash partition: exact duplicate documents             shard_steps.py,
@@ -20,8 +20,6 @@ runs only the tasks without a marker, and a task run twice writes the same files
 from __future__ import annotations
 
 import os
-import signal
-from dataclasses import dataclass
 
 from engine.curation.dedup import documents, lines
 from engine.curation.dedup.layout import SortedIds, corpus_layout
@@ -29,12 +27,7 @@ from engine.curation.models import perplexity_steps
 from engine.curation.run_context import RunContext
 from engine.curation.shard_steps import final_pass, first_pass
 from engine.errors import InputError
-
-
-@dataclass(frozen=True)
-class Stage:
-    name: str
-    tasks: int
+from engine.execution.job import Stage, TaskJob, fault_in_task
 
 
 def stage_graph(ctx: RunContext) -> list[Stage]:
@@ -55,13 +48,10 @@ def stage_graph(ctx: RunContext) -> list[Stage]:
     return stages
 
 
-def marker(ctx: RunContext, stage: str, index: int) -> str:
-    return os.path.join(ctx.work, "done", f"{stage}-{index:05d}")
-
-
-def pending(ctx: RunContext, stage: Stage) -> list[int]:
-    """The stage's tasks without a marker."""
-    return [i for i in range(stage.tasks) if not os.path.exists(marker(ctx, stage.name, i))]
+def curation_job(ctx: RunContext) -> TaskJob:
+    """The run as executors see it: markers in work/done/, Slurm logs in work/logs/."""
+    done, logs = os.path.join(ctx.work, "done"), os.path.join(ctx.work, "logs")
+    return TaskJob("curate", ctx.output, done, logs, run_task, "engine.curation.task_main")
 
 
 def _outputs(ctx: RunContext, name: str) -> list[str]:
@@ -87,12 +77,12 @@ def run_task(output: str, stage: str, index: int) -> None:
             "--output (and the inputs) at the same path: a shared file system"
         )
     ctx = RunContext.load(output)
-    done = marker(ctx, stage, index)
+    done = curation_job(ctx).marker(stage, index)
     if os.path.exists(done):
         return
     os.makedirs(os.path.join(ctx.work, documents.DEDUP_FOLDER), exist_ok=True)
     _run(ctx, stage, index)
-    _fault_in_task(stage, index)
+    fault_in_task(stage, index)
     os.makedirs(os.path.dirname(done), exist_ok=True)
     open(done, "w").close()
 
@@ -135,14 +125,3 @@ def _run(ctx: RunContext, stage: str, index: int) -> None:
         params = config.stage("perplexity")
         return perplexity_steps.score_shard(work, parts, index, params, by_lines, config.text_key)
     raise ValueError(f"no curation stage {stage!r}")
-
-
-def _fault_in_task(stage: str, index: int) -> None:
-    """Fault injection for the executors' retry tests, inert unless
-    TRIPOD_FAULT_CURATE_KILL_TASK is `stage:index:flag-file`: the task's process kills itself
-    after its work, before its marker, the first time (the flag file says it happened)."""
-    spec = os.environ.get("TRIPOD_FAULT_CURATE_KILL_TASK", "")
-    parts = spec.split(":", 2)
-    if len(parts) == 3 and parts[:2] == [stage, str(index)] and not os.path.exists(parts[2]):
-        open(parts[2], "w").close()
-        os.kill(os.getpid(), signal.SIGKILL)

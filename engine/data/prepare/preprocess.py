@@ -265,6 +265,8 @@ def preprocess(
     log_interval: int = 10000,
     progress: bool = True,
     tokenize_with: str = "tokenizer",
+    allow_empty: bool = False,
+    in_process: bool = False,
 ) -> PreprocessStats:
     """Tokenize every document of `inputs` into `<output_prefix>_<key>_document.{bin,idx}`.
 
@@ -276,7 +278,9 @@ def preprocess(
 
     On an error nothing is left at the output paths (earlier files there stay untouched);
     the InputError names the file and line or row. Input without a single document with text
-    is refused rather than written as an empty dataset.
+    is refused rather than written as an empty dataset (`allow_empty`: nothing is written and
+    the counts say so, for a task of a distributed run tokenizing one file of many;
+    `in_process`: no worker processes, as such a task runs inside an executor's worker).
     """
     keys = list(json_keys or ["text"])
     if workers < 1:
@@ -319,24 +323,20 @@ def preprocess(
         # Opening the outputs first finds an unwritable --output-prefix before any work.
         for key in keys:
             builders[key] = IndexedDatasetBuilder(output_prefix_for(output_prefix, key), dtype)
-        with (
-            stopped_by_sigterm(),
-            context.Pool(
-                workers, initializer=_ignore_interrupts, maxtasksperchild=BATCHES_PER_WORKER
-            ) as pool,
-        ):
-            pending: deque = deque()
-            records = iter_records(files, keys, skip_bad_records, file_stats)
+        records = iter_records(files, keys, skip_bad_records, file_stats)
+        if in_process:
             for batch in _batches(records):
-                pending.append(pool.apply_async(work, (batch,)))
-                if len(pending) >= 2 * workers:
-                    _consume(pending.popleft().get(), builders, stats, progress_bar)
-            while pending:
-                _consume(pending.popleft().get(), builders, stats, progress_bar)
+                _consume(work(batch), builders, stats, progress_bar)
+        else:
+            _in_pool(context, workers, work, records, builders, stats, progress_bar)
         stats.skipped += file_stats.get("skipped", 0)
         stats.skip_messages.extend(file_stats.get("skip_messages", []))
         if stats.documents == 0:  # an empty dataset must not replace an earlier one
-            raise InputError(_no_documents(files, stats))
+            if not allow_empty:
+                raise InputError(no_documents_message(files, stats))
+            for builder in builders.values():
+                builder.abort()
+            builders = {}
         # Every output is written in full before any replaces what was there.
         for builder in builders.values():
             builder.prepare()
@@ -353,7 +353,24 @@ def preprocess(
     return stats
 
 
-def _no_documents(files: list[str], stats: PreprocessStats) -> str:
+def _in_pool(context, workers: int, work, records, builders, stats, progress_bar) -> None:
+    """Batches encoded in `workers` processes, consumed in order, 2 per worker in flight."""
+    with (
+        stopped_by_sigterm(),
+        context.Pool(
+            workers, initializer=_ignore_interrupts, maxtasksperchild=BATCHES_PER_WORKER
+        ) as pool,
+    ):
+        pending: deque = deque()
+        for batch in _batches(records):
+            pending.append(pool.apply_async(work, (batch,)))
+            if len(pending) >= 2 * workers:
+                _consume(pending.popleft().get(), builders, stats, progress_bar)
+        while pending:
+            _consume(pending.popleft().get(), builders, stats, progress_bar)
+
+
+def no_documents_message(files: list[str], stats: PreprocessStats) -> str:
     where = files[0] if len(files) == 1 else f"{files[0]} and {len(files) - 1} more files"
     if stats.empty or stats.skipped:
         found = f"{stats.empty:,} empty, {stats.skipped:,} bad and skipped"

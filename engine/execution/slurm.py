@@ -24,12 +24,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-from engine.curation.run_context import RunContext
-from engine.curation.tasks import Stage, pending
 from engine.errors import ConfigError, UserError
+from engine.execution.job import Stage, TaskJob
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-POLL_SECONDS = 2.0
+POLL_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -41,18 +40,17 @@ class SlurmOptions:
     retries: int = 2
 
 
-def _script(ctx: RunContext, stage: str, offset: int, options: SlurmOptions) -> str:
+def _script(job: TaskJob, stage: str, offset: int, options: SlurmOptions) -> str:
     """The batch script of one array: task `offset + SLURM_ARRAY_TASK_ID` of the stage, its
-    output to <output>/work/logs/<stage>-<task>.log."""
-    logs = os.path.join(ctx.work, "logs")
+    output to <logs>/<stage>-<task>.log."""
+    logs = job.logs
     os.makedirs(logs, exist_ok=True)
     python_path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-m", "engine.curation.executors.task_main",
-               "--output", ctx.output, "--stage", stage]  # fmt: skip
+    command = [sys.executable, "-m", job.module, "--output", job.folder, "--stage", stage]
     log = shlex.quote(os.path.join(logs, stage)) + '-"$TASK".log'
     lines = [
         "#!/bin/bash",
-        f"#SBATCH --job-name=curate-{stage}",
+        f"#SBATCH --job-name={job.name}-{stage}",
         "#SBATCH --output=/dev/null",  # each task's own log, below
         f"#SBATCH --cpus-per-task={options.cpus_per_task}",
         *([f"#SBATCH --partition={options.partition}"] if options.partition else []),
@@ -108,7 +106,7 @@ class SlurmExecutor:
     def __init__(self, options: SlurmOptions):
         self.options = options
 
-    def _submit(self, ctx: RunContext, stage: str, tasks: list[int], after: list[str]) -> list[str]:
+    def _submit(self, job: TaskJob, stage: str, tasks: list[int], after: list[str]) -> list[str]:
         """The arrays running `tasks` of the stage (one per MaxArraySize tasks), each behind
         every job of `after`."""
         if not tasks:
@@ -125,7 +123,7 @@ class SlurmExecutor:
                     "--kill-on-invalid-dep=yes",
                 ]
             try:
-                result = _run(arguments, input=_script(ctx, stage, offset, self.options))
+                result = _run(arguments, input=_script(job, stage, offset, self.options))
             except FileNotFoundError:
                 raise ConfigError(
                     "--executor slurm: sbatch is not installed here; run on a Slurm login node"
@@ -150,7 +148,7 @@ class SlurmExecutor:
         states = [line.split("|", 1) for line in result.stdout.strip().splitlines()]
         if states and all(s == "PENDING" and "held" in r.lower() for s, r in states):
             raise UserError(
-                f"curation stage {stage}: Slurm holds its tasks ({states[0][1]}); the run's "
+                f"stage {stage}: Slurm holds its tasks ({states[0][1]}); the run's "
                 "arrays are cancelled: see the node's slurmd log, then run it again"
             )
         return bool(states)
@@ -159,20 +157,20 @@ class SlurmExecutor:
         if jobs:
             _run(["scancel", *jobs])
 
-    def run(self, ctx: RunContext, stages: list[Stage]) -> None:
-        stages = [s for s in stages if pending(ctx, s)]
+    def run(self, job: TaskJob, stages: list[Stage]) -> None:
+        stages = [s for s in stages if job.pending(s)]
         jobs: list[list[str]] = []
         stop = _StopOnSignal()  # a SIGTERM or SIGHUP ends the watch through `finally`
         try:
             for stage in stages:  # the whole pipeline queued at once, stage after stage
                 after = next((j for j in reversed(jobs) if j), [])
-                jobs.append(self._submit(ctx, stage.name, pending(ctx, stage), after))
-            self._watch(ctx, stages, jobs)
+                jobs.append(self._submit(job, stage.name, job.pending(stage), after))
+            self._watch(job, stages, jobs)
         finally:  # an error or an interrupt here: the arrays still queued go too
             self._cancel([j for stage_jobs in jobs for j in stage_jobs])
             stop.restore()
 
-    def _watch(self, ctx: RunContext, stages: list[Stage], jobs: list[list[str]]) -> None:
+    def _watch(self, job: TaskJob, stages: list[Stage], jobs: list[list[str]]) -> None:
         """Wait for each stage in turn, submitting its failed tasks (and the stages after it)
         again, up to the retries."""
         tries = dict.fromkeys(range(len(stages)), 0)
@@ -181,24 +179,24 @@ class SlurmExecutor:
             time.sleep(POLL_SECONDS)
             if self._in_queue(jobs[current], stages[current].name):
                 continue
-            left = pending(ctx, stages[current])
+            left = job.pending(stages[current])
             if not left:
                 current += 1
                 continue
             tries[current] += 1
             name = stages[current].name
             if tries[current] > self.options.retries:
-                log = os.path.join(ctx.work, "logs", f"{name}-{left[0]}.log")
+                log = os.path.join(job.logs, f"{name}-{left[0]}.log")
                 raise UserError(
-                    f"curation stage {name}: task(s) {left[:5]} failed {tries[current]} times "
+                    f"stage {name}: task(s) {left[:5]} failed {tries[current]} times "
                     f"on Slurm (log {log}{_last_error(log)}); fix the cause and run the same "
                     "command again"
                 )
             self._cancel([j for later in jobs[current + 1 :] for j in later])
-            jobs[current] = self._submit(ctx, name, left, [])
+            jobs[current] = self._submit(job, name, left, [])
             for k in range(current + 1, len(stages)):
                 after = next((j for j in reversed(jobs[:k]) if j), [])
-                jobs[k] = self._submit(ctx, stages[k].name, pending(ctx, stages[k]), after)
+                jobs[k] = self._submit(job, stages[k].name, job.pending(stages[k]), after)
 
 
 class _StopOnSignal:

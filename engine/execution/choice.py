@@ -14,9 +14,6 @@ def add_executor_arguments(parser) -> None:
                         "(default: a local cluster started for the run)")  # fmt: skip
     parser.add_argument("--max-retries", type=int, default=2,
                         help="times a task whose process died is run again")  # fmt: skip
-    parser.add_argument("--dedup-tasks", type=int, default=None,
-                        help="tasks each corpus-wide step is cut into (default: one per input "
-                        "file, up to 64)")  # fmt: skip
     parser.add_argument("--slurm-partition")
     parser.add_argument("--slurm-time", help="each array task's --time, e.g. 4:00:00")
     parser.add_argument("--slurm-cpus-per-task", type=int, default=1)
@@ -27,8 +24,6 @@ def executor_from_arguments(args):
     """The executor the flags name (None: the local one, built by the run)."""
     if args.max_retries < 0:
         raise ConfigError(f"--max-retries {args.max_retries}: give 0 or more")
-    if args.dedup_tasks is not None and args.dedup_tasks < 1:
-        raise ConfigError(f"--dedup-tasks {args.dedup_tasks}: give at least 1")
     if args.ray_address and args.executor != "ray":
         raise ConfigError("--ray-address: only with --executor ray")
     slurm_flags = [f for f in ("slurm_partition", "slurm_time", "slurm_mem") if getattr(args, f)]
@@ -38,16 +33,16 @@ def executor_from_arguments(args):
     if args.slurm_cpus_per_task < 1:
         raise ConfigError(f"--slurm-cpus-per-task {args.slurm_cpus_per_task}: give at least 1")
     if args.executor == "local":
-        from engine.curation.executors.local import LocalExecutor
+        from engine.execution.local import LocalExecutor
 
         return LocalExecutor(args.workers, args.max_retries)
     if args.executor == "ray":
-        from engine.curation.executors.ray_cluster import RayExecutor, check_address
+        from engine.execution.ray_cluster import RayExecutor, check_address
 
         if args.ray_address:
             check_address(args.ray_address)
         return RayExecutor(args.ray_address, args.max_retries, args.workers)
-    from engine.curation.executors.slurm import SlurmExecutor, SlurmOptions
+    from engine.execution.slurm import SlurmExecutor, SlurmOptions
 
     options = SlurmOptions(args.slurm_partition, args.slurm_time, args.slurm_cpus_per_task,
                            args.slurm_mem, args.max_retries)  # fmt: skip

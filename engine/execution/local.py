@@ -10,40 +10,39 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from engine.curation.run_context import RunContext
-from engine.curation.tasks import Stage, pending, run_task
 from engine.errors import UserError
+from engine.execution.job import Stage, TaskJob
 
 
 class LocalExecutor:
     def __init__(self, workers: int, retries: int):
         self.workers, self.retries = workers, retries
 
-    def run(self, ctx: RunContext, stages: list[Stage]) -> None:
+    def run(self, job: TaskJob, stages: list[Stage]) -> None:
         for stage in stages:
-            self._stage(ctx, stage)
+            self._stage(job, stage)
 
-    def _stage(self, ctx: RunContext, stage: Stage) -> None:
+    def _stage(self, job: TaskJob, stage: Stage) -> None:
         for attempt in range(self.retries + 1):
-            todo = pending(ctx, stage)
+            todo = job.pending(stage)
             if not todo:
                 return
             if self.workers <= 1:
                 for index in todo:
-                    run_task(ctx.output, stage.name, index)
+                    job.function(job.folder, stage.name, index)
                 return
             start = "fork" if sys.platform == "linux" else "spawn"
             context = multiprocessing.get_context(start)
             pool = ProcessPoolExecutor(self.workers, mp_context=context)
             try:
-                futures = [pool.submit(run_task, ctx.output, stage.name, i) for i in todo]
+                futures = [pool.submit(job.function, job.folder, stage.name, i) for i in todo]
                 for future in futures:
                     future.result()
             except BrokenProcessPool:
                 if attempt == self.retries:
-                    left = pending(ctx, stage)
+                    left = job.pending(stage)
                     raise UserError(
-                        f"curation stage {stage.name}: task(s) {left[:5]} died in "
+                        f"stage {stage.name}: task(s) {left[:5]} died in "
                         f"{self.retries + 1} tries (a worker process was killed: out of "
                         "memory?); run the same command again to resume"
                     ) from None

@@ -14,9 +14,8 @@ import os
 import socket
 import warnings
 
-from engine.curation.run_context import RunContext
-from engine.curation.tasks import Stage, pending, run_task
 from engine.errors import ConfigError, InputError, UserError
+from engine.execution.job import Stage, TaskJob
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
@@ -36,22 +35,22 @@ def check_address(address: str) -> None:
         ) from None
 
 
-def _task_in(cwd: str, output: str, stage: str, index: int) -> None:
-    """run_task from the launcher's working directory, where the run's relative paths lead."""
+def _task_in(cwd: str, function, folder: str, stage: str, index: int) -> None:
+    """The task from the launcher's working directory, where the run's relative paths lead."""
     if not os.path.isdir(cwd):
         raise InputError(
             f"{cwd}: not on this Ray node; the nodes must see the launcher's working directory, "
             "--output and the inputs at the same paths (a shared file system)"
         )
     os.chdir(cwd)
-    run_task(output, stage, index)
+    function(folder, stage, index)
 
 
 class RayExecutor:
     def __init__(self, address: str | None, retries: int, workers: int):
         self.address, self.retries, self.workers = address, retries, workers
 
-    def run(self, ctx: RunContext, stages: list[Stage]) -> None:
+    def run(self, job: TaskJob, stages: list[Stage]) -> None:
         import ray
 
         if self.address:
@@ -73,8 +72,10 @@ class RayExecutor:
             remote = ray.remote(num_cpus=1, max_retries=self.retries)(_task_in)
             cwd = os.getcwd()
             for stage in stages:
-                todo = pending(ctx, stage)
-                refs = {remote.remote(cwd, ctx.output, stage.name, i): i for i in todo}
+                todo = job.pending(stage)
+                refs = {
+                    remote.remote(cwd, job.function, job.folder, stage.name, i): i for i in todo
+                }
                 self._wait(refs, stage)
         finally:
             ray.shutdown()
@@ -94,6 +95,6 @@ class RayExecutor:
             except ray.exceptions.RayError as err:
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 raise UserError(
-                    f"curation stage {stage.name}: task {index} failed on the Ray cluster after "
+                    f"stage {stage.name}: task {index} failed on the Ray cluster after "
                     f"{self.retries} retries ({first}); run the same command again to resume"
                 ) from None
