@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 
 import numpy as np
@@ -112,7 +113,12 @@ def first_pass(ctx: RunContext, k: int) -> None:
     with open(os.path.join(tmp, PARTS_FILE), "w") as f:
         json.dump(records, f)
     stats.save(os.path.join(tmp, "stats.json"))
-    os.replace(tmp, final)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another attempt put its folder there first: the same files
+        if not os.path.isdir(final):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     fault_after("first", k)
 
 

@@ -53,16 +53,17 @@ class RayExecutor:
     def run(self, job: TaskJob, stages: list[Stage]) -> None:
         import ray
 
-        if self.address:
-            check_address(self.address)
+        address = self.address or os.environ.get("RAY_ADDRESS") or None  # Ray's own variable
+        if address:
+            check_address(address)
         python_path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
         # the run's own settings (TRIPOD_*) go to the tasks, whose processes Ray starts
         env = {k: v for k, v in os.environ.items() if k.startswith("TRIPOD_")}
         with warnings.catch_warnings():  # its notices would break a one-line error
             warnings.simplefilter("ignore")
             ray.init(
-                address=self.address,
-                num_cpus=None if self.address else self.workers,
+                address=address,
+                num_cpus=None if address else self.workers,
                 include_dashboard=False,
                 runtime_env={"env_vars": {**env, "PYTHONPATH": python_path}},
                 log_to_driver=False,
