@@ -102,6 +102,12 @@ def classifier_text(text: str) -> str:
     return " ".join(text.strip().splitlines())
 
 
+def label_probability(model, label: str, text: str) -> float:
+    """The model's probability of `label` (with its prefix) for the document's text."""
+    labels, probabilities = model.predict(classifier_text(text), k=-1, threshold=0.0)
+    return float(dict(zip(labels, probabilities, strict=True)).get(label, 0.0))
+
+
 def load_fasttext(path: str):
     try:
         import fasttext  # noqa: F401
@@ -127,10 +133,8 @@ class ClassifierScorer:
         self.label = _full_label(self.model, params.model, params.label, stage)
 
     def score(self, text: str) -> float:
-        labels, probabilities = self.model.predict(classifier_text(text), k=-1, threshold=0.0)
-        scores = dict(zip(labels, probabilities, strict=True))
         # fastText's softmax can exceed 1 by rounding: a probability stays within [0, 1]
-        return min(1.0, max(0.0, float(scores.get(self.label, 0.0))))
+        return min(1.0, max(0.0, label_probability(self.model, self.label, text)))
 
     def reason(self, score: float) -> str | None:
         if self.params.removes_above:

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.curation.documents import iter_documents
-from engine.curation.models.classifier import LABEL_PREFIX, classifier_text, load_fasttext
+from engine.curation.models.classifier import (
+    LABEL_PREFIX,
+    classifier_text,
+    label_probability,
+    load_fasttext,
+)
 from engine.errors import ConfigError
 
 
@@ -122,15 +127,9 @@ def _output_folder(output: str) -> str:
 
 
 def evaluate(model_path: str, label: str, positive: list[str], negative: list[str]) -> Evaluation:
-    model = load_fasttext(model_path)
-    name = LABEL_PREFIX + label
-
-    def score(text: str) -> float:
-        labels, probabilities = model.predict(classifier_text(text), k=-1, threshold=0.0)
-        return float(dict(zip(labels, probabilities, strict=True)).get(name, 0.0))
-
-    pos = np.array([score(t) for t in positive])
-    neg = np.array([score(t) for t in negative])
+    model, name = load_fasttext(model_path), LABEL_PREFIX + label
+    pos = np.array([label_probability(model, name, t) for t in positive])
+    neg = np.array([label_probability(model, name, t) for t in negative])
     true_pos, false_pos = int((pos >= 0.5).sum()), int((neg >= 0.5).sum())
     accuracy = (true_pos + int((neg < 0.5).sum())) / (len(pos) + len(neg))
     precision = true_pos / (true_pos + false_pos) if true_pos + false_pos else 0.0
