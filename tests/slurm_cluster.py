@@ -1,7 +1,8 @@
 """A real Slurm for the tests: a controller and one node on this machine (Debian's slurm-wlm,
-which .ci/run installs), started with a configuration of its own in a temporary folder and
-stopped afterwards. Needs root (slurmd runs jobs as their user) and munge; tests skip where
-Slurm is not installed."""
+which .ci/run installs), started with a configuration and a munge daemon of its own in a short
+temporary folder and stopped afterwards, so that clusters of tests running side by side never
+share (or stop) each other's daemons. Needs root (slurmd runs jobs as their user) and munge;
+tests skip where Slurm is not installed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 
 CONF = """ClusterName=tripodtest
@@ -16,6 +18,7 @@ SlurmctldHost=localhost
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=socket={root}/munge.socket
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid
@@ -37,9 +40,6 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSu
 """
 
 
-MUNGE_PID_FILE = "/run/munge/munged.pid"
-
-
 def slurm_available() -> str | None:
     """Why Slurm cannot run here, or None."""
     for program in ("slurmctld", "slurmd", "sbatch", "munged"):
@@ -57,13 +57,21 @@ def _free_port() -> int:
 
 
 class SlurmCluster:
-    """`with SlurmCluster(folder) as env:` runs Slurm; `env` is the environment its commands
-    (sbatch, squeue, scontrol) need."""
+    """`with SlurmCluster() as env:` runs Slurm; `env` is the environment its commands (sbatch,
+    squeue, scontrol) need. Its folder is a short one under /tmp (slurmd's and munge's sockets
+    live there, at most 108 bytes a path), kept when the cluster failed to come up."""
 
-    def __init__(self, root: str):
-        self.root = root
-        self.env = dict(os.environ, SLURM_CONF=os.path.join(root, "slurm.conf"))
-        self.started_munge = False
+    def __init__(self):
+        self.root = tempfile.mkdtemp(prefix="slurm", dir="/tmp")
+        self.env = dict(os.environ, SLURM_CONF=os.path.join(self.root, "slurm.conf"))
+
+    def _start_munge(self) -> None:
+        key = os.path.join(self.root, "munge.key")
+        subprocess.run(["mungekey", "--create", f"--keyfile={key}"], check=True)
+        paths = {"socket": "munge.socket", "key-file": "munge.key", "pid-file": "munged.pid"}
+        paths |= {"seed-file": "munged.seed", "log-file": "munged.log"}
+        options = [f"--{name}={os.path.join(self.root, file)}" for name, file in paths.items()]
+        subprocess.run(["munged", "--force", *options], check=True, capture_output=True)
 
     def __enter__(self) -> dict:
         for sub in ("state", "spool"):
@@ -71,34 +79,36 @@ class SlurmCluster:
         ports = {"ctld_port": _free_port(), "slurmd_port": _free_port()}
         with open(self.env["SLURM_CONF"], "w") as f:
             f.write(CONF.format(root=self.root, cpus=os.cpu_count() or 1, **ports))
-        if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
-            os.makedirs("/run/munge", exist_ok=True)
-            subprocess.run(["munged", "--force"], check=True, capture_output=True)
-            self.started_munge = True
-        subprocess.run(["slurmctld"], env=self.env, check=True)
-        subprocess.run(["slurmd"], env=self.env, check=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            state = self.run("sinfo", "-h", "-o", "%T").stdout.strip()
-            if state == "idle":
-                return self.env
-            time.sleep(0.5)
-        raise RuntimeError(f"the Slurm node did not come up (state {state!r}); see {self.root}")
+        try:
+            self._start_munge()
+            subprocess.run(["slurmctld"], env=self.env, check=True)
+            subprocess.run(["slurmd"], env=self.env, check=True)
+            deadline, state = time.monotonic() + 60, ""
+            while time.monotonic() < deadline:
+                state = self.run("sinfo", "-h", "-o", "%T").stdout.strip()
+                if state == "idle":
+                    return self.env
+                time.sleep(0.5)
+            raise RuntimeError(f"the Slurm node did not come up (state {state!r}): {self.root}")
+        except BaseException as error:  # what did start stops
+            self.__exit__(type(error))
+            raise
 
     def run(self, *command: str) -> subprocess.CompletedProcess:
         return subprocess.run(command, env=self.env, capture_output=True, text=True)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, error_type, *exc) -> None:
         self.run("scancel", "-u", "root")
-        for pid_file in ("slurmd.pid", "slurmctld.pid"):
+        pids = []
+        for pid_file in ("slurmd.pid", "slurmctld.pid", "munged.pid"):
             try:
                 with open(os.path.join(self.root, pid_file)) as f:
-                    os.kill(int(f.read().strip()), 15)
+                    pids.append(int(f.read().strip()))
+                os.kill(pids[-1], 15)
             except (OSError, ValueError):
                 pass
-        if self.started_munge:
-            try:
-                with open(MUNGE_PID_FILE) as f:
-                    os.kill(int(f.read().strip()), 15)
-            except (OSError, ValueError):
-                pass
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if error_type is None:  # kept for a look when something failed
+            shutil.rmtree(self.root, ignore_errors=True)

@@ -196,9 +196,7 @@ def test_an_unreachable_ray_address_is_one_line(crawl_run, tmp_path):
 
 @pytest.mark.skipif(slurm_available() is not None, reason=f"Slurm: {slurm_available()}")
 def test_slurm_job_arrays_give_the_same_files(crawl_run, tmp_path):
-    # slurmd's sockets live under the cluster's folder: a short path (at most 108 bytes)
-    root = tempfile.mkdtemp(prefix="slurm", dir="/tmp")
-    with SlurmCluster(root) as env:
+    with SlurmCluster() as env:
         refused = tmp_path / "refused"
         result = _curate(crawl_run["folder"], refused, "--executor", "slurm",
                          "--slurm-partition", "nowhere", env=env)  # fmt: skip
@@ -214,7 +212,6 @@ def test_slurm_job_arrays_give_the_same_files(crawl_run, tmp_path):
         assert _files(out) == _files(crawl_run["reference"])
         logs = os.listdir(out / "work" / "logs")
         assert "decide-1.log" in logs and "first-0.log" in logs
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def test_executor_flags_are_checked_in_one_line(crawl_run, tmp_path):

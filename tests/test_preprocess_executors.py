@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import pytest
 
@@ -63,8 +61,7 @@ def test_a_local_ray_cluster_writes_the_same_dataset(inputs, reference, tokenize
 
 @pytest.mark.skipif(slurm_available() is not None, reason=f"Slurm: {slurm_available()}")
 def test_slurm_arrays_write_the_same_dataset(inputs, reference, tokenizer_model, tmp_path):
-    root = tempfile.mkdtemp(prefix="slurm", dir="/tmp")  # slurmd's sockets: a short path
-    with SlurmCluster(root) as env:
+    with SlurmCluster() as env:
         prefix, flag = tmp_path / "data", tmp_path / "killed-once"
         fault = dict(env, TRIPOD_FAULT_KILL_TASK=f"tokenize:2:{flag}")
         result = _preprocess(inputs, prefix, tokenizer_model, "--executor", "slurm", env=fault)
@@ -79,4 +76,3 @@ def test_slurm_arrays_write_the_same_dataset(inputs, reference, tokenizer_model,
         assert "stage tokenize: task(s) [0] failed 1 times" in line
         assert f"{bad / 'a.jsonl'}:line 2" in line  # the task's own error line
         assert not os.path.exists(tmp_path / "b_text_document.bin")
-    shutil.rmtree(root, ignore_errors=True)

@@ -37,7 +37,7 @@ def _wait(predicate, seconds: float, what: str):
 @pytest.mark.skipif(slurm_available() is not None, reason=f"Slurm: {slurm_available()}")
 def test_the_slurm_example_saves_requeues_and_resumes(tmp_path):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "job.out")
-    cluster = SlurmCluster(str(tmp_path / "slurm"))
+    cluster = SlurmCluster()
     with cluster as env:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

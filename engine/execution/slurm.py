@@ -11,7 +11,8 @@ Slurm's MaxArraySize is submitted as several arrays (index + offset).
 
 Options (`--slurm-partition`, `--slurm-time`, `--slurm-cpus-per-task`, `--slurm-mem`) go to
 every array; sbatch refusing a submission (an unknown partition, a limit) ends the run with
-its message in one line.
+its message in one line, and so does squeue failing for 10 minutes in a row (a controller or
+munge gone: finished tasks keep their markers for the next run).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from engine.execution.job import Stage, TaskJob
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 POLL_SECONDS = 1.0
+SQUEUE_PATIENCE_SECONDS = 600.0  # squeue unanswered this long: the controller is gone
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ def _last_error(path: str) -> str:
 class SlurmExecutor:
     def __init__(self, options: SlurmOptions):
         self.options = options
+        self._unanswered_since: float | None = None  # squeue's first failure in a row
 
     def _submit(self, job: TaskJob, stage: str, tasks: list[int], after: list[str]) -> list[str]:
         """The arrays running `tasks` of the stage (one per MaxArraySize tasks), each behind
@@ -144,7 +147,16 @@ class SlurmExecutor:
             return False
         result = _run(["squeue", "-h", "-r", "-j", ",".join(jobs), "-o", "%T|%r"])
         if result is None or result.returncode != 0:
+            self._unanswered_since = self._unanswered_since or time.monotonic()
+            if time.monotonic() - self._unanswered_since > SQUEUE_PATIENCE_SECONDS:
+                said = result.stderr.strip().splitlines()[-1:] if result else ["timed out"]
+                raise UserError(
+                    f"stage {stage}: squeue has not answered for {SQUEUE_PATIENCE_SECONDS:.0f} s "
+                    f"({said[0] if said else 'no message'}); check slurmctld (and munge), "
+                    "then run the same command again: finished tasks are kept"
+                )
             return True
+        self._unanswered_since = None
         states = [line.split("|", 1) for line in result.stdout.strip().splitlines()]
         if states and all(s == "PENDING" and "held" in r.lower() for s, r in states):
             raise UserError(
