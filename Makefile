@@ -21,6 +21,9 @@ $(STAMP): requirements.txt setup.py pyproject.toml csrc/dataset_helpers.cpp
 	# Megatron-LM's own dataset reader, an independent reference in the tests (its deps are
 	# torch, numpy and packaging, all installed above).
 	$(BIN)/python -m pip install --quiet --no-deps megatron-core==0.16.1
+	# CCNet's own perplexity code, the reference of the KenLM perplexity stage's test (its
+	# modules the test imports need only packages installed above)
+	$(BIN)/python -m pip install --quiet --no-deps cc_net==1.0.0
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

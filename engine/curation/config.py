@@ -16,6 +16,7 @@ mapping of its parameters:
     decontamination: {files: [eval/hellaswag.jsonl], keys: [ctx]}
     minhash: {threshold: 0.7}
     perplexity: {model: reference-lm/, keep: [head, middle]}  # off unless given a model
+    # (or kenlm: ccnet-models/, CCNet's <lang>.arpa.bin and <lang>.sp.model)
     pii: false
 """
 
@@ -204,10 +205,10 @@ def read_config(path: str | None) -> CurateConfig:
             f"--config {path}: perplexity.cutoffs are one language's; keep one language "
             "(language.languages) or leave cutoffs out to compute them per language"
         )
-    if "bad_words" in stages:
-        language = stages.get("language")
-        kept = language.languages if language else (stages["bad_words"].default_language,)
-        stages["bad_words"].check_languages(kept, f"--config {path}: bad_words")
+    for name in ("bad_words", "perplexity"):  # a list or a model for each language kept
+        if name in stages:
+            kept = language.languages if language else (stages[name].default_language,)
+            stages[name].check_languages(kept, f"--config {path}: {name}")
     url_filter = stages.get("url_filter")
     if url_filter is not None and not url_filter.has_lists:
         raise ConfigError(

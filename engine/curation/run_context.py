@@ -52,8 +52,9 @@ def model_identities(config: CurateConfig) -> dict:
         params = config.stage(name)
         if params is None:
             continue
-        files = [params.model] if os.path.isfile(params.model) else sorted(
-            os.path.join(root, n) for root, _, names in os.walk(params.model) for n in names
+        model = getattr(params, "kenlm", "") or params.model
+        files = [model] if os.path.isfile(model) else sorted(
+            os.path.join(root, n) for root, _, names in os.walk(model) for n in names
         )  # fmt: skip
         out[name] = [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
     return out

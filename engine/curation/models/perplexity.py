@@ -19,6 +19,10 @@ document gets the fields `perplexity` and `perplexity_bucket`.
 
 A Hugging Face folder is imported once per run into <output>/work/reference-model/, and the
 checkpoint's iteration is fixed when the run starts, so every task scores with the same model.
+
+Or, with `kenlm: <folder>` instead of `model`, CCNet's own KenLM models, one per language
+(kenlm_model.py): each document scored by its language's model (`default_language` for a
+document without a `language` field).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ BUCKETS = ("head", "middle", "tail")
 @dataclass(frozen=True)
 class Perplexity:
     model: str = ""  # a tripod checkpoint folder or a Hugging Face causal LM folder
+    kenlm: str = ""  # or a folder of CCNet's KenLM models (<lang>.arpa.bin + <lang>.sp.model)
+    default_language: str = "en"  # KenLM: the model of a document without a language field
     keep: tuple = ("head", "middle")  # CCNet's buckets kept
     percentiles: tuple = (30.0, 60.0)  # CCNet's head and middle upper percentiles
     cutoffs: tuple = ()  # fixed (head's upper, middle's upper) perplexities; (): computed
@@ -63,14 +69,18 @@ class Perplexity:
             raise ValueError("max_tokens, threads and sample: give at least 1")
 
     def check(self, where: str) -> None:
-        """The model is a Hugging Face folder or a checkpoint folder holding an iteration."""
+        """The model is a Hugging Face folder or a checkpoint folder holding an iteration (a
+        KenLM folder is checked against the languages kept: check_languages)."""
         from engine.checkpoint.files import find_latest
 
-        if not self.model:
+        if bool(self.model) == bool(self.kenlm):
+            given = "with both model and kenlm" if self.model else "without a model"
             raise ConfigError(
-                f"{where}: on without a model; give model: a tripod checkpoint folder or a "
-                "Hugging Face causal LM folder"
+                f"{where}: on {given}; give one reference: model (a tripod checkpoint folder or "
+                "a Hugging Face causal LM folder) or kenlm (a folder of CCNet's KenLM models)"
             )
+        if self.kenlm:
+            return
         if not os.path.isdir(self.model):
             raise ConfigError(f"{where}: model {self.model} is not a folder; give a checkpoint")
         if not is_hf_folder(self.model) and find_latest(self.model) is None:
@@ -78,6 +88,12 @@ class Perplexity:
                 f"{where}: model {self.model} holds no checkpoint (no config.json, no "
                 "latest_checkpointed_iteration.txt); give a --save folder or a Hugging Face folder"
             )
+
+    def check_languages(self, languages: tuple[str, ...], where: str) -> None:
+        if self.kenlm:
+            from engine.curation.models.kenlm_model import check_folder
+
+            check_folder(self.kenlm, languages, where)
 
 
 def is_hf_folder(path: str) -> bool:
@@ -93,7 +109,9 @@ def prepare_reference(params: Perplexity, work: str) -> str:
     path = os.path.join(work, "reference-model.json")
     if os.path.exists(path):
         return path
-    if is_hf_folder(params.model):
+    if params.kenlm:
+        reference = {"kenlm": params.kenlm}
+    elif is_hf_folder(params.model):
         from engine.interop.hf.import_hf import import_from_hf
 
         folder = os.path.join(work, "reference-model")
@@ -106,9 +124,19 @@ def prepare_reference(params: Perplexity, work: str) -> str:
     return path
 
 
+def scorer_for(params: Perplexity, reference: dict):
+    """The scorer of prepare_reference's record: `score(text, language)` -> perplexity."""
+    if "kenlm" in reference:
+        from engine.curation.models.kenlm_model import KenlmScorer
+
+        return KenlmScorer(reference["kenlm"])
+    return PerplexityScorer(params, reference["folder"], reference["iteration"])
+
+
 class PerplexityScorer:
-    """`score(text)` -> the document's perplexity under the reference model (a checkpoint
-    folder and iteration; loaded once per shard, on the CPU)."""
+    """`score(text, language)` -> the document's perplexity under the reference model (a
+    checkpoint folder and iteration; loaded once per shard, on the CPU; one model for every
+    language)."""
 
     def __init__(self, params: Perplexity, folder: str, iteration: int):
         import torch
@@ -122,7 +150,7 @@ class PerplexityScorer:
         # the prefix takes one position
         self.length = min(params.max_tokens, self.model.config.max_positions - 1)
 
-    def score(self, text: str) -> float:
+    def score(self, text: str, language: str = "") -> float:
         from engine.eval.loading import token_logprobs
 
         ids = self.tokenizer.tokenize(text)[: self.length]

@@ -25,7 +25,7 @@ import xxhash
 from engine.curation.atomic import save_json, save_npz
 from engine.curation.dedup.layout import Part, shard_name
 from engine.curation.documents import read_parquet_rows
-from engine.curation.models.perplexity import PerplexityScorer, cutoffs_of
+from engine.curation.models.perplexity import cutoffs_of, scorer_for
 
 CUTOFFS_FILE = "perplexity.json"
 REFERENCE_FILE = "reference-model.json"  # the model folder (and iteration) every task loads
@@ -46,7 +46,7 @@ def score_shard(work: str, parts: list[Part], k: int, params, by_lines: bool, ke
 
     with open(os.path.join(work, REFERENCE_FILE)) as f:
         reference = json.load(f)
-    scorer = PerplexityScorer(params, reference["folder"], reference["iteration"])
+    scorer = scorer_for(params, reference)
     sample_keys, sample_scores, sample_languages = [], [], []
     for part in (p for p in parts if p.shard == k):
         survivors = read_parquet_rows(os.path.join(part.folder, "survivors.parquet"))[0]
@@ -55,9 +55,10 @@ def score_shard(work: str, parts: list[Part], k: int, params, by_lines: bool, ke
         texts = kept_texts(survivors, key, drop, by_lines)
         scores = np.full(len(survivors), np.nan)
         alive = np.flatnonzero(codes == 0)
-        for i in alive:
-            scores[i] = scorer.score(texts[i])
         languages = np.array([language_of(row) for row in survivors], str)
+        for i in alive:
+            language = languages[i] if languages[i] != "all" else params.default_language
+            scores[i] = scorer.score(texts[i], str(language))
         path = os.path.join(part.folder, "perplexity.npz")
         save_npz(path, perplexity=scores, language=languages)
         numbers = alive + part.first_document
