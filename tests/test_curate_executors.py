@@ -23,9 +23,9 @@ from engine.curation.local_text import local_documents
 from engine.curation.minhash import MinHashConfig
 from engine.curation.planted import planted_corpus
 from engine.curation.web.sample_crawl import write_sample_blocklists, write_sample_crawl
+from engine.execution.sandbox_slurm import SlurmCluster, slurm_available
 from tests.cli import one_line_error, run_python, run_tool
 from tests.requirements import require
-from tests.slurm_cluster import SlurmCluster, slurm_available
 
 
 def _near_copies(count: int, seed: int = 0) -> list[dict]:

@@ -16,7 +16,7 @@ import pytest
 
 from engine.curation.config import read_config
 from engine.curation.local_text import local_documents
-from engine.curation.models.arpa import write_bigram_arpa
+from engine.curation.models.arpa import write_ccnet_models
 from engine.curation.models.kenlm_model import KenlmScorer, ccnet_normalize
 from engine.errors import ConfigError
 from tests.cli import one_line_error, run_tool
@@ -33,22 +33,13 @@ ODD_TEXTS = [
 @pytest.fixture(scope="module")
 def ccnet_models(tmp_path_factory):
     require("kenlm")
-    sentencepiece = require("sentencepiece")
     folder = tmp_path_factory.mktemp("ccnet_models")
     docs = local_documents(700)
     prose = [d["text"] for d in docs if d["source"].startswith("docstring:")]
     code = [d["text"] for d in docs if d["source"].startswith("source:")]
-    training = [ccnet_normalize(t) for t in prose[:-30]]
+    write_ccnet_models(prose[:-30], str(folder))
     rng = np.random.default_rng(0)
     shuffled = [" ".join(rng.permutation(t.split())) for t in prose[-30:]]
-    (folder / "train.txt").write_text("\n".join(training))
-    sentencepiece.SentencePieceTrainer.train(
-        input=str(folder / "train.txt"), model_prefix=str(folder / "en.sp"), vocab_size=600,
-        model_type="unigram", character_coverage=1.0, num_threads=1, minloglevel=2,
-    )  # fmt: skip
-    pieces = sentencepiece.SentencePieceProcessor(model_file=str(folder / "en.sp.model"))
-    write_bigram_arpa([pieces.encode(t, out_type=str) for t in training], str(folder / "en.arpa"))
-    (folder / "train.txt").unlink()
     return {"folder": str(folder), "held_out": prose[-30:], "shuffled": shuffled, "code": code[:30]}
 
 

@@ -10,9 +10,9 @@ import os
 
 import pytest
 
+from engine.execution.sandbox_slurm import SlurmCluster, slurm_available
 from tests.cli import one_line_error, run_python
 from tests.requirements import require
-from tests.slurm_cluster import SlurmCluster, slurm_available
 
 
 @pytest.fixture(scope="module")

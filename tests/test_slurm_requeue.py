@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from engine.execution.sandbox_slurm import SlurmCluster, slurm_available
 from tests.cli import ROOT
-from tests.slurm_cluster import SlurmCluster, slurm_available
 
 RUN = [
     *("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"),

@@ -22,7 +22,11 @@
 4. The model stages (--model-documents; engine/curation/models/bench_models.py): a quality
    classifier trained on local text and scored on held-out documents, and documents/s of the
    pipeline with the classifier, and with the perplexity stage under --perplexity-model,
-   beside the pipeline with no stage.
+   beside the pipeline with no stage, and under a KenLM model where kenlm is installed.
+5. The executors (--executor-documents; engine/curation/bench_executors.py): the same run on
+   the local executor, a Ray cluster and a Slurm started on this machine: wall time over local,
+   and whether the files are the same; and (--memory-mb) the peak resident memory of a run
+   with one worker, its input read in parts of 1,000 documents and in one part.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import numpy as np
 from engine.cli import run_main
 from engine.config.arguments import ArgumentParser
 from engine.curation import minhash, quality
+from engine.curation.bench_executors import bench_executors, bench_memory
 from engine.curation.config import CurateConfig
 from engine.curation.local_text import local_documents
 from engine.curation.models.bench_models import bench_models
@@ -254,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         "--model-documents", type=int, default=3000, help="for the model stages (0: none)"
     )
     parser.add_argument("--perplexity-model", help="a tripod checkpoint or HF folder to time")
+    parser.add_argument(
+        "--executor-documents", type=int, default=3000, help="for the executors (0: none)"
+    )
+    parser.add_argument(
+        "--memory-mb", type=float, nargs="*", default=[], help="input sizes for peak memory"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="bench_curate.json")
     args = parser.parse_args(argv)
@@ -308,6 +319,14 @@ def main(argv: list[str] | None = None) -> int:
                 args.model_documents, args.workers, folder, args.perplexity_model
             )
         _models_table(report["models"])
+    if args.executor_documents:
+        with tempfile.TemporaryDirectory() as folder:
+            report["executors"] = bench_executors(args.executor_documents, args.workers, folder)
+        _executors_table(report["executors"])
+    for megabytes in args.memory_mb:
+        with tempfile.TemporaryDirectory() as folder:
+            report.setdefault("memory", []).append(bench_memory(megabytes, folder))
+        _memory_table(report["memory"][-1])
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
     return 0
@@ -333,13 +352,30 @@ def _models_table(models: dict) -> None:
           f"held out {held['documents']}: accuracy {held['accuracy']:.4f}, AUC "
           f"{held['auc']:.4f}")  # fmt: skip
     rows = []
-    for name in ("none (anchor)", "quality_classifier", "perplexity"):
+    for name in ("none (anchor)", "quality_classifier", "perplexity", "perplexity (KenLM)"):
         if name in models:
             r = models[name]
             rows.append([name, f"{r['docs_per_s']:.0f}", f"{r['stage_ms_per_doc']:.2f}"])
     print(f"pipeline with one model stage, {models['documents']} documents, "
           f"{models['workers']} workers")  # fmt: skip
     _table(["stage", "docs/s", "stage ms/doc (one worker)"], rows)
+
+
+def _executors_table(executors: dict) -> None:
+    print(f"\nexecutors: one run, {executors['documents']} documents in 4 files, 4 tasks per "
+          f"corpus-wide step, {executors['workers']} CPUs")  # fmt: skip
+    if "slurm_skipped" in executors:
+        print(f"(no Slurm run: {executors['slurm_skipped']})")
+    rows = [[name, f"{r['seconds']:.1f}", f"{r['over_local']:.2f}", str(r["same_files"])]
+            for name, r in executors["runs"].items()]  # fmt: skip
+    _table(["executor", "wall s", "over local", "same files as local"], rows)
+
+
+def _memory_table(memory: dict) -> None:
+    print(f"\npeak resident memory, one worker, {memory['input_mb']:.0f} MB of JSONL "
+          f"({memory['documents']} documents)")  # fmt: skip
+    rows = [[f"{per_part:,}", f"{r['peak_mb']:.0f}"] for per_part, r in memory["runs"].items()]
+    _table(["documents per part", "peak MiB"], rows)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""A small bigram language model in the ARPA format KenLM reads, made from tokenised sentences:
-the reference model of the tests and the benchmark of the KenLM perplexity stage. (Users bring
-CCNet's models, or KenLM's own `lmplz` output; this is no replacement for its smoothing.)
+"""A small bigram language model in the ARPA format KenLM reads, made from tokenised sentences,
+and a folder laid out as CCNet's models are (write_ccnet_models): the reference models of the
+tests and the benchmark of the KenLM perplexity stage. (Users bring CCNet's models, or KenLM's
+own `lmplz` output; this is no replacement for its smoothing.)
 
 Unigrams add-one smoothed; bigrams seen in the text absolutely discounted by `discount`, the
 mass taken given back through the unigrams by the history's backoff weight.
@@ -9,7 +10,10 @@ mass taken given back through the unigrams by the history's backoff weight.
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
+
+from engine.curation.models.kenlm_model import ccnet_normalize
 
 
 def write_bigram_arpa(sentences: list[list[str]], path: str, discount: float = 0.5) -> None:
@@ -43,3 +47,24 @@ def write_bigram_arpa(sentences: list[list[str]], path: str, discount: float = 0
             p = (count - discount) / history_count[history]
             f.write(f"{math.log10(p):.7f}\t{history} {word}\n")
         f.write("\n\\end\\\n")
+
+
+def write_ccnet_models(texts: list[str], folder: str, language: str = "en") -> None:
+    """<language>.sp.model (a 600-piece unigram SentencePiece model) and <language>.arpa (a
+    bigram model over its pieces), both trained on the texts normalised as CCNet's were."""
+    import sentencepiece
+
+    normalised = [ccnet_normalize(t) for t in texts]
+    training = os.path.join(folder, f"{language}.train.txt")
+    with open(training, "w", encoding="utf-8") as f:
+        f.write("\n".join(normalised))
+    sentencepiece.SentencePieceTrainer.train(
+        input=training, model_prefix=os.path.join(folder, f"{language}.sp"), vocab_size=600,
+        model_type="unigram", character_coverage=1.0, num_threads=1, minloglevel=2,
+    )  # fmt: skip
+    os.remove(training)
+    pieces = sentencepiece.SentencePieceProcessor(
+        model_file=os.path.join(folder, f"{language}.sp.model")
+    )
+    sentences = [pieces.encode(t, out_type=str) for t in normalised]
+    write_bigram_arpa(sentences, os.path.join(folder, f"{language}.arpa"))

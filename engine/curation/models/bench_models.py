@@ -4,17 +4,20 @@ trained (tools/train_quality_classifier.py's code) on real text found here
 the negatives, a tenth of each held out at random), then tools/curate.py's pipeline runs on the
 same documents with no stage (the anchor: reading JSONL, the three steps, the Parquet
 shards), with the quality classifier alone, and with the perplexity stage alone when a
-reference model is given (--perplexity-model): documents/s of each and the stage's own share
-of the time."""
+reference model is given (--perplexity-model), and under a KenLM bigram model made from the
+same prose (engine/curation/models/arpa.py, where kenlm is installed): documents/s of each and
+the stage's own share of the time."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
 
 from engine.curation.config import STAGES, CurateConfig
 from engine.curation.local_text import local_documents
+from engine.curation.models.arpa import write_ccnet_models
 from engine.curation.models.classifier import QualityClassifier
 from engine.curation.models.perplexity import Perplexity
 from engine.curation.models.train_classifier import TrainingSettings, train_classifier
@@ -55,8 +58,13 @@ def bench_models(count: int, workers: int, folder: str, perplexity_model: str | 
     }
     if perplexity_model:
         runs["perplexity"] = {"perplexity": Perplexity(model=perplexity_model)}
+    if importlib.util.find_spec("kenlm") is not None:  # a bigram model over 600 pieces
+        kenlm_folder = os.path.join(folder, "kenlm")
+        os.makedirs(kenlm_folder)
+        write_ccnet_models(prose, kenlm_folder)
+        runs["perplexity (KenLM)"] = {"perplexity": Perplexity(kenlm=kenlm_folder)}
     for name, stages in runs.items():
-        sub = os.path.join(folder, name.split()[0])
+        sub = os.path.join(folder, "run-" + name.split()[0] + str(len(name)))
         os.makedirs(sub)
         report[name] = {"docs_per_s": _timed_run(documents, stages, workers, sub)}
     anchor = report["none (anchor)"]["docs_per_s"]

@@ -1,8 +1,8 @@
-"""A real Slurm for the tests: a controller and one node on this machine (Debian's slurm-wlm,
-which .ci/run installs), started with a configuration and a munge daemon of its own in a short
-temporary folder and stopped afterwards, so that clusters of tests running side by side never
-share (or stop) each other's daemons. Needs root (slurmd runs jobs as their user) and munge;
-tests skip where Slurm is not installed."""
+"""A real Slurm on this machine for the tests and tools/bench_curate.py: a controller and one
+node (Debian's slurm-wlm, which .ci/run installs), started with a configuration and a munge
+daemon of their own in a short temporary folder and stopped afterwards, so that clusters
+running side by side never share (or stop) each other's daemons. Needs root (slurmd runs jobs
+as their user) and munge; the tests skip where Slurm is not installed."""
 
 from __future__ import annotations
 
