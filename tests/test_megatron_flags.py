@@ -60,8 +60,7 @@ def test_flags_without_effect_are_accepted_and_named_in_one_line():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--fp8-format", "hybrid"], "--fp8-format: FP8/FP4 training: not available"),
-        (["--fp8-param-gather"], "--fp8-param-gather: FP8/FP4 training: not available"),
+        (["--fp4-format", "e2m1"], "--fp4-format: FP4 training, Transformer Engine's"),
         (["--moe-latent-size", "8"], "--moe-latent-size: expert parallelism and the rest"),
         (["--ckpt-format", "torch"], "--ckpt-format torch: only torch_dist"),
         (["--no-position-embedding"], "--no-position-embedding goes with --position-embedding"),

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from engine.checkpoint.files import check_files, read_meta
 from engine.checkpoint.state import (
+    fp8_state,
     model_state,
     optimizer_state,
     prime_optimizer_state,
@@ -148,6 +149,22 @@ def read_tensors(path: str, state: dict, group=None, reader=None, local: bool = 
         ) from None
 
 
+def _fp8_to_load(fp8: dict, stored: dict, path: str) -> dict:
+    """The FP8 delayed-scaling states the checkpoint holds (a run without them starts its
+    scales afresh); one of another history length is refused in one line."""
+    out = {}
+    for key, wanted in fp8.items():
+        if key not in stored:
+            continue
+        if tuple(stored[key].size) != tuple(wanted.size()):
+            raise CheckpointError(
+                f"{path}: {key} has shape {list(stored[key].size)}, this run "
+                f"{list(wanted.size())}; give the checkpoint's --fp8-amax-history-len"
+            )
+        out[key] = wanted
+    return out
+
+
 def load_checkpoint(
     path: str,
     chunks,
@@ -176,6 +193,7 @@ def load_checkpoint(
     for name in absent:
         state.pop(f"model/{name}", None)
     stored = set(available.state_dict_metadata)
+    state.update(_fp8_to_load(fp8_state(chunks), available.state_dict_metadata, path))
     if load_optimizer:
         prime_optimizer_state(optimizer)
         state.update(

@@ -43,6 +43,7 @@ from engine.checkpoint.files import (
 )
 from engine.checkpoint.staging import HostStaging
 from engine.checkpoint.state import (
+    fp8_state,
     model_state,
     optimizer_state,
     prime_optimizer_state,
@@ -99,6 +100,7 @@ class Checkpointer:
     def _state(self, chunks, optimizer, tracker) -> dict:
         """Views of the live model and optimizer state, plus copies of the RNG states."""
         state = model_state(chunks, for_save=True)
+        state.update(fp8_state(chunks))
         state.update(optimizer_state(optimizer, chunks, for_save=True))
         state.update(rng_state(self.rank, tracker))
         return state

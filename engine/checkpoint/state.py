@@ -156,3 +156,22 @@ def prime_optimizer_state(optimizer) -> None:
             step.zero_()  # as if no step had been taken: the first real one counts as 1
     for group, (lr, decay) in zip(optimizer.optimizer.param_groups, saved, strict=False):
         group["lr"], group["weight_decay"] = lr, decay
+
+
+def fp8_state(chunks) -> dict[str, BoxTensor]:
+    """'fp8/<weight's name>/amax_history' and '/scale' of every FP8 linear under delayed
+    scaling (engine/ops/fp8/delayed.py): the same on every TP, DP and CP rank (their amaxes are
+    reduced), so each is one replicated box, loaded under any layout."""
+    from engine.ops.fp8.apply import fp8_layers
+
+    names = _param_names(chunks)
+    out = {}
+    for weight, fp8 in fp8_layers(chunks):
+        if fp8.delayed is None:
+            continue
+        for key, tensor in (("amax_history", fp8.delayed.history), ("scale", fp8.delayed.scale)):
+            shape = torch.Size(tensor.shape)
+            out[f"fp8/{names[weight]}/{key}"] = BoxTensor(
+                shape, tensor.dtype, [((0,) * len(shape), tensor)]
+            )
+    return out

@@ -127,6 +127,7 @@ def check_layout_flags(cfg: Configs, world_size: int) -> int:
     sections = (cfg.runtime, cfg.logging, cfg.evaluation, cfg.checkpointing, cfg.exit, cfg.fim)
     for section in (*sections, cfg.resilience):
         section.validate()
+    cfg.runtime.validate_fp8(m.num_layers, par.pipeline_model_parallel_size, m.num_experts)
     if cfg.resilience.reruns_non_finite and cfg.runtime.fp16:
         raise ConfigError(
             "--rerun-on-nan with --fp16: the loss scaler already handles non-finite gradients "

@@ -7,12 +7,13 @@ import argparse
 from dataclasses import dataclass
 
 from engine.config.fields import option
+from engine.config.fp8 import Fp8Options
 from engine.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class RuntimeConfig:
-    """Device, precision, kernels and compilation."""
+class RuntimeConfig(Fp8Options):
+    """Device, precision, kernels and compilation (FP8's flags: engine/config/fp8.py)."""
 
     bf16: bool = option(False, "bf16 parameters and activations, fp32 master weights and grads")
     fp16: bool = option(False, "fp16 with dynamic loss scaling, fp32 master weights and grads")

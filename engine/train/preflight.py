@@ -162,6 +162,11 @@ def _check_device(runtime, local_world_size: int | None) -> None:
         )
     if runtime.transformer_impl == "transformer_engine":
         check_transformer_engine()
+    if runtime.fp8 is not None:
+        from engine.ops.fp8.apply import fp8_recipe
+        from engine.ops.fp8.probe import check_fp8_device
+
+        check_fp8_device(fp8_recipe(runtime), device)
 
 
 NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")  # Megatron-LM's list

@@ -41,6 +41,7 @@ from engine.monitor.profiler import StepProfiler
 from engine.monitor.stragglers import StragglerMonitor
 from engine.monitor.wandb import WandbWriter
 from engine.ops import agree_on_ops, select_ops
+from engine.ops.fp8.apply import enable_fp8, fp8_recipe
 from engine.optim.lr_schedule import LRScheduler
 from engine.optim.optimizer import build_optimizer
 from engine.train import faults
@@ -312,6 +313,9 @@ def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
         times=_tp_comm_times(times, cfg, state.device),
         placement=PLACEMENT.get(par.pipeline_schedule, "loop"),
     )
+    if runtime.fp8 is not None:  # before the data-parallel wrappers see the modules
+        enable_fp8(chunks, fp8_recipe(runtime), m.num_layers, runtime.fp8_kept_layers(),
+                   state.tp_group)  # fmt: skip
     if state.tp_rank == state.dp_rank == state.cp_rank == 0:  # one rank per pipeline stage
         stage = f" (pipeline rank {state.pp_rank})" if state.pp_size > 1 else ""
         kernels = _attention_kernels(chunks, cfg.data.reset_attention_mask)

@@ -21,6 +21,8 @@ from engine.data.multi_token import multi_token_targets
 from engine.model.moe.router import routers_of
 from engine.model.multi_token import TARGET_KEYS
 from engine.monitor.noise_scale import LocalGradSquares, NoiseScale
+from engine.ops.fp8.apply import delayed_states
+from engine.ops.fp8.delayed import update_delayed_scales
 from engine.train.loss import LossReduction, make_loss_func, per_token_count
 from parallel.comm import group_size
 from parallel.context_parallel.chunks import context_parallel_batches
@@ -293,6 +295,8 @@ def train_step(
         moe = features.moe_metrics(chunks) if features.moe_metrics is not None else None
         for router in routers_of(chunks):  # the expert bias moves (megatron-core: here too)
             router.end_step(state.tp_group, state.dp_cp_group)
+        # FP8 delayed scaling: the step's amaxes over TP x DP x CP, the next step's scales
+        update_delayed_scales(delayed_states(chunks), (state.tp_group, state.dp_cp_group))
     with measure(times, "grads-sync"):  # (the noise scale's reductions of the local norms)
         own = local_squares.detach(state, scale) if local_squares is not None else None
     with measure(times, "loss-sync"):

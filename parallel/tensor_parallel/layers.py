@@ -86,6 +86,7 @@ class ColumnParallelLinear(nn.Module):
         layer over a padded vocabulary, whose padding must not depend on the TP size)."""
         super().__init__()
         self.tp_group, self.times, self.communicate = tp_group, times, communicate
+        self.fp8 = None  # engine/ops/fp8/apply.py's Fp8Linear: the GEMMs in FP8
         tp, rank = group_size(tp_group), group_rank(tp_group)
         sizes = list(partition_sizes or [output_size])
         if sum(sizes) != output_size:
@@ -121,6 +122,7 @@ class ColumnParallelLinear(nn.Module):
             "none" if not self.communicate else "gather" if self.sequence_parallel else "copy",
             self.gradient_accumulation_fusion,
             self.times,
+            self.fp8,
         )
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group, self.times)
@@ -153,6 +155,7 @@ class RowParallelLinear(nn.Module):
     ):
         super().__init__()
         self.tp_group, self.times, self.communicate = tp_group, times, communicate
+        self.fp8 = None  # engine/ops/fp8/apply.py's Fp8Linear: the GEMMs in FP8
         tp, rank = group_size(tp_group), group_rank(tp_group)
         if not communicate and bias and tp > 1:
             raise ValueError("a row-parallel linear summed by its caller takes no bias")
@@ -181,8 +184,9 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group, self.times)
         y = tensor_parallel_linear(
-            x, self.weight, None, self.tp_group, "none", self.gradient_accumulation_fusion
-        )
+            x, self.weight, None, self.tp_group, "none", self.gradient_accumulation_fusion,
+            fp8=self.fp8,
+        )  # fmt: skip
         if not self.communicate:
             pass  # partial products: the caller sums them
         elif self.sequence_parallel:

@@ -59,8 +59,8 @@ def _as_matrix(t: torch.Tensor) -> torch.Tensor:
 
 class _TensorParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, input_mode, fuse_wgrad, times):
-        ctx.group, ctx.input_mode = group, input_mode
+    def forward(ctx, x, weight, bias, group, input_mode, fuse_wgrad, times, fp8):
+        ctx.group, ctx.input_mode, ctx.fp8 = group, input_mode, fp8
         # the parameter itself, whose main_grad and callbacks backward uses (a saved tensor
         # may come back as another tensor object, e.g. under saved-tensor hooks)
         ctx.fused_param = weight if fuse_wgrad and _fusable(weight) else None
@@ -71,7 +71,13 @@ class _TensorParallelLinear(torch.autograd.Function):
             with measure(times, TP_COMM):
                 total = _gather_sequence(x, group)[0]
         ctx.save_for_backward(x, weight)  # under "gather": the shard, not the gathered input
-        return torch.nn.functional.linear(total, weight, bias)
+        if fp8 is None:
+            return torch.nn.functional.linear(total, weight, bias)
+        out = fp8.forward(_as_matrix(total), weight)
+        # the product's own tensor in the output's shape, not a view (a view made inside a
+        # custom Function may not be modified in place, as the TP reduction does)
+        out = torch.ops.aten._unsafe_view.default(out, (*total.shape[:-1], out.shape[-1]))
+        return out if bias is None else out + bias
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -82,7 +88,11 @@ class _TensorParallelLinear(torch.autograd.Function):
         if mode == "gather":
             with measure(times, TP_COMM):
                 total, gather_work = _gather_sequence(x, group, async_op=overlap)
-        grad_input = grad_output.matmul(weight)  # overlaps the gather above
+        if ctx.fp8 is None:
+            grad_input = grad_output.matmul(weight)  # overlaps the gather above
+        else:
+            grad_input = ctx.fp8.input_grad(_as_matrix(grad_output), weight)
+            grad_input = grad_input.reshape(*grad_output.shape[:-1], -1)
         reduce_work = None
         if mode == "copy":
             with measure(times, TP_COMM):
@@ -100,25 +110,30 @@ class _TensorParallelLinear(torch.autograd.Function):
                     shard, grad_input.contiguous(), group, async_op=overlap
                 )
             grad_input = shard
-        grad_weight = _weight_grad(ctx.fused_param, _as_matrix(grad_output), _as_matrix(total))
+        grad_weight = _weight_grad(
+            ctx.fused_param, _as_matrix(grad_output), _as_matrix(total), ctx.fp8
+        )
         grad_bias = _as_matrix(grad_output).sum(0) if ctx.has_bias else None
         if reduce_work is not None:
             with measure(times, TP_COMM):
                 reduce_work.wait()  # the weight-gradient GEMM above ran while it was in flight
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _weight_grad(weight, grad_output_2d, input_2d):
+def _weight_grad(weight, grad_output_2d, input_2d, fp8=None):
     """dL/dW = grad_output^T input, or None when it went straight into weight.main_grad (or
     was queued to: parallel/pipeline/weight_grad.py, for zero-bubble schedules); `weight`: the
-    parameter when its gradient is fused in, else None."""
+    parameter when its gradient is fused in, else None; `fp8`: the layer's FP8 GEMMs."""
     if weight is None:
+        if fp8 is not None:
+            return fp8.weight_grad(grad_output_2d, input_2d).to(grad_output_2d.dtype)
         return grad_output_2d.t().matmul(input_2d)
+    add = functools.partial(_add_to_main_grad, weight, grad_output_2d, input_2d, fp8)
     queue = getattr(weight, QUEUE_ATTRIBUTE, None)
     if queue is not None:
-        queue.add(weight, functools.partial(_add_to_main_grad, weight, grad_output_2d, input_2d))
+        queue.add(weight, add)
         return None
-    _add_to_main_grad(weight, grad_output_2d, input_2d)
+    add()
     return None
 
 
@@ -133,12 +148,14 @@ def _fusable(weight) -> bool:
     return getattr(weight, "main_grad", None) is not None and hasattr(weight, "on_main_grad_added")
 
 
-def _add_to_main_grad(weight, grad_output_2d, input_2d) -> None:
+def _add_to_main_grad(weight, grad_output_2d, input_2d, fp8=None) -> None:
     prepare = getattr(weight, "prepare_main_grad", None)
     if prepare is not None:
         prepare(weight)  # sharded gradients: the bucket's buffer may be released
     main_grad = weight.main_grad
-    if main_grad.dtype == grad_output_2d.dtype:
+    if fp8 is not None:
+        main_grad.add_(fp8.weight_grad(grad_output_2d, input_2d))
+    elif main_grad.dtype == grad_output_2d.dtype:
         main_grad.addmm_(grad_output_2d.t(), input_2d)
     elif not _added_in_fp32(weight, main_grad, grad_output_2d.t(), input_2d):
         main_grad.add_(grad_output_2d.t().matmul(input_2d))
@@ -177,11 +194,13 @@ def tensor_parallel_linear(
     input_mode: str,
     fuse_wgrad: bool = False,
     times=None,
+    fp8=None,
 ) -> torch.Tensor:
     """y = x W^T + b with the input-side TP communication of `input_mode` (module docstring).
-    Without a group (TP 1) there is nothing to communicate."""
+    Without a group (TP 1) there is nothing to communicate. `fp8` (engine/ops/fp8/linear.py's
+    Fp8Linear): the three GEMMs in FP8."""
     if input_mode not in INPUT_MODES:
         raise ValueError(f"input_mode {input_mode!r} is not one of {INPUT_MODES}")
     if group is None or group_size(group) == 1:
         input_mode = "none"
-    return _TensorParallelLinear.apply(x, weight, bias, group, input_mode, fuse_wgrad, times)
+    return _TensorParallelLinear.apply(x, weight, bias, group, input_mode, fuse_wgrad, times, fp8)

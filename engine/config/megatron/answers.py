@@ -158,14 +158,11 @@ with --position-embedding-type rope there is no learned position embedding:
 
 # refused: the feature this engine lacks
 MISSING = _table("""
-FP8/FP4 training:
-    --disable-fp8-wgrad --first-last-layers-bf16 --fp4-format --fp4-param-gather
-    --fp4-quantizer-factory --fp4-recipe --fp8-amax-compute-algo --fp8-amax-history-len
-    --fp8-format --fp8-interval --fp8-margin --fp8-output-proj --fp8-param-gather
-    --fp8-quantizer-factory --fp8-recipe --keep-fp8-transpose-cache --kitchen-attention-backend
-    --kitchen-config-file --kitchen-recipe-number --no-fp8-wgrad --num-layers-at-end-in-bf16
-    --num-layers-at-start-in-bf16 --reuse-grad-buf-for-mxfp8-param-ag --te-precision-config-file
-    --use-kitchen-attention
+FP4 training, Transformer Engine's quantizer factories and precision files, NVIDIA Kitchen:
+    --fp4-format --fp4-param-gather --fp4-quantizer-factory --fp4-recipe --fp8-output-proj
+    --fp8-quantizer-factory --keep-fp8-transpose-cache --kitchen-attention-backend
+    --kitchen-config-file --kitchen-recipe-number --reuse-grad-buf-for-mxfp8-param-ag
+    --te-precision-config-file --use-kitchen-attention
 Mamba and hybrid models:
     --disable-mamba-mem-eff-path --hybrid-attention-ratio --hybrid-layer-pattern
     --hybrid-mlp-ratio --hybrid-override-pattern --is-hybrid-model --mamba-head-dim

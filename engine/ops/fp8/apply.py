@@ -1,0 +1,60 @@
+"""FP8 put on a built model: every column- and row-parallel linear of the transformer layers
+runs its GEMMs in FP8 (engine/ops/fp8/linear.py), except the first --num-layers-at-start-in-bf16
+and the last --num-layers-at-end-in-bf16 layers with --first-last-layers-bf16 (counted over
+the whole model, as megatron-core counts them, whatever the pipeline stage). The embedding,
+the output layer and the final norm stay in the model's precision, as in megatron-core.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.ops.fp8.delayed import DelayedScaling
+from engine.ops.fp8.linear import Fp8Linear
+from engine.ops.fp8.recipe import Fp8Recipe
+from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+def fp8_recipe(runtime) -> Fp8Recipe:
+    """The recipe of a RuntimeConfig's FP8 flags (engine/config/fp8.py)."""
+    return Fp8Recipe(
+        format=runtime.fp8,
+        recipe=runtime.fp8_recipe,
+        margin=runtime.fp8_margin,
+        amax_history_len=runtime.fp8_amax_history_len,
+        amax_compute_algo=runtime.fp8_amax_compute_algo,
+        wgrad=runtime.fp8_wgrad,
+    )
+
+
+def in_high_precision(layer_number: int, num_layers: int, at_start: int, at_end: int) -> bool:
+    return layer_number < at_start or layer_number >= num_layers - at_end
+
+
+def enable_fp8(chunks, recipe: Fp8Recipe, num_layers: int, keep: tuple[int, int], tp_group):
+    """FP8 on each chunk's (a GPTModel's) transformer layers but those `keep` = (at start,
+    at end) in high precision."""
+    for model in chunks:
+        for layer in model.layers.values():
+            if in_high_precision(layer.layer_number, num_layers, *keep):
+                continue
+            for module in layer.modules():
+                if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                    device = module.weight.device
+                    delayed = DelayedScaling(recipe, device) if recipe.recipe == "delayed" else None
+                    module.fp8 = Fp8Linear(recipe, delayed, tp_group)
+
+
+def fp8_layers(chunks) -> list[tuple[torch.nn.Parameter, Fp8Linear]]:
+    """(weight, its Fp8Linear) of every FP8 linear of the chunks (modules, or wrappers with a
+    `module`), in a fixed order."""
+    out = []
+    for chunk in chunks:
+        for module in getattr(chunk, "module", chunk).modules():
+            if getattr(module, "fp8", None) is not None:
+                out.append((module.weight, module.fp8))
+    return out
+
+
+def delayed_states(chunks) -> list[DelayedScaling]:
+    return [fp8.delayed for _, fp8 in fp8_layers(chunks) if fp8.delayed is not None]

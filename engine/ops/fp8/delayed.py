@@ -1,0 +1,67 @@
+"""Delayed scaling's state, one per FP8 linear layer: the amaxes of its input x, weight W and
+output gradient dY over the last `amax_history_len` steps, and the scales the next step uses.
+
+During a step each quantisation of x, W (forward) and dY (backward) records its amax (the
+largest over the step's micro-batches) and uses the scales the step began with (1 at the first
+step). At the end of the step (`update_delayed_scales`, before the optimizer) the amaxes of
+every layer are all-reduced (MAX) over the tensor-, data- and context-parallel groups, as
+megatron-core's amax reduction group, so every layout holds the amaxes one process would
+have, and each scale becomes fp8_max / amax / 2^margin, amax the newest (`most_recent`) or the
+largest (`max`) in the history; a zero or non-finite amax keeps the scale it had.
+
+Transformer Engine updates after each micro-batch's forward and backward; here the update is
+once per step, so a step's scales do not depend on the pipeline schedule's order (and a step
+of one micro-batch is the same). The history and scales are saved in checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.ops.fp8.quantize import FP8_MAX
+from engine.ops.fp8.recipe import Fp8Recipe
+from parallel.comm import all_reduce
+
+SLOTS = {"input": 0, "weight": 1, "grad": 2}
+
+
+class DelayedScaling:
+    def __init__(self, recipe: Fp8Recipe, device):
+        self.recipe = recipe
+        self.history = torch.zeros(recipe.amax_history_len, 3, device=device)
+        self.scale = torch.ones(3, device=device)
+        self.amax_now = torch.zeros(3, device=device)
+
+    def scale_of(self, role: str) -> torch.Tensor:
+        return self.scale[SLOTS[role]]
+
+    def record(self, role: str, tensor: torch.Tensor) -> None:
+        slot = SLOTS[role]
+        amax = tensor.detach().abs().amax().float()
+        self.amax_now[slot] = torch.maximum(self.amax_now[slot], amax)
+
+    def update(self, amax: torch.Tensor) -> None:
+        """The step's (reduced) amaxes into the history, and the next step's scales."""
+        self.history = torch.cat([amax[None], self.history[:-1]])
+        window = self.history[0] if self.recipe.amax_compute_algo == "most_recent" else (
+            self.history.amax(0)
+        )  # fmt: skip
+        limits = torch.tensor(
+            [FP8_MAX[self.recipe.dtype(role)] for role in SLOTS], device=amax.device
+        )
+        fresh = limits / window / 2.0**self.recipe.margin
+        fresh = torch.clamp(fresh, max=torch.finfo(torch.float32).max)
+        usable = torch.isfinite(window) & (window > 0)
+        self.scale = torch.where(usable, fresh, self.scale)
+        self.amax_now = torch.zeros_like(self.amax_now)
+
+
+def update_delayed_scales(states: list[DelayedScaling], groups) -> None:
+    """Every layer's step amaxes reduced (MAX) over `groups` in one tensor, then each updated."""
+    if not states:
+        return
+    amaxes = torch.stack([s.amax_now for s in states])
+    for group in groups:
+        all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
+    for state, amax in zip(states, amaxes, strict=True):
+        state.update(amax)

@@ -1,0 +1,29 @@
+"""Whether this device runs the FP8 GEMMs a recipe needs: one small product of each kind,
+tried before the run builds anything (a GPU before compute capability 8.9 has none)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.errors import ConfigError
+from engine.ops.fp8.linear import Fp8Linear
+from engine.ops.fp8.recipe import Fp8Recipe
+
+
+def check_fp8_device(recipe: Fp8Recipe, device: torch.device) -> None:
+    probe = Fp8Linear(
+        Fp8Recipe(recipe.format, "tensorwise" if recipe.per_tensor else recipe.recipe)
+    )
+    x = torch.randn(32, 128, device=device)
+    w = torch.randn(32, 128, device=device)
+    try:
+        probe.forward(x, w)
+        probe.input_grad(x[:, :32].contiguous(), w)
+        probe.weight_grad(x[:, :32].contiguous(), x)
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"--fp8-format {recipe.format} --fp8-recipe {recipe.recipe}: this device "
+            f"({device}) cannot run the FP8 GEMMs (torch._scaled_mm: {first}); drop the FP8 "
+            "flags or use a GPU of compute capability 8.9 or later"
+        ) from None
