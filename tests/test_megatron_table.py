@@ -153,9 +153,9 @@ def test_migration_report_of_flags_and_of_a_script(tmp_path):
         "--num-layers: implemented (Megatron-LM's meaning)",
         "--use-mcore-models: accepted without effect: chooses megatron-core's models over the "
         "legacy ones, the only kind here",
-        "--fp8-format: refused: FP8/FP4 training: not available in this engine; drop --fp8-format",
+        "--fp8-format: implemented (Megatron-LM's meaning)",
         "--lr: implemented (Megatron-LM's meaning)",
-        "would train: no",
+        "would train: yes",
     ]
 
 
@@ -226,9 +226,8 @@ def test_migration_report_reads_scripts_as_the_shell_splits_them(tmp_path):
         "--hidden-size: implemented (Megatron-LM's meaning)",
         "--use-mcore-models: accepted without effect: chooses megatron-core's models over the "
         "legacy ones, the only kind here",
-        "--fp8-format: refused: FP8/FP4 training: not available in this engine; drop --fp8-format",
-        "--fp8-amax-history-len: refused: FP8/FP4 training: not available in this engine; drop "
-        "--fp8-amax-history-len",
+        "--fp8-format: implemented (Megatron-LM's meaning)",
+        "--fp8-amax-history-len: implemented (Megatron-LM's meaning)",
         "--ckpt-format: refused: --ckpt-format torch: only torch_dist (and fsdp_dtensor with "
         "--use-megatron-fsdp) is accepted (this engine writes its own sharded checkpoints); use "
         "torch_dist or leave it out",

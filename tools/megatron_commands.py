@@ -285,7 +285,7 @@ COMMANDS = (
         "FP8 training (examples/llama's fp8 branch)",
         2,
         (*LLAMA, "--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024"),
-        "FP8",
+        "train",
     ),
 )
 
