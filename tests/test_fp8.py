@@ -208,33 +208,27 @@ def test_delayed_scaling_resumes_bit_for_bit(dataset_prefix, tokenizer_model, tm
         pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "c", **other))
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--fp8-format", "hybrid", "--first-last-layers-bf16"],
-         "--first-last-layers-bf16 with --fp8-recipe delayed"),
-        (["--fp8-format", "e4m3", "--fp8-amax-history-len", "0"],
-         "--fp8-amax-history-len 0 must be at least 1"),
-        (["--fp8-format", "e4m3", "--fp8-param-gather"], "--fp8-param-gather is not built yet"),
-        (["--fp8-param-gather"], "--fp8-param-gather needs --fp8-format"),
-        (["--fp8-format", "e4m3", "--fp8-recipe", "custom"], "--fp8-recipe custom takes"),
-        (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--first-last-layers-bf16",
-          "--num-layers-at-end-in-bf16", "9"], "--num-layers-at-end-in-bf16 9 must lie in 0..4"),
-    ],
-)  # fmt: skip
-def test_bad_fp8_flags_are_one_line(flags, message, dataset_prefix, tokenizer_model):
-    from engine.config.checks import check_layout_flags
-    from engine.errors import ConfigError
+def test_first_and_last_layers_stay_in_high_precision(dataset_prefix, tokenizer_model):
+    """--first-last-layers-bf16 counts layers over the whole model: with 1 at the start and 2
+    at the end of 5, only layers 1 and 2 get FP8, on whichever pipeline stage they sit."""
+    from engine.model.builder import build_model_chunks
+    from engine.ops.fp8.apply import enable_fp8, fp8_recipe
     from engine.pretrain import parse
+    from engine.train.preflight import prepare
+    from parallel.state import ParallelState
     from tests.test_training import base_args
 
-    with pytest.raises(ConfigError) as err:
-        check_layout_flags(parse(base_args(dataset_prefix, tokenizer_model) + flags), 1)
-    assert message in str(err.value) and "\n" not in str(err.value)
-
-
-def test_first_and_last_layers_stay_in_high_precision():
-    from engine.ops.fp8.apply import in_high_precision
-
-    kept = [n for n in range(6) if in_high_precision(n, 6, 1, 2)]
-    assert kept == [0, 4, 5]
+    flags = ["--num-layers", "5", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8",
+             "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"]  # fmt: skip
+    cfg = prepare(parse(base_args(dataset_prefix, tokenizer_model) + flags), 1)
+    state = ParallelState.local()
+    (model,) = build_model_chunks(cfg.model, state)
+    enable_fp8([model], fp8_recipe(cfg.runtime), 5, cfg.runtime.fp8_kept_layers(), None)
+    in_fp8 = sorted(
+        number
+        for number, layer in model.layers.items()
+        if any(getattr(m, "fp8", None) is not None for m in layer.modules())
+    )
+    assert in_fp8 == ["1", "2"]
+    outside = [m for name, m in model.named_modules() if not name.startswith("layers.")]
+    assert all(getattr(m, "fp8", None) is None for m in outside)  # embedding, output layer

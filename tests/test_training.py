@@ -662,6 +662,15 @@ def test_command_line_errors_are_one_line_before_any_process_group(dataset_prefi
         (["--trust-remote-code"], "--trust-remote-code: this engine never runs code"),
         (["--tokenizer-type", "NullTokenizer"],
          "--tokenizer-type NullTokenizer needs --vocab-size N"),
+        (["--fp8-format", "hybrid", "--first-last-layers-bf16"],
+         "--first-last-layers-bf16 with --fp8-recipe delayed"),
+        (["--fp8-format", "e4m3", "--fp8-amax-history-len", "0"],
+         "--fp8-amax-history-len 0 must be at least 1"),
+        (["--fp8-format", "e4m3", "--fp8-param-gather"], "--fp8-param-gather is not built yet"),
+        (["--fp8-param-gather"], "--fp8-param-gather needs --fp8-format"),
+        (["--fp8-format", "e4m3", "--fp8-recipe", "custom"], "--fp8-recipe custom takes"),
+        (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--first-last-layers-bf16",
+          "--num-layers-at-end-in-bf16", "9"], "--num-layers-at-end-in-bf16 9 must lie in 0..4"),
     ],
 )  # fmt: skip
 def test_each_configuration_mistake_is_one_line(dataset_prefix, tokenizer_model, extra, message):
