@@ -305,27 +305,27 @@ def _outputs(folder):
     }
 
 
-@pytest.mark.parametrize("kill_at", ["first:1", "final:0"])
-def test_a_killed_run_resumes_to_the_same_output(tmp_path, kill_at):
+def test_a_killed_run_resumes_to_the_same_output(tmp_path):
+    """Killed in the first step (shard 1) and in the last (shard 0), each resumed."""
     _write_inputs(tmp_path / "raw")
     args = ["--input", str(tmp_path / "raw"), "--config"]
     config = tmp_path / "c.yaml"
     config.write_text("minhash: {threshold: 0.7}\nexact_dedup: {lines: true}\n")
     whole = run_tool("curate.py", *args, str(config), "--output", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
-    out = tmp_path / "killed"
-    killed = run_python(
-        "tools/curate.py", *args, str(config), "--output", str(out),
-        env={"TRIPOD_FAULT_CURATE_KILL_AT": kill_at},
-    )  # fmt: skip
-    assert killed.returncode == -9
-    assert not (out / "report.json").exists()
-    done = sorted(n for n in os.listdir(out / "work") if n.startswith("shard-"))
-    assert done == (["shard-00000", "shard-00001"] if kill_at == "first:1" else
-                    ["shard-00000", "shard-00001", "shard-00002"])  # fmt: skip
-    again = run_tool("curate.py", *args, str(config), "--output", str(out))
-    assert again.returncode == 0, again.stderr
-    assert _outputs(out) == _outputs(tmp_path / "whole")
+    for kill_at, shards in (("first:1", 2), ("final:0", 3)):
+        out = tmp_path / f"killed-{kill_at.replace(':', '-')}"
+        killed = run_python(
+            "tools/curate.py", *args, str(config), "--output", str(out),
+            env={"TRIPOD_FAULT_CURATE_KILL_AT": kill_at},
+        )  # fmt: skip
+        assert killed.returncode == -9
+        assert not (out / "report.json").exists()
+        done = sorted(n for n in os.listdir(out / "work") if n.startswith("shard-"))
+        assert done == [f"shard-{k:05d}" for k in range(shards)]
+        again = run_tool("curate.py", *args, str(config), "--output", str(out))
+        assert again.returncode == 0, again.stderr
+        assert _outputs(out) == _outputs(tmp_path / "whole")
 
 
 @pytest.mark.parametrize(
@@ -386,7 +386,7 @@ def test_bench_against_datatrove_and_planted_duplicates(tmp_path, small_checkpoi
     result = run_tool("bench_curate.py", "--families", "60", "--documents", "400", "--workers",
                       "1", "--throughput-documents", "400", "--web-pages", "30",
                       "--model-documents", "600", "--perplexity-model", small_checkpoint,
-                      "--json", str(out))  # fmt: skip
+                      "--executor-documents", "0", "--json", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     for row in report["minhash"]:  # found at the threshold; kept 0.2 below it
@@ -405,7 +405,7 @@ def test_bench_against_datatrove_and_planted_duplicates(tmp_path, small_checkpoi
     assert web["trafilatura"]["docs_per_s"] > 0 and web["resiliparse"]["docs_per_s"] > 0
     models = report["models"]
     assert models["held_out"]["auc"] > 0.9, models
-    for stage in ("quality_classifier", "perplexity"):
+    for stage in ("quality_classifier", "perplexity", "perplexity (KenLM)"):
         assert models[stage]["docs_per_s"] > 0, models
 
 

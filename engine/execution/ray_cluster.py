@@ -59,6 +59,10 @@ class RayExecutor:
         python_path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
         # the run's own settings (TRIPOD_*) go to the tasks, whose processes Ray starts
         env = {k: v for k, v in os.environ.items() if k.startswith("TRIPOD_")}
+        # this driver exports no metrics: its core worker otherwise logs to stderr when the
+        # node's metrics agent is slow to answer (seen on a loaded machine), which breaks a
+        # one-line error; RAY_enable_metrics_collection=1 in the environment keeps them
+        os.environ.setdefault("RAY_enable_metrics_collection", "0")
         with warnings.catch_warnings():  # its notices would break a one-line error
             warnings.simplefilter("ignore")
             ray.init(
