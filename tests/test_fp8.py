@@ -232,3 +232,25 @@ def test_first_and_last_layers_stay_in_high_precision(dataset_prefix, tokenizer_
     assert in_fp8 == ["1", "2"]
     outside = [m for name, m in model.named_modules() if not name.startswith("layers.")]
     assert all(getattr(m, "fp8", None) is None for m in outside)  # embedding, output layer
+
+
+def test_a_layer_records_its_amaxes_in_training_only():
+    """Through the layer (the autograd Function, whose forward runs without gradients): a
+    training forward and backward record the amaxes of x, W and dY; an evaluation forward
+    (no gradients) records nothing."""
+    from parallel.tensor_parallel.init import normal_init
+    from parallel.tensor_parallel.layers import ColumnParallelLinear
+
+    layer = ColumnParallelLinear(64, 32, tp_group=None, init_method=normal_init(0.1), init_seed=3)
+    recipe = Fp8Recipe("hybrid", "delayed")
+    layer.fp8 = Fp8Linear(recipe, DelayedScaling(recipe, "cpu"))
+    x = torch.randn(4, 2, 64)
+    with torch.no_grad():
+        layer(x)
+    assert torch.equal(layer.fp8.delayed.amax_now, torch.zeros(3))
+    layer(x).square().sum().backward()
+    amax = layer.fp8.delayed.amax_now
+    assert amax[0] == x.abs().max() and amax[1] == layer.weight.detach().abs().max()
+    assert amax[2] > 0
+    update_delayed_scales([layer.fp8.delayed], ())
+    assert torch.allclose(layer.fp8.delayed.scale[:2], 448.0 / amax[:2])

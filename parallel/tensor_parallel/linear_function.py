@@ -59,7 +59,7 @@ def _as_matrix(t: torch.Tensor) -> torch.Tensor:
 
 class _TensorParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, input_mode, fuse_wgrad, times, fp8):
+    def forward(ctx, x, weight, bias, group, input_mode, fuse_wgrad, times, fp8, record):
         ctx.group, ctx.input_mode, ctx.fp8 = group, input_mode, fp8
         # the parameter itself, whose main_grad and callbacks backward uses (a saved tensor
         # may come back as another tensor object, e.g. under saved-tensor hooks)
@@ -73,7 +73,7 @@ class _TensorParallelLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)  # under "gather": the shard, not the gathered input
         if fp8 is None:
             return torch.nn.functional.linear(total, weight, bias)
-        out = fp8.forward(_as_matrix(total), weight)
+        out = fp8.forward(_as_matrix(total), weight, record)
         # the product's own tensor in the output's shape, not a view (a view made inside a
         # custom Function may not be modified in place, as the TP reduction does)
         out = torch.ops.aten._unsafe_view.default(out, (*total.shape[:-1], out.shape[-1]))
@@ -117,13 +117,15 @@ class _TensorParallelLinear(torch.autograd.Function):
         if reduce_work is not None:
             with measure(times, TP_COMM):
                 reduce_work.wait()  # the weight-gradient GEMM above ran while it was in flight
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _weight_grad(weight, grad_output_2d, input_2d, fp8=None):
     """dL/dW = grad_output^T input, or None when it went straight into weight.main_grad (or
     was queued to: parallel/pipeline/weight_grad.py, for zero-bubble schedules); `weight`: the
     parameter when its gradient is fused in, else None; `fp8`: the layer's FP8 GEMMs."""
+    if fp8 is not None and not fp8.recipe.wgrad:
+        fp8 = None  # --no-fp8-wgrad: the usual GEMM (into an fp32 buffer: one GEMM on CUDA)
     if weight is None:
         if fp8 is not None:
             return fp8.weight_grad(grad_output_2d, input_2d).to(grad_output_2d.dtype)
@@ -198,9 +200,13 @@ def tensor_parallel_linear(
 ) -> torch.Tensor:
     """y = x W^T + b with the input-side TP communication of `input_mode` (module docstring).
     Without a group (TP 1) there is nothing to communicate. `fp8` (engine/ops/fp8/linear.py's
-    Fp8Linear): the three GEMMs in FP8."""
+    Fp8Linear): the three GEMMs in FP8, the amaxes of delayed scaling recorded when gradients
+    are on here (training; a custom Function's forward always runs without them)."""
     if input_mode not in INPUT_MODES:
         raise ValueError(f"input_mode {input_mode!r} is not one of {INPUT_MODES}")
     if group is None or group_size(group) == 1:
         input_mode = "none"
-    return _TensorParallelLinear.apply(x, weight, bias, group, input_mode, fuse_wgrad, times, fp8)
+    record = fp8 is not None and torch.is_grad_enabled()
+    return _TensorParallelLinear.apply(
+        x, weight, bias, group, input_mode, fuse_wgrad, times, fp8, record
+    )

@@ -41,7 +41,9 @@ class DelayedScaling:
         self.amax_now[slot] = torch.maximum(self.amax_now[slot], amax)
 
     def update(self, amax: torch.Tensor) -> None:
-        """The step's (reduced) amaxes into the history, and the next step's scales."""
+        """The step's (reduced) amaxes into the history, and the next step's scales; a
+        non-finite amax (a step the optimizer skips) enters as 0, keeping the scale."""
+        amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
         self.history = torch.cat([amax[None], self.history[:-1]])
         window = self.history[0] if self.recipe.amax_compute_algo == "most_recent" else (
             self.history.amax(0)

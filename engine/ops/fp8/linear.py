@@ -42,12 +42,12 @@ class Fp8Linear:
             return quantize(x, dtype, scale=scale_from_amax(amax, dtype, CURRENT))
         return quantize(x, dtype, recipe.block(role), recipe.rule)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [M, K] W^T ([N, K]); the amaxes are recorded in training only (not in evaluation,
-        which runs without gradients)."""
-        training = torch.is_grad_enabled()
-        a = self.quantize(x, "input", record=training)
-        return fp8_gemm(a, self.quantize(weight, "weight", record=training), x.dtype)
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, record: bool = True) -> torch.Tensor:
+        """x [M, K] W^T ([N, K]); `record`: the amaxes count for delayed scaling (training;
+        not evaluation, which runs without gradients: the caller decides, as the forward of
+        an autograd Function always runs without them)."""
+        a = self.quantize(x, "input", record=record)
+        return fp8_gemm(a, self.quantize(weight, "weight", record=record), x.dtype)
 
     def input_grad(self, grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """dY [M, N] W ([N, K])."""
@@ -55,8 +55,6 @@ class Fp8Linear:
         return fp8_gemm(a, self.quantize(weight.t(), "weight"), grad_output.dtype)
 
     def weight_grad(self, grad_output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """dY^T x ([N, K], fp32); in the activations' dtype without FP8 wgrad."""
-        if not self.recipe.wgrad:
-            return grad_output.t().matmul(x).float()
+        """dY^T x ([N, K], fp32) (--no-fp8-wgrad: the caller's usual GEMM instead)."""
         a = self.quantize(grad_output.t(), "grad")
         return fp8_gemm(a, self.quantize(x.t(), "input"), torch.float32)
