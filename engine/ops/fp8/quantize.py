@@ -14,7 +14,6 @@ fp8_max)) (so nothing saturates). A block of zeros gets scale 1.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -101,7 +100,3 @@ def quantize(
     scaled = x.float() * expand(scale, block, x.shape)
     data = torch.clamp(scaled, -fp8_max, fp8_max).to(dtype).contiguous()
     return Quantized(data, 1.0 / scale, block)
-
-
-def blocks_along(size: int, block: int) -> int:
-    return math.ceil(size / block)

@@ -21,7 +21,6 @@ from engine.ops.fp8.quantize import CURRENT, E4M3, E5M2, MX, POWER_OF_TWO
 
 RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 FORMATS = ("e4m3", "hybrid")
-ROLES = ("input", "weight", "grad")
 
 
 @dataclass(frozen=True)
