@@ -99,6 +99,9 @@ class SlurmCluster:
 
     def __exit__(self, error_type, *exc) -> None:
         self.run("scancel", "-u", "root")
+        deadline = time.monotonic() + 15  # scancel only asks: let the jobs' steps end first
+        while self.run("squeue", "-h").stdout.strip() and time.monotonic() < deadline:
+            time.sleep(0.2)
         pids = []
         for pid_file in ("slurmd.pid", "slurmctld.pid", "munged.pid"):
             try:
