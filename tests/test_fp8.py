@@ -7,6 +7,7 @@ flags in one line."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from engine.ops.fp8.delayed import DelayedScaling, update_delayed_scales
 from engine.ops.fp8.gemm import fp8_gemm
-from engine.ops.fp8.linear import Fp8Linear
+from engine.ops.fp8.linear import Fp8Linear, Fp8Scales
 from engine.ops.fp8.quantize import E4M3, E5M2, FP8_MAX, quantize
 from engine.ops.fp8.recipe import RECIPES, Fp8Recipe
 from tests.distributed import rel_err
@@ -116,10 +117,12 @@ def test_a_layer_in_fp8_is_within_the_formats_error_of_fp32(recipe):
     delayed = DelayedScaling(Fp8Recipe("hybrid", recipe), "cpu") if recipe == "delayed" else None
     fp8 = Fp8Linear(Fp8Recipe("hybrid", recipe), delayed)
     if delayed is not None:  # a first step records the amaxes the second one's scales use
-        fp8.forward(x.detach(), w.detach()), fp8.input_grad(dy, w.detach())
+        fp8.input_grad(dy, w.detach(), fp8.forward(x.detach(), w.detach())[1])
         update_delayed_scales([delayed], ())
-    y = fp8.forward(x.detach(), w.detach())
-    dx, dw = fp8.input_grad(dy, w.detach()), fp8.weight_grad(dy, x.detach())
+    y, scales = fp8.forward(x.detach(), w.detach())
+    dx, grad = fp8.input_grad(dy, w.detach(), scales)
+    dw = fp8.weight_grad(dy, x.detach(), scales, grad)
+    assert torch.equal(dw, fp8.weight_grad(dy, x.detach(), Fp8Scales()))  # nothing reused
     assert rel_err(y, ref) < 0.04  # E4M3 x E4M3
     assert rel_err(dx, ref_dx) < 0.08 and rel_err(dw, ref_dw) < 0.08  # E5M2 x E4M3
 
@@ -164,10 +167,10 @@ LAYOUTS = {
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_parallel_fp8_run_equals_one_process(recipe, dataset_prefix, tokenizer_model, tmp_path):
     """Under TP (and SP, PP, DP) the FP8 run follows one process's FP8 run: the first step's
-    loss within 1e-5 relative, every step's within 3e-4. (Not 1e-5 throughout, as fp32 runs
+    loss within 1e-5 relative, every step's within 5e-5. (Not 1e-5 throughout, as fp32 runs
     are: FP8's rounding is not continuous, so the last-bit differences of two layouts' fp32
     sums move elements across rounding boundaries, by a step of the format each; measured
-    ~1e-4 after three steps, the size of FP8's own effect on the loss at this scale.)"""
+    up to 2.5e-5 by the fifth step.)"""
     from tests.test_training import losses, pretrain
 
     fp8 = {"--fp8-format": "hybrid", "--fp8-recipe": recipe}
@@ -179,7 +182,7 @@ def test_parallel_fp8_run_equals_one_process(recipe, dataset_prefix, tokenizer_m
     one, many = losses(tmp_path / "one.jsonl"), losses(tmp_path / "many.jsonl")
     assert sorted(one) == sorted(many) == list(range(1, 6))
     apart = [abs(many[s] - one[s]) / one[s] for s in one]
-    assert apart[0] < 1e-5 and max(apart) < 3e-4, apart
+    assert apart[0] < 1e-5 and max(apart) < 5e-5, apart
     if recipe == "delayed":
         pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "plain"))
         plain = losses(tmp_path / "plain.jsonl")
@@ -254,3 +257,25 @@ def test_a_layer_records_its_amaxes_in_training_only():
     assert amax[2] > 0
     update_delayed_scales([layer.fp8.delayed], ())
     assert torch.allclose(layer.fp8.delayed.scale[:2], 448.0 / amax[:2])
+
+
+def test_bench_fp8_trains_each_recipe_beside_bf16(dataset_prefix, tokenizer_model, tmp_path):
+    """tools/bench_fp8.py at a tiny size: BF16 and two recipes, a row each,
+    the FP8 runs' losses apart from BF16's (FP8 ran) but close to them, JSON and plot."""
+    from tests.cli import run_tool
+
+    done = run_tool(
+        "bench_fp8.py", "--recipes", "tensorwise", "mxfp8", "--seeds", "1",
+        "--train-iters", "3", "--average-last", "2", "--num-layers", "1", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--data-path", dataset_prefix,
+        "--tokenizer-model", tokenizer_model, "--output-dir", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "bench_fp8.json").read_text())["rows"]
+    assert [row["recipe"] for row in rows] == ["bf16", "tensorwise", "mxfp8"]
+    runs = json.loads((tmp_path / "bench_fp8.json").read_text())["runs"]
+    for recipe in ("tensorwise", "mxfp8"):
+        for fp8, bf16 in zip(runs[recipe], runs["bf16"], strict=True):
+            apart = [abs(a - b) for a, b in zip(fp8["loss"], bf16["loss"], strict=True)]
+            assert len(apart) == 3 and 0 < max(apart) < 0.05, (recipe, apart)
+    assert "mxfp8" in done.stdout and (tmp_path / "bench_fp8.png").stat().st_size > 10_000

@@ -23,6 +23,7 @@ from engine.checkpoint.state import (
     set_rng_state,
 )
 from engine.errors import CheckpointError, UserError
+from engine.ops.fp8.apply import delayed_states
 from parallel.checkpoint.dcp import BoxLoadPlanner, SafeFileSystemReader
 from parallel.consensus import first_error, gather_to_all, is_distributed
 from parallel.errors import describe_os_error, one_line, root_cause
@@ -206,6 +207,8 @@ def load_checkpoint(
             rng = wanted
             state.update(rng)
     read_tensors(path, state, group, reader)
+    for delayed in delayed_states(chunks):
+        delayed.seen = None  # which roles have an amax: read again from the loaded history
     masters_read = any(k.endswith("/master") for k in state)
     for piece in optimizer.pieces:
         if load_optimizer:

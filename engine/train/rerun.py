@@ -8,7 +8,8 @@ put back. Finite the second time: a transient fault, logged with the ranks whose
 was non-finite before the reduction spread it; the step goes on with the new result.
 Non-finite again: the data or the model; the batch's samples are logged and the step is
 skipped as without the flag (--exit-on-nan-count counts it). The cost: each step keeps a copy of
-the random states, and sums its local gradient once after backward.
+the random states (and FP8's delayed-scaling state), and sums its local gradient once after
+backward.
 """
 
 from __future__ import annotations
@@ -17,20 +18,29 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.state import rng_state, set_rng_state
+from engine.ops.fp8.apply import delayed_states
 
 
 class StepSnapshot:
-    """What a rerun of the step puts back: the random states and the spike detector's
-    history."""
+    """What a rerun of the step puts back: the random states, the spike detector's history
+    and FP8 delayed scaling's amax histories and scales (updated at the end of every step,
+    skipped or not, as Transformer Engine does)."""
 
     def __init__(self, run):
         self.rank, self.tracker = run.state.rank, run.progress.tracker
         self.rng = rng_state(self.rank, self.tracker)
         self.spikes = list(run.spikes.history)
+        self.fp8 = [
+            (s.history.clone(), s.scale.clone(), s.amax_now.clone())
+            for s in delayed_states(run.chunks)
+        ]
 
     def restore(self, run) -> None:
         set_rng_state({k.split("/", 2)[2]: v for k, v in self.rng.items()}, self.tracker)
         run.spikes.history = list(self.spikes)
+        for state, saved in zip(delayed_states(run.chunks), self.fp8, strict=True):
+            state.history, state.scale, state.amax_now = (t.clone() for t in saved)
+            state.seen = None  # read from the history put back
 
 
 def local_gradients_finite(chunks, device: torch.device) -> torch.Tensor:

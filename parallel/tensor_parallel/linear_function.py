@@ -73,7 +73,7 @@ class _TensorParallelLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)  # under "gather": the shard, not the gathered input
         if fp8 is None:
             return torch.nn.functional.linear(total, weight, bias)
-        out = fp8.forward(_as_matrix(total), weight, record)
+        out, ctx.fp8_scales = fp8.forward(_as_matrix(total), weight, record)
         # the product's own tensor in the output's shape, not a view (a view made inside a
         # custom Function may not be modified in place, as the TP reduction does)
         out = torch.ops.aten._unsafe_view.default(out, (*total.shape[:-1], out.shape[-1]))
@@ -88,11 +88,18 @@ class _TensorParallelLinear(torch.autograd.Function):
         if mode == "gather":
             with measure(times, TP_COMM):
                 total, gather_work = _gather_sequence(x, group, async_op=overlap)
+        fp8_wgrad = None  # the weight-gradient GEMM in FP8, with what input_grad leaves it
         if ctx.fp8 is None:
             grad_input = grad_output.matmul(weight)  # overlaps the gather above
         else:
-            grad_input = ctx.fp8.input_grad(_as_matrix(grad_output), weight)
+            grad_input, grad_fp8 = ctx.fp8.input_grad(
+                _as_matrix(grad_output), weight, ctx.fp8_scales
+            )
             grad_input = grad_input.reshape(*grad_output.shape[:-1], -1)
+            if ctx.fp8.recipe.wgrad:  # else --no-fp8-wgrad: the usual GEMM (fp32 accumulation)
+                fp8_wgrad = functools.partial(
+                    ctx.fp8.weight_grad, scales=ctx.fp8_scales, grad=grad_fp8
+                )
         reduce_work = None
         if mode == "copy":
             with measure(times, TP_COMM):
@@ -111,7 +118,7 @@ class _TensorParallelLinear(torch.autograd.Function):
                 )
             grad_input = shard
         grad_weight = _weight_grad(
-            ctx.fused_param, _as_matrix(grad_output), _as_matrix(total), ctx.fp8
+            ctx.fused_param, _as_matrix(grad_output), _as_matrix(total), fp8_wgrad
         )
         grad_bias = _as_matrix(grad_output).sum(0) if ctx.has_bias else None
         if reduce_work is not None:
@@ -120,17 +127,16 @@ class _TensorParallelLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-def _weight_grad(weight, grad_output_2d, input_2d, fp8=None):
+def _weight_grad(weight, grad_output_2d, input_2d, fp8_wgrad=None):
     """dL/dW = grad_output^T input, or None when it went straight into weight.main_grad (or
     was queued to: parallel/pipeline/weight_grad.py, for zero-bubble schedules); `weight`: the
-    parameter when its gradient is fused in, else None; `fp8`: the layer's FP8 GEMMs."""
-    if fp8 is not None and not fp8.recipe.wgrad:
-        fp8 = None  # --no-fp8-wgrad: the usual GEMM (into an fp32 buffer: one GEMM on CUDA)
+    parameter when its gradient is fused in, else None; `fp8_wgrad`: the product in FP8
+    (grad_output_2d, input_2d) -> fp32 dW, or None for the usual GEMM."""
     if weight is None:
-        if fp8 is not None:
-            return fp8.weight_grad(grad_output_2d, input_2d).to(grad_output_2d.dtype)
+        if fp8_wgrad is not None:
+            return fp8_wgrad(grad_output_2d, input_2d).to(grad_output_2d.dtype)
         return grad_output_2d.t().matmul(input_2d)
-    add = functools.partial(_add_to_main_grad, weight, grad_output_2d, input_2d, fp8)
+    add = functools.partial(_add_to_main_grad, weight, grad_output_2d, input_2d, fp8_wgrad)
     queue = getattr(weight, QUEUE_ATTRIBUTE, None)
     if queue is not None:
         queue.add(weight, add)
@@ -150,13 +156,13 @@ def _fusable(weight) -> bool:
     return getattr(weight, "main_grad", None) is not None and hasattr(weight, "on_main_grad_added")
 
 
-def _add_to_main_grad(weight, grad_output_2d, input_2d, fp8=None) -> None:
+def _add_to_main_grad(weight, grad_output_2d, input_2d, fp8_wgrad=None) -> None:
     prepare = getattr(weight, "prepare_main_grad", None)
     if prepare is not None:
         prepare(weight)  # sharded gradients: the bucket's buffer may be released
     main_grad = weight.main_grad
-    if fp8 is not None:
-        main_grad.add_(fp8.weight_grad(grad_output_2d, input_2d))
+    if fp8_wgrad is not None:
+        main_grad.add_(fp8_wgrad(grad_output_2d, input_2d))
     elif main_grad.dtype == grad_output_2d.dtype:
         main_grad.addmm_(grad_output_2d.t(), input_2d)
     elif not _added_in_fp32(weight, main_grad, grad_output_2d.t(), input_2d):

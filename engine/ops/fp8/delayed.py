@@ -2,9 +2,15 @@
 output gradient dY over the last `amax_history_len` steps, and the scales the next step uses.
 
 During a step each quantisation of x, W (forward) and dY (backward) records its amax (the
-largest over the step's micro-batches) and uses the scales the step began with (1 at the first
-step). At the end of the step (`update_delayed_scales`, before the optimizer) the amaxes of
-every layer are all-reduced (MAX) over the tensor-, data- and context-parallel groups, as
+largest over the step's micro-batches) and uses the scales the step began with. A role whose
+history holds no amax yet (the run's first step, or a history of zeros after skipped steps)
+is scaled by the tensor's own amax, as the tensorwise recipe does, where Transformer Engine
+starts from a scale of 1: with 1, gradients below E5M2's smallest value (1.5e-5) vanish in
+the first step, and a layout whose micro-batch losses carry another factor (data parallelism
+scales each rank's dY by its DP size) rounds them differently from one process.
+
+At the end of the step (`update_delayed_scales`, before the optimizer) the amaxes of every
+layer are all-reduced (MAX) over the tensor-, data- and context-parallel groups, as
 megatron-core's amax reduction group, so every layout holds the amaxes one process would
 have, and each scale becomes fp8_max / amax / 2^margin, amax the newest (`most_recent`) or the
 largest (`max`) in the history; a zero or non-finite amax keeps the scale it had.
@@ -31,9 +37,16 @@ class DelayedScaling:
         self.history = torch.zeros(recipe.amax_history_len, 3, device=device)
         self.scale = torch.ones(3, device=device)
         self.amax_now = torch.zeros(3, device=device)
+        # per role: whether the history holds an amax (None: read from it at the next use,
+        # as after a checkpoint was loaded into it); set for every layer at once after each
+        # update, one read of the device per step
+        self.seen: list[bool] | None = None
 
-    def scale_of(self, role: str) -> torch.Tensor:
-        return self.scale[SLOTS[role]]
+    def scale_of(self, role: str) -> torch.Tensor | None:
+        """The role's scale, or None while its history holds no amax (module docstring)."""
+        if self.seen is None:
+            self.seen = (self.history != 0).any(0).tolist()
+        return self.scale[SLOTS[role]] if self.seen[SLOTS[role]] else None
 
     def record(self, role: str, tensor: torch.Tensor) -> None:
         slot = SLOTS[role]
@@ -67,3 +80,6 @@ def update_delayed_scales(states: list[DelayedScaling], groups) -> None:
         all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
     for state, amax in zip(states, amaxes, strict=True):
         state.update(amax)
+    seen = torch.stack([(s.history != 0).any(0) for s in states]).tolist()
+    for state, flags in zip(states, seen, strict=True):
+        state.seen = flags

@@ -13,6 +13,8 @@ the block's own (the same blocks as one process's where the shards' edges fall o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -23,6 +25,17 @@ from engine.ops.fp8.recipe import Fp8Recipe
 from parallel.comm import all_reduce
 
 
+@dataclass(frozen=True)
+class Fp8Scales:
+    """The per-tensor scales a forward quantised x and W with (None under the block recipes,
+    whose backward makes its blocks' scales again, with no communication): backward quantises
+    x^T and W^T with the same scales, bit for bit the forward's values, with no second amax
+    reduction over the TP group."""
+
+    input: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+
+
 class Fp8Linear:
     """One layer's FP8 settings: its recipe, its delayed-scaling state (delayed recipe) and
     the TP group its tensorwise amaxes are reduced over."""
@@ -30,31 +43,57 @@ class Fp8Linear:
     def __init__(self, recipe: Fp8Recipe, delayed: DelayedScaling | None = None, tp_group=None):
         self.recipe, self.delayed, self.tp_group = recipe, delayed, tp_group
 
-    def quantize(self, x: torch.Tensor, role: str, record: bool = False) -> Quantized:
+    def quantize(
+        self, x: torch.Tensor, role: str, record: bool = False, scale: torch.Tensor | None = None
+    ) -> Quantized:
+        """x as `role` (input, weight, grad) by the recipe; `scale`: a per-tensor scale made
+        before (Fp8Scales) used as it is; `record`: its amax counts for delayed scaling."""
         recipe, dtype = self.recipe, self.recipe.dtype(role)
+        if scale is not None:
+            return quantize(x, dtype, scale=scale)
         if recipe.recipe == "delayed":
             if record:
                 self.delayed.record(role, x)
-            return quantize(x, dtype, scale=self.delayed.scale_of(role))
-        if recipe.recipe == "tensorwise":
+            delayed = self.delayed.scale_of(role)
+            if delayed is not None:
+                return quantize(x, dtype, scale=delayed)
+        if recipe.per_tensor:  # tensorwise, or delayed without an amax yet: the tensor's own
             amax = x.detach().abs().amax().float()
             all_reduce(amax, self.tp_group, op=dist.ReduceOp.MAX)
             return quantize(x, dtype, scale=scale_from_amax(amax, dtype, CURRENT))
         return quantize(x, dtype, recipe.block(role), recipe.rule)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, record: bool = True) -> torch.Tensor:
-        """x [M, K] W^T ([N, K]); `record`: the amaxes count for delayed scaling (training;
-        not evaluation, which runs without gradients: the caller decides, as the forward of
-        an autograd Function always runs without them)."""
+    def forward(
+        self, x: torch.Tensor, weight: torch.Tensor, record: bool = True
+    ) -> tuple[torch.Tensor, Fp8Scales]:
+        """(x [M, K] W^T ([N, K]), the scales backward reuses); `record`: the amaxes count for
+        delayed scaling (training; not evaluation, which runs without gradients: the caller
+        decides, as the forward of an autograd Function always runs without them)."""
         a = self.quantize(x, "input", record=record)
-        return fp8_gemm(a, self.quantize(weight, "weight", record=record), x.dtype)
+        w = self.quantize(weight, "weight", record=record)
+        scales = Fp8Scales(a.scale, w.scale) if self.recipe.per_tensor else Fp8Scales()
+        return fp8_gemm(a, w, x.dtype), scales
 
-    def input_grad(self, grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """dY [M, N] W ([N, K])."""
-        a = self.quantize(grad_output, "grad", record=True)
-        return fp8_gemm(a, self.quantize(weight.t(), "weight"), grad_output.dtype)
+    def input_grad(
+        self, grad_output: torch.Tensor, weight: torch.Tensor, scales: Fp8Scales
+    ) -> tuple[torch.Tensor, Quantized]:
+        """(dY [M, N] W ([N, K]), dY quantised, which weight_grad reuses)."""
+        grad = self.quantize(grad_output, "grad", record=True)
+        w_t = self.quantize(weight.t(), "weight", scale=scales.weight)
+        return fp8_gemm(grad, w_t, grad_output.dtype), grad
 
-    def weight_grad(self, grad_output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """dY^T x ([N, K], fp32) (--no-fp8-wgrad: the caller's usual GEMM instead)."""
-        a = self.quantize(grad_output.t(), "grad")
-        return fp8_gemm(a, self.quantize(x.t(), "input"), torch.float32)
+    def weight_grad(
+        self,
+        grad_output: torch.Tensor,
+        x: torch.Tensor,
+        scales: Fp8Scales,
+        grad: Quantized | None = None,
+    ) -> torch.Tensor:
+        """dY^T x ([N, K], fp32); `grad`: input_grad's dY, transposed where the recipe scales
+        per tensor (its blocks would run along the wrong dimension otherwise)."""
+        if grad is not None and self.recipe.per_tensor:
+            grad_t = grad.transposed()
+        else:
+            grad_t = self.quantize(grad_output.t(), "grad")
+        x_t = self.quantize(x.t(), "input", scale=scales.input)
+        return fp8_gemm(grad_t, x_t, torch.float32)

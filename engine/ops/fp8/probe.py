@@ -17,9 +17,9 @@ def check_fp8_device(recipe: Fp8Recipe, device: torch.device) -> None:
     x = torch.randn(32, 128, device=device)
     w = torch.randn(32, 128, device=device)
     try:
-        probe.forward(x, w)
-        probe.input_grad(x[:, :32].contiguous(), w)
-        probe.weight_grad(x[:, :32].contiguous(), x)
+        _, scales = probe.forward(x, w)
+        _, grad = probe.input_grad(x[:, :32].contiguous(), w, scales)
+        probe.weight_grad(x[:, :32].contiguous(), x, scales, grad)
     except (RuntimeError, NotImplementedError, TypeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(

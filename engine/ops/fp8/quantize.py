@@ -29,18 +29,28 @@ POWER_OF_TWO = "power_of_two"  # fp8_max / amax rounded down to a power of 2
 MX = "mx"  # E8M0: 2^-ceil(log2(amax / fp8_max))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Quantized:
-    """data [M, K] in FP8 and scale_inv [ceil(M / block[0]), ceil(K / block[1])] in fp32."""
+    """data [M, K] in FP8, the scales it was made with and their inverses scale_inv, both
+    [ceil(M / block[0]), ceil(K / block[1])] in fp32."""
 
     data: torch.Tensor
     scale_inv: torch.Tensor
     block: tuple[int, int]
+    scale: torch.Tensor
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return (
             self.data.to(torch.float32) * expand(self.scale_inv, self.block, self.data.shape)
         ).to(dtype)
+
+    def transposed(self) -> Quantized:
+        """The quantisation of the transposed tensor with the transposed blocks: bit for bit
+        what quantising x^T by blocks (columns, rows) gives, as each block's amax, scale and
+        rounded values do not depend on the layout."""
+        return Quantized(
+            self.data.t().contiguous(), self.scale_inv.t(), self.block[::-1], self.scale.t()
+        )
 
 
 def block_shape(block: tuple[int, int] | None, shape) -> tuple[int, int]:
@@ -97,6 +107,7 @@ def quantize(
     else:
         scale = scale.float().reshape(1, 1)
     fp8_max = FP8_MAX[dtype]
-    scaled = x.float() * expand(scale, block, x.shape)
+    whole = block == tuple(x.shape)  # one scale: multiplied in without an [M, K] copy of it
+    scaled = x.float() * (scale.reshape(()) if whole else expand(scale, block, x.shape))
     data = torch.clamp(scaled, -fp8_max, fp8_max).to(dtype).contiguous()
-    return Quantized(data, 1.0 / scale, block)
+    return Quantized(data, 1.0 / scale, block, scale)
