@@ -192,7 +192,8 @@ def test_parallel_fp8_run_equals_one_process(recipe, dataset_prefix, tokenizer_m
 
 def test_delayed_scaling_resumes_bit_for_bit(dataset_prefix, tokenizer_model, tmp_path):
     """The amax histories and scales are in the checkpoint: a run stopped at step 3 and resumed
-    gives the straight run's losses bit for bit; another history length is refused."""
+    gives the straight run's losses bit for bit, resumed under TP2 within the layouts' 5e-5;
+    another history length is refused."""
     from tests.test_training import latest, losses, pretrain
 
     fp8 = {"--fp8-format": "hybrid", "--fp8-amax-history-len": "3",
@@ -206,6 +207,10 @@ def test_delayed_scaling_resumes_bit_for_bit(dataset_prefix, tokenizer_model, tm
     straight = losses(tmp_path / "straight.jsonl")
     resumed = losses(tmp_path / "a.jsonl") | losses(tmp_path / "b.jsonl")
     assert resumed == straight and sorted(straight) == list(range(1, 6))
+    tp2 = {"--load": ckpt, "--tensor-model-parallel-size": "2"}
+    pretrain(2, _args(dataset_prefix, tokenizer_model, tmp_path, "tp2", **fp8, **tp2))
+    apart = [abs(v - straight[s]) / straight[s] for s, v in losses(tmp_path / "tp2.jsonl").items()]
+    assert len(apart) == 2 and max(apart) < 5e-5, apart
     other = dict(fp8, **{"--fp8-amax-history-len": "2", "--load": ckpt})
     with pytest.raises(AssertionError, match="give the checkpoint's --fp8-amax-history-len"):
         pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "c", **other))

@@ -1,0 +1,191 @@
+"""Muon: momentum orthogonalised by Newton-Schulz iterations, for 2-D weight matrices.
+
+Per step, for a weight W with gradient G (Megatron-LM's --optimizer muon, with the meanings of
+its --muon-* flags; the arithmetic in torch.optim.Muon's order, so the two give the same
+update for the same settings):
+
+    M <- lerp(M, G, 1 - momentum)                        (momentum as a moving average)
+    U <- lerp(G, M, momentum) with Nesterov, else M
+    O <- NS(U) * scale(rows, cols) * extra_scale_factor
+    W <- W * (1 - lr * weight_decay) - lr * O            (decoupled weight decay)
+
+NS(U): U in the iterations' precision, transposed when it has more rows than columns,
+divided by its Frobenius norm (at least eps = 1e-7), then `steps` iterations X <- a X +
+(b A + c A A) X with A = X X^T, the coefficients (a, b, c) of each step from the chosen set
+(cycled), transposed back. Precision (--muon-fp32-matmul-prec): "medium" iterates in bf16
+(as torch.optim.Muon always does, and megatron-core by default), "high" and "highest" in fp32
+(under torch's float32 matmul precision of that name: TF32 on GPUs for "high").
+
+Scale modes (--muon-scale-mode; rows and cols of the whole logical matrix):
+    spectral       sqrt(max(rows, cols))      (with extra factor 0.2: torch's match_rms_adamw)
+    shape_scaling  sqrt(max(1, rows / cols))  (torch's default, "original")
+    unit_rms_norm  sqrt(rows / cols)
+
+A parameter may stand for several logical matrices (a fused QKV weight: Q, K and V
+orthogonalised apart) or be a shard of one (tensor parallelism): its `MuonMatrix` says how to
+make the logical matrices from its momentum and how to take its own part of their updates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# (a, b, c) per Newton-Schulz step, cycled: Keller Jordan's single set, and the five-step set
+# megatron-core uses by default (its "quintic")
+COEFFICIENTS = {
+    "simple": ((3.4445, -4.7750, 2.0315),),
+    "quintic": (
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+}
+SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+PRECISIONS = ("medium", "high", "highest")
+EPS = 1e-7
+
+
+def scale_factor(mode: str, rows: int, cols: int) -> float:
+    """The update's shape-dependent scale (module docstring)."""
+    if mode == "spectral":
+        return math.sqrt(max(rows, cols))
+    if mode == "shape_scaling":
+        return math.sqrt(max(1.0, rows / cols))
+    if mode == "unit_rms_norm":
+        return math.sqrt(rows / cols)
+    raise ValueError(f"Muon scale mode {mode!r} is not one of {SCALE_MODES}")
+
+
+def newton_schulz(
+    update: torch.Tensor, steps: int, coefficients: str = "quintic", precision: str = "medium"
+) -> torch.Tensor:
+    """The orthogonalised 2-D `update` (bf16 under "medium", else fp32)."""
+    if update.ndim != 2:
+        raise ValueError(f"Newton-Schulz takes a matrix, not a tensor of shape {update.shape}")
+    sets = COEFFICIENTS[coefficients]
+    x = update.bfloat16() if precision == "medium" else update.float()
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x = x.div(x.norm().clamp(min=EPS))
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if precision == "high" else "highest")
+    try:
+        for step in range(steps):
+            a, b, c = sets[step % len(sets)]
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    return x.T if tall else x
+
+
+@dataclass(frozen=True)
+class MuonMatrix:
+    """How a parameter's momentum becomes the logical matrices Muon orthogonalises.
+
+    `rows_split`: the parameter's rows are `groups` repeats of these row counts, interleaved
+    (a fused QKV weight: per query group, the group's Q rows, then K, then V); each part over
+    all groups is one matrix. `gather`/`own`: a tensor-parallel shard's full matrix from every
+    rank's shard, and this rank's part of a full-size update (None: the parameter is whole);
+    the scales follow the gathered matrices' shapes."""
+
+    rows_split: tuple[int, ...] = ()
+    groups: int = 1
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    own: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def orthogonalised(
+    update: torch.Tensor, matrix: MuonMatrix, settings: dict
+) -> tuple[torch.Tensor, float]:
+    """(NS of the update, its scale x extra factor) for the parameter `matrix` describes, in
+    the parameter's shape. A whole matrix's NS comes back as it is (bf16 under "medium") with
+    its scale apart, for the caller to fold into the step size as torch.optim.Muon does; the
+    parts of a split matrix come back scaled, in fp32, with a scale of 1."""
+    full = matrix.gather(update) if matrix.gather is not None else update
+    if matrix.rows_split:
+        per_group = full.view(matrix.groups, sum(matrix.rows_split), full.shape[1])
+        done = []
+        for part in per_group.split(list(matrix.rows_split), dim=1):
+            out, scale = _one_matrix(part.reshape(-1, full.shape[1]), settings)
+            done.append((out.float() * scale).reshape(part.shape))
+        out, scale = torch.cat(done, dim=1).reshape(full.shape), 1.0
+    else:
+        out, scale = _one_matrix(full, settings)
+    return (matrix.own(out) if matrix.own is not None else out), scale
+
+
+def _one_matrix(update: torch.Tensor, settings: dict) -> tuple[torch.Tensor, float]:
+    out = newton_schulz(update, settings["ns_steps"], settings["coefficients"],
+                        settings["precision"])  # fmt: skip
+    rows, cols = update.shape
+    return out, scale_factor(settings["scale_mode"], rows, cols) * settings["extra_scale_factor"]
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon over 2-D parameters (module docstring). `matrices`: a MuonMatrix per parameter
+    that is not a whole single matrix (by identity; the rest are whole). State per parameter:
+    `momentum_buffer`, fp32, the parameter's shape."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        coefficients: str = "simple",
+        precision: str = "medium",
+        scale_mode: str = "shape_scaling",
+        extra_scale_factor: float = 1.0,
+        matrices: dict[torch.Tensor, MuonMatrix] | None = None,
+    ):
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Muon momentum {momentum} is not in [0, 1)")
+        if ns_steps < 1:
+            raise ValueError(f"Muon needs at least one Newton-Schulz step, not {ns_steps}")
+        if coefficients not in COEFFICIENTS or precision not in PRECISIONS:
+            raise ValueError(f"Muon coefficients {coefficients!r} / precision {precision!r}")
+        scale_factor(scale_mode, 1, 1)  # (checks the mode)
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_steps=ns_steps, coefficients=coefficients, precision=precision,
+                        scale_mode=scale_mode, extra_scale_factor=extra_scale_factor)  # fmt: skip
+        super().__init__(params, defaults)
+        self.matrices = dict(matrices or {})
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"Muon takes 2-D parameters, not one of shape {p.shape}")
+
+    def matrix_of(self, p: torch.Tensor) -> MuonMatrix:
+        return self.matrices.get(p, MuonMatrix())
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+                buffer = state["momentum_buffer"]
+                buffer.lerp_(p.grad.float(), 1 - momentum)
+                update = p.grad.float().lerp(buffer, momentum) if group["nesterov"] else buffer
+                out, scale = orthogonalised(update, self.matrix_of(p), group)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(out, alpha=-(lr * scale))
+        return loss
