@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config.fields import option
+from engine.config.muon import MuonOptions
 from engine.errors import ConfigError
 
 # A learning rate above this is a typo: one update makes the weights useless (above float32's
@@ -13,11 +14,14 @@ LARGEST_LR = 1e30
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
+class OptimizerConfig(MuonOptions):
     """Optimizer, learning-rate schedule, clipping and loss scaling."""
 
     optimizer: str = option(
-        "adam", "optimizer (AdamW-style decoupled decay)", choices=["adam", "sgd"]
+        "adam",
+        "optimizer: adam (AdamW-style decoupled decay), sgd, or muon (Muon for the 2-D hidden "
+        "weights, Adam for the rest)",
+        choices=["adam", "sgd", "muon", "dist_muon"],
     )
     lr: float = option(3e-4, "peak learning rate")
     min_lr: float = option(0.0, "learning rate at the end of the decay")

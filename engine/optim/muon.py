@@ -94,8 +94,10 @@ class MuonMatrix:
     (a fused QKV weight: per query group, the group's Q rows, then K, then V); each part over
     all groups is one matrix. `gather`/`own`: a tensor-parallel shard's full matrix from every
     rank's shard, and this rank's part of a full-size update (None: the parameter is whole);
-    the scales follow the gathered matrices' shapes."""
+    the scales follow the gathered matrices' shapes. `shape`: the matrix's shape where the
+    parameter is held flat (the optimizer's fp32 masters)."""
 
+    shape: tuple[int, int] | None = None
     rows_split: tuple[int, ...] = ()
     groups: int = 1
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -162,11 +164,8 @@ class Muon(torch.optim.Optimizer):
         self.matrices = dict(matrices or {})
         for group in self.param_groups:
             for p in group["params"]:
-                if p.ndim != 2:
+                if p.ndim != 2 and self.matrices.get(p, MuonMatrix()).shape is None:
                     raise ValueError(f"Muon takes 2-D parameters, not one of shape {p.shape}")
-
-    def matrix_of(self, p: torch.Tensor) -> MuonMatrix:
-        return self.matrices.get(p, MuonMatrix())
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -175,17 +174,26 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, momentum = group["lr"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-                buffer = state["momentum_buffer"]
-                buffer.lerp_(p.grad.float(), 1 - momentum)
-                update = p.grad.float().lerp(buffer, momentum) if group["nesterov"] else buffer
-                out, scale = orthogonalised(update, self.matrix_of(p), group)
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(out, alpha=-(lr * scale))
+            muon_step(group, self.state, self.matrices)
         return loss
+
+
+def muon_step(group: dict, state: dict, matrices: dict) -> None:
+    """One Muon update of each parameter of `group` that has a gradient (module docstring);
+    `state`: the optimizer's, per parameter; `matrices`: MuonMatrix by parameter."""
+    lr, momentum = group["lr"], group["momentum"]
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        matrix = matrices.get(p, MuonMatrix())
+        entry = state[p]
+        if "momentum_buffer" not in entry:
+            entry["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+        buffer, grad = entry["momentum_buffer"], p.grad.float()
+        if matrix.shape is not None:  # a flat parameter: its matrix
+            buffer, grad = buffer.view(matrix.shape), grad.view(matrix.shape)
+        buffer.lerp_(grad, 1 - momentum)
+        update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+        out, scale = orthogonalised(update, matrix, group)
+        p.mul_(1 - lr * group["weight_decay"])
+        p.add_(out.reshape(p.shape), alpha=-(lr * scale))

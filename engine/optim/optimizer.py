@@ -1,7 +1,8 @@
 """Parameter groups and the optimizer.
 
 No weight decay on biases and norm weights (every 1-D parameter). The optimizer is torch's
-AdamW (fused on CUDA, foreach elsewhere) or apex's FusedAdam when asked for and importable,
+AdamW (fused on CUDA, foreach elsewhere), apex's FusedAdam when asked for and importable, SGD,
+or Muon with AdamW (engine/optim/muon_with_adam.py),
 wrapped by parallel.data_parallel.optimizer.DistributedOptimizer, which feeds it fp32 masters
 (sharded over DP with --use-distributed-optimizer).
 """
@@ -26,6 +27,13 @@ def decoupled(param: torch.nn.Parameter) -> bool:
 
 
 def _make_inner(cfg: OptimizerConfig, device: torch.device):
+    if cfg.optimizer == "muon":  # Adam's options for the rest; Muon's in its group
+        from engine.optim.muon_with_adam import MuonWithAdam
+
+        impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        return lambda groups: MuonWithAdam(
+            groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, **impl
+        )
     if cfg.optimizer == "sgd":
         return lambda groups: torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum)
     if cfg.apex_fused_adam:
@@ -62,12 +70,14 @@ def build_optimizer(
     dp_group=None,
     experts_apart: bool = False,
     expert_norm_group=None,
+    tp_group=None,
 ) -> DistributedOptimizer:
     """The training optimizer over the DDP-wrapped model chunks. `instance_group`: the ranks
     of one distributed-optimizer instance (the world unless
     --num-distributed-optimizer-instances), over which a sharded optimizer's norms are summed.
     `experts_apart`: expert parallelism, the experts' norm summed over `expert_norm_group`
-    without sharding (parallel/data_parallel/optimizer.py)."""
+    without sharding (parallel/data_parallel/optimizer.py). `tp_group`: Muon's gathers under
+    --muon-tp-mode duplicated."""
     scaler = None
     if fp16:
         scaler = DynamicGradScaler(
@@ -80,11 +90,24 @@ def build_optimizer(
     groups = [{"weight_decay": cfg.weight_decay, "decays": True}, {"weight_decay": 0.0}]
     groups += [dict(g, decoupled=True) for g in groups]
     split = cfg.decoupled_lr is not None
-    return DistributedOptimizer(
+
+    def group_of(p) -> int:
+        return int(no_weight_decay(p)) + 2 * int(split and decoupled(p))
+
+    if cfg.optimizer == "muon":  # a fifth group: Muon's
+        from engine.optim.muon_with_adam import takes_muon
+
+        groups.append(_muon_group(cfg))
+        adam_group_of = group_of
+
+        def group_of(p) -> int:
+            return 4 if takes_muon(p) else adam_group_of(p)
+
+    optimizer = DistributedOptimizer(
         ddps,
         _make_inner(cfg, device),
         groups,
-        lambda p: int(no_weight_decay(p)) + 2 * int(split and decoupled(p)),
+        group_of,
         shard=use_distributed_optimizer,
         clip_grad=cfg.clip_grad,
         grad_scaler=scaler,
@@ -95,3 +118,23 @@ def build_optimizer(
         experts_apart=experts_apart,
         expert_norm_group=expert_norm_group,
     )
+    if cfg.optimizer == "muon":
+        from engine.optim.muon_with_adam import muon_matrix
+
+        optimizer.optimizer.matrices = {
+            piece.master: muon_matrix(piece.param, tp_group, cfg.muon_tp_mode, cfg.muon_split_qkv)
+            for piece in optimizer.pieces
+            if piece.group == 4
+        }
+    return optimizer
+
+
+def _muon_group(cfg: OptimizerConfig) -> dict:
+    """Muon's group options (engine/optim/muon.py's names) from the --muon-* flags."""
+    return {
+        "muon": True, "weight_decay": cfg.weight_decay, "decays": True,
+        "momentum": cfg.muon_momentum, "nesterov": cfg.muon_use_nesterov,
+        "ns_steps": cfg.muon_num_ns_steps, "coefficients": cfg.muon_coefficient_type,
+        "precision": cfg.muon_fp32_matmul_prec, "scale_mode": cfg.muon_scale_mode,
+        "extra_scale_factor": cfg.muon_extra_scale_factor,
+    }  # fmt: skip

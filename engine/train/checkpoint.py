@@ -8,6 +8,7 @@ from engine.checkpoint.files import find_latest, iteration_dir
 from engine.checkpoint.load import load_checkpoint
 from engine.config.tokenizer import tokenizer_record
 from engine.data.mix.schedule import check_resumed_schedule
+from engine.errors import CheckpointError
 from engine.interop.megatron.checkpoint import load_weights, megatron_latest, megatron_progress
 from engine.train.data_skips import DataWindow
 from engine.train.finite_weights import stop_on_non_finite_weights
@@ -75,6 +76,13 @@ def read_into_model(run: Run, path: str, load_optimizer: bool, load_rng: bool) -
         strictness=checkpointing.dist_ckpt_strictness,
     )
     _log_mismatch(run, path, meta["mismatch"])
+    saved_with = meta.get("optimizer", "adam")  # (checkpoints before the key: Adam or SGD)
+    if load_optimizer and saved_with != run.cfg.optimizer.optimizer:
+        raise CheckpointError(
+            f"{path} holds the state of --optimizer {saved_with}, and this run asks for "
+            f"--optimizer {run.cfg.optimizer.optimizer}; give --no-load-optim to start the "
+            f"optimizer afresh from its weights, or --optimizer {saved_with}"
+        )
     return meta
 
 
@@ -198,6 +206,7 @@ def save(run: Run) -> None:
         if run.optimizer.grad_scaler
         else None,
         "optimizer_step": c.optimizer_step,
+        "optimizer": run.cfg.optimizer.optimizer,  # its state's kind, compared on resume
         "counters": {
             "skipped_iters": c.skipped_iters,
             "nan_iters": c.nan_iters,

@@ -100,6 +100,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         dp_group=state.dp_cp_group,  # replicas agree on a non-finite gradient norm
         experts_apart=par.experts_apart,
         expert_norm_group=state.expert_tp_ep_pp_group,
+        tp_group=state.tp_group,
     )
     batches = training.batch_schedule(state.dp_size, m.seq_length)
     scheduler = LRScheduler(

@@ -173,11 +173,8 @@ Megatron-LM's legacy GPT model (megatron.legacy):
     --use-legacy-models
 Multi-Storage Client / object storage:
     --enable-msc --object-storage-cache-path
-Muon and Lion optimizers:
-    --lion-beta1 --lion-beta2 --muon-coefficient-type --muon-extra-scale-factor
-    --muon-fp32-matmul-prec --muon-momentum --muon-nesterov --muon-no-split-qkv
-    --muon-num-ns-steps --muon-scalar-optimizer --muon-scale-mode --muon-tp-mode
-    --muon-use-nesterov --no-use-layer-wise-param-layout
+Lion, Lion for Muon's other parameters, and the layer-wise distributed optimizer's layouts:
+    --lion-beta1 --lion-beta2 --muon-scalar-optimizer --no-use-layer-wise-param-layout
 NCCL flight-recorder dumps:
     --disable-flight-recorder-dump-on-timeout --disable-flight-recorder-extra-dump-on-exec
     --disable-flight-recorder-include-only-active --flight-recorder-dump-path

@@ -1,0 +1,80 @@
+"""--optimizer muon: Muon (engine/optim/muon.py) for the 2-D hidden weights and AdamW for the
+rest, as one torch optimizer (megatron-core chains two), so that the mixed-precision wrapper
+(parallel/data_parallel/optimizer.py), the learning-rate and weight-decay schedules and the
+checkpoints see one set of groups and one state (Muon's `momentum_buffer`, Adam's moments).
+
+Which parameters get Muon, as megatron-core 0.16.1 decides: the 2-D ones but the word
+embeddings and the output layer (so the attention and MLP weights, a MoE router's and a
+learned position embedding too); AdamW the rest (norms, biases, embeddings, output layer).
+Both follow --lr's schedule and --weight-decay.
+
+Under tensor parallelism (--muon-tp-mode): `blockwise` orthogonalises each rank's shard as a
+matrix of its own (the update depends on the TP size, as megatron-core's); `duplicated`
+all-gathers the shards, orthogonalises the whole matrix on every TP rank and keeps this rank's
+part (the same update as one process). A fused QKV weight is its Q, K and V matrices (unless
+--muon-no-split-qkv); SwiGLU's fused gate and up stay one matrix, as megatron-core keeps them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.optim.muon import MuonMatrix, muon_step
+from parallel.comm import all_gather_into
+from parallel.tensor_parallel.sharding import tp_sharding_of
+
+QKV_NAMES = (".q", ".k", ".v")
+
+
+def takes_muon(param: torch.nn.Parameter) -> bool:
+    return param.ndim == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+
+
+class MuonWithAdam(torch.optim.AdamW):
+    """AdamW over the groups without "muon", Muon over those with it (their settings in the
+    group, engine/optim/muon.py's names); `matrices`: a MuonMatrix per Muon parameter."""
+
+    def __init__(self, groups, matrices: dict | None = None, **adam_options):
+        super().__init__(groups, **adam_options)
+        self.matrices = dict(matrices or {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        every = self.param_groups
+        self.param_groups = [g for g in every if not g.get("muon")]
+        try:
+            loss = super().step(closure)
+        finally:
+            self.param_groups = every
+        for group in every:
+            if group.get("muon"):
+                muon_step(group, self.state, self.matrices)
+        return loss
+
+
+def muon_matrix(param, tp_group, tp_mode: str, split_qkv: bool) -> MuonMatrix:
+    """How Muon sees `param` (held flat by the optimizer): its matrix, split into Q, K and V,
+    gathered over the TP group (module docstring)."""
+    sharding = tp_sharding_of(param)
+    shape = tuple(param.shape)
+    gathered = sharding.dim is not None and sharding.tp_size > 1 and tp_mode == "duplicated"
+    rows_split, groups = (), 1
+    if split_qkv and sharding.names == QKV_NAMES and sharding.dim == 0:
+        rows_split = tuple(size // sharding.tp_size for size in sharding.chunks)
+        groups = sharding.tp_size if gathered else 1  # every rank's [q; k; v] in turn
+    if not gathered:
+        return MuonMatrix(shape=shape, rows_split=rows_split, groups=groups)
+    dim, size, rank = sharding.dim, sharding.tp_size, sharding.tp_rank
+    if tp_group is None:
+        raise ValueError("Muon's duplicated TP mode gathers over the TP group: give it")
+
+    def gather(local: torch.Tensor) -> torch.Tensor:
+        rows, cols = local.shape
+        out = torch.empty((size * rows, cols), dtype=local.dtype, device=local.device)
+        all_gather_into(out, local.contiguous(), tp_group)
+        return out if dim == 0 else torch.cat(list(out.view(size, rows, cols).unbind(0)), dim=1)
+
+    def own(full: torch.Tensor) -> torch.Tensor:
+        return full.chunk(size, dim=dim)[rank]
+
+    return MuonMatrix(shape=shape, rows_split=rows_split, groups=groups, gather=gather, own=own)
