@@ -50,12 +50,18 @@ def test_muon_steps_equal_one_process_under_each_layout(dataset_prefix, tokenize
         assert abs(theirs[3] - one[3]) / one[3] > 1e-4, other
 
 
-def test_the_qkv_split_changes_the_update(dataset_prefix, tokenizer_model, tmp_path):
+def test_the_qkv_split_changes_the_update(dataset_prefix, tokenizer_model, tmp_path, capfd):
     """--muon-no-split-qkv orthogonalises the fused QKV weight as one matrix, not as its Q,
-    K and V: the same first loss, other losses after."""
+    K and V: the same first loss, other losses after. The start says which weights get
+    Muon."""
     from tests.test_training import losses, pretrain
 
     pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "split"))
+    line = next(x for x in capfd.readouterr().out.splitlines() if x.startswith("optimizer: "))
+    muon, adam = line.split("; ")
+    assert "layers.*.self_attention.linear_qkv.weight" in muon and "norm" not in muon
+    assert "embedding.position_embeddings.weight" in muon  # 2-D and not flagged (megatron-core)
+    assert "embedding.word_embeddings.weight" in adam and "layernorm.weight" in adam
     extra = {"--muon-no-split-qkv": True}
     pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "whole", **extra))
     split, whole = losses(tmp_path / "split.jsonl"), losses(tmp_path / "whole.jsonl")

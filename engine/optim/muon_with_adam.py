@@ -17,6 +17,8 @@ part (the same update as one process). A fused QKV weight is its Q, K and V matr
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from engine.optim.muon import MuonMatrix, muon_step
@@ -78,3 +80,19 @@ def muon_matrix(param, tp_group, tp_mode: str, split_qkv: bool) -> MuonMatrix:
         return full.chunk(size, dim=dim)[rank]
 
     return MuonMatrix(shape=shape, rows_split=rows_split, groups=groups, gather=gather, own=own)
+
+
+def describe_split(chunks) -> str:
+    """The line printed at start: which of this rank's weights Muon and AdamW train (layer
+    numbers folded into `*`)."""
+    kinds: dict[bool, dict[str, int]] = {True: {}, False: {}}
+    for chunk in chunks:
+        for name, param in getattr(chunk, "module", chunk).named_parameters():
+            folded = re.sub(r"layers\.\d+\.", "layers.*.", name)
+            names = kinds[takes_muon(param)]
+            names[folded] = names.get(folded, 0) + param.numel()
+    parts = []
+    for muon, label in ((True, "Muon"), (False, "AdamW")):
+        names = kinds[muon]
+        parts.append(f"{label} {sum(names.values()):,} parameters ({', '.join(sorted(names))})")
+    return "optimizer: " + "; ".join(parts)

@@ -204,6 +204,10 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         run.writer.print(mix.describe())
     if batches.describe():
         run.writer.print(batches.describe())
+    if cfg.optimizer.optimizer == "muon":
+        from engine.optim.muon_with_adam import describe_split
+
+        run.writer.print(describe_split(chunks))
     if cfg.checkpointing.load:
         resume(run)
     run.progress.pending_skips = _pending_skips(cfg, run.progress)
