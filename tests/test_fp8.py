@@ -194,19 +194,17 @@ def test_delayed_scaling_resumes_bit_for_bit(dataset_prefix, tokenizer_model, tm
     """The amax histories and scales are in the checkpoint: a run stopped at step 3 and resumed
     gives the straight run's losses bit for bit, resumed under TP2 within the layouts' 5e-5;
     another history length is refused."""
-    from tests.test_training import latest, losses, pretrain
+    from tests.test_training import losses, pretrain, straight_and_resumed
 
     fp8 = {"--fp8-format": "hybrid", "--fp8-amax-history-len": "3",
            "--fp8-amax-compute-algo": "max", "--train-iters": "5"}  # fmt: skip
-    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "straight", **fp8))
-    ckpt = str(tmp_path / "ckpt")
-    saving = {"--save": ckpt, "--save-interval": "3", "--exit-interval": "3"}
-    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "a", **fp8, **saving))
-    assert latest(ckpt) == "3"
-    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "b", **fp8, **{"--load": ckpt}))
-    straight = losses(tmp_path / "straight.jsonl")
-    resumed = losses(tmp_path / "a.jsonl") | losses(tmp_path / "b.jsonl")
+
+    def args_of(name, **extra):
+        return _args(dataset_prefix, tokenizer_model, tmp_path, name, **fp8, **extra)
+
+    straight, resumed = straight_and_resumed(args_of, tmp_path, 3)
     assert resumed == straight and sorted(straight) == list(range(1, 6))
+    ckpt = str(tmp_path / "ckpt")
     tp2 = {"--load": ckpt, "--tensor-model-parallel-size": "2"}
     pretrain(2, _args(dataset_prefix, tokenizer_model, tmp_path, "tp2", **fp8, **tp2))
     apart = [abs(v - straight[s]) / straight[s] for s, v in losses(tmp_path / "tp2.jsonl").items()]

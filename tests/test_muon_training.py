@@ -74,17 +74,16 @@ def test_muon_resumes_bit_for_bit_reshards_and_refuses_adam(
     """Muon's momentum is in the checkpoint: a run stopped at step 2 and resumed gives the
     straight run's losses bit for bit; resumed under TP2 (duplicated) within 1e-6; resumed with
     --optimizer adam it is refused in one line, unless --no-load-optim."""
-    from tests.test_training import latest, losses, pretrain
+    from tests.test_training import losses, pretrain, straight_and_resumed
 
     four = {"--train-iters": "4"}
-    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "straight", **four))
+
+    def args_of(name, **extra):
+        return _args(dataset_prefix, tokenizer_model, tmp_path, name, **four, **extra)
+
+    straight, resumed = straight_and_resumed(args_of, tmp_path, 2)
+    assert resumed == straight and sorted(straight) == [1, 2, 3, 4]
     ckpt = str(tmp_path / "ckpt")
-    saving = {"--save": ckpt, "--save-interval": "2", "--exit-interval": "2"}
-    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "a", **four, **saving))
-    assert latest(ckpt) == "2"
-    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "b", **four, **{"--load": ckpt}))
-    straight = losses(tmp_path / "straight.jsonl")
-    assert losses(tmp_path / "a.jsonl") | losses(tmp_path / "b.jsonl") == straight
     tp2 = {"--load": ckpt, "--tensor-model-parallel-size": "2", "--muon-tp-mode": "duplicated"}
     pretrain(2, _args(dataset_prefix, tokenizer_model, tmp_path, "tp2", **four, **tp2))
     apart = [abs(v - straight[s]) / straight[s] for s, v in losses(tmp_path / "tp2.jsonl").items()]

@@ -79,6 +79,20 @@ def latest(ckpt) -> str:
     return read(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).strip()
 
 
+def straight_and_resumed(args_of, tmp_path, stop_at: int):
+    """(losses of a straight run, of one stopped at `stop_at` and resumed) on one process;
+    `args_of(name, **flags)`: a run's arguments, logging to tmp_path/<name>.jsonl; the
+    checkpoint goes to tmp_path/ckpt."""
+    ckpt = str(tmp_path / "ckpt")
+    pretrain(1, args_of("straight"))
+    saving = {"--save": ckpt, "--save-interval": str(stop_at), "--exit-interval": str(stop_at)}
+    pretrain(1, args_of("a", **saving))
+    assert latest(ckpt) == str(stop_at)
+    pretrain(1, args_of("b", **{"--load": ckpt}))
+    resumed = losses(tmp_path / "a.jsonl") | losses(tmp_path / "b.jsonl")
+    return losses(tmp_path / "straight.jsonl"), resumed
+
+
 def losses(path) -> dict[int, float]:
     out = {}
     with open(path) as f:
