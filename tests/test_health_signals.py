@@ -83,6 +83,8 @@ def test_update_ratios_are_the_steps_change_and_the_gap_is_valid_minus_train(
     assert len(parts) >= 5  # embedding, 4 layers, final norm
     for part, (step, size) in parts.items():
         assert train[2][f"update_ratio/{part}"] == pytest.approx(math.sqrt(step / size), rel=1e-6)
+    squares, count = sum(step for step, _ in parts.values()), sum(w.numel() for w in after.values())
+    assert train[2]["update_rms/adam"] == pytest.approx(math.sqrt(squares / count), rel=1e-6)
     for n in range(4):
         assert train[2][f"act_max/layers.{n}"] >= train[2][f"act_rms/layers.{n}"] > 0
     valid = [r for r in logged if r.get("split") == "valid"]
@@ -112,7 +114,7 @@ def test_health_signals_are_one_process_under_tp_pp_dp_sp_and_sharding(
         assert pretrain(world, args) == [0] * world
         found[world] = [r for r in records(log) if "split" not in r]
     for one, eight in zip(found[1], found[8], strict=True):
-        keys = [k for k in one if k.startswith(("update_ratio/", "act_rms/", "act_max/"))]
-        assert len(keys) >= 14 and set(keys) <= set(eight)
+        keys = [k for k in one if k.startswith(("update_ratio/", "update_rms/", "act_"))]
+        assert len(keys) >= 15 and set(keys) <= set(eight)
         for key in keys:
             assert eight[key] == pytest.approx(one[key], rel=1e-5), key

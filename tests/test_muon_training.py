@@ -54,9 +54,13 @@ def test_the_qkv_split_changes_the_update(dataset_prefix, tokenizer_model, tmp_p
     """--muon-no-split-qkv orthogonalises the fused QKV weight as one matrix, not as its Q,
     K and V: the same first loss, other losses after. The start says which weights get
     Muon."""
-    from tests.test_training import losses, pretrain
+    from tests.test_training import losses, pretrain, records
 
-    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "split"))
+    logged = {"--log-update-to-weight-ratios": True}
+    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "split", **logged))
+    rms = records(tmp_path / "split.jsonl")[1]  # the second step's
+    assert 0.7 < rms["update_rms/muon"] / rms["lr"] < 1.3  # spectral scale: an RMS near lr
+    assert rms["update_rms/adam"] > 0
     line = next(x for x in capfd.readouterr().out.splitlines() if x.startswith("optimizer: "))
     muon, adam = line.split("; ")
     assert "layers.*.self_attention.linear_qkv.weight" in muon and "norm" not in muon

@@ -88,6 +88,7 @@ def build_optimizer(
         )
     # with and without weight decay, then the same two at --decoupled-lr (empty groups dropped)
     groups = [{"weight_decay": cfg.weight_decay, "decays": True}, {"weight_decay": 0.0}]
+    groups = [dict(g, name=cfg.optimizer if cfg.optimizer == "sgd" else "adam") for g in groups]
     groups += [dict(g, decoupled=True) for g in groups]
     split = cfg.decoupled_lr is not None
 
@@ -132,7 +133,7 @@ def build_optimizer(
 def _muon_group(cfg: OptimizerConfig) -> dict:
     """Muon's group options (engine/optim/muon.py's names) from the --muon-* flags."""
     return {
-        "muon": True, "weight_decay": cfg.weight_decay, "decays": True,
+        "muon": True, "name": "muon", "weight_decay": cfg.weight_decay, "decays": True,
         "momentum": cfg.muon_momentum, "nesterov": cfg.muon_use_nesterov,
         "ns_steps": cfg.muon_num_ns_steps, "coefficients": cfg.muon_coefficient_type,
         "precision": cfg.muon_fp32_matmul_prec, "scale_mode": cfg.muon_scale_mode,

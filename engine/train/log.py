@@ -65,7 +65,7 @@ def log_window(run: Run, window: list[IterationResult], tokens: int) -> None:
         record |= found[-1]
     ratios = [r.update_ratios for r in window if r.update_ratios]
     if ratios:  # --log-update-to-weight-ratios, at the log line's iteration
-        record |= {f"update_ratio/{label}": value for label, value in ratios[-1].items()}
+        record |= ratios[-1]  # update_ratio/<layer group>, update_rms/<optimizer>
     activations = [r.activations for r in window if r.activations]
     if activations:  # --log-activation-stats
         record |= activations[-1]

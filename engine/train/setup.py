@@ -352,13 +352,14 @@ def _features(cfg: Configs, state: ParallelState, chunks, times, names) -> StepF
     if logging.log_gradient_noise_scale:
         local_squares, noise_scale = LocalGradSquares(chunks, state.tp_rank), NoiseScale()
     decoupled = cfg.optimizer.decoupled_lr is not None
+    muon = cfg.optimizer.optimizer == "muon"
     if logging.log_grad_norms_interval:
-        norm_parts = grad_norm_parts(cfg.model, chunks, decoupled)
+        norm_parts = grad_norm_parts(cfg.model, chunks, decoupled, muon)
     cosine_parts = update_parts = activations = None
     if logging.log_gradient_cosine_interval:
-        cosine_parts = grad_norm_parts(cfg.model, chunks, decoupled)
+        cosine_parts = grad_norm_parts(cfg.model, chunks, decoupled, muon)
     if logging.log_update_to_weight_ratios:
-        update_parts = grad_norm_parts(cfg.model, chunks, decoupled)
+        update_parts = grad_norm_parts(cfg.model, chunks, decoupled, muon)
     if logging.log_activation_stats:
         activations = ActivationStats(chunks, cfg.model.num_layers, state.device)
     return StepFeatures(

@@ -45,6 +45,7 @@ from parallel.comm import all_reduce
 from parallel.data_parallel.ddp import DistributedDataParallel
 from parallel.data_parallel.grad_scaler import DynamicGradScaler
 from parallel.grads import agreed_norm, clip_coefficient, counts_toward_norm, squared_norm
+from parallel.tensor_parallel.sharding import tp_sharding_of
 
 
 @dataclass(eq=False)
@@ -69,7 +70,8 @@ class StepResult:
     loss_scale: float | None
     part_norms: dict[str, float] | None = None  # with a NormParts: the norm of each part
     num_zeros: int | None = None  # with count_zeros: zero elements of the gradient
-    update_ratios: dict[str, float] | None = None  # with update_parts: |update| / |weight|
+    # with update_parts: |update| / |weight| per part, the update's RMS per optimizer (log keys)
+    update_ratios: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,11 @@ class DistributedOptimizer:
         self.experts_apart = experts_apart and not shard
         self.expert_norm_group = expert_norm_group
         self.pieces = [piece for ddp in ddps for piece in self._pieces_of(ddp, group_of)]
+        # the update's RMS is logged per optimizer: each group option's "name" ("" if none)
+        names = [options.get("name", "") for options in group_options]
+        self._kinds = NormParts(
+            tuple(sorted(set(names))), lambda piece: (sorted(set(names)).index(names[piece.group]),)
+        )
         groups = [dict(options, params=[]) for options in group_options]
         for piece in self.pieces:
             groups[piece.group]["params"].append(piece.master)
@@ -280,14 +287,26 @@ class DistributedOptimizer:
         return self._summed(sums[0], sums[1])
 
     def _update_ratios(self, before: list[torch.Tensor], parts: NormParts) -> dict[str, float]:
-        """|master after - master before| / |master after| per label."""
+        """`update_ratio/<label>`: |master after - master before| / |master after| per label;
+        `update_rms/<name>`: the update's root mean square per optimizer (group option
+        "name"), every element counted once."""
         updates = [p.master - old for p, old in zip(self.pieces, before, strict=True)]
         steps = self._label_squares(updates, parts).tolist()
         weights = self._label_squares([p.master for p in self.pieces], parts).tolist()
-        return {
-            label: math.sqrt(u / w) if w > 0 else 0.0
+        out = {
+            f"update_ratio/{label}": math.sqrt(u / w) if w > 0 else 0.0
             for label, u, w in zip(parts.labels, steps, weights, strict=True)
         }
+        squares = self._label_squares(updates, self._kinds).tolist()
+        counts = torch.zeros(2, len(self._kinds.labels), dtype=torch.float64, device=self.device)
+        for piece, counted in zip(self.pieces, self._counts, strict=True):
+            if counted:
+                counts[int(piece.expert), self._kinds.labels_of(piece)[0]] += _real_numel(piece)
+        counts = self._summed(counts[0], counts[1]).tolist()
+        for name, square, count in zip(self._kinds.labels, squares, counts, strict=True):
+            if name and count:
+                out[f"update_rms/{name}"] = math.sqrt(square / count)
+        return out
 
     # --- gradients as vectors (a blend's datasets' gradients: cosines, PCGrad) -----------
 
@@ -341,3 +360,16 @@ class DistributedOptimizer:
                 if torch.is_tensor(value) and value.numel() > 1:
                     total += value.numel() * value.element_size()
         return total
+
+
+def _real_numel(piece: Piece) -> int:
+    """The piece's elements but a vocabulary's padding rows (`real_rows`: the real rows of the
+    whole TP-split table), so that an RMS does not depend on the layout's padding."""
+    rows = getattr(piece.param, "real_rows", None)
+    if rows is None:
+        return piece.numel
+    local_rows = piece.param.shape[0]
+    sharding = tp_sharding_of(piece.param)
+    first = sharding.tp_rank * local_rows if sharding.dim == 0 else 0
+    real = min(max(rows - first, 0), local_rows) * (piece.param.numel() // local_rows)
+    return min(piece.numel, max(0, real - piece.offset))
