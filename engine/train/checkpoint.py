@@ -76,7 +76,8 @@ def read_into_model(run: Run, path: str, load_optimizer: bool, load_rng: bool) -
         strictness=checkpointing.dist_ckpt_strictness,
     )
     _log_mismatch(run, path, meta["mismatch"])
-    saved_with = meta.get("optimizer", "adam")  # (checkpoints before the key: Adam or SGD)
+    # (converted checkpoints, and ours before the key, do not say: not compared)
+    saved_with = meta.get("optimizer", run.cfg.optimizer.optimizer)
     if load_optimizer and saved_with != run.cfg.optimizer.optimizer:
         raise CheckpointError(
             f"{path} holds the state of --optimizer {saved_with}, and this run asks for "
