@@ -59,12 +59,11 @@ class RayExecutor:
         python_path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
         # the run's own settings (TRIPOD_*) go to the tasks, whose processes Ray starts
         env = {k: v for k, v in os.environ.items() if k.startswith("TRIPOD_")}
-        # this driver exports no metrics, and its core worker (Ray's C++ side, in this
-        # process) logs only fatal errors to stderr: it otherwise says there when the node's
-        # metrics agent is slow to answer (seen on a loaded machine, with a cluster that
-        # exports metrics), which breaks a one-line error; the variables, set, are kept
+        # this driver exports no metrics: its core worker otherwise logs to stderr when the
+        # node's metrics agent is slow to answer (seen on a loaded machine), which breaks a
+        # one-line error; RAY_enable_metrics_collection=1 in the environment keeps them
+        # (not RAY_BACKEND_LOG_LEVEL: Ray prints a line on stderr that it read it)
         os.environ.setdefault("RAY_enable_metrics_collection", "0")
-        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
         with warnings.catch_warnings():  # its notices would break a one-line error
             warnings.simplefilter("ignore")
             ray.init(
