@@ -9,9 +9,11 @@ with that error."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import sys
 import warnings
 
 from engine.errors import ConfigError, InputError, UserError
@@ -51,6 +53,14 @@ class RayExecutor:
         self.address, self.retries, self.workers = address, retries, workers
 
     def run(self, job: TaskJob, stages: list[Stage]) -> None:
+        # Ray's C++ side (the driver's core worker, in this process) writes its own complaints
+        # to file descriptor 2 (a slow metrics agent on a loaded machine, say): they go to the
+        # run's log folder, not between the user and a one-line error
+        os.makedirs(job.logs, exist_ok=True)
+        with _stderr_to(os.path.join(job.logs, "ray-driver.log")):
+            self._run(job, stages)
+
+    def _run(self, job: TaskJob, stages: list[Stage]) -> None:
         import ray
 
         address = self.address or os.environ.get("RAY_ADDRESS") or None  # Ray's own variable
@@ -104,3 +114,21 @@ class RayExecutor:
                     f"stage {stage.name}: task {index} failed on the Ray cluster after "
                     f"{self.retries} retries ({first}); run the same command again to resume"
                 ) from None
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str):
+    """File descriptor 2 (what C++ code writes to) appended to `path` while inside; Python's
+    sys.stderr is flushed first and after, and the descriptor put back on the way out."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "a") as log:
+            os.dup2(log.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
