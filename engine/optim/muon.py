@@ -90,10 +90,11 @@ def newton_schulz(
 class MuonMatrix:
     """How a parameter's momentum becomes the logical matrices Muon orthogonalises.
 
-    `rows_split`: the parameter's rows are `groups` repeats of these row counts, interleaved
-    (a fused QKV weight: per query group, the group's Q rows, then K, then V); each part over
-    all groups is one matrix. `gather`/`own`: a tensor-parallel shard's full matrix from every
-    rank's shard, and this rank's part of a full-size update (None: the parameter is whole);
+    `rows_split`: the parameter's rows are `groups` repeats of these row counts (a fused QKV
+    weight gathered over TP: each rank's Q rows, K rows and V rows in turn, one group per
+    rank); each part over all groups is one matrix. `gather`/`own`: a tensor-parallel
+    shard's full matrix from every rank's shard, and this rank's part of a full-size update
+    (None: the parameter is whole);
     the scales follow the gathered matrices' shapes. `shape`: the matrix's shape where the
     parameter is held flat (the optimizer's fp32 masters)."""
 

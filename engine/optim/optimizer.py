@@ -95,6 +95,7 @@ def build_optimizer(
     def group_of(p) -> int:
         return int(no_weight_decay(p)) + 2 * int(split and decoupled(p))
 
+    muon_group = len(groups)  # (engine/monitor/grad_norm_parts.py labels it by this index)
     if cfg.optimizer == "muon":  # a fifth group: Muon's
         from engine.optim.muon_with_adam import takes_muon
 
@@ -102,7 +103,7 @@ def build_optimizer(
         adam_group_of = group_of
 
         def group_of(p) -> int:
-            return 4 if takes_muon(p) else adam_group_of(p)
+            return muon_group if takes_muon(p) else adam_group_of(p)
 
     optimizer = DistributedOptimizer(
         ddps,
@@ -125,7 +126,7 @@ def build_optimizer(
         optimizer.optimizer.matrices = {
             piece.master: muon_matrix(piece.param, tp_group, cfg.muon_tp_mode, cfg.muon_split_qkv)
             for piece in optimizer.pieces
-            if piece.group == 4
+            if piece.group == muon_group
         }
     return optimizer
 

@@ -130,9 +130,9 @@ class DistributedOptimizer:
         self.pieces = [piece for ddp in ddps for piece in self._pieces_of(ddp, group_of)]
         # the update's RMS is logged per optimizer: each group option's "name" ("" if none)
         names = [options.get("name", "") for options in group_options]
-        self._kinds = NormParts(
-            tuple(sorted(set(names))), lambda piece: (sorted(set(names)).index(names[piece.group]),)
-        )
+        kinds = tuple(sorted(set(names)))
+        kind_of_group = [kinds.index(name) for name in names]
+        self._kinds = NormParts(kinds, lambda piece: (kind_of_group[piece.group],))
         groups = [dict(options, params=[]) for options in group_options]
         for piece in self.pieces:
             groups[piece.group]["params"].append(piece.master)
