@@ -113,3 +113,32 @@ def test_bad_settings_are_refused(settings, message):
         Muon([torch.zeros(4, 4, requires_grad=True)], **settings)
     with pytest.raises(ValueError, match="2-D parameters"):
         Muon([torch.zeros(4, requires_grad=True)])
+
+
+def _sharded_ns(rank, world, full, dim):
+    import torch.distributed as dist
+
+    from engine.optim.muon import TensorParallelShard
+
+    def tp_sum(tensor):
+        dist.all_reduce(tensor)
+
+    shard = TensorParallelShard(dim, world, tp_sum)
+    mine = full.chunk(world, dim=dim)[rank]
+    return newton_schulz(mine, 5, "quintic", "highest", shard)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("shape", [(48, 32), (32, 48)])
+def test_distributed_tp_mode_gives_each_rank_its_part_of_the_whole_result(dim, shape):
+    """--muon-tp-mode distributed: Newton-Schulz of each TP rank's shard, the Gram products
+    and the norm summed over two gloo ranks, is the rank's part of the whole matrix's
+    Newton-Schulz within fp32 rounding; the shards alone (blockwise) are not."""
+    from tests.distributed import run_ranks
+
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    whole = newton_schulz(full, 5, "quintic", "highest")
+    parts = run_ranks(_sharded_ns, 2, full, dim)
+    torch.testing.assert_close(torch.cat(parts, dim=dim), whole, rtol=0, atol=1e-5)
+    alone = newton_schulz(full.chunk(2, dim=dim)[0], 5, "quintic", "highest")
+    assert (alone - whole.chunk(2, dim=dim)[0]).abs().max() > 1e-2

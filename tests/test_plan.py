@@ -196,3 +196,44 @@ def test_plan_tool_refuses_bad_files_and_plans_a_small_model(tmp_path):
     result = run_tool("plan.py", *small, "--emit-flags")
     assert result.returncode == 0, result.stderr
     assert "--tensor-model-parallel-size" in result.stdout.splitlines()[-1]
+
+
+def test_muon_in_the_planner_holds_less_state_and_adds_newton_schulz(tmp_path):
+    """--optimizer muon: its weights hold 8 bytes of state where Adam's hold 12; the step
+    gains a newton_schulz part, under half (plus the DP collectives) when DP2 shards the state,
+    larger under TP2 duplicated (every TP rank the whole matrices) than blockwise; the tool
+    plans it and emits --optimizer muon."""
+    from engine.config.model import ModelConfig
+    from engine.planning.hardware import datasheet_machine
+    from engine.planning.memory import rank_state_bytes
+    from engine.planning.muon_terms import StageShape, muon_parameters
+    from engine.planning.step_time import predict_step
+
+    cfg = ModelConfig(
+        num_layers=16, hidden_size=2048, num_attention_heads=16, group_query_attention=True,
+        num_query_groups=8, ffn_hidden_size=5632, swiglu=True, position_embedding_type="rope",
+        normalization="RMSNorm", add_bias_linear=False, untie_embeddings_and_output_weights=True,
+        vocab_size=32000, seq_length=4096, max_position_embeddings=4096,
+    )  # fmt: skip
+    machine = datasheet_machine("h100", 8)
+    adam, muon = Layout(dp=2), Layout(dp=2, optimizer="muon")
+    optimizer = [rank_state_bytes(cfg, layout, 0)["optimizer"] for layout in (adam, muon)]
+    fewer = optimizer[0] - optimizer[1]
+    assert fewer == 4 * muon_parameters(cfg, StageShape(layers=16), 1)[0] > 0
+    assert "newton_schulz" not in predict_step(cfg, adam, machine)["parts"]
+
+    def newton_schulz(**layout):
+        return predict_step(cfg, Layout(optimizer="muon", **layout), machine)["parts"][
+            "newton_schulz"
+        ]
+
+    whole = newton_schulz(dp=2)
+    assert 0 < newton_schulz(dp=2, strategy="optim") < whole
+    assert newton_schulz(tp=2, muon_tp_mode="duplicated") > newton_schulz(tp=2) > 0
+    assert newton_schulz(tp=2, muon_tp_mode="distributed") > 0
+    model = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
+             "--seq-length", "256", "--vocab-size", "1000", "--global-batch-size", "8",
+             "--attention-dropout", "0.0", "--optimizer", "muon"]  # fmt: skip
+    done = run_tool("plan.py", *model, "--gpu", "h100", "--gpus", "2", "--emit-flags")
+    assert done.returncode == 0, done.stderr
+    assert "--optimizer muon" in done.stdout.strip().splitlines()[-1]

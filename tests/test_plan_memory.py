@@ -69,6 +69,32 @@ def test_parameters_per_rank_are_counted_exactly(name, cfg):
             assert count == rank_parameters(cfg, layout, pp_rank), (name, layout, pp_rank)
 
 
+def _muon_count(rank, world, cfg, layout):
+    from engine.model.builder import build_model_chunks
+    from engine.optim.muon_with_adam import takes_muon
+    from parallel.state import ParallelState
+
+    state = ParallelState.build(layout.tp, layout.pp)
+    chunks = build_model_chunks(cfg, state, virtual_size=layout.virtual)
+    held = {id(p): p.numel() for c in chunks for p in c.parameters() if takes_muon(p)}
+    return state.pp_rank, sum(held.values())
+
+
+@pytest.mark.parametrize("name, cfg", [("gpt2", GPT2), ("llama", LLAMA), ("mla", DEEPSEEK)])
+def test_muons_weights_are_counted_exactly(name, cfg):
+    """The planner's count of the weights Muon trains (engine/planning/muon_terms.py) equals
+    the built model's (engine/optim/muon_with_adam.py's rule) on every rank."""
+    from engine.planning.memory import stage_shape
+    from engine.planning.muon_terms import muon_parameters
+
+    for layout in (Layout(tp=1), Layout(tp=2), Layout(tp=2, pp=2)):
+        for pp_rank, count in run_ranks(_muon_count, layout.tp * layout.pp, cfg, layout):
+            stage = stage_shape(cfg, layout, pp_rank)
+            assert count == sum(muon_parameters(cfg, stage, layout.tp)) > 0, (
+                name, layout, pp_rank
+            )  # fmt: skip
+
+
 def _state(rank, world, cfg, layout):
     from engine.model.builder import build_model_chunks
     from engine.optim.lr_schedule import LRScheduler
@@ -82,11 +108,12 @@ def _state(rank, world, cfg, layout):
     state = ParallelState.build(layout.tp, layout.pp)
     chunks = build_model_chunks(cfg, state, params_dtype=torch.bfloat16)
     ddps = [DistributedDataParallel(c, state.dp_group, sharding=layout.strategy) for c in chunks]
-    ocfg = OptimizerConfig(lr=1e-4, lr_decay_style="constant")
+    ocfg = OptimizerConfig(optimizer=layout.optimizer, lr=1e-4, lr_decay_style="constant")
     optimizer = build_optimizer(
         ddps, ocfg, use_distributed_optimizer=layout.strategy != "no_shard", fp16=False,
         tp_rank=state.tp_rank, model_parallel_group=state.model_parallel_group,
         instance_group=state.optimizer_instance_group, device=state.device,
+        tp_group=state.tp_group,
     )  # fmt: skip
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1))
     batches = [{"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}]
@@ -96,9 +123,13 @@ def _state(rank, world, cfg, layout):
     return held_state_bytes(ddps, optimizer) | {"live": live_tensor_bytes()}
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
-def test_model_state_bytes_after_a_step(strategy):
-    layout = Layout(tp=2, pp=1, dp=2, strategy=strategy)
+@pytest.mark.parametrize(
+    "strategy, optimizer",
+    [("no_shard", "adam"), ("optim", "adam"), ("optim_grads", "adam"),
+     ("optim_grads_params", "adam"), ("no_shard", "muon"), ("optim_grads_params", "muon")],
+)  # fmt: skip
+def test_model_state_bytes_after_a_step(strategy, optimizer):
+    layout = Layout(tp=2, pp=1, dp=2, strategy=strategy, optimizer=optimizer)
     predicted = rank_state_bytes(LLAMA, layout, 0)
     for held in run_ranks(_state, 4, LLAMA, layout):
         for kind, value in predicted.items():

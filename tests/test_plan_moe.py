@@ -1,9 +1,9 @@
 """The planner's mixture-of-experts terms (engine/planning/moe_terms.py) against the engine run for
 real on gloo ranks: per-rank parameters, gradients and optimizer state (routed experts sharded
 over their expert data-parallel group) within 5% and activations within 10% under EP, ETP, TP
-with SP, PP and the sharding strategies; every MoE layout the planner proposes passes the
-engine's checks; tools/plan.py plans a Mixtral-shaped model with EP and ETP columns and emits
-flags the engine accepts."""
+with SP, PP and the sharding strategies, with Adam and with Muon; every MoE layout the planner
+proposes passes the engine's checks; tools/plan.py plans a Mixtral-shaped model with EP and
+ETP columns and emits flags the engine accepts."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ MEMORY_LAYOUTS = [
     (Layout(tp=2, ep=2, etp=1, sequence_parallel=True, micro_batch_size=2), "none"),
     (Layout(tp=2, sequence_parallel=True, micro_batch_size=2), "selective"),  # ETP 2
     (Layout(pp=2, dp=2, ep=2, num_microbatches=4, strategy="optim_grads"), "none"),
+    # Muon: its weights' state 8 bytes (router, shared and routed experts among them)
+    (Layout(dp=2, ep=2, strategy="optim", optimizer="muon", micro_batch_size=2), "none"),
+    (Layout(tp=2, ep=2, etp=1, sequence_parallel=True, micro_batch_size=2, optimizer="muon",
+            muon_tp_mode="duplicated"), "none"),
 ]  # fmt: skip
 
 

@@ -4,6 +4,7 @@ that stops with a one-line error naming file and line/row, leaving nothing behin
 from __future__ import annotations
 
 import collections
+import functools
 import gzip
 import io
 import json
@@ -376,9 +377,9 @@ def test_preprocessing_never_imports_torch():
     assert result.stdout.strip() == "False"
 
 
-def _encode_recording_the_pid(*args, **kwargs):
+def _encode_recording_the_pid(*args, pid_file: str, **kwargs):
     """In the worker process: note which process tokenizes this batch, then tokenize it."""
-    with open(os.environ["TRIPOD_TEST_PID_FILE"], "a") as f:
+    with open(pid_file, "a") as f:
         f.write(f"{os.getpid()}\n")
     return encode_batch(*args, **kwargs)
 
@@ -396,7 +397,6 @@ def test_batches_in_flight_are_bounded_and_workers_are_replaced(
     pulled, consumed, peak = [0], [0], [0]
     real_batches, real_consume = module._batches, module._consume
     pids = tmp_path / "pids"
-    monkeypatch.setenv("TRIPOD_TEST_PID_FILE", str(pids))
 
     def counted_batches(records):
         for batch in real_batches(records):
@@ -410,7 +410,9 @@ def test_batches_in_flight_are_bounded_and_workers_are_replaced(
 
     monkeypatch.setattr(module, "_batches", counted_batches)
     monkeypatch.setattr(module, "_consume", counted_consume)
-    monkeypatch.setattr(module, "encode_batch", _encode_recording_the_pid)
+    # (the workers start from the forkserver: the pid file's name goes with each batch)
+    recording = functools.partial(_encode_recording_the_pid, pid_file=str(pids))
+    monkeypatch.setattr(module, "encode_batch", recording)
     workers = 2
     preprocess(corpus["jsonl"], str(tmp_path / "out"), tokenizer_model, append_eod=True,
                workers=workers, progress=False)  # fmt: skip

@@ -66,12 +66,17 @@ def test_bench_memory_measures_its_formulas_at_a_tiny_size(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     states = report["states"]
-    assert {(r["strategy"], r["dp"]) for r in states} == {
-        (s, d)
+    assert {(r["optimizer"], r["strategy"], r["dp"]) for r in states} == {
+        (o, s, d)
+        for o in ("adam", "muon")
         for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")
         for d in (1, 2, 4)
     }
+    muon = {(r["strategy"], r["dp"]): r for r in states if r["optimizer"] == "muon"}
     for row in states:  # bytes per parameter against 18, 6 + 12/d, 2 + 16/d, 18/d
+        if row["optimizer"] == "adam":  # Muon's weights hold less (master, momentum)
+            fewer = muon[row["strategy"], row["dp"]]["bytes"]["optimizer"]
+            assert fewer < row["bytes"]["optimizer"], row
         measured = sum(row["bytes"].values()) / row["parameters"]
         assert measured == pytest.approx(row["formula"], rel=0.01), row
     for row in report["activations"]:  # the adjusted count is exact for this layer

@@ -1,7 +1,7 @@
 """FP8 against BF16 on the built-in corpus: does each FP8 recipe train like BF16?
 
-The same small Llama-style model (RMSNorm, SwiGLU, RoPE, no biases, untied output layer) is
-trained on the built-in corpus (Python standard-library sources, engine/planning/bench_setup.py)
+The same small Llama-style model (engine/planning/training_runs.py) is trained on the
+built-in corpus (Python standard-library sources, engine/planning/bench_setup.py)
 for --train-iters steps of one global batch each (a fixed token budget), in BF16 and in BF16
 with each FP8 recipe of --recipes (Megatron-LM's --fp8-recipe, with --fp8-format), over
 --seeds seeds (the initialisation and the data order both follow the seed). Each run is
@@ -19,66 +19,30 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.cli import run_main
 from engine.config.arguments import ArgumentParser
 from engine.errors import UserError
+from engine.planning.training_runs import final_loss, llama_flags, plot_against, std, train
 
 RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
-REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_flags(args, prefix: str, tokenizer: str, recipe: str, seed: int, log: str) -> list[str]:
     """engine.pretrain's flags for one run (recipe "bf16": no FP8)."""
-    from engine.planning.bench_setup import engine_flags
-
-    flags = engine_flags(
-        prefix, tokenizer, args.num_layers, args.hidden_size, args.seq_length,
-        args.micro_batch_size, global_batch_size=args.global_batch_size,
-        train_iters=args.train_iters, lr=args.lr, min_lr=args.lr / 10,
-        lr_warmup_iters=max(1, args.train_iters // 10), lr_decay_style="cosine",
-        weight_decay=0.1, clip_grad=1.0, seed=seed, split="98,2,0", hidden_dropout=0.0,
-        attention_dropout=0.0, ffn_hidden_size=3 * args.hidden_size, log_interval=1,
-        eval_interval=10**6, eval_iters=0, num_workers=0, make_vocab_size_divisible_by=128,
-        log_jsonl=log,
-    )  # fmt: skip
-    flags += ["--bf16", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
-              "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]  # fmt: skip
+    flags = llama_flags(args, prefix, tokenizer, seed, args.lr, log)
     if recipe != "bf16":
         flags += ["--fp8-format", args.fp8_format, "--fp8-recipe", recipe]
     return flags
-
-
-def train(flags: list[str], log: str) -> dict:
-    """One run in its own process: {"loss": [per step], "step_s": median step time}."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPOSITORY)
-    done = subprocess.run(
-        [sys.executable, "-m", "engine.pretrain", *flags], cwd=REPOSITORY, env=env,
-        capture_output=True, text=True,
-    )  # fmt: skip
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise UserError(f"a training run failed ({' '.join(flags[-4:])}): {last}")
-    losses, times = {}, []
-    with open(log) as f:
-        for line in f:
-            record = json.loads(line)
-            if "split" not in record and record.get("lm_loss") is not None:
-                losses[record["iteration"]] = record["lm_loss"]
-                times.append(record["iteration_time_s"])
-    return {"loss": [losses[k] for k in sorted(losses)], "step_s": statistics.median(times[1:])}
 
 
 def summarise(runs: dict[str, list[dict]], average_last: int) -> list[dict]:
     """A row per recipe: final loss mean and std over seeds, and its difference from BF16's
     run of the same seed (same initialisation, same data), mean and std over the seeds."""
     finals = {
-        recipe: [statistics.fmean(run["loss"][-average_last:]) for run in seeds]
-        for recipe, seeds in runs.items()
+        recipe: [final_loss(run, average_last) for run in seeds] for recipe, seeds in runs.items()
     }
     bf16_step = statistics.median(run["step_s"] for run in runs["bf16"])
     rows = []
@@ -87,16 +51,12 @@ def summarise(runs: dict[str, list[dict]], average_last: int) -> list[dict]:
         rows.append({
             "recipe": recipe,
             "final_loss_mean": statistics.fmean(values),
-            "final_loss_std": _std(values),
+            "final_loss_std": std(values),
             "minus_bf16_mean": statistics.fmean(apart),
-            "minus_bf16_std": _std(apart),
+            "minus_bf16_std": std(apart),
             "step_over_bf16": statistics.median(r["step_s"] for r in runs[recipe]) / bf16_step,
         })  # fmt: skip
     return rows
-
-
-def _std(values: list[float]) -> float:
-    return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def print_table(rows: list[dict], args) -> None:
@@ -109,39 +69,6 @@ def print_table(rows: list[dict], args) -> None:
         loss = f"{row['final_loss_mean']:.4f} +- {row['final_loss_std']:.4f}"
         apart = f"{row['minus_bf16_mean']:+.4f} +- {row['minus_bf16_std']:.4f}"
         print(f"{row['recipe']:>10}  {loss:>17}  {apart:>17}  {row['step_over_bf16']:11.2f}")
-
-
-def plot(runs: dict[str, list[dict]], path: str, title: str) -> None:
-    """Above: the loss curves (mean over seeds); below: each recipe's loss minus BF16's of the
-    same seed, mean over seeds with a band of one standard deviation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    bf16 = np.array([run["loss"] for run in runs["bf16"]])
-    steps = np.arange(1, bf16.shape[1] + 1)
-    for number, (recipe, seeds) in enumerate(runs.items()):
-        curves, color = np.array([run["loss"] for run in seeds]), f"C{number}"
-        top.plot(steps, curves.mean(0), label=recipe, linewidth=1.2, color=color)
-        if recipe != "bf16":
-            apart = curves - bf16
-            bottom.plot(steps, apart.mean(0), label=recipe, linewidth=1.2, color=color)
-            low, high = apart.mean(0) - apart.std(0), apart.mean(0) + apart.std(0)
-            bottom.fill_between(steps, low, high, alpha=0.2, color=color)
-    top.set_ylabel("training loss (mean over seeds)")
-    top.set_title(title)
-    top.legend()
-    bottom.axhline(0.0, color="black", linewidth=0.8)
-    bottom.set_ylabel("loss - BF16's (same seed)")
-    bottom.set_xlabel("step")
-    bottom.legend()
-    for ax in (top, bottom):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,8 +108,6 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(job):
         log = os.path.join(out, f"{job[0]}-{job[1]}.jsonl")
-        if os.path.exists(log):
-            os.remove(log)
         return train(run_flags(args, prefix, tokenizer, *job, log), log)
 
     with ThreadPoolExecutor(args.parallel) as pool:
@@ -196,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"args": vars(args), "rows": rows, "runs": runs}, f, indent=1)
     title = (f"FP8 ({args.fp8_format}) vs BF16: {args.num_layers} layers x {args.hidden_size}, "
              f"{len(args.seeds)} seeds")  # fmt: skip
-    plot(runs, os.path.join(out, "bench_fp8.png"), title)
+    plot_against(runs, "bf16", os.path.join(out, "bench_fp8.png"), title)
     print(f"wrote {out}/bench_fp8.json and bench_fp8.png")
     return 0
 

@@ -1,9 +1,11 @@
 """Memory per rank, measured on CPU gloo ranks and set against its formula.
 
 Model state: the bytes of parameters, gradients and optimizer state a rank holds after a
-training step (bf16 parameters, Adam), for each --data-parallel-sharding-strategy at DP 1, 2
-and 4, counted from the tensors' storages (engine/planning/state_memory.py) against 18, 6 + 12/d,
-2 + 16/d and 18/d bytes per parameter.
+training step (bf16 parameters, Adam, then Muon with AdamW for the rest), for each
+--data-parallel-sharding-strategy at DP 1, 2 and 4, counted from the tensors' storages
+(engine/planning/state_memory.py) against the planner's count of the model's parameters times
+18, 6 + 12/d, 2 + 16/d and 18/d bytes per parameter (Muon's weights: 4 bytes less, 4/d
+sharded).
 
 Activations: activation memory of one transformer layer (the bytes autograd saves for backward, read
 with saved-tensor hooks) for TP 1, 2 and 4, with and without sequence parallelism, against
@@ -194,6 +196,7 @@ def _latent_table(args) -> list[dict]:
 
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+OPTIMIZERS = ("adam", "muon")
 DP_SIZES = (1, 2, 4)
 
 
@@ -208,21 +211,13 @@ def _measure_states(rank, world, args):
     from parallel.data_parallel.ddp import DistributedDataParallel
 
     state = ParallelState.build(tp=1)
-    cfg = ModelConfig(
-        num_layers=args.state_layers,
-        hidden_size=args.state_hidden_size,
-        num_attention_heads=4,
-        seq_length=64,
-        max_position_embeddings=64,
-        vocab_size=1024,
-        make_vocab_size_divisible_by=1,
-    )
-    ocfg = OptimizerConfig(lr=1e-4, lr_decay_style="constant")
+    cfg = _state_config(args)
     tokens = torch.randint(0, 1024, (2 * world, 65), generator=torch.Generator().manual_seed(0))
     mine = tokens[2 * rank : 2 * rank + 2]
     batches = [{"tokens": mine[:, :-1], "labels": mine[:, 1:]}]
     rows = []
-    for strategy in STRATEGIES:
+    for optimizer_name, strategy in [(o, s) for o in OPTIMIZERS for s in STRATEGIES]:
+        ocfg = OptimizerConfig(optimizer=optimizer_name, lr=1e-4, lr_decay_style="constant")
         chunks = build_model_chunks(cfg, state, params_dtype=torch.bfloat16)
         ddps = [DistributedDataParallel(c, state.dp_group, sharding=strategy) for c in chunks]
         optimizer = build_optimizer(
@@ -238,38 +233,55 @@ def _measure_states(rank, world, args):
         train_step(ddps, optimizer, LRScheduler(ocfg, 10), batches, state)
         optimizer.finish_param_sync()
         count = sum(p.numel() for d in ddps for p in d.params)
-        rows.append((strategy, count, held_state_bytes(ddps, optimizer)))
+        rows.append((optimizer_name, strategy, count, held_state_bytes(ddps, optimizer)))
     return rows
 
 
+def _state_config(args) -> ModelConfig:
+    """The model whose state is measured: GPT-2 style, 4 heads."""
+    return ModelConfig(
+        num_layers=args.state_layers,
+        hidden_size=args.state_hidden_size,
+        num_attention_heads=4,
+        seq_length=64,
+        max_position_embeddings=64,
+        vocab_size=1024,
+        make_vocab_size_divisible_by=1,
+    )
+
+
 def _state_table(args) -> list[dict]:
-    from engine.planning.state_memory import KINDS, formula_bytes_per_param
+    from engine.planning.memory import Layout, rank_state_bytes
+    from engine.planning.state_memory import KINDS
 
     mib = 2**20
     print(
         f"Model state held per rank after a step: {args.state_layers} layers, hidden "
-        f"{args.state_hidden_size}, bf16 parameters, Adam (largest rank shown)"
+        f"{args.state_hidden_size}, bf16 parameters, Adam or Muon (with AdamW for the rest; "
+        "the mean over the ranks); formula: the planner's (engine/planning/memory.py)"
     )
     print(
-        "| strategy | DP | params MiB | grads MiB | optimizer MiB | bytes/param measured | "
-        "formula | measured / formula |"
+        "| optimizer | strategy | DP | params MiB | grads MiB | optimizer MiB | bytes/param "
+        "measured | formula | measured / formula |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    table = []
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    table, cfg = [], _state_config(args)
     for dp in DP_SIZES:
         per_rank = run_local(_measure_states, dp, args)
-        for index, strategy in enumerate(STRATEGIES):
-            count = per_rank[0][index][1]
-            worst = max((r[index][2] for r in per_rank), key=lambda held: sum(held.values()))
-            measured = sum(worst.values()) / count
-            formula = sum(formula_bytes_per_param(strategy, dp).values())
+        for index, (name, strategy, count, _) in enumerate(per_rank[0]):
+            # the mean rank: with Muon a rank's shards hold more or fewer Muon weights (8
+            # bytes of state) against Adam's (12) than another's; the planner's is the mean
+            mean = {k: sum(r[index][3][k] for r in per_rank) / dp for k in KINDS}
+            measured = sum(mean.values()) / count
+            layout = Layout(dp=dp, strategy=strategy, optimizer=name)
+            formula = sum(rank_state_bytes(cfg, layout, 0).values()) / count
             table.append(
-                {"strategy": strategy, "dp": dp, "parameters": count, "bytes": worst}
-                | {"formula": formula}
+                {"optimizer": name, "strategy": strategy, "dp": dp, "parameters": count}
+                | {"bytes": mean, "formula": formula}
             )
             print(
-                f"| {strategy} | {dp} | "
-                + " | ".join(f"{worst[k] / mib:.2f}" for k in KINDS)
+                f"| {name} | {strategy} | {dp} | "
+                + " | ".join(f"{mean[k] / mib:.2f}" for k in KINDS)
                 + f" | {measured:.2f} | {formula:.2f} | {measured / formula:.3f} |"
             )
     return table

@@ -163,9 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     from engine.planning.flags import layout_flags
     from engine.planning.search import SearchSpace, plan
 
+    optimizer = cfg.optimizer.optimizer
+    if optimizer not in ("adam", "muon"):
+        raise ConfigError(
+            f"--optimizer {optimizer}: the planner predicts adam and muon (and tries every "
+            "sharding strategy itself); give one of them"
+        )
     space = SearchSpace(
-        cp=tuple(args.context_parallel_sizes), micro_batch_sizes=tuple(args.micro_batch_sizes)
-    )
+        cp=tuple(args.context_parallel_sizes), micro_batch_sizes=tuple(args.micro_batch_sizes),
+        optimizer=optimizer, muon_tp_mode=cfg.optimizer.muon_tp_mode,
+    )  # fmt: skip
     global_batch = cfg.training.global_batch_size
     rows = plan(cfg.model, world, global_batch, machine, space, args.memory_fraction)
     if not rows:

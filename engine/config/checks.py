@@ -128,10 +128,7 @@ def check_layout_flags(cfg: Configs, world_size: int) -> int:
     for section in (*sections, cfg.resilience):
         section.validate()
     cfg.runtime.validate_fp8(m.num_layers, par.pipeline_model_parallel_size, m.num_experts)
-    cfg.optimizer.validate_muon(
-        cfg.optimizer.optimizer, shards=par.shards_optimizer(), fp16=cfg.runtime.fp16,
-        num_experts=m.num_experts,
-    )  # fmt: skip
+    cfg.optimizer.validate_muon(cfg.optimizer.optimizer, fp16=cfg.runtime.fp16)
     if cfg.resilience.reruns_non_finite and cfg.runtime.fp16:
         raise ConfigError(
             "--rerun-on-nan with --fp16: the loss scaler already handles non-finite gradients "

@@ -47,21 +47,15 @@ class MuonOptions:
     )
     muon_tp_mode: str = option(
         "blockwise",
-        "Muon under tensor parallelism: each rank orthogonalises its own shard (blockwise) or "
-        "the whole matrix, gathered (duplicated)",
+        "Muon under tensor parallelism: each rank orthogonalises its own shard (blockwise), "
+        "the whole matrix, gathered (duplicated), or its shard as part of the whole matrix, "
+        "the Gram products summed over TP (distributed)",
         choices=["blockwise", "duplicated", "distributed"],
     )
 
-    def validate_muon(
-        self, optimizer: str, *, shards: bool, fp16: bool, num_experts: int | None
-    ) -> None:
-        """ConfigError naming the flag for what Muon cannot take (`shards`: the distributed
-        optimizer or a sharding strategy)."""
-        if optimizer == "dist_muon":
-            raise ConfigError(
-                "--optimizer dist_muon (whole matrices assigned to data-parallel ranks) is not "
-                "built yet; give --optimizer muon without --use-distributed-optimizer"
-            )
+    def validate_muon(self, optimizer: str, *, fp16: bool) -> None:
+        """ConfigError naming the flag for what Muon cannot take (--optimizer dist_muon is
+        Muon with the distributed optimizer: engine/config/resolve.py)."""
         if optimizer != "muon":
             given = [
                 f"--{f.name.replace('_', '-')}"
@@ -84,23 +78,6 @@ class MuonOptions:
                 "--muon-fp32-matmul-prec low is not one of torch's matmul precisions; give "
                 "medium (bf16 iterations) or high (fp32)"
             )
-        if shards:
-            raise ConfigError(
-                "--optimizer muon with --use-distributed-optimizer (or a sharding strategy): "
-                "Muon orthogonalises whole matrices, which the distributed optimizer cuts into "
-                "shards (as megatron-core 0.16.1 refuses it); drop the sharding"
-            )
         if fp16:
             raise ConfigError("--optimizer muon with --fp16: as megatron-core, Muon takes bf16 "
                               "or fp32 (no loss scaler); use --bf16")  # fmt: skip
-        if num_experts:
-            raise ConfigError(
-                "--optimizer muon with --num-experts: each expert's own matrix is not "
-                "orthogonalised apart yet; train the MoE model with Adam"
-            )
-        if self.muon_tp_mode == "distributed":
-            raise ConfigError(
-                "--muon-tp-mode distributed (the Gram matrices all-reduced over TP) is not built "
-                "yet; give duplicated (the same result, the whole matrix on every TP rank) or "
-                "blockwise"
-            )

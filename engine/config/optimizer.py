@@ -20,7 +20,7 @@ class OptimizerConfig(MuonOptions):
     optimizer: str = option(
         "adam",
         "optimizer: adam (AdamW-style decoupled decay), sgd, or muon (Muon for the 2-D hidden "
-        "weights, Adam for the rest)",
+        "weights, Adam for the rest; dist_muon: muon with --use-distributed-optimizer)",
         choices=["adam", "sgd", "muon", "dist_muon"],
     )
     lr: float = option(3e-4, "peak learning rate")

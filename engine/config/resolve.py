@@ -53,7 +53,11 @@ def resolve(
     if saved is not None:
         taken = with_saved_architecture(cfg, saved)
         model, tokenizer = taken.model, taken.tokenizer
-    parallel = cfg.parallel
+    parallel, optimizer = cfg.parallel, cfg.optimizer
+    if optimizer.optimizer == "dist_muon":  # Megatron-LM's spelling of Muon, sharded
+        optimizer = dataclasses.replace(optimizer, optimizer="muon")
+        if not parallel.shards_optimizer():
+            parallel = dataclasses.replace(parallel, use_distributed_optimizer=True)
     tp = parallel.tensor_model_parallel_size
     if parallel.sequence_parallel and tp == 1:
         parallel = dataclasses.replace(parallel, sequence_parallel=False)  # nothing to split
@@ -73,6 +77,7 @@ def resolve(
         cfg,
         model=model,
         parallel=parallel,
+        optimizer=optimizer,
         training=training,
         tokenizer=tokenizer,
         data=cfg.data.with_path_files(),

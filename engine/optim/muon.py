@@ -63,27 +63,52 @@ def scale_factor(mode: str, rows: int, cols: int) -> float:
 
 
 def newton_schulz(
-    update: torch.Tensor, steps: int, coefficients: str = "quintic", precision: str = "medium"
+    update: torch.Tensor,
+    steps: int,
+    coefficients: str = "quintic",
+    precision: str = "medium",
+    shard: TensorParallelShard | None = None,
 ) -> torch.Tensor:
-    """The orthogonalised 2-D `update` (bf16 under "medium", else fp32)."""
+    """The orthogonalised 2-D `update` (bf16 under "medium", else fp32). With `shard`, the
+    update is one TP rank's shard of the matrix (--muon-tp-mode distributed): the sharded
+    dimension is the one the Gram matrix X X^T sums over, and its partial sums (and the
+    norm's) are added over the TP group, so every rank gets its shard of the whole matrix's
+    result without gathering it."""
     if update.ndim != 2:
         raise ValueError(f"Newton-Schulz takes a matrix, not a tensor of shape {update.shape}")
     sets = COEFFICIENTS[coefficients]
     x = update.bfloat16() if precision == "medium" else update.float()
-    tall = update.size(0) > update.size(1)
+    tall = update.size(0) > update.size(1) if shard is None else shard.dim == 0
     if tall:
         x = x.T
-    x = x.div(x.norm().clamp(min=EPS))
+    if shard is None:
+        x = x.div(x.norm().clamp(min=EPS))
+    else:
+        squares = x.float().square().sum()
+        shard.sum(squares)
+        x = x.div(squares.sqrt().clamp(min=EPS).to(x.dtype))
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if precision == "high" else "highest")
     try:
         for step in range(steps):
             a, b, c = sets[step % len(sets)]
             gram = x @ x.T
+            if shard is not None:
+                shard.sum(gram)
             x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     finally:
         torch.set_float32_matmul_precision(previous)
     return x.T if tall else x
+
+
+@dataclass(frozen=True)
+class TensorParallelShard:
+    """A parameter that is one TP rank's shard of its matrix, split along `dim` into `size`
+    parts; `sum(tensor)`: adds a tensor in place over the TP group."""
+
+    dim: int
+    size: int
+    sum: Callable[[torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -96,13 +121,15 @@ class MuonMatrix:
     shard's full matrix from every rank's shard, and this rank's part of a full-size update
     (None: the parameter is whole);
     the scales follow the gathered matrices' shapes. `shape`: the matrix's shape where the
-    parameter is held flat (the optimizer's fp32 masters)."""
+    parameter is held flat (the optimizer's fp32 masters). `shard`: the parameter is a TP
+    shard orthogonalised as one without gathering it; the scales follow the whole shapes."""
 
     shape: tuple[int, int] | None = None
     rows_split: tuple[int, ...] = ()
     groups: int = 1
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
     own: Callable[[torch.Tensor], torch.Tensor] | None = None
+    shard: TensorParallelShard | None = None  # --muon-tp-mode distributed (newton_schulz)
 
 
 def orthogonalised(
@@ -117,18 +144,22 @@ def orthogonalised(
         per_group = full.view(matrix.groups, sum(matrix.rows_split), full.shape[1])
         done = []
         for part in per_group.split(list(matrix.rows_split), dim=1):
-            out, scale = _one_matrix(part.reshape(-1, full.shape[1]), settings)
+            out, scale = _one_matrix(part.reshape(-1, full.shape[1]), settings, matrix.shard)
             done.append((out.float() * scale).reshape(part.shape))
         out, scale = torch.cat(done, dim=1).reshape(full.shape), 1.0
     else:
-        out, scale = _one_matrix(full, settings)
+        out, scale = _one_matrix(full, settings, matrix.shard)
     return (matrix.own(out) if matrix.own is not None else out), scale
 
 
-def _one_matrix(update: torch.Tensor, settings: dict) -> tuple[torch.Tensor, float]:
+def _one_matrix(
+    update: torch.Tensor, settings: dict, shard: TensorParallelShard | None
+) -> tuple[torch.Tensor, float]:
     out = newton_schulz(update, settings["ns_steps"], settings["coefficients"],
-                        settings["precision"])  # fmt: skip
+                        settings["precision"], shard)  # fmt: skip
     rows, cols = update.shape
+    if shard is not None:  # the whole matrix's shape
+        rows, cols = (rows * shard.size, cols) if shard.dim == 0 else (rows, cols * shard.size)
     return out, scale_factor(settings["scale_mode"], rows, cols) * settings["extra_scale_factor"]
 
 

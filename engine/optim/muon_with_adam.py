@@ -11,8 +11,11 @@ Both follow --lr's schedule and --weight-decay.
 Under tensor parallelism (--muon-tp-mode): `blockwise` orthogonalises each rank's shard as a
 matrix of its own (the update depends on the TP size, as megatron-core's); `duplicated`
 all-gathers the shards, orthogonalises the whole matrix on every TP rank and keeps this rank's
-part (the same update as one process). A fused QKV weight is its Q, K and V matrices (unless
---muon-no-split-qkv); SwiGLU's fused gate and up stay one matrix, as megatron-core keeps them.
+part (the same update as one process); `distributed` orthogonalises each shard as part of
+the whole matrix, the Gram products' partial sums added over TP (the same update as one
+process, up to the order of the sums), no gather. A fused QKV weight is its Q, K and V
+matrices (unless --muon-no-split-qkv); SwiGLU's fused gate and up stay one matrix, as
+megatron-core keeps them.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import re
 
 import torch
 
-from engine.optim.muon import MuonMatrix, muon_step
-from parallel.comm import all_gather_into
+from engine.optim.muon import MuonMatrix, TensorParallelShard, muon_step
+from parallel.comm import all_gather_into, all_reduce
 from parallel.tensor_parallel.sharding import tp_sharding_of
 
 QKV_NAMES = (".q", ".k", ".v")
@@ -34,11 +37,13 @@ def takes_muon(param: torch.nn.Parameter) -> bool:
 
 class MuonWithAdam(torch.optim.AdamW):
     """AdamW over the groups without "muon", Muon over those with it (their settings in the
-    group, engine/optim/muon.py's names); `matrices`: a MuonMatrix per Muon parameter."""
+    group, engine/optim/muon.py's names); `matrices`: a MuonMatrix per Muon parameter;
+    `sharded`: a ShardedMuon (engine/optim/muon_sharded.py) when the parameters are shards."""
 
     def __init__(self, groups, matrices: dict | None = None, **adam_options):
         super().__init__(groups, **adam_options)
         self.matrices = dict(matrices or {})
+        self.sharded = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -48,6 +53,9 @@ class MuonWithAdam(torch.optim.AdamW):
             loss = super().step(closure)
         finally:
             self.param_groups = every
+        if self.sharded is not None:  # (every rank takes part, with pieces of Muon's or not)
+            self.sharded.step(next((g for g in every if g.get("muon")), None), self.state)
+            return loss
         for group in every:
             if group.get("muon"):
                 muon_step(group, self.state, self.matrices)
@@ -56,19 +64,27 @@ class MuonWithAdam(torch.optim.AdamW):
 
 def muon_matrix(param, tp_group, tp_mode: str, split_qkv: bool) -> MuonMatrix:
     """How Muon sees `param` (held flat by the optimizer): its matrix, split into Q, K and V,
-    gathered over the TP group (module docstring)."""
+    gathered over the TP group or orthogonalised as a shard (module docstring)."""
     sharding = tp_sharding_of(param)
     shape = tuple(param.shape)
-    gathered = sharding.dim is not None and sharding.tp_size > 1 and tp_mode == "duplicated"
+    split = sharding.dim is not None and sharding.tp_size > 1
+    gathered = split and tp_mode == "duplicated"
     rows_split, groups = (), 1
     if split_qkv and sharding.names == QKV_NAMES and sharding.dim == 0:
         rows_split = tuple(size // sharding.tp_size for size in sharding.chunks)
         groups = sharding.tp_size if gathered else 1  # every rank's [q; k; v] in turn
+    if split and tp_group is None and tp_mode != "blockwise":
+        raise ValueError(f"Muon's {tp_mode} TP mode works over the TP group: give it")
+    if split and tp_mode == "distributed":
+
+        def tp_sum(tensor: torch.Tensor) -> None:
+            all_reduce(tensor, tp_group)
+
+        shard = TensorParallelShard(sharding.dim, sharding.tp_size, tp_sum)
+        return MuonMatrix(shape=shape, rows_split=rows_split, shard=shard)
     if not gathered:
         return MuonMatrix(shape=shape, rows_split=rows_split, groups=groups)
     dim, size, rank = sharding.dim, sharding.tp_size, sharding.tp_rank
-    if tp_group is None:
-        raise ValueError("Muon's duplicated TP mode gathers over the TP group: give it")
 
     def gather(local: torch.Tensor) -> torch.Tensor:
         rows, cols = local.shape

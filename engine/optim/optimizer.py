@@ -71,13 +71,15 @@ def build_optimizer(
     experts_apart: bool = False,
     expert_norm_group=None,
     tp_group=None,
+    expert_tp_group=None,
 ) -> DistributedOptimizer:
     """The training optimizer over the DDP-wrapped model chunks. `instance_group`: the ranks
     of one distributed-optimizer instance (the world unless
     --num-distributed-optimizer-instances), over which a sharded optimizer's norms are summed.
     `experts_apart`: expert parallelism, the experts' norm summed over `expert_norm_group`
-    without sharding (parallel/data_parallel/optimizer.py). `tp_group`: Muon's gathers under
-    --muon-tp-mode duplicated."""
+    without sharding (parallel/data_parallel/optimizer.py). `tp_group` (`expert_tp_group` for
+    the routed experts): Muon's gathers and sums under --muon-tp-mode duplicated and
+    distributed."""
     scaler = None
     if fp16:
         scaler = DynamicGradScaler(
@@ -121,14 +123,35 @@ def build_optimizer(
         expert_norm_group=expert_norm_group,
     )
     if cfg.optimizer == "muon":
-        from engine.optim.muon_with_adam import muon_matrix
+        groups = (tp_group, expert_tp_group if expert_tp_group is not None else tp_group)
+        _give_muon_its_matrices(optimizer, cfg, group_of, muon_group, groups)
+    return optimizer
 
+
+def _give_muon_its_matrices(optimizer, cfg: OptimizerConfig, group_of, muon_group, tp_groups):
+    """How Muon sees each of its parameters (engine/optim/muon_with_adam.py; a routed expert's
+    over the expert TP group, the second of `tp_groups`), and with sharding, which DP rank
+    orthogonalises which (engine/optim/muon_sharded.py)."""
+    from engine.optim.muon_with_adam import muon_matrix
+    from parallel.expert_parallel.params import is_expert_parallel
+
+    def matrix_of(param):
+        group = tp_groups[int(is_expert_parallel(param))]
+        return muon_matrix(param, group, cfg.muon_tp_mode, cfg.muon_split_qkv)
+
+    if not optimizer.shard:
         optimizer.optimizer.matrices = {
-            piece.master: muon_matrix(piece.param, tp_group, cfg.muon_tp_mode, cfg.muon_split_qkv)
+            piece.master: matrix_of(piece.param)
             for piece in optimizer.pieces
             if piece.group == muon_group
         }
-    return optimizer
+        return
+    from engine.optim.muon_sharded import plan_sharded_muon
+
+    optimizer.optimizer.sharded = plan_sharded_muon(
+        optimizer.ddps, optimizer.pieces, lambda p: group_of(p) == muon_group, matrix_of,
+        dict(_muon_group(cfg), lr=cfg.lr), optimizer.device,
+    )  # fmt: skip
 
 
 def _muon_group(cfg: OptimizerConfig) -> dict:

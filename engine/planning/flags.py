@@ -34,7 +34,8 @@ def model_flags(cfg: ModelConfig) -> list[str]:
 
 def layout_flags(cfg: ModelConfig, layout: Layout) -> list[str]:
     """Flags for the layout's parallel sizes (expert ones included), batch split, schedule,
-    sharding, overlap and cfg's recomputation; the model's own flags are the caller's."""
+    sharding, optimizer, overlap and cfg's recomputation; the model's own flags are the
+    caller's."""
     flags = [
         "--tensor-model-parallel-size", str(layout.tp),
         "--pipeline-model-parallel-size", str(layout.pp),
@@ -58,6 +59,10 @@ def layout_flags(cfg: ModelConfig, layout: Layout) -> list[str]:
         flags.append("--use-distributed-optimizer")
     elif layout.strategy != "no_shard":
         flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", layout.strategy]
+    if layout.optimizer != "adam":
+        flags += ["--optimizer", layout.optimizer]
+        if layout.optimizer == "muon" and layout.tp > 1:
+            flags += ["--muon-tp-mode", layout.muon_tp_mode]
     if layout.overlap_grad_reduce:
         flags.append("--overlap-grad-reduce")
     if layout.overlap_param_gather:

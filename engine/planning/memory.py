@@ -2,7 +2,8 @@
 parameters of its share of the layers (engine/model/: the embedding on the first pipeline
 stage, the final norm and output layer on the last, TP-split weights divided by the TP
 size), times the bytes per parameter of its data-parallel sharding strategy
-(engine/planning/state_memory.py's formula, the one its measurement is checked against).
+(engine/planning/state_memory.py's formula, the one its measurement is checked against;
+with Muon its weights' state as engine/planning/muon_terms.py counts it).
 
 Counted as the engine lays a decoder out: per layer an input norm, the fused QKV (and its
 bias with --add-bias-linear or --add-qkv-bias), optional per-head query/key norms, the output
@@ -33,6 +34,7 @@ from engine.planning.moe_terms import (
     moe_mlp_dense_parameters,
     routed_expert_parameters,
 )
+from engine.planning.muon_terms import MUON_STATE_BYTES, StageShape, muon_parameters
 from engine.planning.state_memory import formula_bytes_per_param
 from parallel.pipeline.layout import stage_layers
 from parallel.pipeline.schedules import peak_in_flight
@@ -65,6 +67,8 @@ class Layout:
     # fused kernels); this engine's bf16 GEMM output is added into the fp32 buffer in a pass
     ep: int = 1  # --expert-model-parallel-size
     etp: int | None = None  # --expert-tensor-parallel-size (None: TP, megatron-core's default)
+    optimizer: str = "adam"  # or "muon" (engine/planning/muon_terms.py)
+    muon_tp_mode: str = "blockwise"  # --muon-tp-mode
 
     @property
     def world(self) -> int:
@@ -123,6 +127,8 @@ def check_layout(cfg: ModelConfig, layout: Layout, pp_rank: int) -> None:
     cfg.validate(layout.tp)
     if layout.strategy not in STRATEGIES:
         raise ConfigError(f"sharding strategy {layout.strategy!r} is not one of {STRATEGIES}")
+    if layout.optimizer not in ("adam", "muon"):
+        raise ConfigError(f"optimizer {layout.optimizer!r}: the planner knows adam and muon")
     if layout.virtual > 1 and layout.pp < 2:
         raise ConfigError("virtual pipeline stages need pipeline-model-parallel-size >= 2")
     if layout.schedule in SPLIT_BACKWARD:
@@ -213,7 +219,26 @@ def rank_state_bytes(cfg: ModelConfig, layout: Layout, pp_rank: int) -> dict[str
     dense, experts = rank_parameter_groups(cfg, layout, pp_rank)
     per = formula_bytes_per_param(layout.strategy, layout.dp * layout.cp)  # CP ranks shard too
     per_expert = formula_bytes_per_param(layout.strategy, layout.expert_dp)
-    return {kind: dense * b + experts * per_expert[kind] for kind, b in per.items()}
+    out = {kind: dense * b + experts * per_expert[kind] for kind, b in per.items()}
+    if layout.optimizer == "muon":  # its weights' state: 8 bytes, not Adam's 12
+        muon, muon_experts = muon_parameters(cfg, stage_shape(cfg, layout, pp_rank), layout.tp)
+        for count, dp, adam in ((muon, layout.dp * layout.cp, per),
+                                (muon_experts, layout.expert_dp, per_expert)):  # fmt: skip
+            fewer = formula_bytes_per_param(layout.strategy, dp, MUON_STATE_BYTES)["optimizer"]
+            out["optimizer"] += count * (fewer - adam["optimizer"])
+    return out
+
+
+def stage_shape(cfg: ModelConfig, layout: Layout, pp_rank: int) -> StageShape:
+    """What of the model stage `pp_rank` holds, for engine/planning/muon_terms.py."""
+    return StageShape(
+        layers=sum(chunk_layer_counts(cfg, layout, pp_rank)),
+        moe_layers=stage_moe_layers(cfg, layout, pp_rank),
+        first=pp_rank == 0,
+        last=pp_rank == layout.pp - 1,
+        ep=layout.ep,
+        etp=layout.expert_tp,
+    )
 
 
 def _chunk_activation_bytes(cfg: ModelConfig, layers: list[int], layout: Layout, shape) -> int:

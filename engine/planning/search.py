@@ -54,6 +54,8 @@ class SearchSpace:
     expert_tp: tuple[str, ...] = ("tp", "1")  # the experts split like TP (default) or whole
     tp_comm_overlap: bool = False  # Megatron-LM's Transformer Engine overlap (not this engine)
     fp32_wgrad_gemm: bool = False  # Megatron-LM's fused weight-gradient accumulation
+    optimizer: str = "adam"  # or "muon" (--optimizer)
+    muon_tp_mode: str = "blockwise"  # --muon-tp-mode
 
 
 def _divisors(n: int) -> list[int]:
@@ -124,6 +126,7 @@ def _inner(cfg, space, tp, cp, pp, dp, per_replica) -> Iterator[tuple[str, Layou
                             overlap_param_gather=strategy in ("optim", "optim_grads"),
                             tp_comm_overlap=space.tp_comm_overlap and tp > 1,
                             fp32_wgrad_gemm=space.fp32_wgrad_gemm, ep=ep, etp=etp,
+                            optimizer=space.optimizer, muon_tp_mode=space.muon_tp_mode,
                         )  # fmt: skip
                         for recompute in space.recompute:
                             yield recompute, layout

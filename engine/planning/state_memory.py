@@ -9,6 +9,8 @@ two moments (12 bytes), over d data-parallel ranks:
 
     no_shard 2 + 4 + 12 = 18     optim 2 + 4 + 12/d     optim_grads 2 + 16/d
     optim_grads_params 18/d
+
+Muon's weights hold 8 bytes of state (fp32 master and momentum) in place of Adam's 12.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import torch
 KINDS = ("params", "grads", "optimizer")
 
 
-def formula_bytes_per_param(strategy: str, dp: int) -> dict[str, float]:
-    """Bytes per parameter by kind for bf16 training with Adam (module docstring)."""
+def formula_bytes_per_param(strategy: str, dp: int, state: int = 12) -> dict[str, float]:
+    """Bytes per parameter by kind for bf16 training with Adam (module docstring; `state`:
+    the optimizer's bytes per parameter unsharded, 8 for Muon's master and momentum)."""
     params = 2 / dp if strategy == "optim_grads_params" else 2
     grads = 4 / dp if strategy in ("optim_grads", "optim_grads_params") else 4
-    optimizer = 12 if strategy == "no_shard" else 12 / dp
+    optimizer = state if strategy == "no_shard" else state / dp
     return {"params": params, "grads": grads, "optimizer": optimizer}
 
 

@@ -18,7 +18,8 @@ routed experts, dispatch and all-to-all (`a2a_comm`) from engine/planning/moe_te
 step: (m + (p - 1) / v) x the slowest stage's time per micro-batch (the schedule's bubble), then
 the data-parallel collectives the engine's overlap does not hide (gradients in fp32, parameters
 gathered in the activation dtype; with optim_grads(_params) every micro-batch), and the
-optimizer's pass over its shard.
+optimizer's pass over its shard; with Muon its Newton-Schulz work and collectives
+(engine/planning/muon_terms.py).
 
 Collectives are rings: an all-reduce of B bytes over n ranks takes 2(n-1) latencies and moves
 2(n-1)/n B; an all-gather or reduce-scatter half of that. A group uses the intra-node link when
@@ -39,8 +40,10 @@ from engine.planning.memory import (
     rank_parameter_groups,
     rank_parameters,
     stage_moe_layers,
+    stage_shape,
 )
 from engine.planning.moe_terms import moe_mlp_seconds
+from engine.planning.muon_terms import muon_step_s
 
 GRAD_BYTES = 4  # fp32 main gradients, reduced in fp32 (Megatron-LM's default under bf16)
 ADAM_BYTES_PER_PARAM = 42  # grad read, fp32 master and both moments read + written, param written,
@@ -275,6 +278,16 @@ def predict_step(cfg: ModelConfig, layout: Layout, machine: Machine) -> dict:
     if layout.strategy != "no_shard":
         local = params / (layout.dp * layout.cp) + experts / layout.expert_dp
     parts["optimizer"] = local * ADAM_BYTES_PER_PARAM / machine.memory_bytes_per_s
+    if layout.optimizer == "muon":
+
+        def gather_s(nbytes: float, n: int, stride: int) -> float:
+            return collective_s("gather", nbytes, n, stride, machine)
+
+        def all_reduce_s(nbytes: float, n: int, stride: int) -> float:
+            return collective_s("all_reduce", nbytes, n, stride, machine)
+
+        stage = stage_shape(cfg, layout, slowest)
+        parts["newton_schulz"] = muon_step_s(cfg, layout, machine, stage, gather_s, all_reduce_s)
     overheads = machine.overheads
     if overheads:  # calibrated: "step", "per_microbatch", "per_microbatch_layer"
         layers = max(sum(chunk_layer_counts(cfg, layout, r)) for r in stages)

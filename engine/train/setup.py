@@ -101,6 +101,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         experts_apart=par.experts_apart,
         expert_norm_group=state.expert_tp_ep_pp_group,
         tp_group=state.tp_group,
+        expert_tp_group=state.expert_tp_group,
     )
     batches = training.batch_schedule(state.dp_size, m.seq_length)
     scheduler = LRScheduler(
@@ -208,6 +209,9 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         from engine.optim.muon_with_adam import describe_split
 
         run.writer.print(describe_split(chunks))
+        sharded = optimizer.optimizer.sharded
+        if sharded is not None:
+            run.writer.print(sharded.describe())
     if cfg.checkpointing.load:
         resume(run)
     run.progress.pending_skips = _pending_skips(cfg, run.progress)

@@ -318,7 +318,11 @@ def preprocess(
         skip_bad=skip_bad_records,
         tokenize_with=tokenize_with,
     )
-    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    # Workers start from the clean single-threaded forkserver, not forked from this process:
+    # a child forked from a process with threads (a progress bar's monitor, a test runner's)
+    # can block on a lock copied mid-use before its initializer resets SIGTERM, and then the
+    # pool's terminate after a bad record waits on it forever (seen under load in CI).
+    context = multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
     try:
         # Opening the outputs first finds an unwritable --output-prefix before any work.
         for key in keys:
