@@ -19,13 +19,20 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.cli import run_main
 from engine.config.arguments import ArgumentParser
 from engine.errors import UserError
-from engine.planning.training_runs import final_loss, llama_flags, plot_against, std, train
+from engine.planning.training_runs import (
+    add_run_arguments,
+    final_loss,
+    llama_flags,
+    plot_against,
+    prepared,
+    std,
+    train,
+)
 
 RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
@@ -75,35 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
     parser.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default="hybrid")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 1235, 1236])
-    parser.add_argument("--train-iters", type=int, default=120)
-    parser.add_argument("--average-last", type=int, default=10)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--seq-length", type=int, default=64)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--global-batch-size", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--parallel", type=int, default=2, help="runs at a time")
-    parser.add_argument("--data-dir", default="data/bench", help="corpus dataset (made once)")
-    parser.add_argument("--data-path", default=None, help="another dataset prefix instead")
-    parser.add_argument("--tokenizer-model", default=None, help="its SentencePiece model")
-    parser.add_argument("--output-dir", default=None, help="JSON and plot (default: a temp dir)")
+    add_run_arguments(parser, lr=3e-3)
     args = parser.parse_args(argv)
     if args.hidden_size % 128:
         raise UserError(f"--hidden-size {args.hidden_size}: blockwise FP8 needs a multiple of 128")
-    if args.average_last > args.train_iters:
-        raise UserError(f"--average-last {args.average_last} is more than --train-iters")
-    from engine.planning.bench_setup import corpus_dataset
-
-    if (args.data_path is None) != (args.tokenizer_model is None):
-        raise UserError("--data-path and --tokenizer-model go together; give both or neither")
-    if args.data_path is None:
-        prefix, tokenizer = corpus_dataset(args.data_dir)
-    else:
-        prefix, tokenizer = args.data_path, args.tokenizer_model
-    out = args.output_dir or tempfile.mkdtemp(prefix="bench_fp8_")
-    os.makedirs(out, exist_ok=True)
+    prefix, tokenizer, out = prepared(args, "bench_fp8")
     jobs = [(recipe, seed) for recipe in ["bf16", *args.recipes] for seed in args.seeds]
 
     def one(job):

@@ -24,17 +24,17 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.cli import run_main
 from engine.config.arguments import ArgumentParser
-from engine.errors import UserError
 from engine.planning.training_runs import (
+    add_run_arguments,
     final_loss,
     llama_flags,
     mean_std,
     plot_against,
+    prepared,
     std,
     train,
 )
@@ -104,32 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adam-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
     parser.add_argument("--muon-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
     parser.add_argument("--muon-extra-scale-factor", type=float, default=0.2)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 1235, 1236])
-    parser.add_argument("--train-iters", type=int, default=120)
-    parser.add_argument("--average-last", type=int, default=10)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--seq-length", type=int, default=64)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--global-batch-size", type=int, default=2)
-    parser.add_argument("--parallel", type=int, default=2, help="runs at a time")
-    parser.add_argument("--data-dir", default="data/bench", help="corpus dataset (made once)")
-    parser.add_argument("--data-path", default=None, help="another dataset prefix instead")
-    parser.add_argument("--tokenizer-model", default=None, help="its SentencePiece model")
-    parser.add_argument("--output-dir", default=None, help="JSON and plot (default: a temp dir)")
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
-    if args.average_last > args.train_iters:
-        raise UserError(f"--average-last {args.average_last} is more than --train-iters")
-    from engine.planning.bench_setup import corpus_dataset
-
-    if (args.data_path is None) != (args.tokenizer_model is None):
-        raise UserError("--data-path and --tokenizer-model go together; give both or neither")
-    if args.data_path is None:
-        prefix, tokenizer = corpus_dataset(args.data_dir)
-    else:
-        prefix, tokenizer = args.data_path, args.tokenizer_model
-    out = args.output_dir or tempfile.mkdtemp(prefix="bench_optimizers_")
-    os.makedirs(out, exist_ok=True)
+    prefix, tokenizer, out = prepared(args, "bench_optimizers")
     rates = {"adam": args.adam_lrs, "muon": args.muon_lrs}
     jobs = [(name, lr, seed) for name in args.optimizers for lr in rates[name]
             for seed in args.seeds]  # fmt: skip

@@ -21,6 +21,47 @@ from engine.errors import UserError
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def add_run_arguments(parser, *, lr: float | None = None) -> None:
+    """The flags the convergence benchmarks share: seeds, the token budget, the model's shape,
+    runs at a time, the data and the output folder (and --lr when given a default)."""
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 1235, 1236])
+    parser.add_argument("--train-iters", type=int, default=120)
+    parser.add_argument("--average-last", type=int, default=10)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--seq-length", type=int, default=64)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--global-batch-size", type=int, default=2)
+    if lr is not None:
+        parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--parallel", type=int, default=2, help="runs at a time")
+    parser.add_argument("--data-dir", default="data/bench", help="corpus dataset (made once)")
+    parser.add_argument("--data-path", default=None, help="another dataset prefix instead")
+    parser.add_argument("--tokenizer-model", default=None, help="its SentencePiece model")
+    parser.add_argument("--output-dir", default=None, help="JSON and plot (default: a temp dir)")
+
+
+def prepared(args, name: str) -> tuple[str, str, str]:
+    """(dataset prefix, tokenizer model, output folder) of add_run_arguments' flags: the
+    built-in corpus's dataset made under --data-dir unless --data-path is given; UserError
+    for flags that do not go together."""
+    import tempfile
+
+    from engine.planning.bench_setup import corpus_dataset
+
+    if args.average_last > args.train_iters:
+        raise UserError(f"--average-last {args.average_last} is more than --train-iters")
+    if (args.data_path is None) != (args.tokenizer_model is None):
+        raise UserError("--data-path and --tokenizer-model go together; give both or neither")
+    if args.data_path is None:
+        prefix, tokenizer = corpus_dataset(args.data_dir)
+    else:
+        prefix, tokenizer = args.data_path, args.tokenizer_model
+    out = args.output_dir or tempfile.mkdtemp(prefix=f"{name}_")
+    os.makedirs(out, exist_ok=True)
+    return prefix, tokenizer, out
+
+
 def llama_flags(args, prefix: str, tokenizer: str, seed: int, lr: float, log: str) -> list[str]:
     """engine.pretrain's flags for one run of the module docstring's model, shaped by args'
     --num-layers, --hidden-size, --seq-length, --micro-batch-size, --global-batch-size and
@@ -110,7 +151,8 @@ def plot_against(runs: dict[str, list[dict]], reference: str, path: str, title: 
     bottom.axhline(0.0, color="black", linewidth=0.8)
     bottom.set_ylabel(f"loss - {reference}'s (same seed)")
     bottom.set_xlabel("step")
-    bottom.legend()
+    if len(runs) > 1:
+        bottom.legend()
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
     fig.tight_layout()
