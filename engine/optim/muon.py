@@ -213,19 +213,25 @@ class Muon(torch.optim.Optimizer):
 def muon_step(group: dict, state: dict, matrices: dict) -> None:
     """One Muon update of each parameter of `group` that has a gradient (module docstring);
     `state`: the optimizer's, per parameter; `matrices`: MuonMatrix by parameter."""
-    lr, momentum = group["lr"], group["momentum"]
+    lr = group["lr"]
     for p in group["params"]:
         if p.grad is None:
             continue
         matrix = matrices.get(p, MuonMatrix())
-        entry = state[p]
-        if "momentum_buffer" not in entry:
-            entry["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-        buffer, grad = entry["momentum_buffer"], p.grad.float()
+        update = momentum_update(p, state[p], group)
         if matrix.shape is not None:  # a flat parameter: its matrix
-            buffer, grad = buffer.view(matrix.shape), grad.view(matrix.shape)
-        buffer.lerp_(grad, 1 - momentum)
-        update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+            update = update.view(matrix.shape)
         out, scale = orthogonalised(update, matrix, group)
         p.mul_(1 - lr * group["weight_decay"])
         p.add_(out.reshape(p.shape), alpha=-(lr * scale))
+
+
+def momentum_update(p: torch.Tensor, entry: dict, group: dict) -> torch.Tensor:
+    """The momentum (`entry["momentum_buffer"]`, made on the first step) moved toward p's
+    gradient, and the update it gives (module docstring), both in p's shape."""
+    momentum = group["momentum"]
+    if "momentum_buffer" not in entry:
+        entry["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+    buffer, grad = entry["momentum_buffer"], p.grad.float()
+    buffer.lerp_(grad, 1 - momentum)
+    return grad.lerp(buffer, momentum) if group["nesterov"] else buffer

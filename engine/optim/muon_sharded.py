@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.optim.muon import MuonMatrix, orthogonalised
+from engine.optim.muon import MuonMatrix, momentum_update, orthogonalised
 from parallel.comm import all_gather_into, all_reduce, group_rank, reduce_scatter_into
 
 
@@ -126,16 +126,10 @@ class ShardedMuon:
     ) -> torch.Tensor:
         """This rank's shard of the bucket's orthogonalised updates (steps 1-3), the owned
         matrices' scales written into `scales`."""
-        momentum = group["momentum"]
         shard = torch.zeros(bucket.shard_numel, dtype=torch.float32, device=self.device)
         for piece in bucket.pieces:
             master = piece.master
-            entry = state[master]
-            if "momentum_buffer" not in entry:
-                entry["momentum_buffer"] = torch.zeros_like(master, dtype=torch.float32)
-            buffer, grad = entry["momentum_buffer"], master.grad.float()
-            buffer.lerp_(grad, 1 - momentum)
-            update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+            update = momentum_update(master, state[master], group)
             shard[piece.start : piece.start + master.numel()] = update
         whole = self._gathered(shard, bucket)
         out = torch.zeros_like(whole)
