@@ -30,12 +30,18 @@ $(STAMP): requirements.txt setup.py pyproject.toml csrc/dataset_helpers.cpp
 quickstart: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/quickstart.sh
 
-# The test files are shared among TEST_WORKERS processes (pytest-xdist, each file whole in one
-# of them): most tests run one single-threaded process, so one worker leaves a core idle.
+# Two parts. The test files measured to run one single-threaded process (tests/shared_files.txt)
+# are shared among TEST_WORKERS processes (pytest-xdist, each file whole in one of them; one
+# worker would leave a core idle). Then the others, whose ranks fill the cores, one at a time:
+# two of them side by side slow each other far more than twice (docs/testing.md). Both parts
+# always run; the target fails if either did.
 TEST_WORKERS ?= 2
+PYTEST := PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
 
 test: $(STAMP) lint
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial"; shared=$$?; \
+	$(PYTEST) -p no:xdist -m serial; serial=$$?; \
+	test $$shared -eq 0 && test $$serial -eq 0
 
 # On a machine with CUDA GPUs: every check only a GPU can make, with a report under docs/gpu/
 # (tools/gpu_check.py; without a GPU it says so and exits 0).

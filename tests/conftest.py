@@ -94,6 +94,23 @@ def small_checkpoint_hf(small_checkpoint, tmp_path_factory) -> str:
     return folder
 
 
+def _shared_files() -> frozenset[str]:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shared_files.txt")
+    with open(path) as f:
+        return frozenset(line.strip() for line in f if line.strip() and not line.startswith("#"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test file but those of tests/shared_files.txt (measured to keep one core busy:
+    tools/test_lanes.py) is marked `serial`: `make test` shares the listed files among its
+    workers, then runs the others one at a time. Their ranks fill the machine's cores, and two
+    such files side by side take longer than one after the other (docs/testing.md)."""
+    shared = _shared_files()
+    for item in items:
+        if os.path.basename(str(item.path)) not in shared:
+            item.add_marker(pytest.mark.serial)
+
+
 # Under CI (`.ci/run` sets TRIPOD_FAIL_ON_SKIP=1) a skip is a failure unless it is for a GPU,
 # which CI machines do not have: a missing tool or environment must not pass for a green run.
 _GPU_SKIP_WORDS = ("CUDA", "GPU", "nvcc")
@@ -119,3 +136,34 @@ def pytest_sessionfinish(session, exitstatus):
         for line in skipped:
             print(f"  {line}")
         session.exitstatus = 1
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds this machine has spent busy, all cores and processes (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With TRIPOD_TEST_CPU_LOG=<file>: one JSON line per test with its wall time and the
+    machine's busy CPU seconds meanwhile (run alone, their ratio is the cores the test kept
+    busy: how the suite's test files are split between its parallel and serial parts)."""
+    path = os.environ.get("TRIPOD_TEST_CPU_LOG")
+    if not path or not os.path.exists("/proc/stat"):
+        yield
+        return
+    import json
+    import time
+
+    wall, busy = time.monotonic(), _machine_busy_seconds()
+    yield
+    record = {
+        "test": item.nodeid,
+        "wall_s": round(time.monotonic() - wall, 2),
+        "busy_s": round(_machine_busy_seconds() - busy, 2),
+    }
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from engine.model.attention_sinks import sink_attention
 from engine.model.document_attention import attend_by_document
+from engine.ops.outside_graphs import outside_compiled_graphs
 
 KINDS = ("sdpa-causal", "sdpa-expanded", "flex-window", "sdpa-mask", "sinks")
 DOCUMENT_KINDS = ("flex-documents", "sdpa-documents")
@@ -156,7 +157,7 @@ class AttentionKernel:
 
     # Outside --torch-compile's graphs: every micro-batch has documents of its own, which a
     # compiled layer would otherwise be recompiled for (tests/test_torch_compile.py).
-    @torch.compiler.disable
+    @outside_compiled_graphs
     def _within_documents(self, q, k, v, dropout: float, documents) -> torch.Tensor:
         if self.document_kind == "flex-documents":
             flex = self.masks.flex_attention(q.is_cuda)
@@ -165,7 +166,7 @@ class AttentionKernel:
         return attend_by_document(q, k, v, documents, self.window, dropout, self.grouped)
 
 
-@torch.compiler.disable
+@outside_compiled_graphs
 def _sinks_by_document(q, k, v, sink, window, documents) -> torch.Tensor:
     """Attention with sinks within documents: one document at a time (each row's sink beside
     its own document's scores), as the CPU's per-document path runs."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engine.ops.outside_graphs import outside_compiled_graphs
 from engine.ops.torch_ops import rotary as torch_rotary
 from parallel.comm import all_reduce, group_rank
 from parallel.tensor_parallel.regions import measure_tp_comm
@@ -147,26 +148,26 @@ class FusedOps:
     def __init__(self, kernels):
         self.kernels = kernels
 
-    @torch.compiler.disable
+    @outside_compiled_graphs
     def rms_norm(self, x, weight, eps):
         # the kernels read every operand in the input's dtype
         return _RMSNorm.apply(x, weight.to(x.dtype), eps, self.kernels)
 
-    @torch.compiler.disable
+    @outside_compiled_graphs
     def layer_norm(self, x, weight, bias, eps):
         return _LayerNorm.apply(x, weight.to(x.dtype), bias.to(x.dtype), eps, self.kernels)
 
-    @torch.compiler.disable
+    @outside_compiled_graphs
     def rotary(self, x, cos, sin):
         if cos.shape[1] != 1:  # each sample's own positions: the kernel takes one table
             return torch_rotary(x, cos, sin)
         return _Rotary.apply(x, cos, sin, self.kernels)
 
-    @torch.compiler.disable
+    @outside_compiled_graphs
     def swiglu(self, h):
         return _SwiGLU.apply(h, self.kernels)
 
-    @torch.compiler.disable
+    @outside_compiled_graphs
     def cross_entropy(
         self, logits, target, tp_group, vocab_size=None, return_logsumexp=False, times=None
     ):

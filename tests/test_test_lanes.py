@@ -1,0 +1,31 @@
+"""tools/test_lanes.py: which test files share `make test`'s workers, from a measured log."""
+
+from __future__ import annotations
+
+import json
+
+from tests.cli import one_line_error, run_tool
+
+
+def test_files_that_kept_one_core_busy_are_listed_and_a_bad_log_is_one_line(tmp_path):
+    log = tmp_path / "cpu.jsonl"
+    records = [
+        {"test": "tests/test_one_core.py::test_a", "wall_s": 10.0, "busy_s": 10.5},
+        {"test": "tests/test_one_core.py::test_b", "wall_s": 2.0, "busy_s": 2.0},
+        {"test": "tests/test_ranks.py::test_c[tp2]", "wall_s": 10.0, "busy_s": 19.0},
+    ]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    listed = tmp_path / "shared.txt"
+    done = run_tool("test_lanes.py", str(log), "--write", "--output", str(listed))
+    assert done.returncode == 0, done.stderr
+    assert [line for line in listed.read_text().splitlines() if not line.startswith("#")] == [
+        "test_one_core.py"
+    ]
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()}
+    assert rows["test_one_core.py"][1:] == ["12.0", "12.5", "1.04", "shared"]
+    assert rows["test_ranks.py"][1:] == ["10.0", "19.0", "1.90", "serial"]
+
+    log.write_text('{"test": "tests/test_x.py::t", "wall_s": 1.0}\n')
+    done = run_tool("test_lanes.py", str(log))
+    assert done.returncode == 2
+    assert "line 1 is not a test record" in one_line_error(done)
