@@ -3,11 +3,11 @@ picks (never picked, closed and reused), one thread per rank, a timeout, and the
 the rank that failed first. Used by the tests and the CPU benchmarks; real jobs
 launch through torchrun (examples/pretrain_gpt.sh).
 
-Ranks are forked from a forkserver: a freshly started process that has imported torch and run
-nothing, so they start in milliseconds and never inherit the caller's thread pools. (A plain
-fork of a process whose OpenMP pool is running, e.g. after SentencePiece trained a unigram
-model, deadlocks the child's first multi-threaded torch op.) `fn` and its arguments must
-therefore be picklable: a module-level function and plain data.
+Ranks are forked from a forkserver: a freshly started process that has imported torch and the
+engine (`_PRELOAD`) and run nothing, so they start in milliseconds and never inherit the
+caller's thread pools. (A plain fork of a process whose OpenMP pool is running, e.g. after
+SentencePiece trained a unigram model, deadlocks the child's first multi-threaded torch op.)
+`fn` and its arguments must therefore be picklable: a module-level function and plain data.
 
 A rank that finished stays until every rank has finished (`_leave_together`), so that it does
 not take a gloo connection away from a slower one.
