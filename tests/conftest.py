@@ -94,18 +94,14 @@ def small_checkpoint_hf(small_checkpoint, tmp_path_factory) -> str:
     return folder
 
 
-def _shared_files() -> frozenset[str]:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shared_files.txt")
-    with open(path) as f:
-        return frozenset(line.strip() for line in f if line.strip() and not line.startswith("#"))
-
-
 def pytest_collection_modifyitems(config, items):
     """Every test file but those of tests/shared_files.txt (measured to keep one core busy:
     tools/test_lanes.py) is marked `serial`: `make test` shares the listed files among its
     workers, then runs the others one at a time. Their ranks fill the machine's cores, and two
     such files side by side take longer than one after the other (docs/testing.md)."""
-    shared = _shared_files()
+    from tools.test_lanes import shared_files
+
+    shared = shared_files()
     for item in items:
         if os.path.basename(str(item.path)) not in shared:
             item.add_marker(pytest.mark.serial)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from tests.cli import one_line_error, run_tool
+from tools.test_lanes import shared_files
 
 
 def test_files_that_kept_one_core_busy_are_listed_and_a_bad_log_is_one_line(tmp_path):
@@ -21,6 +22,7 @@ def test_files_that_kept_one_core_busy_are_listed_and_a_bad_log_is_one_line(tmp_
     assert [line for line in listed.read_text().splitlines() if not line.startswith("#")] == [
         "test_one_core.py"
     ]
+    assert shared_files(str(listed)) == {"test_one_core.py"}  # what tests/conftest.py reads
     rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()}
     assert rows["test_one_core.py"][1:] == ["12.0", "12.5", "1.04", "shared"]
     assert rows["test_ranks.py"][1:] == ["10.0", "19.0", "1.90", "serial"]

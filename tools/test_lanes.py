@@ -24,6 +24,12 @@ REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_FILES = os.path.join(REPOSITORY, "tests", "shared_files.txt")
 
 
+def shared_files(path: str = SHARED_FILES) -> frozenset[str]:
+    """The file names --write listed (tests/conftest.py marks every other file `serial`)."""
+    with open(path) as f:
+        return frozenset(line.strip() for line in f if line.strip() and not line.startswith("#"))
+
+
 def file_times(log: str) -> dict[str, tuple[float, float]]:
     """{test file: (wall seconds, busy CPU seconds)} summed over its tests."""
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
