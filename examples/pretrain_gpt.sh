@@ -20,14 +20,15 @@
 set -euo pipefail
 
 PYTHON=${PYTHON:-python}
-if ! "$PYTHON" -c 'import torch, engine' 2>/dev/null; then
+# the GPUs this process may use, as torch sees them (CUDA_VISIBLE_DEVICES and a Slurm
+# allocation included, which `nvidia-smi -L` ignores); one interpreter start (importing torch
+# takes seconds) also checks that the engine is importable
+if ! gpus=$("$PYTHON" -c 'import torch, engine
+print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null); then
     echo "error: $PYTHON cannot import torch and the engine; activate the project's" \
         "environment (source .venv/bin/activate after make venv) or set PYTHON to its python" >&2
     exit 2
 fi
-# the GPUs this process may use, as torch sees them (CUDA_VISIBLE_DEVICES and a Slurm
-# allocation included, which `nvidia-smi -L` ignores)
-gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
 if [ "$gpus" -gt 0 ]; then
     NPROC_PER_NODE=${NPROC_PER_NODE:-$gpus}
 else

@@ -114,9 +114,9 @@ def _leave_together(store, world_size: int, wait: bool) -> None:
         pass
 
 
-def _context():
+def _context(also_preload: tuple[str, ...]):
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)
+    context.set_forkserver_preload([*_PRELOAD, *also_preload])
     return context
 
 
@@ -144,13 +144,16 @@ def run_local(
     timeout: float = 240.0,
     threads: int = 1,
     cpu_only: bool = True,
+    also_preload: tuple[str, ...] = (),
     **kwargs,
 ):
     """fn(rank, world_size, *args, **kwargs) on world_size local gloo ranks; returns each
     rank's result, or raises AssertionError carrying the traceback of the rank that failed
     first (the others usually fail only because it went away). The ranks see no GPU unless
-    cpu_only is False (a benchmark of one process on one GPU)."""
-    context = _context()
+    cpu_only is False (a benchmark of one process on one GPU). `also_preload` names modules the
+    ranks import beyond the engine's (one that fails to import is skipped); only the first
+    call in a process starts the forkserver, so only its list counts."""
+    context = _context(also_preload)
     # Hosted here, on a port the system assigns while binding it, for as long as the ranks run.
     server = dist.TCPStore(
         "127.0.0.1", 0, None, True, datetime.timedelta(seconds=120), wait_for_workers=False

@@ -41,3 +41,41 @@ def one_line_error(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
     return lines[0]
+
+
+_RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                   "MASTER_PORT")  # fmt: skip
+
+
+def _main_in_a_fork(rank, world_size, module: str, argv: list[str]):
+    """In a rank of tests.distributed.run_ranks: MODULE's main(argv) as a fresh process would
+    run it (no process group, no rank variables), its exit code and output."""
+    import contextlib
+    import importlib
+    import io
+
+    import torch.distributed as dist
+
+    from engine.cli import run_main
+
+    dist.destroy_process_group()
+    for name in _RANK_VARIABLES:
+        os.environ.pop(name, None)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            run_main(importlib.import_module(module).main, argv)
+        except SystemExit as end:
+            code = end.code if isinstance(end.code, int) else int(end.code is not None)
+    return code, out.getvalue(), err.getvalue()
+
+
+def run_forked(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS...` in a process forked from the tests' forkserver, which has
+    imported torch and the engine already: the same main, exit code and output (a Python
+    traceback fails the test instead), without the seconds a new interpreter spends on imports.
+    The tests that check a command line itself run it with run_python."""
+    from tests.distributed import run_ranks
+
+    code, out, err = run_ranks(_main_in_a_fork, 1, module, list(args), timeout=timeout)[0]
+    return subprocess.CompletedProcess([module, *args], code, out, err)

@@ -9,9 +9,28 @@ from __future__ import annotations
 
 import torch
 
-from parallel.local_ranks import run_local as run_ranks
+from parallel.local_ranks import run_local
 
 __all__ = ["run_ranks", "rel_err"]
+
+# megatron-core's modules that the reference ranks import (about 2.4 s of a core per rank when
+# each imports them itself): imported once, in the forkserver every rank is forked from. A
+# machine without megatron-core skips them.
+MEGATRON_MODULES = (
+    "megatron.core.parallel_state",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.multi_latent_attention",
+)
+
+
+def run_ranks(fn, world_size: int, *args, **kwargs):
+    """parallel.local_ranks.run_local, with megatron-core's modules preloaded."""
+    return run_local(fn, world_size, *args, also_preload=MEGATRON_MODULES, **kwargs)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -27,6 +27,7 @@ from engine.checkpoint.load import load_model_weights
 from engine.config.model import ModelConfig
 from engine.errors import InputError
 from engine.model import BuildContext, GPTModel
+from tests.cli import run_forked, run_python
 from tests.distributed import rel_err, run_ranks
 from tests.test_training import ROOT
 from tools import megatron_cpu
@@ -204,14 +205,10 @@ def megatron_forward(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _convert(source: str, output: str, extra=()) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "tools/convert_checkpoint.py", "--from-megatron", source]
-        + ["--output", output, *extra],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT),
-        timeout=300,
+    """tools/convert_checkpoint.py --from-megatron, forked (its command line itself runs in
+    test_load_resumes_a_megatron_checkpoint_where_it_stopped)."""
+    return run_forked(
+        "tools.convert_checkpoint", "--from-megatron", source, "--output", output, *extra
     )
 
 
@@ -304,7 +301,11 @@ def test_load_resumes_a_megatron_checkpoint_where_it_stopped(tmp_path):
     run_ranks(_save, 2, "llama", 2, 1, folder)
     (root / "latest_checkpointed_iteration.txt").write_text("7")
     before = {name: os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder)}
-    assert _convert(str(root), str(tmp_path / "ours")).returncode == 0
+    result = run_python(
+        "tools/convert_checkpoint.py", "--from-megatron", str(root), "--output",
+        str(tmp_path / "ours"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
     path = iteration_dir(str(tmp_path / "ours"), 7)
     cfg = ModelConfig(**read_meta(path)["model"])
     converted = GPTModel(cfg, BuildContext(cfg))

@@ -20,6 +20,7 @@ from engine.config.model import ModelConfig
 from engine.interop.megatron.checkpoint import megatron_progress
 from engine.interop.megatron.common import read_common
 from engine.model import BuildContext, GPTModel
+from tests.cli import run_forked
 from tests.distributed import rel_err, run_ranks
 from tests.test_hf import _model_tensors
 from tests.test_megatron_checkpoint import SEQ, STYLES, _args, _convert, _megatron_model
@@ -53,14 +54,8 @@ def _train(style: str, save: str) -> None:
 
 
 def _to_megatron(load: str, output: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "tools/convert_checkpoint.py", "--load", load, "--to-megatron"]
-        + ["--output", output, *extra],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT),
-        timeout=300,
+    return run_forked(
+        "tools.convert_checkpoint", "--load", load, "--to-megatron", "--output", output, *extra
     )
 
 
