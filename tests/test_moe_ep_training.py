@@ -21,6 +21,8 @@ on one tensor-parallel rank only (the GELU case; tried by hand)."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from parallel.state import ParallelState
@@ -154,30 +156,61 @@ LAYOUTS = {
 }
 
 
-def _parity(rank, world, layout: str, routers: tuple[str, ...], mutate: bool = False):
+def _micro_batch_sizes(layout: str) -> set[int]:
+    return {options.get("micro_batch", MBS) for options in LAYOUTS[layout][2]}
+
+
+def _one_process_runs(rank, world, wanted: list[tuple[str, int]]):
+    """The runs each layout is compared with, on one process: for (router, micro-batch size)
+    its step outputs, final parameters and first gradients (the balancing losses are per
+    micro-batch); for (router, 0) the initial parameters."""
+    local, ocfg = ParallelState.local(), opt_config()
+    found = {}
+    for router, mbs in wanted:
+        style, options = CASES[router]
+        cfg = tiny_config(style, **options)
+        if mbs == 0:
+            found[router, 0] = full_params(engine_run(local, cfg, ocfg, 0, GBS, MBS)[1], local)
+            continue
+        grads = {}
+        reference, ddps, _ = engine_run(local, cfg, ocfg, STEPS, GBS, mbs, first_grads=grads)
+        found[router, mbs] = (reference, full_params(ddps, local), grads)
+    return found
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """references(layout, routers): the one-process runs they need, each run once in this
+    module (on one forked rank, one thread, as the layouts' ranks run), pickled (tensors in a
+    forked process's arguments would each take a file descriptor)."""
+    found = {}
+
+    def references(layout: str, routers) -> dict:
+        wanted = {(r, mbs) for r in routers for mbs in {0, *_micro_batch_sizes(layout)}}
+        if missing := sorted(wanted - found.keys()):
+            found.update(run_ranks(_one_process_runs, 1, missing)[0])
+        return pickle.dumps({key: found[key] for key in wanted})
+
+    return references
+
+
+def _parity(rank, world, layout: str, routers, references: bytes, mutate: bool = False):
+    references = pickle.loads(references)
     _, build, runs = LAYOUTS[layout]
     state = ParallelState.build(**{"tp": 1} | build)
     if mutate:  # the experts' gradients reduced over DP x CP: other experts' added in
         state.expert_dp_group = state.dp_cp_group
         runs = runs[:1]
     ocfg = opt_config()
-    local = ParallelState.local()
     results = []
     for router in routers:
         style, options = CASES[router]
         cfg = tiny_config(style, **options)
-        references = {}  # by micro-batch size (the balancing losses are per micro-batch)
-        initial = full_params(engine_run(local, cfg, ocfg, 0, GBS, MBS)[1], local)
+        initial = references[router, 0]
         for options in runs:
             options = dict(options)
             mbs = options.pop("micro_batch", MBS)
-            if mbs not in references:
-                ref_grads = {}
-                reference, ref_ddps, _ = engine_run(
-                    local, cfg, ocfg, STEPS, GBS, mbs, first_grads=ref_grads
-                )
-                references[mbs] = (reference, full_params(ref_ddps, local), ref_grads)
-            reference, ref_params, ref_grads = references[mbs]
+            reference, ref_params, ref_grads = references[router, mbs]
             grads = {} if options["sharding"] == "no_shard" else None
             outputs, ddps, _ = engine_run(
                 state, cfg, ocfg, STEPS, GBS, mbs, **options, first_grads=grads
@@ -218,10 +251,11 @@ def _parity(rank, world, layout: str, routers: tuple[str, ...], mutate: bool = F
         ("tp2-dp2-ep2-etp2", ("softmax",)),
     ],
 )
-def test_expert_parallel_training_matches_one_process(layout, routers):
+def test_expert_parallel_training_matches_one_process(layout, routers, one_process):
     world, build, _ = LAYOUTS[layout]
     ep = build["ep"]
-    results = [r for rank in run_ranks(_parity, world, layout, routers) for r in rank]
+    references = one_process(layout, routers)
+    results = [r for rank in run_ranks(_parity, world, layout, routers, references) for r in rank]
     assert any("grad_err" in r for r in results)  # each layout checks every gradient
     for r in results:
         assert r["moved"] > 0.01, r
@@ -237,8 +271,9 @@ def test_expert_parallel_training_matches_one_process(layout, routers):
         assert (r["expert_buffers"] >= 1) == (apart and r["routers"] > 0), r
 
 
-def test_experts_reduced_over_the_dense_group_fail_the_comparison():
-    for rank_results in run_ranks(_parity, 2, "dp2-ep2", ("softmax",), True):
+def test_experts_reduced_over_the_dense_group_fail_the_comparison(one_process):
+    references = one_process("dp2-ep2", ("softmax",))
+    for rank_results in run_ranks(_parity, 2, "dp2-ep2", ("softmax",), references, True):
         (r,) = rank_results
         assert r["worst_tensor"] > 1e-3, r
 

@@ -136,7 +136,9 @@ def losses(path) -> dict[int, float]:
 )
 def test_resume_is_bit_exact(dataset_prefix, tokenizer_model, tmp_path, world, layout):
     def args(**extra):
-        return base_args(dataset_prefix, tokenizer_model, **layout, **extra)
+        return base_args(
+            dataset_prefix, tokenizer_model, **layout, **{"--train-iters": "8"}, **extra
+        )
 
     pretrain(world, args(**{"--log-jsonl": str(tmp_path / "straight.jsonl")}))
     ckpt = str(tmp_path / "ckpt")
@@ -146,28 +148,28 @@ def test_resume_is_bit_exact(dataset_prefix, tokenizer_model, tmp_path, world, l
             **{
                 "--log-jsonl": str(tmp_path / "a.jsonl"),
                 "--save": ckpt,
-                "--save-interval": "3",
-                "--exit-interval": "10",
+                "--save-interval": "2",
+                "--exit-interval": "5",
             }
         ),
     )
-    assert latest(ckpt) == "10"
-    # Iteration 9's checkpoint was taken while training went on (with --async-save, copied in
-    # the background during iteration 10): resuming from it must be exact too.
-    at9 = tmp_path / "at9"
-    shutil.copytree(os.path.join(ckpt, "iter_0000009"), at9 / "iter_0000009")
-    (at9 / "latest_checkpointed_iteration.txt").write_text("9\n")
+    assert latest(ckpt) == "5"
+    # Iteration 4's checkpoint was taken while training went on (with --async-save, copied in
+    # the background during iteration 5): resuming from it must be exact too.
+    at4 = tmp_path / "at4"
+    shutil.copytree(os.path.join(ckpt, "iter_0000004"), at4 / "iter_0000004")
+    (at4 / "latest_checkpointed_iteration.txt").write_text("4\n")
     pretrain(world, args(**{"--log-jsonl": str(tmp_path / "b.jsonl"), "--load": ckpt}))
-    pretrain(world, args(**{"--log-jsonl": str(tmp_path / "c.jsonl"), "--load": str(at9)}))
+    pretrain(world, args(**{"--log-jsonl": str(tmp_path / "c.jsonl"), "--load": str(at4)}))
     straight = losses(tmp_path / "straight.jsonl")
     first = losses(tmp_path / "a.jsonl")
     for resumed in (
         first | losses(tmp_path / "b.jsonl"),
-        {k: v for k, v in first.items() if k <= 9} | losses(tmp_path / "c.jsonl"),
+        {k: v for k, v in first.items() if k <= 4} | losses(tmp_path / "c.jsonl"),
     ):
-        assert sorted(straight) == list(range(1, 21)) == sorted(resumed)
+        assert sorted(straight) == list(range(1, 9)) == sorted(resumed)
         assert resumed == straight  # bit for bit: the floats are equal
-    assert straight[20] < straight[1] - 0.5
+    assert straight[8] < straight[1] - 0.15  # it learns (measured: 7.60 -> 7.33)
 
 
 def test_checkpoint_reshards_to_other_layouts(dataset_prefix, tokenizer_model, tmp_path):
