@@ -20,14 +20,20 @@
 set -euo pipefail
 
 PYTHON=${PYTHON:-python}
-# the GPUs this process may use, as torch sees them (CUDA_VISIBLE_DEVICES and a Slurm
-# allocation included, which `nvidia-smi -L` ignores); one interpreter start (importing torch
-# takes seconds) also checks that the engine is importable
-if ! gpus=$("$PYTHON" -c 'import torch, engine
-print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null); then
+if ! "$PYTHON" -c 'import importlib.util, sys, engine
+sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null; then
     echo "error: $PYTHON cannot import torch and the engine; activate the project's" \
         "environment (source .venv/bin/activate after make venv) or set PYTHON to its python" >&2
     exit 2
+fi
+# the GPUs this process may use, as torch sees them (CUDA_VISIBLE_DEVICES and a Slurm
+# allocation included, which `nvidia-smi -L` ignores); with CUDA_VISIBLE_DEVICES set empty
+# there are none, and no need to spend the seconds importing torch takes to count them
+if [ -n "${CUDA_VISIBLE_DEVICES+set}" ] && [ -z "$CUDA_VISIBLE_DEVICES" ]; then
+    gpus=0
+else
+    gpus=$("$PYTHON" -c 'import torch
+print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
 fi
 if [ "$gpus" -gt 0 ]; then
     NPROC_PER_NODE=${NPROC_PER_NODE:-$gpus}

@@ -30,9 +30,10 @@ def run_python(*args: str, timeout: float = 300, env: dict | None = None):
     )
 
 
-def run_tool(script: str, *args: str, timeout: float = 300):
-    """`python tools/SCRIPT ARGS...`."""
-    return run_python(os.path.join("tools", script), *args, timeout=timeout)
+def run_tool(script: str, *args: str, timeout: float = 300, env: dict | None = None):
+    """`python tools/SCRIPT ARGS...`, run as run_forked runs it (the tests of the command line
+    itself use run_python)."""
+    return run_forked(f"tools.{script.removesuffix('.py')}", *args, timeout=timeout, env=env)
 
 
 def one_line_error(result: subprocess.CompletedProcess) -> str:
@@ -43,13 +44,10 @@ def one_line_error(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-_RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                   "MASTER_PORT")  # fmt: skip
-
-
-def _main_in_a_fork(rank, world_size, module: str, argv: list[str]):
-    """In a rank of tests.distributed.run_ranks: MODULE's main(argv) as a fresh process would
-    run it (no process group, no rank variables), its exit code and output."""
+def _main_in_a_fork(rank, world_size, module: str, argv: list[str], environ: dict):
+    """In a rank of tests.distributed.run_ranks: MODULE's main(argv) as `python -m MODULE`
+    from the repository root would run it (no process group, the caller's environment, its
+    argv), its exit code and output."""
     import contextlib
     import importlib
     import io
@@ -59,23 +57,30 @@ def _main_in_a_fork(rank, world_size, module: str, argv: list[str]):
     from engine.cli import run_main
 
     dist.destroy_process_group()
-    for name in _RANK_VARIABLES:
-        os.environ.pop(name, None)
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(ROOT)
+    loaded = importlib.import_module(module)
+    sys.argv = [loaded.__file__, *argv]
     out, err = io.StringIO(), io.StringIO()
+    code = 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            run_main(importlib.import_module(module).main, argv)
+            run_main(loaded.main, argv)
         except SystemExit as end:
             code = end.code if isinstance(end.code, int) else int(end.code is not None)
     return code, out.getvalue(), err.getvalue()
 
 
-def run_forked(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_forked(
+    module: str, *args: str, timeout: float = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS...` in a process forked from the tests' forkserver, which has
     imported torch and the engine already: the same main, exit code and output (a Python
-    traceback fails the test instead), without the seconds a new interpreter spends on imports.
-    The tests that check a command line itself run it with run_python."""
+    traceback fails the test instead), without the seconds a new interpreter spends on imports
+    (one thread, as the tests' ranks). The tests of a command line itself use run_python."""
     from tests.distributed import run_ranks
 
-    code, out, err = run_ranks(_main_in_a_fork, 1, module, list(args), timeout=timeout)[0]
+    environ = {**ENV, **(env or {})}
+    [(code, out, err)] = run_ranks(_main_in_a_fork, 1, module, list(args), environ, timeout=timeout)
     return subprocess.CompletedProcess([module, *args], code, out, err)

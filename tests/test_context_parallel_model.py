@@ -111,7 +111,7 @@ TRAINING_CASES = [
 
 
 def _training(rank, world, cases):
-    out = []
+    out, references = [], {}  # one reference run per configuration
     for tp, pp, cp, sharding, comm_type, recompute in cases:
         state = ParallelState.build(tp=tp, pp=pp, cp=cp)
         extra = {}
@@ -120,7 +120,9 @@ def _training(rank, world, cases):
                 recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
             )
         cfg, ocfg = _config(5, True, **extra), opt_config()
-        ref_losses, _, ref_params, initial = reference_run(cfg, ocfg, 3, 8)
+        if recompute not in references:
+            references[recompute] = reference_run(cfg, ocfg, 3, 8)
+        ref_losses, _, ref_params, initial = references[recompute]
         outputs, ddps, _ = engine_run(
             state,
             cfg,

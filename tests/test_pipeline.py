@@ -177,7 +177,7 @@ THREE_D_CASES = [
 
 def _three_d(rank, world):
     state = ParallelState.build(tp=2, pp=2)
-    out = []
+    out, references = [], {}  # one reference run per configuration
     for style, sharding, virtual, recompute in THREE_D_CASES:
         extra = {}
         if recompute:
@@ -185,7 +185,9 @@ def _three_d(rank, world):
                 recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
             )
         cfg, ocfg = tiny_config(style, num_layers=4, **extra), opt_config()
-        ref_losses, _, ref_params, initial = reference_run(cfg, ocfg, 5, 8)
+        if (style, recompute) not in references:
+            references[style, recompute] = reference_run(cfg, ocfg, 5, 8)
+        ref_losses, _, ref_params, initial = references[style, recompute]
         outputs, ddps, _ = engine_run(
             state,
             cfg,
