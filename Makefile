@@ -38,7 +38,10 @@ quickstart: $(STAMP)
 TEST_WORKERS ?= 2
 PYTEST := PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
 
+# The project's bytecode is compiled once first: with PYTHONDONTWRITEBYTECODE set (as on CI)
+# every process the tests start would otherwise compile the engine's sources again.
 test: $(STAMP) lint
+	$(BIN)/python -m compileall -q engine parallel tools tests > /dev/null
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial"; shared=$$?; \
 	$(PYTEST) -p no:xdist -m serial; serial=$$?; \
 	test $$shared -eq 0 && test $$serial -eq 0

@@ -120,6 +120,17 @@ def _context(also_preload: tuple[str, ...]):
     return context
 
 
+def start_forkserver(also_preload: tuple[str, ...] = ()) -> None:
+    """Start this process's forkserver now, with the ranks' preload. A process has one
+    forkserver, whose preload is the list set when it started: a program that also runs
+    other forkserver pools (preprocessing's, which import no torch) calls this before them,
+    or its ranks would each import torch and the engine themselves (seconds of a core each)."""
+    from multiprocessing import forkserver
+
+    _context(also_preload)
+    forkserver.ensure_running()
+
+
 def _echo_logs(logs: list[tuple[str, str]]) -> None:
     """Each rank's captured output, in rank order, to our own stdout and stderr."""
     sys.stdout.flush()

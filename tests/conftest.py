@@ -14,6 +14,15 @@ from engine.data.tokenizers.train_sentencepiece import train_tokenizer
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _rank_server():
+    """Before any test (and the data fixtures' preprocessing pools) starts this process's
+    forkserver: the one its ranks are forked from, with torch and the engine imported."""
+    from tests.distributed import start_rank_server
+
+    start_rank_server()
+
+
 @pytest.fixture(autouse=True)
 def _seeded_random_streams(request):
     """Every test starts its random streams (torch, numpy, random) from a seed of its own name,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from parallel.local_ranks import run_local
+from parallel.local_ranks import run_local, start_forkserver
 
-__all__ = ["run_ranks", "rel_err"]
+__all__ = ["run_ranks", "rel_err", "start_rank_server"]
 
 # megatron-core's modules that the reference ranks import (about 2.4 s of a core per rank when
 # each imports them itself): imported once, in the forkserver every rank is forked from. A
@@ -26,6 +26,12 @@ MEGATRON_MODULES = (
     "megatron.core.transformer.moe.moe_layer",
     "megatron.core.transformer.multi_latent_attention",
 )
+
+
+def start_rank_server() -> None:
+    """The forkserver every rank (and every preprocessing worker) of this process is forked
+    from, started with the ranks' preload before anything else can start it without."""
+    start_forkserver(MEGATRON_MODULES)
 
 
 def run_ranks(fn, world_size: int, *args, **kwargs):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.checkpoint.files import find_latest, iteration_dir, read_meta
-from engine.checkpoint.load import load_model_weights
+from engine.checkpoint.load import load_model_weights, read_tensors
 from engine.config.model import ModelConfig
 from engine.config.tokenizer import TokenizerConfig
 from engine.data.builder import build_gpt_datasets
@@ -22,7 +22,7 @@ from engine.data.sources import data_sources
 from engine.data.tokenizers.sentencepiece import SentencePieceTokenizer
 from engine.errors import ConfigError
 from engine.eval.generate import greedy_generate
-from engine.interop.hf.export import export_to_hf, read_tensor
+from engine.interop.hf.export import export_to_hf
 from engine.interop.hf.import_hf import import_from_hf
 from engine.model import BuildContext, GPTModel
 from parallel.checkpoint.dcp import SafeFileSystemReader
@@ -147,12 +147,15 @@ def test_transformers_matches_the_engine(trained, tokenizer_model, tmp_path, sty
 
 
 def _model_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every model tensor of a checkpoint, whole, read in one pass."""
     stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
-    return {
-        k: read_tensor(path, k, v.size, v.properties.dtype)
+    tensors = {
+        k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
         for k, v in stored.items()
         if k.startswith("model/")
     }
+    read_tensors(path, tensors)
+    return tensors
 
 
 def test_ours_to_hf_to_ours_is_bit_identical(trained, tmp_path):

@@ -165,7 +165,7 @@ def test_training_under_a_layout_matches_one_process(name):
     ],
 )  # fmt: skip
 def test_bad_layout_flags_are_one_line_before_any_rank_starts(extra, message):
-    from tests.cli import one_line_error, run_python
+    from tests.cli import one_line_error, run_forked
 
     argv = [
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
@@ -174,6 +174,7 @@ def test_bad_layout_flags_are_one_line_before_any_rank_starts(extra, message):
         "--global-batch-size", "8", "--train-iters", "3", "--position-embedding-type", "rope",
         "--pipeline-model-parallel-size", "2", *extra,
     ]  # fmt: skip
-    error = one_line_error(run_python("-m", "engine.launch", "--nproc-per-node", "2", "-m",
+    # the launcher's main (its command line is run in tests/test_launcher.py)
+    error = one_line_error(run_forked("engine.launch", "--nproc-per-node", "2", "-m",
                                       "engine.pretrain", *argv))  # fmt: skip
     assert message in error

@@ -15,12 +15,15 @@ from engine.config.model import ModelConfig
 from engine.data.prepare.corpus import stdlib_sources, write_corpus
 from engine.data.prepare.preprocess import preprocess
 from engine.data.tokenizers.train_sentencepiece import train_tokenizer
+from parallel.local_ranks import start_forkserver
 
 
 def corpus_dataset(folder: str, vocab_size: int = 8000) -> tuple[str, str]:
     """(dataset prefix, tokenizer model) built under folder (reused when already there)."""
     prefix, model = os.path.join(folder, "data_text_document"), os.path.join(folder, "tok.model")
     if not (os.path.exists(prefix + ".idx") and os.path.exists(model)):
+        # the benchmark's ranks are forked from the forkserver preprocessing would start first
+        start_forkserver()
         corpus = write_corpus(os.path.join(folder, "corpus"))["jsonl"]
         train_tokenizer([corpus], model[: -len(".model")], vocab_size=vocab_size)
         preprocess(corpus, os.path.join(folder, "data"), model, append_eod=True, progress=False)
