@@ -162,8 +162,8 @@ def run_local(
     rank's result, or raises AssertionError carrying the traceback of the rank that failed
     first (the others usually fail only because it went away). The ranks see no GPU unless
     cpu_only is False (a benchmark of one process on one GPU). `also_preload` names modules the
-    ranks import beyond the engine's (one that fails to import is skipped); only the first
-    call in a process starts the forkserver, so only its list counts."""
+    ranks import beyond the engine's (one that fails to import is skipped); it counts only if
+    this call starts the process's forkserver (see start_forkserver)."""
     context = _context(also_preload)
     # Hosted here, on a port the system assigns while binding it, for as long as the ranks run.
     server = dist.TCPStore(
