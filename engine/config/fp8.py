@@ -62,7 +62,7 @@ class Fp8Options:
             return (0, 0)
         return (self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16)
 
-    def validate_fp8(self, num_layers: int, pp: int, num_experts: int | None) -> None:
+    def validate_fp8(self, num_layers: int, pp: int) -> None:
         """ConfigError naming the flag for what FP8 training cannot take."""
         if self.fp8 is None:
             if self.fp8_param_gather:
@@ -99,9 +99,4 @@ class Fp8Options:
             raise ConfigError(
                 "--fp8-format with --torch-compile: the FP8 layers' collectives and amax "
                 "records are not tested inside compiled graphs yet; drop one"
-            )
-        if num_experts:
-            raise ConfigError(
-                "--fp8-format with --num-experts: the experts' grouped FP8 GEMMs are not built "
-                "yet; train the MoE model without FP8"
             )

@@ -323,8 +323,7 @@ def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
         placement=PLACEMENT.get(par.pipeline_schedule, "loop"),
     )
     if runtime.fp8 is not None:  # before the data-parallel wrappers see the modules
-        enable_fp8(chunks, fp8_recipe(runtime), m.num_layers, runtime.fp8_kept_layers(),
-                   state.tp_group)  # fmt: skip
+        enable_fp8(chunks, fp8_recipe(runtime), m.num_layers, runtime.fp8_kept_layers())
     if state.tp_rank == state.dp_rank == state.cp_rank == 0:  # one rank per pipeline stage
         stage = f" (pipeline rank {state.pp_rank})" if state.pp_size > 1 else ""
         kernels = _attention_kernels(chunks, cfg.data.reset_attention_mask)

@@ -295,8 +295,11 @@ def train_step(
         moe = features.moe_metrics(chunks) if features.moe_metrics is not None else None
         for router in routers_of(chunks):  # the expert bias moves (megatron-core: here too)
             router.end_step(state.tp_group, state.dp_cp_group)
-        # FP8 delayed scaling: the step's amaxes over TP x DP x CP, the next step's scales
-        update_delayed_scales(delayed_states(chunks), (state.tp_group, state.dp_cp_group))
+        # FP8 delayed scaling: the step's amaxes over the ranks holding each weight (TP x DP x
+        # CP; the routed experts': expert TP x expert DP), the next step's scales
+        update_delayed_scales(delayed_states(chunks, False), (state.tp_group, state.dp_cp_group))
+        expert_groups = (state.expert_tp_group, state.expert_dp_group)
+        update_delayed_scales(delayed_states(chunks, True), expert_groups)
     with measure(times, "grads-sync"):  # (the noise scale's reductions of the local norms)
         own = local_squares.detach(state, scale) if local_squares is not None else None
     with measure(times, "loss-sync"):

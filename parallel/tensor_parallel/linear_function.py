@@ -95,7 +95,7 @@ class _TensorParallelLinear(torch.autograd.Function):
             grad_input, grad_fp8 = ctx.fp8.input_grad(
                 _as_matrix(grad_output), weight, ctx.fp8_scales
             )
-            grad_input = grad_input.reshape(*grad_output.shape[:-1], -1)
+            grad_input = grad_input.reshape(*grad_output.shape[:-1], weight.shape[1])
             if ctx.fp8.recipe.wgrad:  # else --no-fp8-wgrad: the usual GEMM (fp32 accumulation)
                 fp8_wgrad = functools.partial(
                     ctx.fp8.weight_grad, scales=ctx.fp8_scales, grad=grad_fp8

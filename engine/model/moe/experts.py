@@ -9,7 +9,9 @@ device and shapes (`torch._grouped_mm`: 16-byte aligned rows, no biases, the GEL
 of the dense MLP), the experts' up and down projections each run as one grouped GEMM instead,
 on the same weights; elsewhere (biases, squared ReLU, other dtypes or devices, unaligned rows)
 as one batched GEMM each (`torch.bmm`) over the experts' rows padded to the busiest expert's,
-where that padding at most doubles the rows (else the loop).
+where that padding at most doubles the rows (else the loop). With FP8 (engine/ops/fp8/apply.py)
+each expert runs its own FP8 GEMMs (its linears' own scales), whatever --moe-grouped-gemm says:
+torch's FP8 grouped GEMM (`torch._scaled_grouped_mm`) is CUDA-only and not used yet.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ class Experts(nn.Module):
                 mark_expert_parallel(param)  # reduced over the expert data-parallel group
 
     def forward(self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
-        if self.cfg.moe_grouped_gemm and grouped_gemm_fits(self, tokens):
+        in_fp8 = self.local_experts[0].linear_fc1.fp8 is not None
+        if self.cfg.moe_grouped_gemm and not in_fp8 and grouped_gemm_fits(self, tokens):
             return self._grouped(tokens, counts, probs)
-        if self.cfg.moe_grouped_gemm and _padding_bounded(counts):
+        if self.cfg.moe_grouped_gemm and not in_fp8 and _padding_bounded(counts):
             return self._batched(tokens, counts, probs)
         outputs = []
         for expert, part, p in zip(

@@ -3,6 +3,14 @@ runs its GEMMs in FP8 (engine/ops/fp8/linear.py), except the first --num-layers-
 and the last --num-layers-at-end-in-bf16 layers with --first-last-layers-bf16 (counted over
 the whole model, as megatron-core counts them, whatever the pipeline stage). The embedding,
 the output layer and the final norm stay in the model's precision, as in megatron-core.
+
+An MoE layer's routed experts run in FP8 too (each expert its own GEMMs and scales, as
+Transformer Engine's grouped linear keeps one per expert), the router in the model's
+precision. An FP8 linear's tensorwise amaxes are reduced over its own tensor-parallel group
+(the expert tensor-parallel group for an expert's), and delayed scaling's step amaxes over the
+ranks that hold the same weight: TP x DP x CP for the dense layers, expert TP x expert DP for
+the experts (`delayed_states(chunks, experts=...)`; under expert parallelism the ranks of a
+data-parallel group hold different experts).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import torch
 from engine.ops.fp8.delayed import DelayedScaling
 from engine.ops.fp8.linear import Fp8Linear
 from engine.ops.fp8.recipe import Fp8Recipe
+from parallel.expert_parallel.params import is_expert_parallel
 from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -31,7 +40,7 @@ def in_high_precision(layer_number: int, num_layers: int, at_start: int, at_end:
     return layer_number < at_start or layer_number >= num_layers - at_end
 
 
-def enable_fp8(chunks, recipe: Fp8Recipe, num_layers: int, keep: tuple[int, int], tp_group):
+def enable_fp8(chunks, recipe: Fp8Recipe, num_layers: int, keep: tuple[int, int]):
     """FP8 on each chunk's (a GPTModel's) transformer layers but those `keep` = (at start,
     at end) in high precision."""
     for model in chunks:
@@ -42,7 +51,7 @@ def enable_fp8(chunks, recipe: Fp8Recipe, num_layers: int, keep: tuple[int, int]
                 if isinstance(module, ColumnParallelLinear | RowParallelLinear):
                     device = module.weight.device
                     delayed = DelayedScaling(recipe, device) if recipe.recipe == "delayed" else None
-                    module.fp8 = Fp8Linear(recipe, delayed, tp_group)
+                    module.fp8 = Fp8Linear(recipe, delayed, module.tp_group)
 
 
 def fp8_layers(chunks) -> list[tuple[torch.nn.Parameter, Fp8Linear]]:
@@ -56,5 +65,11 @@ def fp8_layers(chunks) -> list[tuple[torch.nn.Parameter, Fp8Linear]]:
     return out
 
 
-def delayed_states(chunks) -> list[DelayedScaling]:
-    return [fp8.delayed for _, fp8 in fp8_layers(chunks) if fp8.delayed is not None]
+def delayed_states(chunks, experts: bool | None = None) -> list[DelayedScaling]:
+    """The delayed-scaling states of the chunks' FP8 linears: all, or only the routed experts'
+    (experts=True) or only the others' (False)."""
+    return [
+        fp8.delayed
+        for weight, fp8 in fp8_layers(chunks)
+        if fp8.delayed is not None and experts in (None, is_expert_parallel(weight))
+    ]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops.fp8.quantize import FP8_MAX
+from engine.ops.fp8.quantize import FP8_MAX, tensor_amax
 from engine.ops.fp8.recipe import Fp8Recipe
 from parallel.comm import all_reduce
 
@@ -50,7 +50,7 @@ class DelayedScaling:
 
     def record(self, role: str, tensor: torch.Tensor) -> None:
         slot = SLOTS[role]
-        amax = tensor.detach().abs().amax().float()
+        amax = tensor_amax(tensor)
         self.amax_now[slot] = torch.maximum(self.amax_now[slot], amax)
 
     def update(self, amax: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from engine.ops.fp8.delayed import DelayedScaling
 from engine.ops.fp8.gemm import fp8_gemm
-from engine.ops.fp8.quantize import CURRENT, Quantized, quantize, scale_from_amax
+from engine.ops.fp8.quantize import CURRENT, Quantized, quantize, scale_from_amax, tensor_amax
 from engine.ops.fp8.recipe import Fp8Recipe
 from parallel.comm import all_reduce
 
@@ -58,7 +58,7 @@ class Fp8Linear:
             if delayed is not None:
                 return quantize(x, dtype, scale=delayed)
         if recipe.per_tensor:  # tensorwise, or delayed without an amax yet: the tensor's own
-            amax = x.detach().abs().amax().float()
+            amax = tensor_amax(x)
             all_reduce(amax, self.tp_group, op=dist.ReduceOp.MAX)
             return quantize(x, dtype, scale=scale_from_amax(amax, dtype, CURRENT))
         return quantize(x, dtype, recipe.block(role), recipe.rule)

@@ -62,6 +62,13 @@ def block_shape(block: tuple[int, int] | None, shape) -> tuple[int, int]:
     )
 
 
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of x (fp32; 0 for an empty tensor: an expert without tokens)."""
+    if x.numel() == 0:
+        return torch.zeros((), device=x.device)
+    return x.detach().abs().amax().float()
+
+
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """The largest magnitude of each block (fp32, [ceil(M / rows), ceil(K / columns)])."""
     rows, cols = block
@@ -102,6 +109,9 @@ def quantize(
     """x [M, K] in FP8 by blocks (module docstring); `scale` given: one per-tensor scale used
     as it is (delayed scaling)."""
     block = block_shape(block, x.shape)
+    if x.numel() == 0:  # (an expert without tokens: its products are zeros, fp8_gemm)
+        ones = torch.ones(1, 1, device=x.device)
+        return Quantized(x.to(dtype), ones, block, ones)
     if scale is None:
         scale = scale_from_amax(block_amax(x, block), dtype, rule)
     else:
