@@ -267,6 +267,59 @@ def test_fp8_experts_under_expert_parallelism_follow_one_process(
     assert len(delayed_states([model], experts=False)) == 2 * 2  # attention's two linears
 
 
+def _checkpoint_tensors(root: str, iteration: int, prefix: str) -> dict[str, torch.Tensor]:
+    from engine.checkpoint.files import iteration_dir
+    from engine.checkpoint.load import open_checkpoint, read_tensors
+
+    path = iteration_dir(root, iteration)
+    reader = open_checkpoint(path)
+    wanted = {
+        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        for key, entry in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and hasattr(entry, "size")
+    }
+    read_tensors(path, wanted, reader=reader)
+    return wanted
+
+
+def test_fp8_param_gather_computes_what_the_run_without_it_does(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    """--fp8-param-gather under DP2 with the distributed optimizer (tensorwise: each weight's
+    scale from its whole amax, reduced over the shards) follows one process without it within
+    the layouts' bounds; its FP8 layers' weights hold FP8 values (at most 255 distinct values
+    a tensor, one scale each), their masters not; a delayed-scaling run with it resumes bit
+    for bit (the weights published again from the masters read)."""
+    from tests.test_training import losses, pretrain, straight_and_resumed
+
+    fp8 = {"--fp8-format": "hybrid", "--fp8-recipe": "tensorwise"}
+    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "one", **fp8))
+    ckpt = str(tmp_path / "gather-ckpt")
+    gather = fp8 | {"--use-distributed-optimizer": True, "--fp8-param-gather": True,
+                    "--save": ckpt, "--save-interval": "5"}  # fmt: skip
+    pretrain(2, _args(dataset_prefix, tokenizer_model, tmp_path, "gather", **gather))
+    one, many = losses(tmp_path / "one.jsonl"), losses(tmp_path / "gather.jsonl")
+    assert sorted(one) == sorted(many) == list(range(1, 6))
+    apart = [abs(many[s] - one[s]) / one[s] for s in one]
+    assert apart[0] < 1e-5 and max(apart) < 5e-5, apart
+    weights = _checkpoint_tensors(ckpt, 5, "model/")
+    fp8_weights = [k for k in weights if ".linear_" in k and ".weight" in k]
+    assert len(fp8_weights) == 2 * 6  # q, k, v, the projection, fc1 and fc2 of each layer
+    assert all(weights[k].unique().numel() <= 255 for k in fp8_weights)
+    masters = _checkpoint_tensors(ckpt, 5, "optim/")
+    masters = [v for k, v in masters.items() if ".weight/master" in k and "linear_fc" in k]
+    assert len(masters) == 4 and all(m.unique().numel() > 1000 for m in masters)
+
+    delayed = {"--fp8-format": "hybrid", "--fp8-amax-history-len": "2",
+               "--use-distributed-optimizer": True, "--fp8-param-gather": True}  # fmt: skip
+
+    def args_of(name, **extra):
+        return _args(dataset_prefix, tokenizer_model, tmp_path, name, **delayed, **extra)
+
+    straight, resumed = straight_and_resumed(args_of, tmp_path, 3)
+    assert resumed == straight and sorted(straight) == list(range(1, 6))
+
+
 def test_delayed_scaling_resumes_bit_for_bit(dataset_prefix, tokenizer_model, tmp_path):
     """The amax histories and scales are in the checkpoint: a run stopped at step 3 and resumed
     gives the straight run's losses bit for bit, resumed under TP2 within the layouts' 5e-5;

@@ -209,6 +209,9 @@ def load_checkpoint(
     read_tensors(path, state, group, reader)
     for delayed in delayed_states(chunks):
         delayed.seen = None  # which roles have an amax: read again from the loaded history
+        # nothing recorded yet in the step to come, as at a step's end (an FP8 gather of the
+        # weights before this load recorded theirs: they are gathered again from the masters)
+        delayed.amax_now.zero_()
     masters_read = any(k.endswith("/master") for k in state)
     for piece in optimizer.pieces:
         if load_optimizer:

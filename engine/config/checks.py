@@ -127,7 +127,9 @@ def check_layout_flags(cfg: Configs, world_size: int) -> int:
     sections = (cfg.runtime, cfg.logging, cfg.evaluation, cfg.checkpointing, cfg.exit, cfg.fim)
     for section in (*sections, cfg.resilience):
         section.validate()
-    cfg.runtime.validate_fp8(m.num_layers, par.pipeline_model_parallel_size)
+    cfg.runtime.validate_fp8(
+        m.num_layers, par.pipeline_model_parallel_size, par.sharding_strategy()
+    )
     cfg.optimizer.validate_muon(cfg.optimizer.optimizer, fp16=cfg.runtime.fp16)
     if cfg.resilience.reruns_non_finite and cfg.runtime.fp16:
         raise ConfigError(

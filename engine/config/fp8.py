@@ -44,7 +44,9 @@ class Fp8Options:
         aliases=("--disable-fp8-wgrad",),
     )
     fp8_param_gather: bool = option(
-        False, "keep and all-gather the sharded parameters in FP8 (not yet: refused)"
+        False,
+        "all-gather the FP8 layers' weights in FP8 after the distributed optimizer's step "
+        "(the model computes with those FP8 values)",
     )
     first_last_layers_bf16: bool = option(
         False, "with --fp8-format: the first and last transformer layers stay in bf16"
@@ -62,7 +64,7 @@ class Fp8Options:
             return (0, 0)
         return (self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16)
 
-    def validate_fp8(self, num_layers: int, pp: int) -> None:
+    def validate_fp8(self, num_layers: int, pp: int, sharding: str) -> None:
         """ConfigError naming the flag for what FP8 training cannot take."""
         if self.fp8 is None:
             if self.fp8_param_gather:
@@ -75,10 +77,7 @@ class Fp8Options:
                 "blockwise or mxfp8"
             )
         if self.fp8_param_gather:
-            raise ConfigError(
-                "--fp8-param-gather is not built yet: parameters are gathered in their own "
-                "precision; drop the flag"
-            )
+            self._validate_param_gather(sharding)
         if self.fp8_amax_history_len < 1:
             raise ConfigError(
                 f"--fp8-amax-history-len {self.fp8_amax_history_len} must be at least 1"
@@ -99,4 +98,23 @@ class Fp8Options:
             raise ConfigError(
                 "--fp8-format with --torch-compile: the FP8 layers' collectives and amax "
                 "records are not tested inside compiled graphs yet; drop one"
+            )
+
+    def _validate_param_gather(self, sharding: str) -> None:
+        if sharding == "no_shard":
+            raise ConfigError(
+                "--fp8-param-gather needs --use-distributed-optimizer (as megatron-core): "
+                "without it no parameters are gathered"
+            )
+        if sharding == "optim_grads_params":
+            raise ConfigError(
+                "--fp8-param-gather with sharded parameters (--use-megatron-fsdp, strategy "
+                "optim_grads_params) is not built yet; use --use-distributed-optimizer, or "
+                "--data-parallel-sharding-strategy optim or optim_grads"
+            )
+        if self.fp8_recipe not in ("delayed", "tensorwise"):
+            raise ConfigError(
+                f"--fp8-param-gather with --fp8-recipe {self.fp8_recipe} is not built yet "
+                "(block scales across the distributed optimizer's shards); pick delayed or "
+                "tensorwise, or drop the flag"
             )

@@ -76,6 +76,7 @@ def read_into_model(run: Run, path: str, load_optimizer: bool, load_rng: bool) -
         strictness=checkpointing.dist_ckpt_strictness,
     )
     _log_mismatch(run, path, meta["mismatch"])
+    run.optimizer.publish_fp8_weights()  # (--fp8-param-gather: from the masters read)
     # (converted checkpoints, and ours before the key, do not say: not compared)
     saved_with = meta.get("optimizer", run.cfg.optimizer.optimizer)
     if load_optimizer and saved_with != run.cfg.optimizer.optimizer:

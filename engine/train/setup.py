@@ -103,6 +103,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         tp_group=state.tp_group,
         expert_tp_group=state.expert_tp_group,
     )
+    optimizer.publish_fp8_weights()  # (--fp8-param-gather: the weights as FP8 from the start)
     batches = training.batch_schedule(state.dp_size, m.seq_length)
     scheduler = LRScheduler(
         cfg.optimizer, training.train_iters, batches.final, training.train_samples
@@ -323,7 +324,8 @@ def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
         placement=PLACEMENT.get(par.pipeline_schedule, "loop"),
     )
     if runtime.fp8 is not None:  # before the data-parallel wrappers see the modules
-        enable_fp8(chunks, fp8_recipe(runtime), m.num_layers, runtime.fp8_kept_layers())
+        keep, gather = runtime.fp8_kept_layers(), runtime.fp8_param_gather
+        enable_fp8(chunks, fp8_recipe(runtime), m.num_layers, keep, gather)
     if state.tp_rank == state.dp_rank == state.cp_rank == 0:  # one rank per pipeline stage
         stage = f" (pipeline rank {state.pp_rank})" if state.pp_size > 1 else ""
         kernels = _attention_kernels(chunks, cfg.data.reset_attention_mask)

@@ -16,7 +16,9 @@ get a buffer of their own, reduced and sharded over the expert data-parallel gro
 holding the same experts. A rank's expert gradient already sums the gradients of the tokens
 every rank of its expert-parallel group sent it, so both buffers are pre-scaled by 1/(DP x CP)
 (megatron-core's expert_gradient_scaling_factor): the sum over the expert data-parallel group
-is then the average over DP x CP, as for the dense parameters.
+is then the average over DP x CP, as for the dense parameters. With --fp8-param-gather the FP8
+layers' weights are apart again (a dense and an expert buffer of them), gathered in FP8
+(parallel/data_parallel/fp8_gather.py).
 
 With `overlap_param_gather` (the distributed optimizer's `optim` and `optim_grads`) each
 module waits for its parameters' all-gathers in a forward pre-hook, just before they are used
@@ -35,6 +37,7 @@ from torch import nn
 
 from parallel.comm import group_size
 from parallel.data_parallel.buckets import Bucket
+from parallel.data_parallel.fp8_gather import is_fp8_gathered
 from parallel.data_parallel.param_and_grad_buffer import STRATEGIES, ParamAndGradBuffer
 from parallel.expert_parallel.params import is_expert_parallel
 from parallel.pipeline.weight_grad import QUEUE_ATTRIBUTE
@@ -101,14 +104,26 @@ class DistributedDataParallel(nn.Module):
         if split and replicas > 1 and experts:
             raise ValueError("expert parallelism with optimizer instances is not built")
         self.buffers: list[ParamAndGradBuffer] = []
-        if dense:
-            self.buffers.append(
-                ParamAndGradBuffer(module, dense, dp_group, replica_group=replica_group, **options)
-            )
-        if experts:
-            self.buffers.append(
-                ParamAndGradBuffer(module, experts, expert_dp_group, is_expert=True, **options)
-            )
+        for fp8 in (False, True):  # FP8 weights gathered in FP8: buffers of their own
+            mine = [p for p in dense if is_fp8_gathered(p) == fp8]
+            if mine:
+                self.buffers.append(
+                    ParamAndGradBuffer(
+                        module,
+                        mine,
+                        dp_group,
+                        replica_group=replica_group,
+                        fp8_gather=fp8,
+                        **options,
+                    )  # fmt: skip
+                )
+            mine = [p for p in experts if is_fp8_gathered(p) == fp8]
+            if mine:
+                self.buffers.append(
+                    ParamAndGradBuffer(
+                        module, mine, expert_dp_group, is_expert=True, fp8_gather=fp8, **options
+                    )
+                )
         self.buffer_of = {p: buffer for buffer in self.buffers for p in buffer.params}
         self.bucket_of = {p: b for buffer in self.buffers for p, b in buffer.bucket_of.items()}
         for param in self.params:

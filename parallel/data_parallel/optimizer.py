@@ -61,6 +61,7 @@ class Piece:
     data: torch.Tensor  # view of the parameter (its dtype)
     group: int
     expert: bool = False  # from the experts' own buffer (expert parallelism)
+    fp8_gather: bool = False  # an FP8 layer's weight gathered in FP8 (its master apart)
 
 
 @dataclass
@@ -157,10 +158,12 @@ class DistributedOptimizer:
                     if a >= b:
                         continue
                     data = buffer.data_of(bucket, a, b)
-                    master = data if data.dtype == torch.float32 else data.float().clone()
+                    # (a weight gathered in FP8 holds FP8 values: its master is apart)
+                    same = data.dtype == torch.float32 and not buffer.fp8_gather
+                    master = data if same else data.float().clone()
                     grad = buffer.grad_of(bucket, a, b)
                     piece = Piece(param, ddp, a - start, b - a, master, grad, data, group_of(param))
-                    piece.expert = buffer.is_expert
+                    piece.expert, piece.fp8_gather = buffer.is_expert, buffer.fp8_gather
                     pieces.append(piece)
         return pieces
 
@@ -348,6 +351,19 @@ class DistributedOptimizer:
     def finish_param_sync(self) -> None:
         for ddp in self.ddps:
             ddp.finish_param_sync()
+
+    @torch.no_grad()
+    def publish_fp8_weights(self) -> None:
+        """With --fp8-param-gather: the masters of the weights gathered in FP8 written into
+        their shards and gathered in FP8, as every step ends (at the start of a run, and after
+        a checkpoint was read: the weights it holds are FP8 values, the masters the truth)."""
+        for piece in self.pieces:
+            if piece.fp8_gather:
+                piece.data.copy_(piece.master)
+        for ddp in self.ddps:
+            for buffer in ddp.buffers:
+                if buffer.fp8_gather:
+                    buffer.start_param_sync()
 
     # --- introspection ------------------------------------------------------------------
 

@@ -66,6 +66,7 @@ from parallel.data_parallel.buckets import (
     layout_unit_buckets,
     release,
 )
+from parallel.data_parallel.fp8_gather import gather_fp8_weights
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -91,7 +92,11 @@ class ParamAndGradBuffer:
         units: list[nn.Module] | None,
         replica_group=None,
         is_expert: bool = False,
+        fp8_gather: bool = False,
     ):
+        if fp8_gather and sharding not in ("optim", "optim_grads"):
+            raise ValueError("FP8 parameter gathers need the distributed optimizer's sharding")
+        self.fp8_gather = fp8_gather
         self.params = params
         self.dp_group = dp_group
         self.dp_size = group_size(dp_group)
@@ -371,7 +376,11 @@ class ParamAndGradBuffer:
     def start_param_sync(self) -> None:
         """After the optimizer updated this rank's shards: all-gather every bucket's
         parameters (waited for now, or lazily per module with overlap_param_gather). Sharded
-        parameters are gathered by their units' forward instead."""
+        parameters are gathered by their units' forward instead. FP8 weights: gathered in FP8
+        now (parallel/data_parallel/fp8_gather.py)."""
+        if self.fp8_gather:
+            gather_fp8_weights(self)
+            return
         if self.sharding not in ("optim", "optim_grads") or self.dp_group is None:
             return
         for bucket in reversed(self.buckets):  # forward order: the first layers' come first

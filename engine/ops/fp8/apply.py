@@ -40,9 +40,12 @@ def in_high_precision(layer_number: int, num_layers: int, at_start: int, at_end:
     return layer_number < at_start or layer_number >= num_layers - at_end
 
 
-def enable_fp8(chunks, recipe: Fp8Recipe, num_layers: int, keep: tuple[int, int]):
+def enable_fp8(
+    chunks, recipe: Fp8Recipe, num_layers: int, keep: tuple[int, int], param_gather: bool = False
+):
     """FP8 on each chunk's (a GPTModel's) transformer layers but those `keep` = (at start,
-    at end) in high precision."""
+    at end) in high precision; `param_gather` (--fp8-param-gather): their weights marked to
+    be gathered in FP8 by the distributed optimizer (parallel/data_parallel/fp8_gather.py)."""
     for model in chunks:
         for layer in model.layers.values():
             if in_high_precision(layer.layer_number, num_layers, *keep):
@@ -52,6 +55,8 @@ def enable_fp8(chunks, recipe: Fp8Recipe, num_layers: int, keep: tuple[int, int]
                     device = module.weight.device
                     delayed = DelayedScaling(recipe, device) if recipe.recipe == "delayed" else None
                     module.fp8 = Fp8Linear(recipe, delayed, module.tp_group)
+                    if param_gather:
+                        module.weight.fp8_gather = module.fp8
 
 
 def fp8_layers(chunks) -> list[tuple[torch.nn.Parameter, Fp8Linear]]:

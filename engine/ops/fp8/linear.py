@@ -38,10 +38,27 @@ class Fp8Scales:
 
 class Fp8Linear:
     """One layer's FP8 settings: its recipe, its delayed-scaling state (delayed recipe) and
-    the TP group its tensorwise amaxes are reduced over."""
+    the TP group its tensorwise amaxes are reduced over. With --fp8-param-gather the weight's
+    scale is the one its FP8 gather took (`gather_scale`; parallel/data_parallel/fp8_gather.py),
+    so the forward's quantisation of the weight gives the gathered bytes again."""
 
     def __init__(self, recipe: Fp8Recipe, delayed: DelayedScaling | None = None, tp_group=None):
         self.recipe, self.delayed, self.tp_group = recipe, delayed, tp_group
+        self.gathered_scale: torch.Tensor | None = None
+
+    def gather_scale(self, amax: torch.Tensor) -> torch.Tensor:
+        """The weight's scale for its FP8 gather from the whole weight's amax: delayed
+        scaling's (which records the amax, as the forward records it otherwise), or, for
+        tensorwise and a delayed history without a weight amax yet, the amax's own."""
+        if self.delayed is not None:
+            self.delayed.record("weight", amax)
+            delayed = self.delayed.scale_of("weight")
+            if delayed is not None:
+                self.gathered_scale = delayed.float().reshape(1, 1)
+                return self.gathered_scale
+        self.gathered_scale = scale_from_amax(amax, self.recipe.dtype("weight"), CURRENT)
+        self.gathered_scale = self.gathered_scale.reshape(1, 1)
+        return self.gathered_scale
 
     def quantize(
         self, x: torch.Tensor, role: str, record: bool = False, scale: torch.Tensor | None = None
@@ -70,7 +87,8 @@ class Fp8Linear:
         delayed scaling (training; not evaluation, which runs without gradients: the caller
         decides, as the forward of an autograd Function always runs without them)."""
         a = self.quantize(x, "input", record=record)
-        w = self.quantize(weight, "weight", record=record)
+        gathered = self.gathered_scale  # (recorded at the gather)
+        w = self.quantize(weight, "weight", record=record and gathered is None, scale=gathered)
         scales = Fp8Scales(a.scale, w.scale) if self.recipe.per_tensor else Fp8Scales()
         return fp8_gemm(a, w, x.dtype), scales
 
