@@ -230,7 +230,8 @@ def test_fp8_experts_under_expert_parallelism_follow_one_process(
     dataset_prefix, tokenizer_model, tmp_path
 ):
     """An MoE model's experts in FP8, each with its own scales (whatever --moe-grouped-gemm
-    says), under data x expert parallelism (DP2 x EP2) against one process, delayed scaling.
+    says), under data x expert parallelism (DP2 x EP2, the weights gathered in FP8, the
+    experts' over the expert data-parallel group) against one process, delayed scaling.
     The first step's amaxes of every FP8 weight (reduced over the ranks holding that weight:
     an expert's over the expert data-parallel group, here itself alone; the dense layers'
     over DP; the history's oldest row) equal one process's: the weight's exactly, its input's
@@ -246,7 +247,8 @@ def test_fp8_experts_under_expert_parallelism_follow_one_process(
 
     moe = MOE | {"--moe-layer-freq": "1", "--fp8-format": "hybrid", "--fp8-amax-history-len": "5",
                  "--fp8-amax-compute-algo": "max"}  # fmt: skip
-    for name, world, extra in (("one", 1, {}), ("ep2", 2, {"--expert-model-parallel-size": "2"})):
+    ep2 = {"--expert-model-parallel-size": "2", "--fp8-param-gather": True}  # (the experts' too)
+    for name, world, extra in (("one", 1, {}), ("ep2", 2, ep2)):
         flags = moe | extra | {"--save": str(tmp_path / f"{name}-ckpt"), "--save-interval": "5"}
         pretrain(world, _args(dataset_prefix, tokenizer_model, tmp_path, name, **flags))
     one, ep = losses(tmp_path / "one.jsonl"), losses(tmp_path / "ep2.jsonl")
@@ -285,8 +287,9 @@ def _checkpoint_tensors(root: str, iteration: int, prefix: str) -> dict[str, tor
 def test_fp8_param_gather_computes_what_the_run_without_it_does(
     dataset_prefix, tokenizer_model, tmp_path
 ):
-    """--fp8-param-gather under DP2 with the distributed optimizer (tensorwise: each weight's
-    scale from its whole amax, reduced over the shards) follows one process without it within
+    """--fp8-param-gather under TP2 x DP2 with the distributed optimizer (tensorwise: each
+    weight's scale from its whole amax, reduced over the shards and TP) follows one process
+    without it within
     the layouts' bounds; its FP8 layers' weights hold FP8 values (at most 255 distinct values
     a tensor, one scale each), their masters not; a delayed-scaling run with it resumes bit
     for bit (the weights published again from the masters read)."""
@@ -296,8 +299,9 @@ def test_fp8_param_gather_computes_what_the_run_without_it_does(
     pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "one", **fp8))
     ckpt = str(tmp_path / "gather-ckpt")
     gather = fp8 | {"--use-distributed-optimizer": True, "--fp8-param-gather": True,
-                    "--save": ckpt, "--save-interval": "5"}  # fmt: skip
-    pretrain(2, _args(dataset_prefix, tokenizer_model, tmp_path, "gather", **gather))
+                    "--tensor-model-parallel-size": "2", "--save": ckpt,
+                    "--save-interval": "5"}  # fmt: skip
+    pretrain(4, _args(dataset_prefix, tokenizer_model, tmp_path, "gather", **gather))
     one, many = losses(tmp_path / "one.jsonl"), losses(tmp_path / "gather.jsonl")
     assert sorted(one) == sorted(many) == list(range(1, 6))
     apart = [abs(many[s] - one[s]) / one[s] for s in one]
