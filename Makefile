@@ -24,6 +24,9 @@ $(STAMP): requirements.txt setup.py pyproject.toml csrc/dataset_helpers.cpp
 	# CCNet's own perplexity code, the reference of the KenLM perplexity stage's test (its
 	# modules the test imports need only packages installed above)
 	$(BIN)/python -m pip install --quiet --no-deps cc_net==1.0.0
+	# torchao's float8 training, the FP8 GEMMs --fp8-backend torchao runs (optional for users;
+	# its float8 code needs nothing past torch)
+	$(BIN)/python -m pip install --quiet --no-deps torchao==0.15.0
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

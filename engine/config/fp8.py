@@ -48,6 +48,12 @@ class Fp8Options:
         "all-gather the FP8 layers' weights in FP8 after the distributed optimizer's step "
         "(the model computes with those FP8 values)",
     )
+    fp8_backend: str = option(
+        "native",
+        "whose FP8 GEMMs: the engine's own (native), or torchao's float8 training where it is "
+        "installed (delayed and tensorwise recipes)",
+        choices=["native", "torchao", "transformer_engine"],
+    )
     first_last_layers_bf16: bool = option(
         False, "with --fp8-format: the first and last transformer layers stay in bf16"
     )
@@ -69,6 +75,8 @@ class Fp8Options:
         if self.fp8 is None:
             if self.fp8_param_gather:
                 raise ConfigError("--fp8-param-gather needs --fp8-format (as megatron-core)")
+            if self.fp8_backend != "native":
+                raise ConfigError(f"--fp8-backend {self.fp8_backend} needs --fp8-format")
             return
         if self.fp8_recipe == "custom":
             raise ConfigError(
@@ -78,6 +86,15 @@ class Fp8Options:
             )
         if self.fp8_param_gather:
             self._validate_param_gather(sharding)
+        if self.fp8_backend == "torchao":
+            from engine.ops.fp8.torchao_linear import check_torchao
+
+            check_torchao(self.fp8_recipe)
+        if self.fp8_backend == "transformer_engine":
+            raise ConfigError(
+                "--fp8-backend transformer_engine: Transformer Engine's FP8 layers are not "
+                "wired in; use --fp8-backend native or torchao"
+            )
         if self.fp8_amax_history_len < 1:
             raise ConfigError(
                 f"--fp8-amax-history-len {self.fp8_amax_history_len} must be at least 1"

@@ -325,7 +325,7 @@ def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
     )
     if runtime.fp8 is not None:  # before the data-parallel wrappers see the modules
         keep, gather = runtime.fp8_kept_layers(), runtime.fp8_param_gather
-        enable_fp8(chunks, fp8_recipe(runtime), m.num_layers, keep, gather)
+        enable_fp8(chunks, fp8_recipe(runtime), m.num_layers, keep, gather, runtime.fp8_backend)
     if state.tp_rank == state.dp_rank == state.cp_rank == 0:  # one rank per pipeline stage
         stage = f" (pipeline rank {state.pp_rank})" if state.pp_size > 1 else ""
         kernels = _attention_kernels(chunks, cfg.data.reset_attention_mask)

@@ -41,11 +41,20 @@ def in_high_precision(layer_number: int, num_layers: int, at_start: int, at_end:
 
 
 def enable_fp8(
-    chunks, recipe: Fp8Recipe, num_layers: int, keep: tuple[int, int], param_gather: bool = False
+    chunks,
+    recipe: Fp8Recipe,
+    num_layers: int,
+    keep: tuple[int, int],
+    param_gather: bool = False,
+    backend: str = "native",
 ):
     """FP8 on each chunk's (a GPTModel's) transformer layers but those `keep` = (at start,
     at end) in high precision; `param_gather` (--fp8-param-gather): their weights marked to
-    be gathered in FP8 by the distributed optimizer (parallel/data_parallel/fp8_gather.py)."""
+    be gathered in FP8 by the distributed optimizer (parallel/data_parallel/fp8_gather.py);
+    `backend` torchao: the GEMMs through torchao (engine/ops/fp8/torchao_linear.py)."""
+    make = Fp8Linear
+    if backend == "torchao":
+        from engine.ops.fp8.torchao_linear import torchao_linear as make
     for model in chunks:
         for layer in model.layers.values():
             if in_high_precision(layer.layer_number, num_layers, *keep):
@@ -54,7 +63,7 @@ def enable_fp8(
                 if isinstance(module, ColumnParallelLinear | RowParallelLinear):
                     device = module.weight.device
                     delayed = DelayedScaling(recipe, device) if recipe.recipe == "delayed" else None
-                    module.fp8 = Fp8Linear(recipe, delayed, module.tp_group)
+                    module.fp8 = make(recipe, delayed, module.tp_group)
                     if param_gather:
                         module.weight.fp8_gather = module.fp8
 
