@@ -21,6 +21,25 @@ VARIANTS = {  # name: engine flags
     "torch": ["--no-use-fused-kernels"],
     "fused+compile": ["--use-fused-kernels", "--torch-compile"],
     "torch+compile": ["--no-use-fused-kernels", "--torch-compile"],
+    # FP8 (docs/fp8.md): the recipes on the engine's GEMMs, and tensorwise on torchao's
+    "fused+fp8": ["--use-fused-kernels", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    "fused+fp8-delayed": ["--use-fused-kernels", "--fp8-format", "hybrid"],
+    "fused+fp8-blockwise": [
+        "--use-fused-kernels",
+        "--fp8-format",
+        "hybrid",
+        "--fp8-recipe",
+        "blockwise",
+    ],
+    "fused+fp8-torchao": [
+        "--use-fused-kernels",
+        "--fp8-format",
+        "hybrid",
+        "--fp8-recipe",
+        "tensorwise",
+        "--fp8-backend",
+        "torchao",
+    ],
 }
 
 
