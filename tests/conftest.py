@@ -104,15 +104,17 @@ def small_checkpoint_hf(small_checkpoint, tmp_path_factory) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test file but those of tests/shared_files.txt (measured to keep one core busy:
-    tools/test_lanes.py) is marked `serial`: `make test` shares the listed files among its
-    workers, then runs the others one at a time. Their ranks fill the machine's cores, and two
-    such files side by side take longer than one after the other (docs/testing.md)."""
-    from tools.test_lanes import shared_files
+    """Every test but those tests/shared_files.txt lists (whole files, or `file::function`:
+    measured to keep one core busy, tools/test_lanes.py) is marked `serial`: `make test` shares
+    the listed ones among its workers, then runs the others one at a time. Their ranks fill the
+    machine's cores, and two such tests side by side take longer than one after the other
+    (docs/testing.md)."""
+    from tools.test_lanes import is_shared, shared_files
 
     shared = shared_files()
     for item in items:
-        if os.path.basename(str(item.path)) not in shared:
+        function = getattr(item, "originalname", None) or item.name.split("[")[0]
+        if not is_shared(shared, os.path.basename(str(item.path)), function):
             item.add_marker(pytest.mark.serial)
 
 

@@ -1,11 +1,12 @@
-"""tools/test_lanes.py: which test files share `make test`'s workers, from a measured log."""
+"""tools/test_lanes.py: which test files (and functions) share `make test`'s workers, from a
+measured log."""
 
 from __future__ import annotations
 
 import json
 
 from tests.cli import one_line_error, run_tool
-from tools.test_lanes import shared_files
+from tools.test_lanes import is_shared, shared_files
 
 
 def test_files_that_kept_one_core_busy_are_listed_and_a_bad_log_is_one_line(tmp_path):
@@ -24,10 +25,16 @@ def test_files_that_kept_one_core_busy_are_listed_and_a_bad_log_is_one_line(tmp_
     listed = tmp_path / "shared.txt"
     done = run_tool("test_lanes.py", str(log), "--write", "--output", str(listed))
     assert done.returncode == 0, done.stderr
-    assert [line for line in listed.read_text().splitlines() if not line.startswith("#")] == [
-        "test_one_core.py"
-    ]
-    assert shared_files(str(listed)) == {"test_one_core.py"}  # what tests/conftest.py reads
+    # the mixed file's one-core function shares the workers; its ranks' function does not
+    expected = ["test_mixed.py::test_d", "test_one_core.py"]
+    lines = listed.read_text().splitlines()
+    assert [line for line in lines if not line.startswith("#")] == expected
+    listed_now = shared_files(str(listed))  # what tests/conftest.py reads
+    assert listed_now == set(expected)
+    assert is_shared(listed_now, "test_one_core.py", "test_new")  # a whole file: any test
+    assert is_shared(listed_now, "test_mixed.py", "test_d")
+    assert not is_shared(listed_now, "test_mixed.py", "test_e")
+    assert not is_shared(listed_now, "test_mixed.py", "test_new")  # not measured: serial
     rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()}
     assert rows["test_one_core.py"][1:] == ["12.5", "13.4", "1.07", "1.05", "shared"]
     assert rows["test_ranks.py"][1:] == ["10.0", "19.0", "1.90", "1.90", "serial"]
