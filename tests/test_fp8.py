@@ -104,6 +104,28 @@ def test_fp8_gemms_are_the_products_of_the_quantised_operands(recipe):
         assert rel_err(fp8_gemm(qa, qb, torch.float32), expected) < 1e-6
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_dequantized_block_products_equal_the_scaled_ones(recipe):
+    """Where _scaled_mm has no row-wise products into fp32 (CUDA), a block recipe's products
+    run as fp32 GEMMs of the dequantized operands: the same as the row-wise scaled products
+    within fp32's order of additions, through a layer's three GEMMs. This CPU has them."""
+    from engine.ops.fp8.probe import rowwise_fp32_products
+
+    assert rowwise_fp32_products(torch.device("cpu"))
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(64, 256, generator=g), torch.randn(96, 256, generator=g) / 10
+    dy = torch.randn(64, 96, generator=g)
+    results = []
+    for dequantized in (False, True):
+        fp8 = Fp8Linear(Fp8Recipe("hybrid", recipe))
+        fp8.dequantized_blocks = dequantized
+        y, scales = fp8.forward(x, w)
+        dx, grad = fp8.input_grad(dy, w, scales)
+        results.append((y, dx, fp8.weight_grad(dy, x, scales, grad)))
+    for scaled, dequantized in zip(*results, strict=True):
+        assert rel_err(dequantized, scaled) < 1e-6
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_padded_and_empty_fp8_gemms(recipe):
     """CUDA's alignment (K and N padded with zeros to multiples of 16, asked for here on the

@@ -41,7 +41,7 @@ from engine.monitor.profiler import StepProfiler
 from engine.monitor.stragglers import StragglerMonitor
 from engine.monitor.wandb import WandbWriter
 from engine.ops import agree_on_ops, select_ops
-from engine.ops.fp8.apply import enable_fp8, fp8_recipe
+from engine.ops.fp8.apply import fp8_on_the_model
 from engine.optim.lr_schedule import LRScheduler
 from engine.optim.optimizer import build_optimizer
 from engine.train import faults
@@ -324,8 +324,7 @@ def _model(cfg: Configs, state: ParallelState, tracker, dtype, times) -> list:
         placement=PLACEMENT.get(par.pipeline_schedule, "loop"),
     )
     if runtime.fp8 is not None:  # before the data-parallel wrappers see the modules
-        keep, gather = runtime.fp8_kept_layers(), runtime.fp8_param_gather
-        enable_fp8(chunks, fp8_recipe(runtime), m.num_layers, keep, gather, runtime.fp8_backend)
+        fp8_on_the_model(chunks, runtime, m.num_layers, state.rank)
     if state.tp_rank == state.dp_rank == state.cp_rank == 0:  # one rank per pipeline stage
         stage = f" (pipeline rank {state.pp_rank})" if state.pp_size > 1 else ""
         kernels = _attention_kernels(chunks, cfg.data.reset_attention_mask)

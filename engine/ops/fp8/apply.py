@@ -19,6 +19,7 @@ import torch
 
 from engine.ops.fp8.delayed import DelayedScaling
 from engine.ops.fp8.linear import Fp8Linear
+from engine.ops.fp8.probe import rowwise_fp32_products
 from engine.ops.fp8.recipe import Fp8Recipe
 from parallel.expert_parallel.params import is_expert_parallel
 from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -47,14 +48,17 @@ def enable_fp8(
     keep: tuple[int, int],
     param_gather: bool = False,
     backend: str = "native",
-):
+) -> bool:
     """FP8 on each chunk's (a GPTModel's) transformer layers but those `keep` = (at start,
     at end) in high precision; `param_gather` (--fp8-param-gather): their weights marked to
     be gathered in FP8 by the distributed optimizer (parallel/data_parallel/fp8_gather.py);
-    `backend` torchao: the GEMMs through torchao (engine/ops/fp8/torchao_linear.py)."""
+    `backend` torchao: the GEMMs through torchao (engine/ops/fp8/torchao_linear.py). Returns
+    whether the block recipe's products run dequantized on this device (probe.py)."""
     make = Fp8Linear
     if backend == "torchao":
         from engine.ops.fp8.torchao_linear import torchao_linear as make
+    device = next(chunks[0].parameters()).device
+    dequantized = not recipe.per_tensor and not rowwise_fp32_products(device)
     for model in chunks:
         for layer in model.layers.values():
             if in_high_precision(layer.layer_number, num_layers, *keep):
@@ -64,8 +68,25 @@ def enable_fp8(
                     device = module.weight.device
                     delayed = DelayedScaling(recipe, device) if recipe.recipe == "delayed" else None
                     module.fp8 = make(recipe, delayed, module.tp_group)
+                    module.fp8.dequantized_blocks = dequantized
                     if param_gather:
                         module.weight.fp8_gather = module.fp8
+    return dequantized
+
+
+def fp8_on_the_model(chunks, runtime, num_layers: int, rank: int) -> None:
+    """The FP8 flags of a RuntimeConfig put on a run's model chunks (before the data-parallel
+    wrappers see them), saying once where the block products run dequantized."""
+    recipe = fp8_recipe(runtime)
+    keep, gather = runtime.fp8_kept_layers(), runtime.fp8_param_gather
+    dequantized = enable_fp8(chunks, recipe, num_layers, keep, gather, runtime.fp8_backend)
+    if dequantized and rank == 0:
+        print(
+            f"fp8: {recipe.recipe}: this device's torch._scaled_mm has no row-wise products "
+            "into fp32; the block products run as fp32 GEMMs of the dequantized FP8 operands "
+            "(the same values, not FP8's speed)",
+            flush=True,
+        )
 
 
 def fp8_layers(chunks) -> list[tuple[torch.nn.Parameter, Fp8Linear]]:

@@ -7,6 +7,12 @@ products, each one call with one scale per row of a and per row of b (the row-wi
 _scaled_mm), added in fp32. Hardware with native block-scaled GEMMs does this in one kernel;
 the values are the same products, only the order of the fp32 additions differs.
 
+Where _scaled_mm has no row-wise products with an fp32 output (CUDA's, in the PyTorch versions
+seen so far), `dequantized_blocks` computes the block-scaled product as an fp32 GEMM of the
+dequantized operands instead: the block recipes' scales are powers of 2, so each dequantized
+value (an FP8 value times its block's scale) is exact in fp32 (and in TF32: 3 mantissa bits),
+and the product is the same up to the order of the fp32 additions; FP8's speed is not had.
+
 CUDA's _scaled_mm takes K and N in multiples of 16: there the operands are padded with zeros
 (which add nothing) and the output cut back; an expert's weight gradient, whose K is the
 number of tokens routed to it, needs this. Empty operands (an expert without tokens) give zeros.
@@ -33,18 +39,26 @@ def _padded(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def fp8_gemm(
-    a: Quantized, b: Quantized, out_dtype: torch.dtype, align: int | None = None
+    a: Quantized,
+    b: Quantized,
+    out_dtype: torch.dtype,
+    align: int | None = None,
+    dequantized_blocks: bool = False,
 ) -> torch.Tensor:
     """a @ b^T ([M, N]) from a [M, K] and b [N, K]; `align`: K and N padded to multiples of it
-    (default 16 on CUDA, 1 elsewhere)."""
+    (default 16 on CUDA, 1 elsewhere); `dequantized_blocks`: block-scaled operands multiplied
+    dequantized (module docstring)."""
     m, k = a.data.shape
     n = b.data.shape[0]
     if 0 in (m, n, k):
         return torch.zeros(m, n, dtype=out_dtype, device=a.data.device)
+    per_tensor = a.block == (m, k) and b.block == (n, k)
+    if dequantized_blocks and not per_tensor:
+        return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
     align = align or (16 if a.data.is_cuda else 1)
     wide_k, wide_n = -(-k // align) * align, -(-n // align) * align
     a_data, b_data = _padded(a.data, m, wide_k), _padded(b.data, wide_n, wide_k)
-    if a.block == (m, k) and b.block == (n, k):  # one scale each
+    if per_tensor:  # one scale each
         one = (a.scale_inv.reshape(()), b.scale_inv.reshape(()))
         return _scaled_mm(a_data, b_data.t(), *one, out_dtype)[:, :n]
     width = min(a.block[1], b.block[1])

@@ -45,6 +45,9 @@ class Fp8Linear:
     def __init__(self, recipe: Fp8Recipe, delayed: DelayedScaling | None = None, tp_group=None):
         self.recipe, self.delayed, self.tp_group = recipe, delayed, tp_group
         self.gathered_scale: torch.Tensor | None = None
+        # the device has no row-wise scaled products with an fp32 output: block recipes'
+        # products run dequantized (engine/ops/fp8/gemm.py; set by engine/ops/fp8/apply.py)
+        self.dequantized_blocks = False
 
     def gather_scale(self, amax: torch.Tensor) -> torch.Tensor:
         """The weight's scale for its FP8 gather from the whole weight's amax: delayed
@@ -90,7 +93,7 @@ class Fp8Linear:
         gathered = self.gathered_scale  # (recorded at the gather)
         w = self.quantize(weight, "weight", record=record and gathered is None, scale=gathered)
         scales = Fp8Scales(a.scale, w.scale) if self.recipe.per_tensor else Fp8Scales()
-        return fp8_gemm(a, w, x.dtype), scales
+        return fp8_gemm(a, w, x.dtype, dequantized_blocks=self.dequantized_blocks), scales
 
     def input_grad(
         self, grad_output: torch.Tensor, weight: torch.Tensor, scales: Fp8Scales
@@ -98,7 +101,8 @@ class Fp8Linear:
         """(dY [M, N] W ([N, K]), dY quantised, which weight_grad reuses)."""
         grad = self.quantize(grad_output, "grad", record=True)
         w_t = self.quantize(weight.t(), "weight", scale=scales.weight)
-        return fp8_gemm(grad, w_t, grad_output.dtype), grad
+        out = fp8_gemm(grad, w_t, grad_output.dtype, dequantized_blocks=self.dequantized_blocks)
+        return out, grad
 
     def weight_grad(
         self,
@@ -114,4 +118,4 @@ class Fp8Linear:
         else:
             grad_t = self.quantize(grad_output.t(), "grad")
         x_t = self.quantize(x.t(), "input", scale=scales.input)
-        return fp8_gemm(grad_t, x_t, torch.float32)
+        return fp8_gemm(grad_t, x_t, torch.float32, dequantized_blocks=self.dequantized_blocks)

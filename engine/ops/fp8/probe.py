@@ -1,5 +1,7 @@
 """Whether this device runs the FP8 GEMMs a recipe needs: one small product of each kind,
-tried before the run builds anything (a GPU before compute capability 8.9 has none)."""
+tried before the run builds anything (a GPU before compute capability 8.9 has none). The
+block recipes need row-wise scaled products with an fp32 output; where _scaled_mm lacks them,
+their products run dequantized (engine/ops/fp8/gemm.py), which any device can."""
 
 from __future__ import annotations
 
@@ -7,13 +9,27 @@ import torch
 
 from engine.errors import ConfigError
 from engine.ops.fp8.linear import Fp8Linear
+from engine.ops.fp8.quantize import E4M3
 from engine.ops.fp8.recipe import Fp8Recipe
+
+
+def rowwise_fp32_products(device: torch.device) -> bool:
+    """Whether torch._scaled_mm multiplies FP8 operands with row-wise scales into fp32 here."""
+    a = torch.ones(16, 32, device=device).to(E4M3)
+    b = torch.ones(16, 32, device=device).to(E4M3)
+    rows, columns = torch.ones(16, 1, device=device), torch.ones(1, 16, device=device)
+    try:
+        torch._scaled_mm(a, b.t(), scale_a=rows, scale_b=columns, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def check_fp8_device(recipe: Fp8Recipe, device: torch.device) -> None:
     probe = Fp8Linear(
         Fp8Recipe(recipe.format, "tensorwise" if recipe.per_tensor else recipe.recipe)
     )
+    probe.dequantized_blocks = not recipe.per_tensor and not rowwise_fp32_products(device)
     x = torch.randn(32, 128, device=device)
     w = torch.randn(32, 128, device=device)
     try:
