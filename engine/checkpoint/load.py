@@ -21,6 +21,7 @@ from engine.checkpoint.state import (
     prime_optimizer_state,
     rng_state,
     set_rng_state,
+    weight_masters,
 )
 from engine.errors import CheckpointError, UserError
 from engine.ops.fp8.apply import delayed_states
@@ -206,20 +207,25 @@ def load_checkpoint(
         if set(wanted) <= stored:  # a converted checkpoint has none
             rng = wanted
             state.update(rng)
+    separate = [piece for piece in optimizer.pieces if piece.master is not piece.data]
+    for piece in separate if load_optimizer else ():
+        piece.master.fill_(float("nan"))  # (which masters the checkpoint held: see below)
     read_tensors(path, state, group, reader)
+    if load_optimizer:  # masters that are the weights themselves: the checkpoint's master
+        # where it holds one apart (a run with --fp8-param-gather, whose weights are FP8)
+        aliased = {k: v for k, v in weight_masters(optimizer, chunks).items() if k in stored}
+        if aliased:
+            read_tensors(path, aliased, group, reader)
     for delayed in delayed_states(chunks):
         delayed.seen = None  # which roles have an amax: read again from the loaded history
-        # nothing recorded yet in the step to come, as at a step's end (an FP8 gather of the
-        # weights before this load recorded theirs: they are gathered again from the masters)
-        delayed.amax_now.zero_()
-    masters_read = any(k.endswith("/master") for k in state)
     for piece in optimizer.pieces:
         if load_optimizer:
             entry = optimizer.optimizer.state.get(piece.master, {})
             if "step" in entry and torch.is_tensor(entry["step"]):
                 entry["step"].fill_(float(meta.get("optimizer_step", 0)))
-        if piece.master is not piece.data and not masters_read:
-            piece.master.copy_(piece.data)  # no master weights read: start from the params
+    for piece in separate:  # no master read for it: start from the weights
+        if not load_optimizer or torch.isnan(piece.master).any():
+            piece.master.copy_(piece.data)
     if rng:
         prefix = f"rng/rank{rank}/"
         set_rng_state({k[len(prefix) :]: v for k, v in rng.items()}, tracker)

@@ -80,25 +80,38 @@ def optimizer_state(optimizer, chunks, for_save: bool) -> dict[str, BoxTensor]:
         }
         if piece.master is not piece.data:
             tensors["master"] = piece.master
-        boxes = checkpoint_boxes(
-            param.shape,
-            tp_sharding_of(param),
-            piece.offset,
-            piece.offset + piece.numel,
-            getattr(param, "real_rows", None),
-        )
-        for kind, flat in tensors.items():
-            flat = flat.reshape(-1)
-            for box in boxes:
-                view = flat[box.flat_start - piece.offset : box.flat_end - piece.offset]
-                _add_boxes(
-                    out,
-                    f"optim/{names[param]}{box.suffix}/{kind}",
-                    box,
-                    view.view(box.sizes),
-                    flat.dtype,
-                )
+        _add_piece_boxes(out, piece, names[param], tensors)
     return out
+
+
+def weight_masters(optimizer, chunks) -> dict[str, BoxTensor]:
+    """'optim/<name><part>/master' -> boxes of the pieces whose master is the weight itself
+    (fp32 weights), to read a checkpoint's master into the weight where the checkpoint keeps
+    one apart (--fp8-param-gather's FP8 weights)."""
+    names = _param_names(chunks)
+    out: dict[str, BoxTensor] = {}
+    for piece in optimizer.pieces:
+        if piece.master is piece.data:
+            _add_piece_boxes(out, piece, names[piece.param], {"master": piece.master})
+    return out
+
+
+def _add_piece_boxes(out: dict, piece, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    param = piece.param
+    boxes = checkpoint_boxes(
+        param.shape,
+        tp_sharding_of(param),
+        piece.offset,
+        piece.offset + piece.numel,
+        getattr(param, "real_rows", None),
+    )
+    for kind, flat in tensors.items():
+        flat = flat.reshape(-1)
+        for box in boxes:
+            view = flat[box.flat_start - piece.offset : box.flat_end - piece.offset]
+            _add_boxes(
+                out, f"optim/{name}{box.suffix}/{kind}", box, view.view(box.sizes), flat.dtype
+            )
 
 
 def rng_state(rank: int, tracker) -> dict[str, torch.Tensor]:

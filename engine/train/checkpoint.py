@@ -10,6 +10,7 @@ from engine.config.tokenizer import tokenizer_record
 from engine.data.mix.schedule import check_resumed_schedule
 from engine.errors import CheckpointError
 from engine.interop.megatron.checkpoint import load_weights, megatron_latest, megatron_progress
+from engine.ops.fp8.apply import delayed_states
 from engine.train.data_skips import DataWindow
 from engine.train.finite_weights import stop_on_non_finite_weights
 from engine.train.state import Counters, Run, layout_of
@@ -76,7 +77,7 @@ def read_into_model(run: Run, path: str, load_optimizer: bool, load_rng: bool) -
         strictness=checkpointing.dist_ckpt_strictness,
     )
     _log_mismatch(run, path, meta["mismatch"])
-    run.optimizer.publish_fp8_weights()  # (--fp8-param-gather: from the masters read)
+    _weights_loaded(run)
     # (converted checkpoints, and ours before the key, do not say: not compared)
     saved_with = meta.get("optimizer", run.cfg.optimizer.optimizer)
     if load_optimizer and saved_with != run.cfg.optimizer.optimizer:
@@ -112,6 +113,16 @@ def restore_progress(run: Run, meta: dict, path: str, load_optimizer: bool) -> N
     run.progress.weights_checked = None
 
 
+def _weights_loaded(run: Run) -> None:
+    """After a checkpoint's weights were read: nothing recorded yet for delayed scaling's step
+    to come (as at a step's end: the weights' FP8 gather at the start recorded their amax),
+    and the masters published into the weights, as a step ends (gathered in FP8 with
+    --fp8-param-gather, which records the weights' amax again)."""
+    for delayed in delayed_states(run.chunks):
+        delayed.amax_now.zero_()
+    run.optimizer.publish_weights()
+
+
 def _resume_from_megatron(run: Run, path: str) -> None:
     """--load of a Megatron-LM torch_dist checkpoint: its weights (any layout), and unless
     --finetune its iteration, consumed samples and (unless --no-load-optim) learning-rate
@@ -120,6 +131,7 @@ def _resume_from_megatron(run: Run, path: str) -> None:
     checkpointing = run.cfg.checkpointing
     load_optimizer = not (checkpointing.finetune or checkpointing.no_load_optim)
     step = load_weights(path, run.chunks, run.cfg.model, run.optimizer, load_optimizer)
+    _weights_loaded(run)
     if checkpointing.finetune:
         run.writer.print(f"fine-tuning from the weights of Megatron-LM's {path}; iteration 0")
         reseed(run, 0)

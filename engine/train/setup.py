@@ -103,7 +103,7 @@ def setup(cfg: Configs, state: ParallelState, started: float | None = None) -> R
         tp_group=state.tp_group,
         expert_tp_group=state.expert_tp_group,
     )
-    optimizer.publish_fp8_weights()  # (--fp8-param-gather: the weights as FP8 from the start)
+    optimizer.publish_weights()  # (--fp8-param-gather: the weights as FP8 from the start)
     batches = training.batch_schedule(state.dp_size, m.seq_length)
     scheduler = LRScheduler(
         cfg.optimizer, training.train_iters, batches.final, training.train_samples

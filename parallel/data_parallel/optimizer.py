@@ -353,17 +353,17 @@ class DistributedOptimizer:
             ddp.finish_param_sync()
 
     @torch.no_grad()
-    def publish_fp8_weights(self) -> None:
-        """With --fp8-param-gather: the masters of the weights gathered in FP8 written into
-        their shards and gathered in FP8, as every step ends (at the start of a run, and after
-        a checkpoint was read: the weights it holds are FP8 values, the masters the truth)."""
-        for piece in self.pieces:
-            if piece.fp8_gather:
-                piece.data.copy_(piece.master)
+    def publish_weights(self) -> None:
+        """The masters written into the weights and the weights gathered, as every step ends:
+        at the start of a run and after a checkpoint was read (its weights may be FP8 values,
+        with --fp8-param-gather, where its masters are the truth; otherwise this changes
+        nothing). Weights gathered in FP8 are gathered so (parallel/data_parallel/fp8_gather.py)."""
+        copies = [(p.data, p.master) for p in self.pieces if p.master is not p.data]
+        if copies:
+            torch._foreach_copy_(*map(list, zip(*copies, strict=False)))
         for ddp in self.ddps:
-            for buffer in ddp.buffers:
-                if buffer.fp8_gather:
-                    buffer.start_param_sync()
+            ddp.start_param_sync()
+        self.finish_param_sync()
 
     # --- introspection ------------------------------------------------------------------
 

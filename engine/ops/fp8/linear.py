@@ -57,7 +57,7 @@ class Fp8Linear:
             self.delayed.record("weight", amax)
             delayed = self.delayed.scale_of("weight")
             if delayed is not None:
-                self.gathered_scale = delayed.float().reshape(1, 1)
+                self.gathered_scale = delayed.float().reshape(1, 1).clone()
                 return self.gathered_scale
         self.gathered_scale = scale_from_amax(amax, self.recipe.dtype("weight"), CURRENT)
         self.gathered_scale = self.gathered_scale.reshape(1, 1)

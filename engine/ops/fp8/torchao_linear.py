@@ -91,6 +91,9 @@ class TorchaoFp8Linear(Fp8Linear):
         )
 
     def forward(self, x, weight, record: bool = True):
+        if x.numel() == 0:  # an expert without tokens (torchao's products take none)
+            scales = Fp8Scales(torch.ones(1, 1, device=x.device), torch.ones(1, 1, device=x.device))
+            return x.new_zeros(0, weight.shape[0]), scales
         scale_x = self._scale(x, "input", record)
         if self.gathered_scale is not None:
             scale_w = self.gathered_scale
@@ -100,11 +103,15 @@ class TorchaoFp8Linear(Fp8Linear):
         return torch.mm(a, w.t()), Fp8Scales(scale_x.reshape(1, 1), scale_w.reshape(1, 1))
 
     def input_grad(self, grad_output, weight, scales: Fp8Scales):
+        if grad_output.numel() == 0:
+            return grad_output.new_zeros(0, weight.shape[1]), None
         scale_g = self._scale(grad_output, "grad", record=True)
         grad = self._cast(grad_output, "grad", scale_g)
         return torch.mm(grad, self._cast(weight, "weight", scales.weight)), grad
 
     def weight_grad(self, grad_output, x, scales: Fp8Scales, grad=None):
+        if grad_output.numel() == 0:
+            return torch.zeros(grad_output.shape[1], x.shape[1], device=x.device)
         if grad is None:
             grad = self._cast(grad_output, "grad", self._scale(grad_output, "grad", False))
         return torch.mm(grad.t(), self._cast(x, "input", scales.input)).float()
