@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.ops.fp8.recipe import RECIPES
+from tests.checkpoint_tensors import checkpoint_tensors
 from tests.distributed import run_ranks
 
 
@@ -89,7 +90,7 @@ def test_fp8_experts_under_expert_parallelism_follow_one_process(
     apart = [abs(ep[s] - one[s]) / one[s] for s in one]
     assert max(apart) < 1e-4, apart
     states = [
-        _checkpoint_tensors(str(tmp_path / f"{name}-ckpt"), 5, "fp8/") for name in ("one", "ep2")
+        checkpoint_tensors(str(tmp_path / f"{name}-ckpt"), 5, "fp8/") for name in ("one", "ep2")
     ]
     assert states[0].keys() == states[1].keys()
     histories = [k for k in states[0] if k.endswith("amax_history")]
@@ -102,21 +103,6 @@ def test_fp8_experts_under_expert_parallelism_follow_one_process(
     assert all(e.linear_fc1.fp8 is not None for m in experts for e in m.local_experts)
     assert len(delayed_states([model], experts=True)) == 2 * 4 * 2
     assert len(delayed_states([model], experts=False)) == 2 * 2  # attention's two linears
-
-
-def _checkpoint_tensors(root: str, iteration: int, prefix: str) -> dict[str, torch.Tensor]:
-    from engine.checkpoint.files import iteration_dir
-    from engine.checkpoint.load import open_checkpoint, read_tensors
-
-    path = iteration_dir(root, iteration)
-    reader = open_checkpoint(path)
-    wanted = {
-        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-        for key, entry in reader.read_metadata().state_dict_metadata.items()
-        if key.startswith(prefix) and hasattr(entry, "size")
-    }
-    read_tensors(path, wanted, reader=reader)
-    return wanted
 
 
 def _loaded_weights(rank, world, argv: list[str], path: str) -> dict:
@@ -162,11 +148,11 @@ def test_fp8_param_gather_computes_what_the_run_without_it_does(
     assert sorted(one) == sorted(many) == list(range(1, 6))
     apart = [abs(many[s] - one[s]) / one[s] for s in one]
     assert apart[0] < 1e-5 and max(apart) < 5e-5, apart
-    weights = _checkpoint_tensors(ckpt, 5, "model/")
+    weights = checkpoint_tensors(ckpt, 5, "model/")
     fp8_weights = [k for k in weights if ".linear_" in k and ".weight" in k]
     assert len(fp8_weights) == 2 * 6  # q, k, v, the projection, fc1 and fc2 of each layer
     assert all(weights[k].unique().numel() <= 255 for k in fp8_weights)
-    masters = _checkpoint_tensors(ckpt, 5, "optim/")
+    masters = checkpoint_tensors(ckpt, 5, "optim/")
     masters = {k[6:-7]: v for k, v in masters.items() if ".weight/master" in k and "_fc" in k}
     assert len(masters) == 4 and all(m.unique().numel() > 1000 for m in masters.values())
     # read into one process without the flag (fp32: each master is the weight itself): the

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from engine.checkpoint.files import iteration_dir, read_meta
-from engine.checkpoint.load import open_checkpoint, read_tensors
+from tests.checkpoint_tensors import checkpoint_tensors
 from tests.distributed import rel_err, run_ranks
 from tests.test_megatron_checkpoint import _args, _convert, _megatron_model
 from tests.test_megatron_optimizer import _ours_after_one_step
@@ -128,15 +128,7 @@ def convert_the_three(tmp_path) -> dict[str, torch.Tensor]:
 
 def _our_tensors(root: str, prefix: str) -> dict[str, torch.Tensor]:
     """Every tensor under `prefix` of our converted checkpoint `root` (iteration 2)."""
-    path = iteration_dir(root, 2)
-    reader = open_checkpoint(path)
-    wanted = {
-        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-        for key, entry in reader.read_metadata().state_dict_metadata.items()
-        if key.startswith(prefix) and hasattr(entry, "size")
-    }
-    read_tensors(path, wanted, reader=reader)
-    return wanted
+    return checkpoint_tensors(root, 2, prefix)
 
 
 @pytest.mark.parametrize(
