@@ -4,6 +4,7 @@ engine/ops/fp8/recipe.py; which layers: engine/ops/fp8/apply.py."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from engine.config.fields import option
@@ -87,8 +88,6 @@ class Fp8Options:
         if self.fp8_param_gather:
             self._validate_param_gather(sharding)
         if self.fp8_backend == "torchao":
-            from engine.ops.fp8.torchao_linear import check_torchao
-
             check_torchao(self.fp8_recipe)
         if self.fp8_backend == "transformer_engine":
             raise ConfigError(
@@ -135,3 +134,18 @@ class Fp8Options:
                 "(block scales across the distributed optimizer's shards); pick delayed or "
                 "tensorwise, or drop the flag"
             )
+
+
+def check_torchao(recipe: str) -> None:
+    """ConfigError naming the flag when --fp8-backend torchao cannot run this recipe here
+    (engine/ops/fp8/torchao_linear.py)."""
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(
+            "--fp8-backend torchao: torchao is not installed; pip install torchao==0.15.0 "
+            "(or drop the flag for the engine's own FP8 GEMMs)"
+        )
+    if recipe not in ("delayed", "tensorwise"):
+        raise ConfigError(
+            f"--fp8-backend torchao with --fp8-recipe {recipe}: torchao's float8 training "
+            "scales per tensor here; pick delayed or tensorwise, or --fp8-backend native"
+        )

@@ -15,33 +15,13 @@ dtype, as torchao makes it (ours: in fp32), then handed on in fp32.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.distributed as dist
 
-from engine.errors import ConfigError
+from engine.config.fp8 import check_torchao
 from engine.ops.fp8.linear import Fp8Linear, Fp8Scales
 from engine.ops.fp8.quantize import tensor_amax
 from parallel.comm import all_reduce
-
-
-def torchao_available() -> bool:
-    return importlib.util.find_spec("torchao") is not None
-
-
-def check_torchao(recipe: str) -> None:
-    """ConfigError naming the flag when --fp8-backend torchao cannot run this recipe here."""
-    if not torchao_available():
-        raise ConfigError(
-            "--fp8-backend torchao: torchao is not installed; pip install torchao==0.15.0 "
-            "(or drop the flag for the engine's own FP8 GEMMs)"
-        )
-    if recipe not in ("delayed", "tensorwise"):
-        raise ConfigError(
-            f"--fp8-backend torchao with --fp8-recipe {recipe}: torchao's float8 training "
-            "scales per tensor here; pick delayed or tensorwise, or --fp8-backend native"
-        )
 
 
 class TorchaoFp8Linear(Fp8Linear):
