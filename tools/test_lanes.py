@@ -97,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         return busy <= args.cores * wall and peak <= args.cores
 
     shared = sorted(name for name, stats in times.items() if one_core(stats))
+    function_times = file_times(args.log, functions=True)
     functions = sorted(
         name
-        for name, stats in file_times(args.log, functions=True).items()
+        for name, stats in function_times.items()
         if name.split("::")[0] not in shared and one_core(stats)
         and not _has_wide_fixtures(name.split("::")[0])
     )  # fmt: skip
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         wall = sum(times[name][0] for name in names)
         print(f"{part}: {len(names)} files, {wall / 60:.1f} min one at a time")
     if functions:
-        wall = sum(file_times(args.log, functions=True)[name][0] for name in functions)
+        wall = sum(function_times[name][0] for name in functions)
         print(f"and {len(functions)} functions of the serial files, {wall / 60:.1f} min, shared")
     if args.write:
         with open(args.output, "w") as f:

@@ -244,11 +244,7 @@ class DistributedOptimizer:
         before = [p.master.clone() for p in self.pieces] if update_parts is not None else None
         self.optimizer.step()
         ratios = self._update_ratios(before, update_parts) if before is not None else None
-        copies = [(p.data, p.master) for p in self.pieces if p.master is not p.data]
-        if copies:  # the updated masters back into the model's weights, in a few kernels
-            torch._foreach_copy_(*map(list, zip(*copies, strict=False)))
-        for ddp in self.ddps:
-            ddp.start_param_sync()
+        self._start_publishing()
         return StepResult(
             True, norm, scale, part_norms, None if num_zeros is None else int(num_zeros), ratios
         )
@@ -358,12 +354,17 @@ class DistributedOptimizer:
         at the start of a run and after a checkpoint was read (its weights may be FP8 values,
         with --fp8-param-gather, where its masters are the truth; otherwise this changes
         nothing). Weights gathered in FP8 are gathered so (parallel/data_parallel/fp8_gather.py)."""
+        self._start_publishing()
+        self.finish_param_sync()
+
+    def _start_publishing(self) -> None:
+        """The masters back into the model's weights (in a few kernels), and their gathers
+        started."""
         copies = [(p.data, p.master) for p in self.pieces if p.master is not p.data]
         if copies:
             torch._foreach_copy_(*map(list, zip(*copies, strict=False)))
         for ddp in self.ddps:
             ddp.start_param_sync()
-        self.finish_param_sync()
 
     # --- introspection ------------------------------------------------------------------
 
