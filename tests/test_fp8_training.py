@@ -126,6 +126,32 @@ def _loaded_weights(rank, world, argv: list[str], path: str) -> dict:
     return out
 
 
+def _exports_hold_masters(ckpt: str, tmp_path, masters: dict) -> None:
+    """A --fp8-param-gather run's Hugging Face and Megatron-LM exports hold its masters (what
+    the optimizer trained), not the FP8 values of its model/ weights."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from engine.checkpoint.files import iteration_dir
+    from engine.interop.hf.export import export_to_hf
+    from engine.interop.megatron.export import export_to_megatron
+
+    export_to_hf(ckpt, str(tmp_path / "hf"), dtype="float32")
+    hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for layer in (0, 1):
+        down = hf[f"transformer.h.{layer}.mlp.c_proj.weight"].t()  # (GPT-2's Conv1D)
+        assert torch.equal(down, masters[f"layers.{layer}.mlp.linear_fc2.weight"]), layer
+    export_to_megatron(ckpt, str(tmp_path / "megatron"))
+    folder = iteration_dir(str(tmp_path / "megatron"), 5)  # (our own output: DCP reads it)
+    key = "decoder.layers.mlp.linear_fc2.weight"
+    entry = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata[key]
+    exported = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)}
+    dcp.load(exported, checkpoint_id=folder, no_dist=True)
+    for layer in (0, 1):
+        fc2 = exported[key][layer]
+        assert torch.equal(fc2, masters[f"layers.{layer}.mlp.linear_fc2.weight"]), layer
+
+
 def test_fp8_param_gather_computes_what_the_run_without_it_does(
     dataset_prefix, tokenizer_model, tmp_path
 ):
@@ -155,6 +181,7 @@ def test_fp8_param_gather_computes_what_the_run_without_it_does(
     masters = checkpoint_tensors(ckpt, 5, "optim/")
     masters = {k[6:-7]: v for k, v in masters.items() if ".weight/master" in k and "_fc" in k}
     assert len(masters) == 4 and all(m.unique().numel() > 1000 for m in masters.values())
+    _exports_hold_masters(ckpt, tmp_path, masters)
     # read into one process without the flag (fp32: each master is the weight itself): the
     # weights are the checkpoint's masters, not its FP8 weights; with the flag and the first
     # layer kept in high precision (its master the weight, the last layer's apart): the same
@@ -186,6 +213,40 @@ def test_fp8_param_gather_computes_what_the_run_without_it_does(
 
     straight, resumed = straight_and_resumed(args_of, tmp_path, 3)
     assert resumed == straight and sorted(straight) == list(range(1, 6))
+
+
+def test_fp8_param_gather_under_blockwise_scales_each_block_over_the_shards(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    """--fp8-param-gather with blockwise under TP2 x DP2: each 128 x 128 block's scale from its
+    amax over the data-parallel shards (which cut blocks), the forward's and backward's blocks
+    made again from the gathered values: the run follows one process without the flag within
+    the layouts' bounds, and each block of its FP8 weights holds FP8 values of one scale."""
+    from engine.ops.fp8.quantize import E4M3, block_amax, scale_from_amax
+    from engine.ops.fp8.recipe import Fp8Recipe
+    from tests.test_training import losses, pretrain
+
+    blockwise = {"--fp8-format": "e4m3", "--fp8-recipe": "blockwise"}
+    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "one", **blockwise))
+    ckpt = str(tmp_path / "ckpt")
+    gather = blockwise | {"--use-distributed-optimizer": True, "--fp8-param-gather": True,
+                          "--tensor-model-parallel-size": "2", "--save": ckpt,
+                          "--save-interval": "5"}  # fmt: skip
+    pretrain(4, _args(dataset_prefix, tokenizer_model, tmp_path, "gather", **gather))
+    one, many = losses(tmp_path / "one.jsonl"), losses(tmp_path / "gather.jsonl")
+    assert sorted(one) == sorted(many) == list(range(1, 6))
+    apart = [abs(many[s] - one[s]) / one[s] for s in one]
+    assert apart[0] < 1e-5 and max(apart) < 5e-5, apart
+    rule = Fp8Recipe(recipe="blockwise").rule
+    weights = checkpoint_tensors(ckpt, 5, "model/")
+    fc = {k: v for k, v in weights.items() if ".mlp.linear_fc" in k and k.endswith(".weight")}
+    assert len(fc) == 4
+    for key, weight in fc.items():  # (fc1's TP shards are 128 rows: the same blocks)
+        scale = scale_from_amax(block_amax(weight, (128, 128)), E4M3, rule)
+        for row, col in [(r, c) for r in range(scale.shape[0]) for c in range(scale.shape[1])]:
+            block = weight[row * 128 : (row + 1) * 128, col * 128 : (col + 1) * 128]
+            scaled = block * scale[row, col]
+            assert torch.equal(scaled.to(E4M3).float(), scaled), (key, row, col)
 
 
 def test_torchao_backend_under_tensor_parallelism_follows_one_process(

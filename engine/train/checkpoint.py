@@ -229,6 +229,8 @@ def save(run: Run) -> None:
         "spikes": run.spikes.state_dict(),
         "skipped_data": [w.record() for w in run.progress.skipped_data],
         "train_split_samples": run.train_split_samples,  # its order depends on it
+        # the model/ weights hold FP8 values, the masters the trained ones (export reads those)
+        "fp8_param_gather": run.cfg.runtime.fp8_param_gather,
         "run": run.record,  # the configuration, data files and code (rank 0 writes meta)
     }
     if run.mix is not None:  # the blend's weights over the run, compared on resume

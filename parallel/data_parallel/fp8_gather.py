@@ -6,16 +6,24 @@ fp32 masters apart from the weights even for fp32 weights. After the optimizer s
 each rank's shard of the updated weights (the masters rounded to the weights' dtype), for each
 buffer:
 
-1. every weight's scale: the amax of its part in this rank's shard, all-reduced (MAX) over the
-   buffer's data-parallel group and the weight's tensor-parallel group, is the whole weight's;
-   the weight's FP8 layer turns it into the scale (`Fp8Weight.gather_scale`: tensorwise's
-   fp8_max / amax, or delayed scaling's scale, which records the amax for the next update);
+1. every weight's scales: under the per-tensor recipes one scale, from the amax of its part in
+   this rank's shard all-reduced (MAX) over the buffer's data-parallel group and the weight's
+   tensor-parallel group (the whole weight's); under blockwise one per 128 x 128 block of this
+   TP rank's weight, from the block's amax all-reduced (MAX) over the data-parallel group (a
+   shard's edge may cut a block). The weight's FP8 layer turns the amaxes into scales
+   (`Fp8Weight.gather_scale`: tensorwise's fp8_max / amax, delayed scaling's scale, which
+   records the amax for the next update, or blockwise's power of 2);
 2. each rank quantises its shard to E4M3 bytes with those scales, the bytes are all-gathered
-   bucket by bucket, and each weight is set to its bytes times the inverse scale.
+   bucket by bucket, and each weight is set to its bytes times the inverse scales.
 
 The model then holds the FP8 values, so the layer's forward, quantising the weight again with
 the same scale, gets the gathered bytes bit for bit (x * s rounds back to the byte it came
-from: the weight's rounding to its dtype moves it far less than half an FP8 step). A run with
+from: the weight's rounding to its dtype moves it far less than half an FP8 step). Under
+blockwise the forward and the backward (W^T: the same 128 x 128 blocks, transposed) make each
+block's scale again from the FP8 values: a power of 2 from their amax, the gathered scale or,
+where the block's largest byte is 224, twice it, which gives the same values. MX's 1 x 32
+blocks are not gathered so: the backward's blocks of W^T run along the other dimension, and
+quantising the FP8 values again along it is not what the run without the flag computes. A run with
 the flag computes what the run without it computes; only what travels, and what the weights
 hold between steps, change. The gather is not overlapped with the forward (the weights are
 set from their bytes as soon as they arrive).
@@ -39,10 +47,12 @@ class Fp8Weight(Protocol):
     Fp8Linear)."""
 
     tp_group: object
+    weight_block: tuple[int, int] | None  # (rows, columns) of a scale's block; None: per tensor
 
     def gather_scale(self, amax: torch.Tensor) -> torch.Tensor:
-        """The scale the weight is gathered and multiplied with, from the whole weight's amax
-        (and, under delayed scaling, that amax recorded for the next update)."""
+        """The scales the weight is gathered and multiplied with, from the whole weight's amax
+        (per tensor: [1, 1]; under delayed scaling that amax is recorded for the next update)
+        or its blocks' ([rows, columns] of blocks)."""
         ...
 
 
@@ -51,31 +61,68 @@ def is_fp8_gathered(param: torch.nn.Parameter) -> bool:
 
 
 def to_fp8_bytes(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """values x scale in E4M3 with saturation, as bytes (engine/ops/fp8/quantize.py's rounding)."""
-    scaled = values.float() * scale.reshape(())
+    """values x scale (one, or one per value) in E4M3 with saturation, as bytes
+    (engine/ops/fp8/quantize.py's rounding)."""
+    scaled = values.float() * (scale.reshape(()) if scale.numel() == 1 else scale)
     return torch.clamp(scaled, -E4M3_MAX, E4M3_MAX).to(E4M3).view(torch.uint8)
 
 
 def from_fp8_bytes(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (data.view(E4M3).float() * (1.0 / scale.reshape(()))).to(dtype)
+    scale = scale.reshape(()) if scale.numel() == 1 else scale
+    return (data.view(E4M3).float() * (1.0 / scale)).to(dtype)
 
 
-def _whole_amaxes(buffer) -> torch.Tensor:
-    """Each weight's amax over the whole weight (step 1 of the module docstring)."""
-    amax = torch.zeros(len(buffer.params), device=buffer.param_buffer.device)
-    for index, param in enumerate(buffer.params):
+def _grid(param) -> tuple[int, int]:
+    """The weight's blocks: (rows, columns) of them."""
+    block = param.fp8_gather.weight_block
+    if block is None:
+        return (1, 1)
+    rows, cols = param.shape
+    return (-(-rows // block[0]), -(-cols // block[1]))
+
+
+def block_of(param, first: int, last: int) -> torch.Tensor:
+    """The index (in the weight's row-major grid of blocks) of the block of each of its
+    flattened elements first..last-1."""
+    block = param.fp8_gather.weight_block
+    index = torch.arange(first, last, device=param.device)
+    if block is None:
+        return torch.zeros_like(index)
+    cols = param.shape[1]
+    return (index // cols // block[0]) * _grid(param)[1] + index % cols // block[1]
+
+
+def _whole_amaxes(buffer) -> list[torch.Tensor]:
+    """Each weight's amaxes, [rows, columns] of its blocks ([1, 1] per tensor), over the whole
+    weight (step 1 of the module docstring)."""
+    sizes = [_grid(param)[0] * _grid(param)[1] for param in buffer.params]
+    flat = torch.zeros(sum(sizes), device=buffer.param_buffer.device)
+    parts = list(flat.split(sizes))
+    for param, part in zip(buffer.params, parts, strict=True):
         where = buffer.in_own_shard(param)
         if where is not None:
-            amax[index] = buffer.data_of(*where).detach().abs().amax().float()
-    all_reduce(amax, buffer.dp_group, op=dist.ReduceOp.MAX)
-    groups: dict[int, list[int]] = {}  # by TP group, in the buffer's order (every rank's)
+            values = buffer.data_of(*where).detach().abs().float()
+            start = buffer.param_range[param][0]
+            blocks = block_of(param, where[1] - start, where[2] - start)
+            part.scatter_reduce_(0, blocks, values, "amax")
+    all_reduce(flat, buffer.dp_group, op=dist.ReduceOp.MAX)
+    groups: dict[int, list[int]] = {}  # per-tensor weights by TP group, in every rank's order
     for index, param in enumerate(buffer.params):
-        groups.setdefault(id(param.fp8_gather.tp_group), []).append(index)
+        if param.fp8_gather.weight_block is None:
+            groups.setdefault(id(param.fp8_gather.tp_group), []).append(index)
     for indices in groups.values():
-        part = amax[indices]
-        all_reduce(part, buffer.params[indices[0]].fp8_gather.tp_group, op=dist.ReduceOp.MAX)
-        amax[indices] = part
-    return amax
+        whole = torch.cat([parts[i] for i in indices])
+        all_reduce(whole, buffer.params[indices[0]].fp8_gather.tp_group, op=dist.ReduceOp.MAX)
+        for i, amax in zip(indices, whole, strict=True):
+            parts[i].copy_(amax)
+    return [part.view(_grid(param)) for param, part in zip(buffer.params, parts, strict=True)]
+
+
+def _scales_of(param, scales: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """The scale of each of the weight's flattened elements first..last-1 (one per tensor)."""
+    if scales.numel() == 1:
+        return scales
+    return scales.reshape(-1)[block_of(param, first, last)]
 
 
 def gather_fp8_weights(buffer) -> None:
@@ -90,12 +137,15 @@ def gather_fp8_weights(buffer) -> None:
             start, end = buffer.param_range[param]
             a, b = max(start, lo), min(end, hi)
             if a < b:
-                values = buffer.param_buffer[a:b]
-                wire[a - bucket.start : b - bucket.start] = to_fp8_bytes(values, scales[param])
+                scale = _scales_of(param, scales[param], a - start, b - start)
+                wire[a - bucket.start : b - bucket.start] = to_fp8_bytes(
+                    buffer.param_buffer[a:b], scale
+                )
         if buffer.dp_size > 1:
             mine = wire[lo - bucket.start : hi - bucket.start]
             all_gather_into(wire, mine, buffer.dp_group)
         for param in bucket.params:
             start, end = buffer.param_range[param]
             data = wire[start - bucket.start : end - bucket.start]
-            param.data.copy_(from_fp8_bytes(data, scales[param], param.dtype).view_as(param))
+            scale = _scales_of(param, scales[param], 0, end - start)
+            param.data.copy_(from_fp8_bytes(data, scale, param.dtype).view_as(param))

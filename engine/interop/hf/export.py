@@ -48,6 +48,24 @@ def read_tensor(path: str, key: str, shape, dtype: torch.dtype, reader=None) -> 
     return out[key]
 
 
+def weight_source(key: str, stored, meta: dict) -> str:
+    """The checkpoint key holding a model/ tensor's trained value: the optimizer's fp32 master
+    where the run gathered its weights in FP8 (--fp8-param-gather: its model/ weights hold the
+    FP8 values the forward used, its masters what the optimizer trained) and the checkpoint
+    kept one apart for it; the model/ key itself otherwise."""
+    master = f"optim/{key.removeprefix('model/')}/master"
+    if meta.get("fp8_param_gather") and master in stored:
+        return master
+    return key
+
+
+def read_weight(path: str, key: str, stored, meta: dict, reader) -> torch.Tensor:
+    """The model/ tensor `key` of the checkpoint at `path`, its trained value (weight_source)."""
+    source = weight_source(key, stored, meta)
+    entry = stored[source]
+    return read_tensor(path, source, entry.size, entry.properties.dtype, reader)
+
+
 def checkpoint_path(load: str, iteration: int | None) -> str:
     if iteration is None:
         iteration = find_latest(load)
@@ -139,10 +157,7 @@ def export_to_hf(
         )
         tensors = {}
         for tensor, keys, _ in shard:
-            parts = [
-                read_tensor(path, k, stored[k].size, stored[k].properties.dtype, reader)
-                for k in keys
-            ]
+            parts = [read_weight(path, k, stored, meta, reader) for k in keys]
             if tensor.layout is not None:  # experts packed in one tensor (GptOss)
                 value = pack(tensor.layout, parts)
             else:

@@ -221,18 +221,18 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
     return args
 
 
-def _state(path: str, reader, stored, cfg: ModelConfig, padded_vocab: int) -> dict:
+def _state(path: str, reader, stored, meta: dict, cfg: ModelConfig, padded_vocab: int) -> dict:
     """megatron-core key -> LazyTensor / LazyLayers (or [None] for an _extra_state entry), each
-    tensor read from our checkpoint only when the writer reaches it."""
-    from engine.interop.hf.export import read_tensor
+    tensor read from our checkpoint only when the writer reaches it (a weight's master where
+    the run gathered its weights in FP8: engine/interop/hf/export.weight_source)."""
+    from engine.interop.hf.export import read_weight
     from parallel.checkpoint.dcp import LazyLayers, LazyTensor
 
     def ours(name: str) -> torch.Tensor:
         key = f"model/{name}"
         if key not in stored:
             raise InputError(f"{path}: tensor {name} is missing; the checkpoint is incomplete")
-        entry = stored[key]
-        return read_tensor(path, key, entry.size, entry.properties.dtype, reader)
+        return read_weight(path, key, stored, meta, reader)
 
     def entry_of(name: str):
         if f"model/{name}" not in stored:
@@ -410,7 +410,7 @@ def export_to_megatron(
     padded_vocab = cfg.padded_vocab_size(tp)
     reader = open_checkpoint(path)
     stored = reader.read_metadata().state_dict_metadata
-    state = _state(path, reader, stored, cfg, padded_vocab)
+    state = _state(path, reader, stored, meta, cfg, padded_vocab)
     number = int(meta["iteration"])
     staging = f"{output}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)

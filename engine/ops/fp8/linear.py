@@ -45,6 +45,7 @@ class Fp8Linear:
     def __init__(self, recipe: Fp8Recipe, delayed: DelayedScaling | None = None, tp_group=None):
         self.recipe, self.delayed, self.tp_group = recipe, delayed, tp_group
         self.gathered_scale: torch.Tensor | None = None
+        self.weight_block = recipe.block("weight")  # (None: one scale per tensor)
         # the device has no row-wise scaled products with an fp32 output: block recipes'
         # products run dequantized (engine/ops/fp8/gemm.py; set by engine/ops/fp8/apply.py)
         self.dequantized_blocks = False
@@ -52,7 +53,11 @@ class Fp8Linear:
     def gather_scale(self, amax: torch.Tensor) -> torch.Tensor:
         """The weight's scale for its FP8 gather from the whole weight's amax: delayed
         scaling's (which records the amax, as the forward records it otherwise), or, for
-        tensorwise and a delayed history without a weight amax yet, the amax's own."""
+        tensorwise and a delayed history without a weight amax yet, the amax's own; under
+        blockwise, one per block from the blocks' amaxes (which the forward makes again from
+        the gathered values: parallel/data_parallel/fp8_gather.py)."""
+        if self.weight_block is not None:
+            return scale_from_amax(amax, self.recipe.dtype("weight"), self.recipe.rule)
         if self.delayed is not None:
             self.delayed.record("weight", amax)
             delayed = self.delayed.scale_of("weight")
