@@ -249,6 +249,75 @@ def test_fp8_param_gather_under_blockwise_scales_each_block_over_the_shards(
             assert torch.equal(scaled.to(E4M3).float(), scaled), (key, row, col)
 
 
+def _gathered_fp8_weights(rank, world, argv: list[str]) -> tuple[bool, float]:
+    """(whether every FP8 weight as its unit's forward sees it, gathered from the sharded
+    parameters, is E4M3 values times its gather's scale; the share of this rank's shards of
+    them that is)."""
+    from engine.pretrain import parse
+    from engine.train.preflight import prepare
+    from engine.train.setup import setup
+    from parallel.state import ParallelState
+
+    run = setup(prepare(parse(argv), world), ParallelState.build(1, 1))
+    chunk = run.chunks[0]
+    linears = [m for m in chunk.module.modules() if getattr(m, "fp8", None) is not None]
+    seen = {}
+
+    def is_fp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Whether each value comes back from its E4M3 quantisation at `scale`."""
+        values = values.float().reshape(-1)
+        scaled = values * scale.reshape(())
+        return scaled.to(torch.float8_e4m3fn).float() * (1.0 / scale.reshape(())) == values
+
+    def record(module, args):
+        seen[module] = is_fp8(module.weight.detach(), module.fp8.gathered_scale).all()
+
+    hooks = [linear.register_forward_pre_hook(record) for linear in linears]
+    with torch.no_grad():
+        chunk(torch.randint(0, 100, (2, 32)))
+    for hook in hooks:
+        hook.remove()
+    held = [
+        is_fp8(flat, linear.fp8.gathered_scale)
+        for linear in linears
+        for _, _, flat in chunk.held_pieces(linear.weight)
+    ]
+    assert len(seen) == len(linears) == 8 and held
+    return all(seen.values()), float(torch.cat(held).float().mean())
+
+
+def test_fp8_param_gather_with_sharded_parameters_follows_one_process(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    """--fp8-param-gather under Megatron-FSDP's optim_grads_params, TP2 x DP2: each unit's FP8
+    weights gathered as E4M3 bytes with the scales made after the step; the run follows one
+    process without the flag within the layouts' bounds. The weights a unit's forward sees are
+    FP8 values; the shards the ranks keep are not. A delayed-scaling run resumes bit for bit."""
+    from tests.test_training import losses, pretrain, straight_and_resumed
+
+    fp8 = {"--fp8-format": "hybrid", "--fp8-recipe": "tensorwise"}
+    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "one", **fp8))
+    fsdp = fp8 | {"--use-megatron-fsdp": True, "--fp8-param-gather": True,
+                  "--data-parallel-sharding-strategy": "optim_grads_params"}  # fmt: skip
+    tp2 = fsdp | {"--tensor-model-parallel-size": "2"}
+    pretrain(4, _args(dataset_prefix, tokenizer_model, tmp_path, "fsdp", **tp2))
+    one, many = losses(tmp_path / "one.jsonl"), losses(tmp_path / "fsdp.jsonl")
+    assert sorted(one) == sorted(many) == list(range(1, 6))
+    apart = [abs(many[s] - one[s]) / one[s] for s in one]
+    assert apart[0] < 1e-5 and max(apart) < 5e-5, apart
+    argv = _args(dataset_prefix, tokenizer_model, tmp_path, "look", **fsdp)
+    for gathered_in_fp8, held_share in run_ranks(_gathered_fp8_weights, 2, argv):
+        assert gathered_in_fp8 and held_share < 0.5, held_share
+    delayed = {"--fp8-format": "hybrid", "--fp8-amax-history-len": "2"}
+    delayed |= {k: v for k, v in fsdp.items() if k not in fp8}
+
+    def args_of(name, **extra):
+        return _args(dataset_prefix, tokenizer_model, tmp_path, name, **delayed, **extra)
+
+    straight, resumed = straight_and_resumed(args_of, tmp_path, 3)
+    assert resumed == straight and sorted(straight) == list(range(1, 6))
+
+
 def test_torchao_backend_under_tensor_parallelism_follows_one_process(
     dataset_prefix, tokenizer_model, tmp_path
 ):

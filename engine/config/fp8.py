@@ -122,12 +122,6 @@ class Fp8Options:
                 "--fp8-param-gather needs --use-distributed-optimizer (as megatron-core): "
                 "without it no parameters are gathered"
             )
-        if sharding == "optim_grads_params":
-            raise ConfigError(
-                "--fp8-param-gather with sharded parameters (--use-megatron-fsdp, strategy "
-                "optim_grads_params) is not built yet; use --use-distributed-optimizer, or "
-                "--data-parallel-sharding-strategy optim or optim_grads"
-            )
         if self.fp8_recipe == "mxfp8":
             raise ConfigError(
                 "--fp8-param-gather with --fp8-recipe mxfp8 is not built: the backward "

@@ -54,6 +54,7 @@ class Bucket:
     grad_shard_tmp: torch.Tensor | None = None
     param_work: object = None
     gathered: bool = False  # sharded parameters: data holds the full parameters now
+    fp8_wire: torch.Tensor | None = None  # sharded FP8 weights: their bytes being gathered
 
     @property
     def numel(self) -> int:

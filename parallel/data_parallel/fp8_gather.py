@@ -16,6 +16,11 @@ buffer:
 2. each rank quantises its shard to E4M3 bytes with those scales, the bytes are all-gathered
    bucket by bucket, and each weight is set to its bytes times the inverse scales.
 
+With sharded parameters (optim_grads_params) the scales are made once after each step (and at
+the start) and kept; each time a unit's weights are gathered for its forward or backward
+(parallel/data_parallel/fsdp_params.py) its shards travel as E4M3 bytes with those scales,
+while each rank's shard keeps its weights' own values.
+
 The model then holds the FP8 values, so the layer's forward, quantising the weight again with
 the same scale, gets the gathered bytes bit for bit (x * s rounds back to the byte it came
 from: the weight's rounding to its dtype moves it far less than half an FP8 step). Under
@@ -96,7 +101,7 @@ def _whole_amaxes(buffer) -> list[torch.Tensor]:
     """Each weight's amaxes, [rows, columns] of its blocks ([1, 1] per tensor), over the whole
     weight (step 1 of the module docstring)."""
     sizes = [_grid(param)[0] * _grid(param)[1] for param in buffer.params]
-    flat = torch.zeros(sum(sizes), device=buffer.param_buffer.device)
+    flat = torch.zeros(sum(sizes), device=buffer.params[0].device)
     parts = list(flat.split(sizes))
     for param, part in zip(buffer.params, parts, strict=True):
         where = buffer.in_own_shard(param)
@@ -125,27 +130,51 @@ def _scales_of(param, scales: torch.Tensor, first: int, last: int) -> torch.Tens
     return scales.reshape(-1)[block_of(param, first, last)]
 
 
+def fp8_scales(buffer) -> dict:
+    """Each weight of the buffer -> its gather's scales (step 1 of the module docstring)."""
+    amaxes = _whole_amaxes(buffer)
+    return {p: p.fp8_gather.gather_scale(a) for p, a in zip(buffer.params, amaxes, strict=True)}
+
+
+def shard_bytes(buffer, bucket, scales: dict) -> torch.Tensor:
+    """A bucket-sized byte buffer holding this rank's shard of the bucket's weights in E4M3
+    (the rest zeros, to be filled by the all-gather)."""
+    lo, hi = buffer.shard_range(bucket)
+    wire = torch.zeros(bucket.numel, dtype=torch.uint8, device=bucket.data.device)
+    for param in bucket.params:
+        start, end = buffer.param_range[param]
+        a, b = max(start, lo), min(end, hi)
+        if a < b:
+            scale = _scales_of(param, scales[param], a - start, b - start)
+            values = buffer.data_of(bucket, a, b)
+            wire[a - bucket.start : b - bucket.start] = to_fp8_bytes(values, scale)
+    return wire
+
+
+def gather_bytes(buffer, bucket, wire: torch.Tensor, async_op: bool = False):
+    """All-gather every rank's shard of `wire` (shard_bytes) into it, over the buffer's
+    data-parallel group (the work handle with async_op; None without a group)."""
+    if buffer.dp_group is None:
+        return None
+    lo, hi = buffer.shard_range(bucket)
+    mine = wire[lo - bucket.start : hi - bucket.start]
+    return all_gather_into(wire, mine, buffer.dp_group, async_op=async_op)
+
+
+def set_from_bytes(buffer, bucket, wire: torch.Tensor, scales: dict) -> None:
+    """Each weight of the bucket set to its gathered bytes times its inverse scales."""
+    for param in bucket.params:
+        start, end = buffer.param_range[param]
+        data = wire[start - bucket.start : end - bucket.start]
+        scale = _scales_of(param, scales[param], 0, end - start)
+        param.data.copy_(from_fp8_bytes(data, scale, param.dtype).view_as(param))
+
+
 def gather_fp8_weights(buffer) -> None:
     """Steps 1 and 2 of the module docstring for one ParamAndGradBuffer of FP8 weights whose
-    shards the optimizer has just written."""
-    amaxes = _whole_amaxes(buffer)
-    scales = {p: p.fp8_gather.gather_scale(a) for p, a in zip(buffer.params, amaxes, strict=True)}
+    shards the optimizer has just written (the distributed optimizer's gather)."""
+    scales = fp8_scales(buffer)
     for bucket in reversed(buffer.buckets):
-        lo, hi = buffer.shard_range(bucket)
-        wire = torch.zeros(bucket.numel, dtype=torch.uint8, device=bucket.data.device)
-        for param in bucket.params:
-            start, end = buffer.param_range[param]
-            a, b = max(start, lo), min(end, hi)
-            if a < b:
-                scale = _scales_of(param, scales[param], a - start, b - start)
-                wire[a - bucket.start : b - bucket.start] = to_fp8_bytes(
-                    buffer.param_buffer[a:b], scale
-                )
-        if buffer.dp_size > 1:
-            mine = wire[lo - bucket.start : hi - bucket.start]
-            all_gather_into(wire, mine, buffer.dp_group)
-        for param in bucket.params:
-            start, end = buffer.param_range[param]
-            data = wire[start - bucket.start : end - bucket.start]
-            scale = _scales_of(param, scales[param], 0, end - start)
-            param.data.copy_(from_fp8_bytes(data, scale, param.dtype).view_as(param))
+        wire = shard_bytes(buffer, bucket, scales)
+        gather_bytes(buffer, bucket, wire)
+        set_from_bytes(buffer, bucket, wire, scales)

@@ -14,6 +14,9 @@ norm, the output layer) exist whole only while the unit computes.
 - Recomputation: a unit's forward run again inside backward (activation checkpointing)
   gathers it if needed and keeps it until its gradients are done.
 
+FP8 weights (--fp8-param-gather) travel as E4M3 bytes with the scales their buffer made after
+the optimizer's step (parallel/data_parallel/fp8_gather.py) and are set to those FP8 values.
+
 Released parameters keep their shapes and autograd's saved references: only the storage is
 shrunk to zero bytes and filled again in place by the next gather. Reading a released
 parameter reads memory that is gone (a crash, not an error): code that reads parameters
@@ -31,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from parallel.comm import all_gather_into
 from parallel.data_parallel.buckets import allocate, release
+from parallel.data_parallel.fp8_gather import fp8_scales, gather_bytes, set_from_bytes, shard_bytes
 
 
 def _in_backward() -> bool:
@@ -60,27 +64,46 @@ class UnitGathering:
         if bucket.gathered or bucket.param_work is not None:
             return
         allocate(bucket.data)
-        if self.buffer.dp_group is None:
+        buffer = self.buffer
+        if buffer.fp8_gather:  # the shards travel as E4M3 bytes (fp8_gather.py)
+            if buffer.fp8_scales is None:
+                buffer.fp8_scales = fp8_scales(buffer)
+            bucket.fp8_wire = shard_bytes(buffer, bucket, buffer.fp8_scales)
+            bucket.param_work = gather_bytes(buffer, bucket, bucket.fp8_wire, async_op=True)
+            if bucket.param_work is None:
+                self._landed(bucket)
+            return
+        if buffer.dp_group is None:
             bucket.data.copy_(bucket.data_shard)
             bucket.gathered = True
             return
         bucket.param_work = all_gather_into(
-            bucket.data, bucket.data_shard, self.buffer.dp_group, async_op=True
+            bucket.data, bucket.data_shard, buffer.dp_group, async_op=True
         )
+
+    def _landed(self, bucket) -> None:
+        """A gather in flight has arrived: the parameters are whole (FP8 bytes turned into the
+        weights' values)."""
+        if bucket.param_work is not None:
+            bucket.param_work.wait()
+            bucket.param_work = None
+        if bucket.fp8_wire is not None:
+            set_from_bytes(self.buffer, bucket, bucket.fp8_wire, self.buffer.fp8_scales)
+            bucket.fp8_wire = None
+        bucket.gathered = True
 
     def wait_gather(self, bucket) -> None:
         """bucket's parameters whole, now."""
         self.start_gather(bucket)
-        if bucket.param_work is not None:
-            bucket.param_work.wait()
-            bucket.param_work = None
-            bucket.gathered = True
+        if not bucket.gathered:
+            self._landed(bucket)
 
     def release(self, bucket) -> None:
         """Free bucket's full parameters (after any gather in flight has landed)."""
         if bucket.param_work is not None:
             bucket.param_work.wait()
             bucket.param_work = None
+            bucket.fp8_wire = None
             bucket.gathered = True
         if bucket.gathered:
             release(bucket.data)

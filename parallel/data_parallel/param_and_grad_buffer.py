@@ -66,7 +66,7 @@ from parallel.data_parallel.buckets import (
     layout_unit_buckets,
     release,
 )
-from parallel.data_parallel.fp8_gather import gather_fp8_weights
+from parallel.data_parallel.fp8_gather import fp8_scales, gather_fp8_weights
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -94,9 +94,10 @@ class ParamAndGradBuffer:
         is_expert: bool = False,
         fp8_gather: bool = False,
     ):
-        if fp8_gather and sharding not in ("optim", "optim_grads"):
+        if fp8_gather and sharding == "no_shard":
             raise ValueError("FP8 parameter gathers need the distributed optimizer's sharding")
         self.fp8_gather = fp8_gather
+        self.fp8_scales: dict | None = None  # sharded FP8 weights: their gathers' scales
         self.params = params
         self.dp_group = dp_group
         self.dp_size = group_size(dp_group)
@@ -378,6 +379,9 @@ class ParamAndGradBuffer:
         parameters (waited for now, or lazily per module with overlap_param_gather). Sharded
         parameters are gathered by their units' forward instead. FP8 weights: gathered in FP8
         now (parallel/data_parallel/fp8_gather.py)."""
+        if self.fp8_gather and self.shard_params:  # gathered by the units' forward
+            self.fp8_scales = fp8_scales(self)
+            return
         if self.fp8_gather:
             gather_fp8_weights(self)
             return
