@@ -249,24 +249,34 @@ def test_fp8_param_gather_under_blockwise_scales_each_block_over_the_shards(
             assert torch.equal(scaled.to(E4M3).float(), scaled), (key, row, col)
 
 
+SAME_GEMMS = {
+    "bf16-pp2-virtual": (4, {"--bf16": True, "--num-layers": "4",
+                             "--pipeline-model-parallel-size": "2",
+                             "--num-layers-per-virtual-pipeline-stage": "1"}),
+    "optimizer-instances": (4, {"--num-distributed-optimizer-instances": "2"}),
+    "sharded-muon": (2, {"--optimizer": "dist_muon", "--lr": "0.02"}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", SAME_GEMMS)
 def test_fp8_param_gather_gives_the_gemms_what_they_had_without_it(
-    dataset_prefix, tokenizer_model, tmp_path
+    layout, dataset_prefix, tokenizer_model, tmp_path
 ):
-    """bf16 weights, PP2 x DP2 with two virtual chunks per stage, the distributed optimizer:
-    the same run with and without --fp8-param-gather gives the same losses bit for bit (each
-    FP8 GEMM sees the same bytes: the weights' FP8 values quantise back to the bytes the run
-    without the flag makes from its bf16 weights). Without gradient clipping: the FP8 weights'
-    buffer of their own changes the order in which the gradient norm's squares are added
-    (1e-8 apart at step 4 with clipping on)."""
+    """The distributed optimizer with bf16 weights under PP2 x DP2 with two virtual chunks per
+    stage, with two optimizer instances over DP4, and with Muon sharded over DP2: the same run
+    with and without --fp8-param-gather gives the same losses bit for bit (each FP8 GEMM sees
+    the same bytes: the weights' FP8 values quantise back to the bytes the run without the
+    flag makes from its weights). Without gradient clipping: the FP8 weights' buffer of their
+    own changes the order in which the gradient norm's squares are added (1e-8 apart at step
+    4 with clipping on)."""
     from tests.test_training import losses, pretrain
 
-    layout = {"--fp8-format": "hybrid", "--fp8-recipe": "tensorwise", "--bf16": True,
-              "--num-layers": "4", "--pipeline-model-parallel-size": "2",
-              "--num-layers-per-virtual-pipeline-stage": "1",
-              "--use-distributed-optimizer": True, "--clip-grad": "0"}  # fmt: skip
-    pretrain(4, _args(dataset_prefix, tokenizer_model, tmp_path, "plain", **layout))
-    flagged = layout | {"--fp8-param-gather": True}
-    pretrain(4, _args(dataset_prefix, tokenizer_model, tmp_path, "gather", **flagged))
+    world, extra = SAME_GEMMS[layout]
+    flags = {"--fp8-format": "hybrid", "--fp8-recipe": "tensorwise",
+             "--use-distributed-optimizer": True, "--clip-grad": "0", **extra}  # fmt: skip
+    pretrain(world, _args(dataset_prefix, tokenizer_model, tmp_path, "plain", **flags))
+    flagged = flags | {"--fp8-param-gather": True}
+    pretrain(world, _args(dataset_prefix, tokenizer_model, tmp_path, "gather", **flagged))
     plain, gather = losses(tmp_path / "plain.jsonl"), losses(tmp_path / "gather.jsonl")
     assert sorted(plain) == list(range(1, 6)) and gather == plain
 
