@@ -15,7 +15,7 @@ import torch
 from engine.ops.fp8.delayed import DelayedScaling, update_delayed_scales
 from engine.ops.fp8.gemm import fp8_gemm
 from engine.ops.fp8.linear import Fp8Linear, Fp8Scales
-from engine.ops.fp8.quantize import E4M3, E5M2, FP8_MAX, quantize
+from engine.ops.fp8.quantize import E4M3, E5M2, FP8_MAX, block_amax, quantize
 from engine.ops.fp8.recipe import RECIPES, Fp8Recipe
 from tests.distributed import rel_err
 
@@ -233,3 +233,39 @@ def test_a_layer_records_its_amaxes_in_training_only():
     assert amax[2] > 0
     update_delayed_scales([layer.fp8.delayed], ())
     assert torch.allclose(layer.fp8.delayed.scale[:2], 448.0 / amax[:2])
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_gather_pieces_quantise_as_the_whole_weight(recipe):
+    """--fp8-param-gather's arithmetic (parallel/data_parallel/fp8_gather.py) on a 300 x 260
+    weight (3 x 3 blocks of 128 x 128 under blockwise, the last ones partial) cut at shard
+    edges that fall inside blocks: the pieces' amaxes, maxed, are the whole weight's (per
+    block); each piece's bytes, put together and dequantised, are the engine's quantisation
+    of the whole weight (engine/ops/fp8/quantize.py), dequantised."""
+    from parallel.data_parallel import fp8_gather
+
+    fp8 = Fp8Linear(Fp8Recipe(format="e4m3", recipe=recipe))
+    weight = torch.nn.Parameter(torch.randn(300, 260) * torch.rand(300, 1) * 4)
+    weight.fp8_gather = fp8
+    cuts = [0, 7_001, 40_000, 50_013, weight.numel()]
+    flat = weight.detach().reshape(-1)
+    grid = fp8_gather._grid(weight)
+    amax = torch.zeros(grid[0] * grid[1])
+    for first, last in zip(cuts, cuts[1:], strict=False):
+        piece = torch.zeros_like(amax)
+        blocks = fp8_gather.block_of(weight, first, last)
+        amax = torch.maximum(amax, piece.scatter_reduce(0, blocks, flat[first:last].abs(), "amax"))
+    block = fp8.weight_block or (300, 260)
+    whole = quantize(weight.detach(), E4M3, block, Fp8Recipe(recipe=recipe).rule)
+    assert grid == tuple(whole.scale.shape)
+    assert torch.equal(amax.view(grid), block_amax(weight.detach(), block))
+    scales = fp8.gather_scale(amax.view(grid))
+    assert torch.equal(scales.reshape(grid), whole.scale)
+    data = torch.cat([
+        fp8_gather.to_fp8_bytes(
+            flat[first:last], fp8_gather._scales_of(weight, scales, first, last)
+        )
+        for first, last in zip(cuts, cuts[1:], strict=False)
+    ])  # fmt: skip
+    assert torch.equal(data.view(E4M3).view(300, 260).float(), whole.data.float())
+    assert torch.equal(fp8_gather._dequantized(weight, data, scales), whole.dequantize())

@@ -105,9 +105,9 @@ def test_fp8_experts_under_expert_parallelism_follow_one_process(
     assert len(delayed_states([model], experts=False)) == 2 * 2  # attention's two linears
 
 
-def _loaded_weights(rank, world, argv: list[str], path: str) -> dict:
+def _loaded_weights(rank, world, argv: list[str], path: str, load_optimizer: bool) -> dict:
     """{fc weight name: (the weight, its optimizer master)} after `path` is read into a run of
-    `argv` (one process)."""
+    `argv` (one process), with or without the optimizer's state."""
     from engine.pretrain import parse
     from engine.train.checkpoint import read_into_model
     from engine.train.preflight import prepare
@@ -115,7 +115,7 @@ def _loaded_weights(rank, world, argv: list[str], path: str) -> dict:
     from parallel.state import ParallelState
 
     run = setup(prepare(parse(argv), world), ParallelState.build(1, 1))
-    read_into_model(run, path, load_optimizer=True, load_rng=True)
+    read_into_model(run, path, load_optimizer=load_optimizer, load_rng=True)
     out = {}
     for name, param in run.chunks[0].module.named_parameters():
         if ".mlp.linear_fc" in name and name.endswith("weight"):
@@ -126,30 +126,43 @@ def _loaded_weights(rank, world, argv: list[str], path: str) -> dict:
     return out
 
 
-def _exports_hold_masters(ckpt: str, tmp_path, masters: dict) -> None:
-    """A --fp8-param-gather run's Hugging Face and Megatron-LM exports hold its masters (what
-    the optimizer trained), not the FP8 values of its model/ weights."""
+def _readers_take_masters(ckpt: str, tmp_path, masters: dict) -> None:
+    """A --fp8-param-gather run's Hugging Face and Megatron-LM exports and the weights
+    evaluation reads (load_model_weights) hold its masters (what the optimizer trained, in the
+    weights' dtype: `masters`, fc2's weights by name), not the FP8 values of its model/
+    weights."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
 
-    from engine.checkpoint.files import iteration_dir
+    from engine.checkpoint.files import iteration_dir, read_meta
+    from engine.checkpoint.load import load_model_weights
+    from engine.config.model import ModelConfig
     from engine.interop.hf.export import export_to_hf
     from engine.interop.megatron.export import export_to_megatron
+    from engine.model import BuildContext, GPTModel
 
+    path = iteration_dir(ckpt, 5)
     export_to_hf(ckpt, str(tmp_path / "hf"), dtype="float32")
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    for layer in (0, 1):
-        down = hf[f"transformer.h.{layer}.mlp.c_proj.weight"].t()  # (GPT-2's Conv1D)
-        assert torch.equal(down, masters[f"layers.{layer}.mlp.linear_fc2.weight"]), layer
     export_to_megatron(ckpt, str(tmp_path / "megatron"))
     folder = iteration_dir(str(tmp_path / "megatron"), 5)  # (our own output: DCP reads it)
     key = "decoder.layers.mlp.linear_fc2.weight"
     entry = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata[key]
-    exported = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)}
-    dcp.load(exported, checkpoint_id=folder, no_dist=True)
-    for layer in (0, 1):
-        fc2 = exported[key][layer]
-        assert torch.equal(fc2, masters[f"layers.{layer}.mlp.linear_fc2.weight"]), layer
+    megatron = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)}
+    dcp.load(megatron, checkpoint_id=folder, no_dist=True)
+    cfg = ModelConfig.from_record(read_meta(path)["model"])
+    model = GPTModel(cfg, BuildContext(cfg))
+    load_model_weights(path, model)
+    weights = dict(model.named_parameters())
+    for name, master in masters.items():
+        layer = int(name.split(".")[1])
+        read = {
+            "hf": hf[f"transformer.h.{layer}.mlp.c_proj.weight"].t(),  # (GPT-2's Conv1D)
+            "megatron": megatron[key][layer],
+            "evaluation": weights[name].detach(),
+        }
+        for reader, value in read.items():
+            assert torch.equal(value.to(master.dtype), master), (reader, name)
 
 
 def test_fp8_param_gather_computes_what_the_run_without_it_does(
@@ -181,24 +194,29 @@ def test_fp8_param_gather_computes_what_the_run_without_it_does(
     masters = checkpoint_tensors(ckpt, 5, "optim/")
     masters = {k[6:-7]: v for k, v in masters.items() if ".weight/master" in k and "_fc" in k}
     assert len(masters) == 4 and all(m.unique().numel() > 1000 for m in masters.values())
-    _exports_hold_masters(ckpt, tmp_path, masters)
+    _readers_take_masters(ckpt, tmp_path, {k: v for k, v in masters.items() if "_fc2" in k})
     # read into one process without the flag (fp32: each master is the weight itself): the
-    # weights are the checkpoint's masters, not its FP8 weights; with the flag and the first
-    # layer kept in high precision (its master the weight, the last layer's apart): the same
+    # weights are the checkpoint's masters, not its FP8 weights, with or without the
+    # optimizer's state (--finetune); with the flag and the first layer kept in high precision
+    # (its master the weight, the last layer's apart): the same
     from engine.checkpoint.files import iteration_dir
 
     path = iteration_dir(ckpt, 5)
-    for extra in (
-        {},
-        {
-            "--fp8-param-gather": True,
-            "--use-distributed-optimizer": True,
-            "--first-last-layers-bf16": True,
-            "--num-layers-at-end-in-bf16": "0",
-        },
+    for extra, load_optimizer in (
+        ({}, True),
+        ({}, False),
+        (
+            {
+                "--fp8-param-gather": True,
+                "--use-distributed-optimizer": True,
+                "--first-last-layers-bf16": True,
+                "--num-layers-at-end-in-bf16": "0",
+            },
+            True,
+        ),
     ):
         argv = _args(dataset_prefix, tokenizer_model, tmp_path, "read", **fp8, **extra)
-        loaded = run_ranks(_loaded_weights, 1, argv, path)[0]
+        loaded = run_ranks(_loaded_weights, 1, argv, path, load_optimizer)[0]
         assert sorted(loaded) == sorted(masters)
         for name, (weight, master) in loaded.items():
             assert torch.equal(master, masters[name]), name
@@ -226,7 +244,8 @@ def test_fp8_param_gather_under_blockwise_scales_each_block_over_the_shards(
     from engine.ops.fp8.recipe import Fp8Recipe
     from tests.test_training import losses, pretrain
 
-    blockwise = {"--fp8-format": "e4m3", "--fp8-recipe": "blockwise"}
+    # (fc1 [512, 64] and fc2 [64, 512]: two blocks of 128 x 128 in each TP rank's half)
+    blockwise = {"--fp8-format": "e4m3", "--fp8-recipe": "blockwise", "--ffn-hidden-size": "512"}
     pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "one", **blockwise))
     ckpt = str(tmp_path / "ckpt")
     gather = blockwise | {"--use-distributed-optimizer": True, "--fp8-param-gather": True,
@@ -241,12 +260,15 @@ def test_fp8_param_gather_under_blockwise_scales_each_block_over_the_shards(
     weights = checkpoint_tensors(ckpt, 5, "model/")
     fc = {k: v for k, v in weights.items() if ".mlp.linear_fc" in k and k.endswith(".weight")}
     assert len(fc) == 4
-    for key, weight in fc.items():  # (fc1's TP shards are 128 rows: the same blocks)
+    blocks = 0
+    for key, weight in fc.items():  # (the TP halves' blocks are the whole weight's)
         scale = scale_from_amax(block_amax(weight, (128, 128)), E4M3, rule)
         for row, col in [(r, c) for r in range(scale.shape[0]) for c in range(scale.shape[1])]:
             block = weight[row * 128 : (row + 1) * 128, col * 128 : (col + 1) * 128]
             scaled = block * scale[row, col]
             assert torch.equal(scaled.to(E4M3).float(), scaled), (key, row, col)
+            blocks += 1
+    assert blocks == 2 * (4 + 4)
 
 
 SAME_GEMMS = {
@@ -275,10 +297,17 @@ def test_fp8_param_gather_gives_the_gemms_what_they_had_without_it(
     flags = {"--fp8-format": "hybrid", "--fp8-recipe": "tensorwise",
              "--use-distributed-optimizer": True, "--clip-grad": "0", **extra}  # fmt: skip
     pretrain(world, _args(dataset_prefix, tokenizer_model, tmp_path, "plain", **flags))
-    flagged = flags | {"--fp8-param-gather": True}
+    ckpt = str(tmp_path / "ckpt")
+    flagged = flags | {"--fp8-param-gather": True, "--save": ckpt, "--save-interval": "5"}
     pretrain(world, _args(dataset_prefix, tokenizer_model, tmp_path, "gather", **flagged))
     plain, gather = losses(tmp_path / "plain.jsonl"), losses(tmp_path / "gather.jsonl")
     assert sorted(plain) == list(range(1, 6)) and gather == plain
+    if "--bf16" in extra:  # the exports: the fp32 masters in the weights' bf16
+        masters = checkpoint_tensors(ckpt, 5, "optim/")
+        masters = {k[6:-7]: v.bfloat16() for k, v in masters.items() if k.endswith("/master")}
+        masters = {k: v for k, v in masters.items() if ".linear_fc2.weight" in k}
+        assert len(masters) == 4
+        _readers_take_masters(ckpt, tmp_path, {k: v for k, v in masters.items() if "_fc2" in k})
 
 
 def _gathered_fp8_weights(rank, world, argv: list[str]) -> tuple[bool, float]:

@@ -686,6 +686,8 @@ def test_command_line_errors_are_one_line_before_any_process_group(dataset_prefi
          "--fp8-param-gather needs --use-distributed-optimizer"),
         (["--fp8-format", "e4m3", "--fp8-param-gather", "--use-distributed-optimizer",
           "--fp8-recipe", "mxfp8"], "--fp8-param-gather with --fp8-recipe mxfp8 is not built"),
+        (["--fp8-format", "e4m3", "--fp8-param-gather", "--use-distributed-optimizer",
+          "--fp16"], "--fp8-param-gather with --fp16: a small weight's FP8 values"),
         (["--fp8-param-gather"], "--fp8-param-gather needs --fp8-format"),
         (["--fp8-backend", "torchao"], "--fp8-backend torchao needs --fp8-format"),
         (["--fp8-format", "e4m3", "--fp8-backend", "torchao", "--fp8-recipe", "mxfp8"],

@@ -25,7 +25,7 @@ from engine.checkpoint.state import (
 )
 from engine.errors import CheckpointError, UserError
 from engine.ops.fp8.apply import delayed_states
-from parallel.checkpoint.dcp import BoxLoadPlanner, SafeFileSystemReader
+from parallel.checkpoint.dcp import BoxLoadPlanner, BoxTensor, SafeFileSystemReader
 from parallel.consensus import first_error, gather_to_all, is_distributed
 from parallel.errors import describe_os_error, one_line, root_cause
 
@@ -207,10 +207,14 @@ def load_checkpoint(
         if set(wanted) <= stored:  # a converted checkpoint has none
             rng = wanted
             state.update(rng)
+    # without the optimizer's state: the weights of a run with --fp8-param-gather from its
+    # masters (with it, the masters are read and published into the weights)
+    masters = {} if load_optimizer else _masters_for_weights(state, stored, meta)
     separate = [piece for piece in optimizer.pieces if piece.master is not piece.data]
     for piece in separate if load_optimizer else ():
         piece.master.fill_(float("nan"))  # (which masters the checkpoint held: see below)
-    read_tensors(path, state, group, reader)
+    read_tensors(path, state | {k: v[0] for k, v in masters.items()}, group, reader)
+    _copy_masters_back(masters)
     if load_optimizer:  # masters that are the weights themselves: the checkpoint's master
         # where it holds one apart (a run with --fp8-param-gather, whose weights are FP8)
         aliased = {k: v for k, v in weight_masters(optimizer, chunks).items() if k in stored}
@@ -234,6 +238,33 @@ def load_checkpoint(
     return meta
 
 
+def master_key(key: str) -> str:
+    """The optimizer's fp32 master of the checkpoint's model/ key `key` (same boxes)."""
+    return f"optim/{key.removeprefix('model/')}/master"
+
+
+def _masters_for_weights(state: dict, stored, meta: dict) -> dict:
+    """For a checkpoint of a run with --fp8-param-gather (its model/ weights hold FP8 values,
+    its masters what the optimizer trained): the model/ entries of `state` that have a master,
+    moved out of `state` and re-keyed to it, each box read into an fp32 copy;
+    `_copy_masters_back` then writes them into the weights."""
+    if not meta.get("fp8_param_gather"):
+        return {}
+    out = {}
+    for key in [k for k in state if k.startswith("model/") and master_key(k) in stored]:
+        entry = state.pop(key)
+        boxes = [(offset, tensor.float().clone(), tensor) for offset, tensor in entry.boxes]
+        copy = BoxTensor(entry.global_shape, torch.float32, [b[:2] for b in boxes])
+        out[master_key(key)] = (copy, boxes)
+    return out
+
+
+def _copy_masters_back(masters: dict) -> None:
+    for _, boxes in masters.values():
+        for _, master, weight in boxes:
+            weight.copy_(master)
+
+
 def load_model_weights(path: str, model, verify: bool = True) -> dict:
     """Load only the model tensors of the checkpoint at `path` into a GPTModel of any layout
     (one process, no optimizer) after checking its files; returns meta.json."""
@@ -244,6 +275,9 @@ def load_model_weights(path: str, model, verify: bool = True) -> dict:
     meta = verify_checkpoint(path, digests=verify)
     reader = open_checkpoint(path)
     state = model_state([_Chunk()], for_save=False)
+    stored = reader.read_metadata().state_dict_metadata
     check_shapes(path, reader.read_metadata(), state)
-    read_tensors(path, state, reader=reader)
+    masters = _masters_for_weights(state, stored, meta)
+    read_tensors(path, state | {k: v[0] for k, v in masters.items()}, reader=reader)
+    _copy_masters_back(masters)
     return meta

@@ -60,3 +60,9 @@ class RuntimeConfig(Fp8Options):
     def validate(self) -> None:
         if self.bf16 and self.fp16:
             raise ConfigError("--bf16 and --fp16 contradict each other; pick one")
+        if self.fp16 and self.fp8_param_gather:
+            raise ConfigError(
+                "--fp8-param-gather with --fp16: a small weight's FP8 values (value / scale) "
+                "fall below fp16's range and would not quantise back to the gathered bytes; "
+                "use --bf16 or fp32"
+            )

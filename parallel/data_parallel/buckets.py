@@ -54,7 +54,10 @@ class Bucket:
     grad_shard_tmp: torch.Tensor | None = None
     param_work: object = None
     gathered: bool = False  # sharded parameters: data holds the full parameters now
-    fp8_wire: torch.Tensor | None = None  # sharded FP8 weights: their bytes being gathered
+    # sharded FP8 weights: (this rank's shard in E4M3 bytes, the weights' scales) made after
+    # the step, and (the bucket's bytes being gathered, their scales)
+    fp8_shard: tuple[torch.Tensor, dict] | None = None
+    fp8_wire: tuple[torch.Tensor, dict] | None = None
 
     @property
     def numel(self) -> int:

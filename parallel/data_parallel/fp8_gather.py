@@ -30,8 +30,9 @@ where the block's largest byte is 224, twice it, which gives the same values. MX
 blocks are not gathered so: the backward's blocks of W^T run along the other dimension, and
 quantising the FP8 values again along it is not what the run without the flag computes. A run with
 the flag computes what the run without it computes; only what travels, and what the weights
-hold between steps, change. The gather is not overlapped with the forward (the weights are
-set from their bytes as soon as they arrive).
+hold between steps, change. Under the distributed optimizer the gather is not overlapped with
+the forward (the weights are set from their bytes as soon as they arrive); under sharded
+parameters it is prefetched as the units' gathers are.
 """
 
 from __future__ import annotations
@@ -70,11 +71,6 @@ def to_fp8_bytes(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     (engine/ops/fp8/quantize.py's rounding)."""
     scaled = values.float() * (scale.reshape(()) if scale.numel() == 1 else scale)
     return torch.clamp(scaled, -E4M3_MAX, E4M3_MAX).to(E4M3).view(torch.uint8)
-
-
-def from_fp8_bytes(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    scale = scale.reshape(()) if scale.numel() == 1 else scale
-    return (data.view(E4M3).float() * (1.0 / scale)).to(dtype)
 
 
 def _grid(param) -> tuple[int, int]:
@@ -130,6 +126,20 @@ def _scales_of(param, scales: torch.Tensor, first: int, last: int) -> torch.Tens
     return scales.reshape(-1)[block_of(param, first, last)]
 
 
+def _dequantized(param, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The whole weight from its E4M3 bytes and its scales, in its dtype and shape."""
+    values = data.view(E4M3).float()
+    block = param.fp8_gather.weight_block
+    if block is None:
+        return (values * (1.0 / scales.reshape(()))).to(param.dtype).view_as(param)
+    (rows, cols), (grid_rows, grid_cols) = param.shape, _grid(param)
+    pad = (0, grid_cols * block[1] - cols, 0, grid_rows * block[0] - rows)
+    blocks = torch.nn.functional.pad(values.view(rows, cols), pad)
+    blocks = blocks.view(grid_rows, block[0], grid_cols, block[1])
+    blocks = blocks * (1.0 / scales).view(grid_rows, 1, grid_cols, 1)
+    return blocks.view(grid_rows * block[0], -1)[:rows, :cols].to(param.dtype)
+
+
 def fp8_scales(buffer) -> dict:
     """Each weight of the buffer -> its gather's scales (step 1 of the module docstring)."""
     amaxes = _whole_amaxes(buffer)
@@ -137,28 +147,28 @@ def fp8_scales(buffer) -> dict:
 
 
 def shard_bytes(buffer, bucket, scales: dict) -> torch.Tensor:
-    """A bucket-sized byte buffer holding this rank's shard of the bucket's weights in E4M3
-    (the rest zeros, to be filled by the all-gather)."""
+    """This rank's shard of the bucket's weights in E4M3 bytes (zeros in the padding)."""
     lo, hi = buffer.shard_range(bucket)
-    wire = torch.zeros(bucket.numel, dtype=torch.uint8, device=bucket.data.device)
+    out = torch.zeros(hi - lo, dtype=torch.uint8, device=buffer.params[0].device)
     for param in bucket.params:
         start, end = buffer.param_range[param]
         a, b = max(start, lo), min(end, hi)
         if a < b:
             scale = _scales_of(param, scales[param], a - start, b - start)
-            values = buffer.data_of(bucket, a, b)
-            wire[a - bucket.start : b - bucket.start] = to_fp8_bytes(values, scale)
-    return wire
+            out[a - lo : b - lo] = to_fp8_bytes(buffer.data_of(bucket, a, b), scale)
+    return out
 
 
-def gather_bytes(buffer, bucket, wire: torch.Tensor, async_op: bool = False):
-    """All-gather every rank's shard of `wire` (shard_bytes) into it, over the buffer's
-    data-parallel group (the work handle with async_op; None without a group)."""
-    if buffer.dp_group is None:
-        return None
+def gather_bytes(buffer, bucket, shard: torch.Tensor, async_op: bool = False):
+    """(the bucket's bytes, the work handle with async_op): every rank's `shard` (shard_bytes)
+    all-gathered over the buffer's data-parallel group."""
     lo, hi = buffer.shard_range(bucket)
+    wire = torch.empty(bucket.numel, dtype=torch.uint8, device=shard.device)
     mine = wire[lo - bucket.start : hi - bucket.start]
-    return all_gather_into(wire, mine, buffer.dp_group, async_op=async_op)
+    mine.copy_(shard)
+    if buffer.dp_group is None:
+        return wire, None
+    return wire, all_gather_into(wire, mine, buffer.dp_group, async_op=async_op)
 
 
 def set_from_bytes(buffer, bucket, wire: torch.Tensor, scales: dict) -> None:
@@ -166,8 +176,7 @@ def set_from_bytes(buffer, bucket, wire: torch.Tensor, scales: dict) -> None:
     for param in bucket.params:
         start, end = buffer.param_range[param]
         data = wire[start - bucket.start : end - bucket.start]
-        scale = _scales_of(param, scales[param], 0, end - start)
-        param.data.copy_(from_fp8_bytes(data, scale, param.dtype).view_as(param))
+        param.data.copy_(_dequantized(param, data, scales[param]))
 
 
 def gather_fp8_weights(buffer) -> None:
@@ -175,6 +184,13 @@ def gather_fp8_weights(buffer) -> None:
     shards the optimizer has just written (the distributed optimizer's gather)."""
     scales = fp8_scales(buffer)
     for bucket in reversed(buffer.buckets):
-        wire = shard_bytes(buffer, bucket, scales)
-        gather_bytes(buffer, bucket, wire)
+        wire, _ = gather_bytes(buffer, bucket, shard_bytes(buffer, bucket, scales))
         set_from_bytes(buffer, bucket, wire, scales)
+
+
+def prepare_sharded_fp8(buffer) -> None:
+    """Sharded parameters: after the optimizer's step, each weight's scales and each bucket's
+    shard in E4M3 bytes (bucket.fp8_shard), which every gather of the step sends."""
+    scales = fp8_scales(buffer)
+    for bucket in buffer.buckets:
+        bucket.fp8_shard = (shard_bytes(buffer, bucket, scales), scales)

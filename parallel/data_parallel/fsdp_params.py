@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from parallel.comm import all_gather_into
 from parallel.data_parallel.buckets import allocate, release
-from parallel.data_parallel.fp8_gather import fp8_scales, gather_bytes, set_from_bytes, shard_bytes
+from parallel.data_parallel.fp8_gather import gather_bytes, prepare_sharded_fp8, set_from_bytes
 
 
 def _in_backward() -> bool:
@@ -66,10 +66,11 @@ class UnitGathering:
         allocate(bucket.data)
         buffer = self.buffer
         if buffer.fp8_gather:  # the shards travel as E4M3 bytes (fp8_gather.py)
-            if buffer.fp8_scales is None:
-                buffer.fp8_scales = fp8_scales(buffer)
-            bucket.fp8_wire = shard_bytes(buffer, bucket, buffer.fp8_scales)
-            bucket.param_work = gather_bytes(buffer, bucket, bucket.fp8_wire, async_op=True)
+            if bucket.fp8_shard is None:
+                prepare_sharded_fp8(buffer)
+            shard, scales = bucket.fp8_shard
+            wire, bucket.param_work = gather_bytes(buffer, bucket, shard, async_op=True)
+            bucket.fp8_wire = (wire, scales)
             if bucket.param_work is None:
                 self._landed(bucket)
             return
@@ -88,7 +89,7 @@ class UnitGathering:
             bucket.param_work.wait()
             bucket.param_work = None
         if bucket.fp8_wire is not None:
-            set_from_bytes(self.buffer, bucket, bucket.fp8_wire, self.buffer.fp8_scales)
+            set_from_bytes(self.buffer, bucket, *bucket.fp8_wire)
             bucket.fp8_wire = None
         bucket.gathered = True
 

@@ -66,7 +66,7 @@ from parallel.data_parallel.buckets import (
     layout_unit_buckets,
     release,
 )
-from parallel.data_parallel.fp8_gather import fp8_scales, gather_fp8_weights
+from parallel.data_parallel.fp8_gather import gather_fp8_weights, prepare_sharded_fp8
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -97,7 +97,6 @@ class ParamAndGradBuffer:
         if fp8_gather and sharding == "no_shard":
             raise ValueError("FP8 parameter gathers need the distributed optimizer's sharding")
         self.fp8_gather = fp8_gather
-        self.fp8_scales: dict | None = None  # sharded FP8 weights: their gathers' scales
         self.params = params
         self.dp_group = dp_group
         self.dp_size = group_size(dp_group)
@@ -380,7 +379,7 @@ class ParamAndGradBuffer:
         parameters are gathered by their units' forward instead. FP8 weights: gathered in FP8
         now (parallel/data_parallel/fp8_gather.py)."""
         if self.fp8_gather and self.shard_params:  # gathered by the units' forward
-            self.fp8_scales = fp8_scales(self)
+            prepare_sharded_fp8(self)
             return
         if self.fp8_gather:
             gather_fp8_weights(self)

@@ -16,7 +16,7 @@ import stat
 import torch
 
 from engine.checkpoint.files import find_latest, iteration_dir
-from engine.checkpoint.load import open_checkpoint, read_tensors, verify_checkpoint
+from engine.checkpoint.load import master_key, open_checkpoint, read_tensors, verify_checkpoint
 from engine.config.model import ModelConfig
 from engine.config.tokenizer import TokenizerConfig, config_from_record
 from engine.data.tokenizers import Tokenizer, build_tokenizer
@@ -48,22 +48,16 @@ def read_tensor(path: str, key: str, shape, dtype: torch.dtype, reader=None) -> 
     return out[key]
 
 
-def weight_source(key: str, stored, meta: dict) -> str:
-    """The checkpoint key holding a model/ tensor's trained value: the optimizer's fp32 master
-    where the run gathered its weights in FP8 (--fp8-param-gather: its model/ weights hold the
-    FP8 values the forward used, its masters what the optimizer trained) and the checkpoint
-    kept one apart for it; the model/ key itself otherwise."""
-    master = f"optim/{key.removeprefix('model/')}/master"
-    if meta.get("fp8_param_gather") and master in stored:
-        return master
-    return key
-
-
 def read_weight(path: str, key: str, stored, meta: dict, reader) -> torch.Tensor:
-    """The model/ tensor `key` of the checkpoint at `path`, its trained value (weight_source)."""
-    source = weight_source(key, stored, meta)
-    entry = stored[source]
-    return read_tensor(path, source, entry.size, entry.properties.dtype, reader)
+    """The model/ tensor `key` of the checkpoint at `path`, in its dtype: its optimizer's fp32
+    master, rounded to it, where the run gathered its weights in FP8 (--fp8-param-gather: its
+    model/ weights hold the FP8 values the forward used, its masters what the optimizer
+    trained); the tensor itself otherwise."""
+    entry, source = stored[key], master_key(key)
+    if not (meta.get("fp8_param_gather") and source in stored):
+        return read_tensor(path, key, entry.size, entry.properties.dtype, reader)
+    master = read_tensor(path, source, entry.size, stored[source].properties.dtype, reader)
+    return master.to(entry.properties.dtype)
 
 
 def checkpoint_path(load: str, iteration: int | None) -> str:

@@ -224,7 +224,7 @@ def megatron_args(cfg: ModelConfig, meta: dict, padded_vocab: int, tp: int) -> a
 def _state(path: str, reader, stored, meta: dict, cfg: ModelConfig, padded_vocab: int) -> dict:
     """megatron-core key -> LazyTensor / LazyLayers (or [None] for an _extra_state entry), each
     tensor read from our checkpoint only when the writer reaches it (a weight's master where
-    the run gathered its weights in FP8: engine/interop/hf/export.weight_source)."""
+    the run gathered its weights in FP8: engine/interop/hf/export.read_weight)."""
     from engine.interop.hf.export import read_weight
     from parallel.checkpoint.dcp import LazyLayers, LazyTensor
 
