@@ -61,6 +61,11 @@ class Fp8Weight(Protocol):
         or its blocks' ([rows, columns] of blocks)."""
         ...
 
+    def weight_unchanged(self) -> None:
+        """A step the optimizer skipped: the weight is not gathered again (under delayed
+        scaling its last gather's amax is recorded for this step)."""
+        ...
+
 
 def is_fp8_gathered(param: torch.nn.Parameter) -> bool:
     return getattr(param, "fp8_gather", None) is not None
@@ -186,6 +191,12 @@ def gather_fp8_weights(buffer) -> None:
     for bucket in reversed(buffer.buckets):
         wire, _ = gather_bytes(buffer, bucket, shard_bytes(buffer, bucket, scales))
         set_from_bytes(buffer, bucket, wire, scales)
+
+
+def weights_unchanged(buffer) -> None:
+    """After a step the optimizer skipped: the buffer's weights keep their FP8 values."""
+    for param in buffer.params:
+        param.fp8_gather.weight_unchanged()
 
 
 def prepare_sharded_fp8(buffer) -> None:

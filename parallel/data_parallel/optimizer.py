@@ -43,6 +43,7 @@ from torch import nn
 
 from parallel.comm import all_reduce
 from parallel.data_parallel.ddp import DistributedDataParallel
+from parallel.data_parallel.fp8_gather import weights_unchanged
 from parallel.data_parallel.grad_scaler import DynamicGradScaler
 from parallel.grads import agreed_norm, clip_coefficient, counts_toward_norm, squared_norm
 from parallel.tensor_parallel.sharding import tp_sharding_of
@@ -232,6 +233,8 @@ class DistributedOptimizer:
         if self.grad_scaler is not None:
             self.grad_scaler.update(not finite)
         if not finite:
+            for buffer in (b for ddp in self.ddps for b in ddp.buffers if b.fp8_gather):
+                weights_unchanged(buffer)  # (their amaxes count for delayed scaling)
             return StepResult(False, norm, scale)  # no breakdown of a non-finite gradient
         coefficient = clip_coefficient(norm, self.clip_grad)
         if coefficient < 1.0:

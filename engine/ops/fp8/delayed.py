@@ -49,9 +49,11 @@ class DelayedScaling:
         return self.scale[SLOTS[role]] if self.seen[SLOTS[role]] else None
 
     def record(self, role: str, tensor: torch.Tensor) -> None:
+        self.record_amax(role, tensor_amax(tensor))
+
+    def record_amax(self, role: str, amax: torch.Tensor) -> None:
         slot = SLOTS[role]
-        amax = tensor_amax(tensor)
-        self.amax_now[slot] = torch.maximum(self.amax_now[slot], amax)
+        self.amax_now[slot] = torch.maximum(self.amax_now[slot], amax.reshape(()))
 
     def update(self, amax: torch.Tensor) -> None:
         """The step's (reduced) amaxes into the history, and the next step's scales; a

@@ -45,6 +45,7 @@ class Fp8Linear:
     def __init__(self, recipe: Fp8Recipe, delayed: DelayedScaling | None = None, tp_group=None):
         self.recipe, self.delayed, self.tp_group = recipe, delayed, tp_group
         self.gathered_scale: torch.Tensor | None = None
+        self.gathered_amax: torch.Tensor | None = None  # (delayed scaling's, at the gather)
         self.weight_block = recipe.block("weight")  # (None: one scale per tensor)
         # the device has no row-wise scaled products with an fp32 output: block recipes'
         # products run dequantized (engine/ops/fp8/gemm.py; set by engine/ops/fp8/apply.py)
@@ -59,7 +60,8 @@ class Fp8Linear:
         if self.weight_block is not None:
             return scale_from_amax(amax, self.recipe.dtype("weight"), self.recipe.rule)
         if self.delayed is not None:
-            self.delayed.record("weight", amax)
+            self.gathered_amax = amax.clone()
+            self.delayed.record_amax("weight", amax)
             delayed = self.delayed.scale_of("weight")
             if delayed is not None:
                 self.gathered_scale = delayed.float().reshape(1, 1).clone()
@@ -67,6 +69,13 @@ class Fp8Linear:
         self.gathered_scale = scale_from_amax(amax, self.recipe.dtype("weight"), CURRENT)
         self.gathered_scale = self.gathered_scale.reshape(1, 1)
         return self.gathered_scale
+
+    def weight_unchanged(self) -> None:
+        """The optimizer skipped its step: the gathered weight stays, and under delayed
+        scaling its amax counts for the next step, as the forward would record it without
+        the FP8 gather."""
+        if self.delayed is not None and self.gathered_amax is not None:
+            self.delayed.record_amax("weight", self.gathered_amax)
 
     def quantize(
         self, x: torch.Tensor, role: str, record: bool = False, scale: torch.Tensor | None = None
