@@ -90,7 +90,7 @@ def _harness(model: str, model_args: str, task_dir: str) -> dict:
         model=model,
         model_args=model_args,
         tasks=["tripod_mc"],
-        task_manager=TaskManager(include_path=task_dir),
+        task_manager=TaskManager(include_path=task_dir, include_defaults=False),
         num_fewshot=0,
         device="cpu",
         log_samples=True,
@@ -150,7 +150,8 @@ def test_rolling_loglikelihoods_and_generation_equal_transformers(
     ):
         results = simple_evaluate(
             model=model, model_args=args, tasks=["tripod_rolling", "tripod_generate"],
-            task_manager=TaskManager(include_path=task_dir), device="cpu", log_samples=True,
+            task_manager=TaskManager(include_path=task_dir, include_defaults=False),
+            device="cpu", log_samples=True,
         )  # fmt: skip
         samples = {
             task: sorted(results["samples"][task], key=lambda s: s["doc_id"])

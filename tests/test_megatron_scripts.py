@@ -141,7 +141,7 @@ if [[ "$TOKENIZER_ARG" == "MOCK" ]]; then
     DATA_ARGS_LIST=(
         "--mock-data"
         "--tokenizer-type NullTokenizer"
-        "--vocab-size 128256"
+        "--vocab-size 4096"  # 128256
         "--data-cache-path ${DATA_CACHE_PATH}"
         "--tiktoken-pattern v2"
         "--split '99,1,0'"
@@ -159,7 +159,7 @@ else
         "--no-create-attention-mask-in-dataloader"
         "--no-mmap-bin-files"
         "--num-workers 1"
-        "--vocab-size 128256"
+        "--vocab-size 4096"  # 128256
     )
 fi
 EVAL_AND_LOGGING_ARGS=(
