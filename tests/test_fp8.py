@@ -274,3 +274,54 @@ def test_fp8_gather_pieces_quantise_as_the_whole_weight(recipe):
     ])  # fmt: skip
     assert torch.equal(data.view(E4M3).view(300, 260).float(), whole.data.float())
     assert torch.equal(fp8_gather._dequantized(weight, data, scales), whole.dequantize())
+
+
+def test_grouped_fp8_gemm_arguments_give_each_experts_product():
+    """engine/ops/fp8/grouped.py's operands of torch._scaled_grouped_mm (CUDA-only): accepted by
+    its shape and layout checks (run on the meta device), and, multiplied as the kernel defines
+    (each row of A times its scale, each column of expert e's B times its scale, expert e's rows
+    with expert e's B), each expert's FP8 product (an expert without tokens among them)."""
+    from engine.ops.fp8.grouped import grouped_arguments, grouped_fp8_gemm
+
+    g = torch.Generator().manual_seed(9)
+    rows, k, n = [5, 0, 19, 8], 32, 48
+    a_parts = [quantize(torch.randn(r, k, generator=g) * (e + 1), E4M3) for e, r in enumerate(rows)]
+    b_parts = [quantize(torch.randn(n, k, generator=g) / (e + 1), E4M3) for e in range(4)]
+    stacked, weights, scale_a, scale_b, ends = grouped_arguments(a_parts, b_parts)
+    assert weights.stride()[1:] == (1, k) and ends.tolist() == [5, 5, 24, 32]
+    meta = [t.to("meta") for t in (stacked, weights, scale_a, scale_b, ends)]
+    out = torch._scaled_grouped_mm(*meta[:4], offs=meta[4], out_dtype=torch.bfloat16)
+    assert out.shape == (sum(rows), n) and out.dtype == torch.bfloat16
+    starts = [0, *ends.tolist()[:-1]]
+    for e, (start, end) in enumerate(zip(starts, ends.tolist(), strict=True)):
+        a = stacked[start:end].double() * scale_a[start:end, None].double()
+        b = weights[e].double() * scale_b[e][None, :].double()
+        x, w = (q.data.double() * q.scale_inv.double() for q in (a_parts[e], b_parts[e]))
+        assert torch.allclose(a @ b, x @ w.t(), rtol=1e-12, atol=0), e
+    products = grouped_fp8_gemm(a_parts, b_parts, torch.float32)  # (the CPU: each in turn)
+    each = torch.cat([fp8_gemm(a, b, torch.float32) for a, b in zip(a_parts, b_parts, strict=True)])
+    assert torch.equal(products, each)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_grouped_fp8_gemm_on_cuda_is_each_experts_product():
+    """On a CUDA device with torch._scaled_grouped_mm (compute capability 9.0 or newer): the
+    experts' products as one kernel equal each expert's torch._scaled_mm product within bf16's
+    rounding of the output (an expert without tokens among them)."""
+    from engine.ops.fp8 import grouped
+
+    if torch.cuda.get_device_capability() < (9, 0) or not hasattr(torch, "_scaled_grouped_mm"):
+        pytest.skip("torch._scaled_grouped_mm needs a GPU of compute capability 9.0 or newer")
+    g = torch.Generator().manual_seed(3)
+    rows, k, n = [32, 0, 48, 16], 64, 128
+    a_parts = [quantize(torch.randn(r, k, generator=g).cuda() * (e + 1), E4M3)
+               for e, r in enumerate(rows)]  # fmt: skip
+    b_parts = [quantize(torch.randn(n, k, generator=g).cuda() / (e + 1), E4M3) for e in range(4)]
+    assert grouped._one_kernel(a_parts, b_parts, torch.bfloat16)
+    products = grouped.grouped_fp8_gemm(a_parts, b_parts, torch.bfloat16).float()
+    each = torch.cat(
+        [fp8_gemm(a, b, torch.bfloat16) for a, b in zip(a_parts, b_parts, strict=True)]
+    ).float()
+    assert products.shape == (sum(rows), n)
+    assert ((products - each).abs() <= 2**-7 * each.abs() + 1e-6).all()

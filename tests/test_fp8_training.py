@@ -34,6 +34,22 @@ LAYOUTS = {
 }  # fmt: skip
 
 
+def _follows_one_process(dataset_prefix, tokenizer_model, tmp_path, fp8: dict, world: int,
+                         layout: dict) -> dict[int, float]:  # fmt: skip
+    """One process with the FP8 flags `fp8` (logging to one.jsonl) and `world` ranks with
+    `layout` too (many.jsonl) within the layouts' bounds: 1e-5 at the first step, 5e-5 at every
+    step. Returns one process's losses."""
+    from tests.test_training import losses, pretrain
+
+    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "one", **fp8))
+    pretrain(world, _args(dataset_prefix, tokenizer_model, tmp_path, "many", **fp8, **layout))
+    one, many = losses(tmp_path / "one.jsonl"), losses(tmp_path / "many.jsonl")
+    assert sorted(one) == sorted(many) == list(range(1, 6))
+    apart = [abs(many[s] - one[s]) / one[s] for s in one]
+    assert apart[0] < 1e-5 and max(apart) < 5e-5, apart
+    return one
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_parallel_fp8_run_equals_one_process(recipe, dataset_prefix, tokenizer_model, tmp_path):
     """Under TP (and SP, PP, DP) the FP8 run follows one process's FP8 run: the first step's
@@ -46,13 +62,8 @@ def test_parallel_fp8_run_equals_one_process(recipe, dataset_prefix, tokenizer_m
     fp8 = {"--fp8-format": "hybrid", "--fp8-recipe": recipe}
     if recipe == "delayed":
         fp8 |= {"--fp8-amax-history-len": "4", "--fp8-amax-compute-algo": "max"}
-    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "one", **fp8))
     world, layout = LAYOUTS[recipe]
-    pretrain(world, _args(dataset_prefix, tokenizer_model, tmp_path, "many", **fp8, **layout))
-    one, many = losses(tmp_path / "one.jsonl"), losses(tmp_path / "many.jsonl")
-    assert sorted(one) == sorted(many) == list(range(1, 6))
-    apart = [abs(many[s] - one[s]) / one[s] for s in one]
-    assert apart[0] < 1e-5 and max(apart) < 5e-5, apart
+    one = _follows_one_process(dataset_prefix, tokenizer_model, tmp_path, fp8, world, layout)
     if recipe == "delayed":
         pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "plain"))
         plain = losses(tmp_path / "plain.jsonl")
@@ -63,8 +74,8 @@ def test_parallel_fp8_run_equals_one_process(recipe, dataset_prefix, tokenizer_m
 def test_fp8_experts_under_expert_parallelism_follow_one_process(
     dataset_prefix, tokenizer_model, tmp_path
 ):
-    """An MoE model's experts in FP8, each with its own scales (whatever --moe-grouped-gemm
-    says), under data x expert parallelism (DP2 x EP2, the weights gathered in FP8, the
+    """An MoE model's experts in FP8, each with its own scales (--moe-grouped-gemm: the FP8
+    grouped function), under data x expert parallelism (DP2 x EP2, the weights gathered in FP8, the
     experts' over the expert data-parallel group) against one process, delayed scaling.
     The first step's amaxes of every FP8 weight (reduced over the ranks holding that weight:
     an expert's over the expert data-parallel group, here itself alone; the dense layers'
@@ -126,6 +137,26 @@ def _loaded_weights(rank, world, argv: list[str], path: str, load_optimizer: boo
     return out
 
 
+def test_fp8_experts_grouped_compute_what_each_expert_computes(
+    dataset_prefix, tokenizer_model, tmp_path
+):
+    """FP8 experts (no biases) under EP2 with the distributed optimizer: with
+    --moe-grouped-gemm (each projection of all experts one autograd function,
+    engine/ops/fp8/grouped.py; on the CPU its products each expert's in turn) the losses equal
+    those of the experts run one by one, bit for bit, under delayed scaling (every expert's
+    own amaxes recorded)."""
+    from tests.test_moe_training import MOE
+    from tests.test_training import losses, pretrain
+
+    moe = MOE | {"--moe-layer-freq": "1", "--fp8-format": "hybrid", "--fp8-amax-history-len": "2",
+                 "--expert-model-parallel-size": "2", "--disable-bias-linear": True}  # fmt: skip
+    for name, grouped in (("grouped", True), ("each", None)):
+        flags = moe | {"--moe-grouped-gemm": grouped}
+        pretrain(2, _args(dataset_prefix, tokenizer_model, tmp_path, name, **flags))
+    grouped, each = losses(tmp_path / "grouped.jsonl"), losses(tmp_path / "each.jsonl")
+    assert sorted(each) == list(range(1, 6)) and grouped == each
+
+
 def _readers_take_masters(ckpt: str, tmp_path, masters: dict) -> None:
     """A --fp8-param-gather run's Hugging Face and Megatron-LM exports and the weights
     evaluation reads (load_model_weights) hold its masters (what the optimizer trained, in the
@@ -174,19 +205,14 @@ def test_fp8_param_gather_computes_what_the_run_without_it_does(
     the layouts' bounds; its FP8 layers' weights hold FP8 values (at most 255 distinct values
     a tensor, one scale each), their masters not; a delayed-scaling run with it resumes bit
     for bit (the weights published again from the masters read)."""
-    from tests.test_training import losses, pretrain, straight_and_resumed
+    from tests.test_training import straight_and_resumed
 
     fp8 = {"--fp8-format": "hybrid", "--fp8-recipe": "tensorwise"}
-    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "one", **fp8))
     ckpt = str(tmp_path / "gather-ckpt")
-    gather = fp8 | {"--use-distributed-optimizer": True, "--fp8-param-gather": True,
-                    "--tensor-model-parallel-size": "2", "--save": ckpt,
-                    "--save-interval": "5"}  # fmt: skip
-    pretrain(4, _args(dataset_prefix, tokenizer_model, tmp_path, "gather", **gather))
-    one, many = losses(tmp_path / "one.jsonl"), losses(tmp_path / "gather.jsonl")
-    assert sorted(one) == sorted(many) == list(range(1, 6))
-    apart = [abs(many[s] - one[s]) / one[s] for s in one]
-    assert apart[0] < 1e-5 and max(apart) < 5e-5, apart
+    gather = {"--use-distributed-optimizer": True, "--fp8-param-gather": True,
+              "--tensor-model-parallel-size": "2", "--save": ckpt,
+              "--save-interval": "5"}  # fmt: skip
+    _follows_one_process(dataset_prefix, tokenizer_model, tmp_path, fp8, 4, gather)
     weights = checkpoint_tensors(ckpt, 5, "model/")
     fp8_weights = [k for k in weights if ".linear_" in k and ".weight" in k]
     assert len(fp8_weights) == 2 * 6  # q, k, v, the projection, fc1 and fc2 of each layer
@@ -242,20 +268,14 @@ def test_fp8_param_gather_under_blockwise_scales_each_block_over_the_shards(
     the layouts' bounds, and each block of its FP8 weights holds FP8 values of one scale."""
     from engine.ops.fp8.quantize import E4M3, block_amax, scale_from_amax
     from engine.ops.fp8.recipe import Fp8Recipe
-    from tests.test_training import losses, pretrain
 
     # (fc1 [512, 64] and fc2 [64, 512]: two blocks of 128 x 128 in each TP rank's half)
     blockwise = {"--fp8-format": "e4m3", "--fp8-recipe": "blockwise", "--ffn-hidden-size": "512"}
-    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "one", **blockwise))
     ckpt = str(tmp_path / "ckpt")
-    gather = blockwise | {"--use-distributed-optimizer": True, "--fp8-param-gather": True,
-                          "--tensor-model-parallel-size": "2", "--save": ckpt,
-                          "--save-interval": "5"}  # fmt: skip
-    pretrain(4, _args(dataset_prefix, tokenizer_model, tmp_path, "gather", **gather))
-    one, many = losses(tmp_path / "one.jsonl"), losses(tmp_path / "gather.jsonl")
-    assert sorted(one) == sorted(many) == list(range(1, 6))
-    apart = [abs(many[s] - one[s]) / one[s] for s in one]
-    assert apart[0] < 1e-5 and max(apart) < 5e-5, apart
+    gather = {"--use-distributed-optimizer": True, "--fp8-param-gather": True,
+              "--tensor-model-parallel-size": "2", "--save": ckpt,
+              "--save-interval": "5"}  # fmt: skip
+    _follows_one_process(dataset_prefix, tokenizer_model, tmp_path, blockwise, 4, gather)
     rule = Fp8Recipe(recipe="blockwise").rule
     weights = checkpoint_tensors(ckpt, 5, "model/")
     fc = {k: v for k, v in weights.items() if ".mlp.linear_fc" in k and k.endswith(".weight")}
@@ -361,23 +381,17 @@ def test_fp8_param_gather_with_sharded_parameters_follows_one_process(
     weights gathered as E4M3 bytes with the scales made after the step; the run follows one
     process without the flag within the layouts' bounds. The weights a unit's forward sees are
     FP8 values; the shards the ranks keep are not. A delayed-scaling run resumes bit for bit."""
-    from tests.test_training import losses, pretrain, straight_and_resumed
+    from tests.test_training import straight_and_resumed
 
     fp8 = {"--fp8-format": "hybrid", "--fp8-recipe": "tensorwise"}
-    pretrain(1, _args(dataset_prefix, tokenizer_model, tmp_path, "one", **fp8))
-    fsdp = fp8 | {"--use-megatron-fsdp": True, "--fp8-param-gather": True,
-                  "--data-parallel-sharding-strategy": "optim_grads_params"}  # fmt: skip
+    fsdp = {"--use-megatron-fsdp": True, "--fp8-param-gather": True,
+            "--data-parallel-sharding-strategy": "optim_grads_params"}  # fmt: skip
     tp2 = fsdp | {"--tensor-model-parallel-size": "2"}
-    pretrain(4, _args(dataset_prefix, tokenizer_model, tmp_path, "fsdp", **tp2))
-    one, many = losses(tmp_path / "one.jsonl"), losses(tmp_path / "fsdp.jsonl")
-    assert sorted(one) == sorted(many) == list(range(1, 6))
-    apart = [abs(many[s] - one[s]) / one[s] for s in one]
-    assert apart[0] < 1e-5 and max(apart) < 5e-5, apart
-    argv = _args(dataset_prefix, tokenizer_model, tmp_path, "look", **fsdp)
+    _follows_one_process(dataset_prefix, tokenizer_model, tmp_path, fp8, 4, tp2)
+    argv = _args(dataset_prefix, tokenizer_model, tmp_path, "look", **fp8, **fsdp)
     for gathered_in_fp8, held_share in run_ranks(_gathered_fp8_weights, 2, argv):
         assert gathered_in_fp8 and held_share < 0.5, held_share
-    delayed = {"--fp8-format": "hybrid", "--fp8-amax-history-len": "2"}
-    delayed |= {k: v for k, v in fsdp.items() if k not in fp8}
+    delayed = {"--fp8-format": "hybrid", "--fp8-amax-history-len": "2", **fsdp}
 
     def args_of(name, **extra):
         return _args(dataset_prefix, tokenizer_model, tmp_path, name, **delayed, **extra)

@@ -166,6 +166,10 @@ TO_CONFIRM = (
         "FP8 recipes and torchao's FP8 GEMMs against bf16 (never run on a GPU)",
         "throughput-1.3b-fp8",
     ),
+    (
+        "the FP8 experts' grouped GEMM (torch._scaled_grouped_mm) against each expert's product",
+        "gpu-tests",
+    ),
 )
 
 

@@ -23,7 +23,7 @@ buffer (parallel/data_parallel/ddp.py gives every parameter one) and an `on_main
 callback, the weight gradient is accumulated straight into `main_grad` (one in-place GEMM when
 dtypes match; bf16 activations into an fp32 buffer: on CUDA one GEMM with an fp32 output,
 elsewhere the GEMM in the activation dtype added in), no `.grad` is made, and the callback
-tells the data-parallel wrapper the gradient is in (not under torch.compile: `_fusable`). A
+tells the data-parallel wrapper the gradient is in (not under torch.compile: `fusable`). A
 weight used twice in one graph (a tied embedding) must not take this path: autograd would no
 longer wait for both uses before the callback. Without the buffer the gradient is returned to
 autograd as usual.
@@ -63,7 +63,7 @@ class _TensorParallelLinear(torch.autograd.Function):
         ctx.group, ctx.input_mode, ctx.fp8 = group, input_mode, fp8
         # the parameter itself, whose main_grad and callbacks backward uses (a saved tensor
         # may come back as another tensor object, e.g. under saved-tensor hooks)
-        ctx.fused_param = weight if fuse_wgrad and _fusable(weight) else None
+        ctx.fused_param = weight if fuse_wgrad and fusable(weight) else None
         ctx.overlap = not torch.compiler.is_compiling()  # a traced graph takes no async_op
         ctx.has_bias, ctx.times = bias is not None, times
         total = x
@@ -117,7 +117,7 @@ class _TensorParallelLinear(torch.autograd.Function):
                     shard, grad_input.contiguous(), group, async_op=overlap
                 )
             grad_input = shard
-        grad_weight = _weight_grad(
+        grad_weight = weight_grad(
             ctx.fused_param, _as_matrix(grad_output), _as_matrix(total), fp8_wgrad
         )
         grad_bias = _as_matrix(grad_output).sum(0) if ctx.has_bias else None
@@ -127,7 +127,7 @@ class _TensorParallelLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-def _weight_grad(weight, grad_output_2d, input_2d, fp8_wgrad=None):
+def weight_grad(weight, grad_output_2d, input_2d, fp8_wgrad=None):
     """dL/dW = grad_output^T input, or None when it went straight into weight.main_grad (or
     was queued to: parallel/pipeline/weight_grad.py, for zero-bubble schedules); `weight`: the
     parameter when its gradient is fused in, else None; `fp8_wgrad`: the product in FP8
@@ -145,7 +145,7 @@ def _weight_grad(weight, grad_output_2d, input_2d, fp8_wgrad=None):
     return None
 
 
-def _fusable(weight) -> bool:
+def fusable(weight) -> bool:
     """Whether weight's gradient can go straight into its main_grad: it has one and the
     data-parallel wrapper's callback, and this is not being traced by torch.compile. A compiled
     backward returns the gradient instead (the wrapper's hook adds it in, eagerly): the

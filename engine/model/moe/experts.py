@@ -10,8 +10,10 @@ of the dense MLP), the experts' up and down projections each run as one grouped 
 on the same weights; elsewhere (biases, squared ReLU, other dtypes or devices, unaligned rows)
 as one batched GEMM each (`torch.bmm`) over the experts' rows padded to the busiest expert's,
 where that padding at most doubles the rows (else the loop). With FP8 (engine/ops/fp8/apply.py)
-each expert runs its own FP8 GEMMs (its linears' own scales), whatever --moe-grouped-gemm says:
-torch's FP8 grouped GEMM (`torch._scaled_grouped_mm`) is CUDA-only and not used yet.
+each expert runs its own FP8 GEMMs (its linears' own scales); with --moe-grouped-gemm, no
+biases and no tensor parallelism within an expert, each projection of all experts is one
+autograd function whose forward products are one FP8 grouped GEMM where the device has it
+(`torch._scaled_grouped_mm`, CUDA: engine/ops/fp8/grouped.py), each expert's in turn elsewhere.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 
 from engine.model.context import BuildContext
 from engine.model.mlp import MLP
+from engine.ops.fp8.grouped import grouped_fp8_fits, grouped_fp8_linear
 from parallel.expert_parallel.params import mark_expert_parallel
 from parallel.random import checkpoint
 
@@ -51,6 +54,8 @@ class Experts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         in_fp8 = self.local_experts[0].linear_fc1.fp8 is not None
+        if self.cfg.moe_grouped_gemm and in_fp8 and self._fp8_groups_fit():
+            return self._fp8_grouped(tokens, counts, probs)
         if self.cfg.moe_grouped_gemm and not in_fp8 and grouped_gemm_fits(self, tokens):
             return self._grouped(tokens, counts, probs)
         if self.cfg.moe_grouped_gemm and not in_fp8 and _padding_bounded(counts):
@@ -61,6 +66,19 @@ class Experts(nn.Module):
         ):
             outputs.append(expert(part, p))
         return torch.cat(outputs) if outputs else tokens.new_zeros(0, tokens.shape[-1])
+
+    def _fp8_groups_fit(self) -> bool:
+        experts = self.local_experts
+        linears = [e.linear_fc1 for e in experts] + [e.linear_fc2 for e in experts]
+        return grouped_fp8_fits(linears)
+
+    def _fp8_grouped(self, tokens, counts, probs) -> torch.Tensor:
+        """FP8 with --moe-grouped-gemm: each projection of every expert as one autograd
+        function (engine/ops/fp8/grouped.py), each expert's GEMMs with its own scales."""
+        h = grouped_fp8_linear(tokens, counts, [e.linear_fc1 for e in self.local_experts])
+        h = self._activate(h)
+        h = (h * probs.unsqueeze(-1)).to(h.dtype)
+        return grouped_fp8_linear(h, counts, [e.linear_fc2 for e in self.local_experts])
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         activate = self.local_experts[0].activate

@@ -97,16 +97,24 @@ class Fp8Linear:
             return quantize(x, dtype, scale=scale_from_amax(amax, dtype, CURRENT))
         return quantize(x, dtype, recipe.block(role), recipe.rule)
 
-    def forward(
+    def forward_operands(
         self, x: torch.Tensor, weight: torch.Tensor, record: bool = True
-    ) -> tuple[torch.Tensor, Fp8Scales]:
-        """(x [M, K] W^T ([N, K]), the scales backward reuses); `record`: the amaxes count for
-        delayed scaling (training; not evaluation, which runs without gradients: the caller
-        decides, as the forward of an autograd Function always runs without them)."""
+    ) -> tuple[Quantized, Quantized, Fp8Scales]:
+        """x [M, K] and W [N, K] quantised for the forward GEMM, and the scales backward
+        reuses; `record`: the amaxes count for delayed scaling (training; not evaluation,
+        which runs without gradients: the caller decides, as the forward of an autograd
+        Function always runs without them)."""
         a = self.quantize(x, "input", record=record)
         gathered = self.gathered_scale  # (recorded at the gather)
         w = self.quantize(weight, "weight", record=record and gathered is None, scale=gathered)
         scales = Fp8Scales(a.scale, w.scale) if self.recipe.per_tensor else Fp8Scales()
+        return a, w, scales
+
+    def forward(
+        self, x: torch.Tensor, weight: torch.Tensor, record: bool = True
+    ) -> tuple[torch.Tensor, Fp8Scales]:
+        """(x [M, K] W^T ([N, K]), the scales backward reuses) (forward_operands)."""
+        a, w, scales = self.forward_operands(x, weight, record)
         return fp8_gemm(a, w, x.dtype, dequantized_blocks=self.dequantized_blocks), scales
 
     def input_grad(
