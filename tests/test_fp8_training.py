@@ -74,8 +74,8 @@ def test_parallel_fp8_run_equals_one_process(recipe, dataset_prefix, tokenizer_m
 def test_fp8_experts_under_expert_parallelism_follow_one_process(
     dataset_prefix, tokenizer_model, tmp_path
 ):
-    """An MoE model's experts in FP8, each with its own scales (--moe-grouped-gemm: the FP8
-    grouped function), under data x expert parallelism (DP2 x EP2, the weights gathered in FP8, the
+    """An MoE model's experts in FP8, each with its own scales (one after the other: they have
+    biases), under data x expert parallelism (DP2 x EP2, the weights gathered in FP8, the
     experts' over the expert data-parallel group) against one process, delayed scaling.
     The first step's amaxes of every FP8 weight (reduced over the ranks holding that weight:
     an expert's over the expert data-parallel group, here itself alone; the dense layers'
@@ -144,12 +144,13 @@ def test_fp8_experts_grouped_compute_what_each_expert_computes(
     --moe-grouped-gemm (each projection of all experts one autograd function,
     engine/ops/fp8/grouped.py; on the CPU its products each expert's in turn) the losses equal
     those of the experts run one by one, bit for bit, under delayed scaling (every expert's
-    own amaxes recorded)."""
+    own amaxes recorded) with the weights gathered in FP8."""
     from tests.test_moe_training import MOE
     from tests.test_training import losses, pretrain
 
     moe = MOE | {"--moe-layer-freq": "1", "--fp8-format": "hybrid", "--fp8-amax-history-len": "2",
-                 "--expert-model-parallel-size": "2", "--disable-bias-linear": True}  # fmt: skip
+                 "--expert-model-parallel-size": "2", "--disable-bias-linear": True,
+                 "--fp8-param-gather": True}  # fmt: skip
     for name, grouped in (("grouped", True), ("each", None)):
         flags = moe | {"--moe-grouped-gemm": grouped}
         pretrain(2, _args(dataset_prefix, tokenizer_model, tmp_path, name, **flags))

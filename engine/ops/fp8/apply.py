@@ -19,7 +19,7 @@ import torch
 
 from engine.ops.fp8.delayed import DelayedScaling
 from engine.ops.fp8.linear import Fp8Linear
-from engine.ops.fp8.probe import rowwise_fp32_products
+from engine.ops.fp8.probe import grouped_products, rowwise_fp32_products
 from engine.ops.fp8.recipe import Fp8Recipe
 from parallel.expert_parallel.params import is_expert_parallel
 from parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -59,6 +59,7 @@ def enable_fp8(
         from engine.ops.fp8.torchao_linear import torchao_linear as make
     device = next(chunks[0].parameters()).device
     dequantized = not recipe.per_tensor and not rowwise_fp32_products(device)
+    grouped = recipe.per_tensor and grouped_products(device)
     for model in chunks:
         for layer in model.layers.values():
             if in_high_precision(layer.layer_number, num_layers, *keep):
@@ -69,6 +70,7 @@ def enable_fp8(
                     delayed = DelayedScaling(recipe, device) if recipe.recipe == "delayed" else None
                     module.fp8 = make(recipe, delayed, module.tp_group)
                     module.fp8.dequantized_blocks = dequantized
+                    module.fp8.grouped_kernel = grouped
                     if param_gather:
                         module.weight.fp8_gather = module.fp8
     return dequantized

@@ -3,15 +3,17 @@ with FP8, expert tensor parallelism 1, no biases; engine/model/moe/experts.py): 
 tokens and weight quantised by its own linear's Fp8Linear (its scales, its delayed-scaling
 state), the forward's products of all experts as one grouped GEMM, the backward's per expert.
 
-The grouped GEMM is torch._scaled_grouped_mm (one kernel for every expert, on CUDA devices that
-have it) where every operand is E4M3 with one scale per tensor and K and N are multiples of 16:
+The grouped GEMM is torch._scaled_grouped_mm (one kernel for every expert, on the CUDA devices
+that run it: engine/ops/fp8/probe.py) where every operand is E4M3 with one scale per tensor
+(tensorwise and delayed scaling), the output bf16 and K and N multiples of 16:
 the tokens of all experts stacked [T, K] with each row's scale (its expert's), the weights
 [E, K, N] column-major with each column's (its expert's), the experts' row ends as offsets.
 Elsewhere (the CPU, the block recipes, other shapes) it is each expert's FP8 GEMM in turn,
 which is what the per-expert path computes: the same products.
 
-The backward runs each expert's dX and dW FP8 GEMMs (Fp8Linear.input_grad and weight_grad),
-dW into the weight's main_grad as parallel/tensor_parallel/linear_function.py does.
+The backward runs each expert's dX and dW GEMMs (Fp8Linear.input_grad and weight_grad; dW as
+an ordinary GEMM with --no-fp8-wgrad), dW into the weight's main_grad as
+parallel/tensor_parallel/linear_function.py does.
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ def _per_tensor(q: Quantized) -> bool:
 
 
 def _one_kernel(a_parts: list[Quantized], b_parts: list[Quantized], out_dtype) -> bool:
-    """Whether torch._scaled_grouped_mm runs these products (module docstring)."""
+    """Whether torch._scaled_grouped_mm runs these products, on a device that has it
+    (engine/ops/fp8/probe.py's grouped_products; module docstring)."""
     operands = a_parts + b_parts
     k, n = b_parts[0].data.shape[1], b_parts[0].data.shape[0]
     return (
-        hasattr(torch, "_scaled_grouped_mm")
-        and b_parts[0].data.is_cuda
+        sum(a.data.shape[0] for a in a_parts) > 0
         and out_dtype == torch.bfloat16
         and all(q.data.dtype == E4M3 and _per_tensor(q) for q in operands)
         and k % 16 == 0
@@ -68,10 +70,15 @@ def grouped_arguments(a_parts: list[Quantized], b_parts: list[Quantized]) -> tup
 
 
 def grouped_fp8_gemm(
-    a_parts: list[Quantized], b_parts: list[Quantized], out_dtype: torch.dtype, dequantized=False
+    a_parts: list[Quantized],
+    b_parts: list[Quantized],
+    out_dtype: torch.dtype,
+    kernel: bool = False,
+    dequantized: bool = False,
 ) -> torch.Tensor:
-    """[a_e b_e^T for each expert e] stacked along the rows ([T, N])."""
-    if _one_kernel(a_parts, b_parts, out_dtype):
+    """[a_e b_e^T for each expert e] stacked along the rows ([T, N]); `kernel`: the device
+    runs torch._scaled_grouped_mm (engine/ops/fp8/probe.py's grouped_products)."""
+    if kernel and _one_kernel(a_parts, b_parts, out_dtype):
         *operands, ends = grouped_arguments(a_parts, b_parts)
         return torch._scaled_grouped_mm(*operands, offs=ends, out_dtype=out_dtype)
     products = [
@@ -96,8 +103,10 @@ class _GroupedFp8Linear(torch.autograd.Function):
             w_parts.append(w)
             ctx.scales.append(scales)
         ctx.save_for_backward(x, *weights)
-        dequantized = linears[0].fp8.dequantized_blocks
-        return grouped_fp8_gemm(a_parts, w_parts, x.dtype, dequantized)
+        fp8 = linears[0].fp8
+        return grouped_fp8_gemm(
+            a_parts, w_parts, x.dtype, fp8.grouped_kernel, fp8.dequantized_blocks
+        )
 
     @staticmethod
     def backward(ctx, grad_output):

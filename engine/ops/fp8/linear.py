@@ -50,6 +50,8 @@ class Fp8Linear:
         # the device has no row-wise scaled products with an fp32 output: block recipes'
         # products run dequantized (engine/ops/fp8/gemm.py; set by engine/ops/fp8/apply.py)
         self.dequantized_blocks = False
+        # the device runs torch._scaled_grouped_mm (an expert's linear: engine/ops/fp8/grouped.py)
+        self.grouped_kernel = False
 
     def gather_scale(self, amax: torch.Tensor) -> torch.Tensor:
         """The weight's scale for its FP8 gather from the whole weight's amax: delayed

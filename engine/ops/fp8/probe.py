@@ -25,6 +25,23 @@ def rowwise_fp32_products(device: torch.device) -> bool:
     return True
 
 
+def grouped_products(device: torch.device) -> bool:
+    """Whether torch._scaled_grouped_mm multiplies E4M3 operands here (the experts' grouped
+    GEMM, engine/ops/fp8/grouped.py: CUDA devices of compute capability 9.0 or 10.0 in the
+    PyTorch versions seen so far; never the CPU)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
+        return False
+    a = torch.ones(32, 32, device=device).to(E4M3)
+    b = torch.ones(2, 32, 32, device=device).to(E4M3).transpose(1, 2)  # column-major
+    scale_a, scale_b = torch.ones(32, device=device), torch.ones(2, 32, device=device)
+    ends = torch.tensor([16, 32], dtype=torch.int32, device=device)
+    try:
+        torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=ends, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
 def check_fp8_device(recipe: Fp8Recipe, device: torch.device) -> None:
     probe = Fp8Linear(
         Fp8Recipe(recipe.format, "tensorwise" if recipe.per_tensor else recipe.recipe)
