@@ -9,12 +9,11 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import numpy as np
 
+from tests.cli import run_tool
 from tests.requirements import require
-from tests.test_training import ROOT
 
 QUESTIONS = [
     ("import os\nimport", [" sys", " the", " 42 apples"], 0),
@@ -25,15 +24,10 @@ QUESTIONS = [
 ]
 
 
-def _tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1"),
-        timeout=300,
-    )
+def _tool(script: str, *args: str) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS...` (a tools/ script), run forked as tests/cli.py's run_tool runs
+    it (the same main, exit code and output, without a new interpreter's imports)."""
+    return run_tool(os.path.basename(script), *args, env={"HF_HUB_OFFLINE": "1"})
 
 
 def _harness_model(folder: str):

@@ -275,9 +275,9 @@ def load_model_weights(path: str, model, verify: bool = True) -> dict:
     meta = verify_checkpoint(path, digests=verify)
     reader = open_checkpoint(path)
     state = model_state([_Chunk()], for_save=False)
-    stored = reader.read_metadata().state_dict_metadata
-    check_shapes(path, reader.read_metadata(), state)
-    masters = _masters_for_weights(state, stored, meta)
+    metadata = reader.read_metadata()
+    check_shapes(path, metadata, state)
+    masters = _masters_for_weights(state, metadata.state_dict_metadata, meta)
     read_tensors(path, state | {k: v[0] for k, v in masters.items()}, reader=reader)
     _copy_masters_back(masters)
     return meta
