@@ -213,8 +213,7 @@ def load_checkpoint(
     separate = [piece for piece in optimizer.pieces if piece.master is not piece.data]
     for piece in separate if load_optimizer else ():
         piece.master.fill_(float("nan"))  # (which masters the checkpoint held: see below)
-    read_tensors(path, state | {k: v[0] for k, v in masters.items()}, group, reader)
-    _copy_masters_back(masters)
+    _read_with_masters(path, state, masters, group, reader)
     if load_optimizer:  # masters that are the weights themselves: the checkpoint's master
         # where it holds one apart (a run with --fp8-param-gather, whose weights are FP8)
         aliased = {k: v for k, v in weight_masters(optimizer, chunks).items() if k in stored}
@@ -247,7 +246,7 @@ def _masters_for_weights(state: dict, stored, meta: dict) -> dict:
     """For a checkpoint of a run with --fp8-param-gather (its model/ weights hold FP8 values,
     its masters what the optimizer trained): the model/ entries of `state` that have a master,
     moved out of `state` and re-keyed to it, each box read into an fp32 copy;
-    `_copy_masters_back` then writes them into the weights."""
+    `_read_with_masters` reads them and writes them into the weights."""
     if not meta.get("fp8_param_gather"):
         return {}
     out = {}
@@ -259,7 +258,9 @@ def _masters_for_weights(state: dict, stored, meta: dict) -> dict:
     return out
 
 
-def _copy_masters_back(masters: dict) -> None:
+def _read_with_masters(path: str, state: dict, masters: dict, group, reader) -> None:
+    """`state`'s tensors, and the masters of _masters_for_weights into their weights."""
+    read_tensors(path, state | {key: copy for key, (copy, _) in masters.items()}, group, reader)
     for _, boxes in masters.values():
         for _, master, weight in boxes:
             weight.copy_(master)
@@ -278,6 +279,5 @@ def load_model_weights(path: str, model, verify: bool = True) -> dict:
     metadata = reader.read_metadata()
     check_shapes(path, metadata, state)
     masters = _masters_for_weights(state, metadata.state_dict_metadata, meta)
-    read_tensors(path, state | {k: v[0] for k, v in masters.items()}, reader=reader)
-    _copy_masters_back(masters)
+    _read_with_masters(path, state, masters, None, reader)
     return meta

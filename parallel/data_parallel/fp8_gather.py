@@ -37,6 +37,7 @@ parameters it is prefetched as the units' gathers are.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -101,13 +102,17 @@ def block_of(param, first: int, last: int) -> torch.Tensor:
 def _whole_amaxes(buffer) -> list[torch.Tensor]:
     """Each weight's amaxes, [rows, columns] of its blocks ([1, 1] per tensor), over the whole
     weight (step 1 of the module docstring)."""
-    sizes = [_grid(param)[0] * _grid(param)[1] for param in buffer.params]
+    sizes = [math.prod(_grid(param)) for param in buffer.params]
     flat = torch.zeros(sum(sizes), device=buffer.params[0].device)
     parts = list(flat.split(sizes))
     for param, part in zip(buffer.params, parts, strict=True):
         where = buffer.in_own_shard(param)
-        if where is not None:
-            values = buffer.data_of(*where).detach().abs().float()
+        if where is None:
+            continue
+        values = buffer.data_of(*where).detach().abs().float()
+        if param.fp8_gather.weight_block is None:
+            part.copy_(values.amax())
+        else:
             start = buffer.param_range[param][0]
             blocks = block_of(param, where[1] - start, where[2] - start)
             part.scatter_reduce_(0, blocks, values, "amax")

@@ -92,14 +92,11 @@ class _TensorParallelLinear(torch.autograd.Function):
         if ctx.fp8 is None:
             grad_input = grad_output.matmul(weight)  # overlaps the gather above
         else:
-            grad_input, grad_fp8 = ctx.fp8.input_grad(
+            # (fp8_wgrad None under --no-fp8-wgrad: the usual GEMM, fp32 accumulation)
+            grad_input, fp8_wgrad = ctx.fp8.backward(
                 _as_matrix(grad_output), weight, ctx.fp8_scales
             )
             grad_input = grad_input.reshape(*grad_output.shape[:-1], weight.shape[1])
-            if ctx.fp8.recipe.wgrad:  # else --no-fp8-wgrad: the usual GEMM (fp32 accumulation)
-                fp8_wgrad = functools.partial(
-                    ctx.fp8.weight_grad, scales=ctx.fp8_scales, grad=grad_fp8
-                )
         reduce_work = None
         if mode == "copy":
             with measure(times, TP_COMM):

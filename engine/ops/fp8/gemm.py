@@ -52,7 +52,7 @@ def fp8_gemm(
     n = b.data.shape[0]
     if 0 in (m, n, k):
         return torch.zeros(m, n, dtype=out_dtype, device=a.data.device)
-    per_tensor = a.block == (m, k) and b.block == (n, k)
+    per_tensor = a.per_tensor and b.per_tensor
     if dequantized_blocks and not per_tensor:
         return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
     align = align or (16 if a.data.is_cuda else 1)

@@ -18,18 +18,12 @@ parallel/tensor_parallel/linear_function.py does.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from engine.ops.fp8.gemm import fp8_gemm
 from engine.ops.fp8.quantize import E4M3, Quantized
 from parallel.comm import group_size
 from parallel.tensor_parallel.linear_function import fusable, weight_grad
-
-
-def _per_tensor(q: Quantized) -> bool:
-    return q.block == tuple(q.data.shape)
 
 
 def _one_kernel(a_parts: list[Quantized], b_parts: list[Quantized], out_dtype) -> bool:
@@ -40,7 +34,7 @@ def _one_kernel(a_parts: list[Quantized], b_parts: list[Quantized], out_dtype) -
     return (
         sum(a.data.shape[0] for a in a_parts) > 0
         and out_dtype == torch.bfloat16
-        and all(q.data.dtype == E4M3 and _per_tensor(q) for q in operands)
+        and all(q.data.dtype == E4M3 and q.per_tensor for q in operands)
         and k % 16 == 0
         and n % 16 == 0
     )
@@ -122,11 +116,7 @@ class _GroupedFp8Linear(torch.autograd.Function):
             strict=True,
         )
         for linear, grad, part, weight, scales, fused in pieces:
-            fp8 = linear.fp8
-            grad_input, grad_fp8 = fp8.input_grad(grad, weight, scales)
-            fp8_wgrad = None
-            if fp8.recipe.wgrad:  # else --no-fp8-wgrad: the usual GEMM
-                fp8_wgrad = functools.partial(fp8.weight_grad, scales=scales, grad=grad_fp8)
+            grad_input, fp8_wgrad = linear.fp8.backward(grad, weight, scales)
             inputs.append(grad_input)
             weight_grads.append(weight_grad(fused, grad, part, fp8_wgrad))
         return (torch.cat(inputs), None, None, None, *weight_grads)

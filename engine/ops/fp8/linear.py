@@ -13,6 +13,8 @@ the block's own (the same blocks as one process's where the shards' edges fall o
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +129,16 @@ class Fp8Linear:
         w_t = self.quantize(weight.t(), "weight", scale=scales.weight)
         out = fp8_gemm(grad, w_t, grad_output.dtype, dequantized_blocks=self.dequantized_blocks)
         return out, grad
+
+    def backward(
+        self, grad_output: torch.Tensor, weight: torch.Tensor, scales: Fp8Scales
+    ) -> tuple[torch.Tensor, Callable | None]:
+        """(dY [M, N] W, the weight-gradient product (dY, x) -> dW in FP8 reusing dY's
+        quantisation, or None under --no-fp8-wgrad: the caller's usual GEMM)."""
+        grad_input, grad = self.input_grad(grad_output, weight, scales)
+        if not self.recipe.wgrad:
+            return grad_input, None
+        return grad_input, functools.partial(self.weight_grad, scales=scales, grad=grad)
 
     def weight_grad(
         self,

@@ -39,6 +39,11 @@ class Quantized:
     block: tuple[int, int]
     scale: torch.Tensor
 
+    @property
+    def per_tensor(self) -> bool:
+        """One scale for the whole tensor."""
+        return self.block == tuple(self.data.shape)
+
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return (
             self.data.to(torch.float32) * expand(self.scale_inv, self.block, self.data.shape)
